@@ -1,0 +1,71 @@
+"""The contract between the controller and a backend that runs replicas.
+
+It is shaped so that a local process, a Ray actor and a Kubernetes pod all fit:
+
+* ``launch`` returns a :class:`ReplicaHandle` whose ``endpoint`` the daemon can reach, and whose
+  ``data`` is plain JSON stored in SQLite, enough to find the replica again after a daemon
+  restart (a pid and its start time; an actor name; a pod name and uid).
+* ``launch`` runs inside a JobPool job: it may block, it checks ``jobs.checkpoint()`` between
+  steps, and it calls ``request.on_started(handle)`` the moment something exists that could leak,
+  so the handle is written to state before the launch goes on. If the launch is cancelled or
+  fails after that, the controller tears the replica down through the stored handle.
+* ``terminate`` is idempotent (terminating a replica that is already gone succeeds) and raises
+  when it could not make sure the replica is gone: that becomes FAILED_CLEANUP, never hidden.
+* ``check`` answers liveness without waiting long; it distinguishes an app that exited (FAILED)
+  from a replica whose host went away (PREEMPTED: replace it).
+* ``sweep`` kills what a backend started but the state does not know (a launch interrupted by
+  SIGKILL between starting a process and recording it).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Liveness(enum.StrEnum):
+    ALIVE = "alive"
+    EXITED = "exited"  # the app ended: a failure of the app, not of the infra
+    LOST = "lost"  # the host or slot went away (node removed, preempted)
+    UNKNOWN = "unknown"  # could not ask (backend unreachable)
+
+
+@dataclass(frozen=True)
+class ReplicaHandle:
+    backend: str
+    endpoint: str  # base URL the daemon's balancer and prober use, e.g. "http://127.0.0.1:41234"
+    data: Mapping[str, Any] = field(default_factory=dict)  # JSON-able, stored in state
+
+
+@dataclass
+class LaunchRequest:
+    service: str
+    replica_id: int
+    version: int
+    run: str
+    setup: str | None
+    envs: Mapping[str, str]
+    workdir: Path | None  # where run/setup execute; None: the replica's own directory
+    replica_dir: Path  # daemon-side directory of this replica (created by the controller)
+    log_path: Path  # where the replica's own stdout/stderr go (daemon side)
+    port: int | None  # the port the spec asks for; None lets the backend pick a free one
+    resources: Mapping[str, Any]
+    home_marker: str  # identifies this corral home in what the backend starts (for sweep)
+    on_started: Callable[[ReplicaHandle], None]
+
+
+class Infra(Protocol):
+    name: str
+
+    def launch(self, request: LaunchRequest) -> ReplicaHandle: ...
+
+    def terminate(self, handle: ReplicaHandle, grace: float) -> None: ...
+
+    def check(self, handle: ReplicaHandle) -> Liveness: ...
+
+    def exit_code(self, handle: ReplicaHandle) -> int | None: ...
+
+    def sweep(self, home_marker: str, known: Collection[ReplicaHandle]) -> list[str]: ...

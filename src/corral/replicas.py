@@ -1,0 +1,170 @@
+"""Replica and service statuses, derived from stored facts.
+
+A status is never stored: it is computed from the facts a replica row records (launch state,
+teardown state, first ready time, ready now, app failed, preempted, ...). That way a daemon that
+restarts mid-change cannot find a status that disagrees with what actually happened, and a
+status that SkyServe users know (PENDING ... READY, FAILED_*) always means the same thing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class ReplicaStatus(enum.StrEnum):
+    PENDING = "PENDING"  # waiting for a launch slot
+    PROVISIONING = "PROVISIONING"  # launch job running
+    STARTING = "STARTING"  # launched, never ready yet
+    READY = "READY"
+    NOT_READY = "NOT_READY"  # was ready, probe failing now
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    FAILED = "FAILED"  # the app exited
+    FAILED_PROVISION = "FAILED_PROVISION"
+    FAILED_INITIAL_DELAY = "FAILED_INITIAL_DELAY"
+    FAILED_PROBING = "FAILED_PROBING"
+    FAILED_CLEANUP = "FAILED_CLEANUP"  # teardown failed: a possible leak, kept visible
+    PREEMPTED = "PREEMPTED"
+    UNKNOWN = "UNKNOWN"
+
+
+FAILED_STATUSES = frozenset(
+    {
+        ReplicaStatus.FAILED,
+        ReplicaStatus.FAILED_PROVISION,
+        ReplicaStatus.FAILED_INITIAL_DELAY,
+        ReplicaStatus.FAILED_PROBING,
+        ReplicaStatus.FAILED_CLEANUP,
+        ReplicaStatus.PREEMPTED,
+    }
+)
+
+# The order in which replicas are chosen for scale-down: the least useful first.
+SCALE_DOWN_ORDER: Sequence[ReplicaStatus] = (
+    ReplicaStatus.PENDING,
+    ReplicaStatus.PROVISIONING,
+    ReplicaStatus.STARTING,
+    ReplicaStatus.NOT_READY,
+    ReplicaStatus.READY,
+)
+
+
+class ReplicaFacts(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def launch_state(self) -> str: ...
+    @property
+    def teardown_state(self) -> str | None: ...
+    @property
+    def first_ready_at(self) -> float | None: ...
+    @property
+    def ready(self) -> int: ...
+    @property
+    def app_failed(self) -> int: ...
+    @property
+    def preempted(self) -> int: ...
+    @property
+    def probe_failed(self) -> int: ...
+    @property
+    def initial_delay_failed(self) -> int: ...
+    @property
+    def scale_down(self) -> int: ...
+
+
+def failure_status(r: ReplicaFacts) -> ReplicaStatus | None:
+    """The failure a replica suffered, if any (kept visible after its teardown)."""
+    if r.preempted:
+        return ReplicaStatus.PREEMPTED
+    if r.launch_state == "failed":
+        return ReplicaStatus.FAILED_PROVISION
+    if r.app_failed:
+        return ReplicaStatus.FAILED
+    if r.initial_delay_failed:
+        return ReplicaStatus.FAILED_INITIAL_DELAY
+    if r.probe_failed:
+        return ReplicaStatus.FAILED_PROBING
+    return None
+
+
+def replica_status(r: ReplicaFacts) -> ReplicaStatus:
+    if r.teardown_state == "failed":
+        return ReplicaStatus.FAILED_CLEANUP
+    if r.teardown_state in ("pending", "running"):
+        return ReplicaStatus.SHUTTING_DOWN
+    failure = failure_status(r)
+    if failure is not None:
+        return failure
+    if r.teardown_state == "succeeded" or r.launch_state == "cancelled":
+        return ReplicaStatus.SHUTTING_DOWN
+    if r.launch_state == "pending":
+        return ReplicaStatus.PENDING
+    if r.launch_state == "running":
+        return ReplicaStatus.PROVISIONING
+    if r.launch_state == "succeeded":
+        if r.ready:
+            return ReplicaStatus.READY
+        return ReplicaStatus.NOT_READY if r.first_ready_at is not None else ReplicaStatus.STARTING
+    return ReplicaStatus.UNKNOWN
+
+
+def is_live(r: ReplicaFacts) -> bool:
+    """Counts toward the target: not failed, not going away."""
+    return not r.scale_down and r.teardown_state is None and replica_status(r) in SCALE_DOWN_ORDER
+
+
+def scale_down_victims(
+    replicas: Iterable[ReplicaFacts], count: int, *, current_version: int
+) -> list[ReplicaFacts]:
+    """Pick ``count`` live replicas to remove: old versions first, then the least useful
+    status (PENDING before READY), then the newest (it has served least)."""
+    live = [r for r in replicas if is_live(r)]
+    order = {status: i for i, status in enumerate(SCALE_DOWN_ORDER)}
+    live.sort(
+        key=lambda r: (
+            r.version >= current_version,
+            order[replica_status(r)],
+            -r.id,
+        )
+    )
+    return live[: max(0, count)]
+
+
+class ServiceStatus(enum.StrEnum):
+    CONTROLLER_INIT = "CONTROLLER_INIT"
+    REPLICA_INIT = "REPLICA_INIT"
+    READY = "READY"
+    NO_REPLICA = "NO_REPLICA"
+    FAILED = "FAILED"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    FAILED_CLEANUP = "FAILED_CLEANUP"
+    CONTROLLER_FAILED = "CONTROLLER_FAILED"
+
+
+def service_status(
+    statuses: Iterable[ReplicaStatus],
+    *,
+    shutting_down: bool,
+    gave_up: bool,
+    controller_running: bool,
+    controller_failed: bool = False,
+) -> ServiceStatus:
+    found = list(statuses)
+    if controller_failed:
+        return ServiceStatus.CONTROLLER_FAILED
+    if ReplicaStatus.FAILED_CLEANUP in found:
+        return ServiceStatus.FAILED_CLEANUP
+    if shutting_down:
+        return ServiceStatus.SHUTTING_DOWN
+    if ReplicaStatus.READY in found:
+        return ServiceStatus.READY
+    if gave_up:
+        return ServiceStatus.FAILED
+    if not controller_running:
+        return ServiceStatus.CONTROLLER_INIT
+    if any(s in SCALE_DOWN_ORDER for s in found):
+        return ServiceStatus.REPLICA_INIT
+    return ServiceStatus.NO_REPLICA

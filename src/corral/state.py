@@ -1,0 +1,383 @@
+"""Durable state: one SQLite file (WAL) per corral home.
+
+Every change is written here BEFORE it is acted on, so a daemon killed at any point restarts into
+the same services and replicas. Replicas are rows of explicit facts (launch state, teardown state,
+first ready time, app failed, ...), not pickles: their status is derived from the facts by
+:mod:`corral.replicas`, never stored by hand, so it cannot drift from what happened.
+
+One connection guarded by a lock serves the event-loop thread and the job threads; statements are
+short (no lock is held across anything but one statement or one small transaction).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# Each entry migrates from version i to i+1; a new schema change appends one entry.
+_MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE services (
+        name TEXT PRIMARY KEY,
+        intent TEXT NOT NULL DEFAULT 'running',   -- running | shutting_down
+        current_version INTEGER NOT NULL,
+        lb_port INTEGER,
+        purge INTEGER NOT NULL DEFAULT 0,
+        failure TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE TABLE versions (
+        service TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
+        version INTEGER NOT NULL,
+        spec_yaml TEXT NOT NULL,
+        source TEXT,
+        base_dir TEXT,
+        first_ready_at REAL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (service, version)
+    );
+    CREATE TABLE replicas (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        service TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
+        version INTEGER NOT NULL,
+        infra TEXT NOT NULL,
+        launch_state TEXT NOT NULL DEFAULT 'pending',
+        teardown_state TEXT,
+        teardown_attempts INTEGER NOT NULL DEFAULT 0,
+        endpoint TEXT,
+        handle_json TEXT,
+        launched_at REAL,
+        first_ready_at REAL,
+        ready INTEGER NOT NULL DEFAULT 0,
+        app_failed INTEGER NOT NULL DEFAULT 0,
+        exit_code INTEGER,
+        preempted INTEGER NOT NULL DEFAULT 0,
+        probe_failed INTEGER NOT NULL DEFAULT 0,
+        initial_delay_failed INTEGER NOT NULL DEFAULT 0,
+        scale_down INTEGER NOT NULL DEFAULT 0,
+        failure TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX replicas_by_service ON replicas(service);
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts REAL NOT NULL,
+        service TEXT NOT NULL,
+        replica_id INTEGER,
+        actor TEXT NOT NULL,
+        action TEXT NOT NULL,
+        reason TEXT
+    );
+    CREATE INDEX events_by_service ON events(service, id);
+    """,
+]
+
+
+class StateError(RuntimeError):
+    """The state file cannot be used (locked, read-only, newer schema)."""
+
+
+@dataclass(frozen=True)
+class ServiceRow:
+    name: str
+    intent: str
+    current_version: int
+    lb_port: int | None
+    purge: int
+    failure: str | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class VersionRow:
+    service: str
+    version: int
+    spec_yaml: str
+    source: str | None
+    base_dir: str | None
+    first_ready_at: float | None
+    created_at: float
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    id: int
+    service: str
+    version: int
+    infra: str
+    launch_state: str
+    teardown_state: str | None
+    teardown_attempts: int
+    endpoint: str | None
+    handle_json: str | None
+    launched_at: float | None
+    first_ready_at: float | None
+    ready: int
+    app_failed: int
+    exit_code: int | None
+    preempted: int
+    probe_failed: int
+    initial_delay_failed: int
+    scale_down: int
+    failure: str | None
+    created_at: float
+    updated_at: float
+
+    @property
+    def handle_data(self) -> dict[str, Any] | None:
+        return None if self.handle_json is None else dict(json.loads(self.handle_json))
+
+
+@dataclass(frozen=True)
+class EventRow:
+    id: int
+    ts: float
+    service: str
+    replica_id: int | None
+    actor: str
+    action: str
+    reason: str | None
+
+
+_REPLICA_FACTS = frozenset(f.name for f in fields(ReplicaRow)) - {"id", "service", "created_at"}
+
+
+def _row(cls: type[Any], row: sqlite3.Row) -> Any:
+    return cls(**{k: row[k] for k in row.keys()})  # noqa: SIM118 - sqlite3.Row has no __iter__ of keys
+
+
+class Store:
+    """Typed queries over the state file. Safe to share between threads."""
+
+    def __init__(self, path: str | Path, *, busy_timeout: float = 5.0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(
+                self.path,
+                timeout=busy_timeout,
+                isolation_level=None,  # autocommit; explicit BEGIN for multi-statement changes
+                check_same_thread=False,
+            )
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.Error as exc:
+            raise StateError(f"cannot open state file {self.path}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _migrate(self) -> None:
+        current = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if current > SCHEMA_VERSION:
+            raise StateError(
+                f"{self.path} has schema version {current}, newer than this corral "
+                f"({SCHEMA_VERSION}); upgrade corral"
+            )
+        for version in range(current, SCHEMA_VERSION):
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _split(_MIGRATIONS[version]):
+                    self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version = {version + 1}")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    # -- services and versions ----------------------------------------------------------------
+
+    def create_service(
+        self,
+        name: str,
+        spec_yaml: str,
+        *,
+        source: str | None,
+        base_dir: str | None,
+        lb_port: int | None,
+    ) -> ServiceRow:
+        now = time.time()
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone():
+                raise KeyError(name)
+            db.execute(
+                "INSERT INTO services (name, current_version, lb_port, created_at, updated_at)"
+                " VALUES (?, 1, ?, ?, ?)",
+                (name, lb_port, now, now),
+            )
+            db.execute(
+                "INSERT INTO versions (service, version, spec_yaml, source, base_dir, created_at)"
+                " VALUES (?, 1, ?, ?, ?, ?)",
+                (name, spec_yaml, source, base_dir, now),
+            )
+            db.execute(
+                "INSERT INTO events (ts, service, actor, action, reason) VALUES (?, ?, ?, ?, ?)",
+                (now, name, "api", "service.create", f"version 1 from {source or 'request'}"),
+            )
+        service = self.service(name)
+        assert service is not None
+        return service
+
+    def service(self, name: str) -> ServiceRow | None:
+        rows = self._query("SELECT * FROM services WHERE name = ?", (name,))
+        return _row(ServiceRow, rows[0]) if rows else None
+
+    def services(self) -> list[ServiceRow]:
+        return [_row(ServiceRow, r) for r in self._query("SELECT * FROM services ORDER BY name")]
+
+    def update_service(self, name: str, **facts: Any) -> None:
+        allowed = {"intent", "current_version", "lb_port", "purge", "failure"}
+        unknown = set(facts) - allowed
+        if unknown:
+            raise ValueError(f"not service facts: {sorted(unknown)}")
+        if not facts:
+            return
+        cols = ", ".join(f"{k} = ?" for k in facts)
+        with self._lock:
+            self._db.execute(
+                f"UPDATE services SET {cols}, updated_at = ? WHERE name = ?",
+                (*facts.values(), time.time(), name),
+            )
+
+    def delete_service(self, name: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM replicas WHERE service = ?", (name,))
+            db.execute("DELETE FROM versions WHERE service = ?", (name,))
+            db.execute("DELETE FROM services WHERE name = ?", (name,))
+
+    def version(self, service: str, version: int) -> VersionRow | None:
+        rows = self._query(
+            "SELECT * FROM versions WHERE service = ? AND version = ?", (service, version)
+        )
+        return _row(VersionRow, rows[0]) if rows else None
+
+    def mark_version_ready(self, service: str, version: int) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE versions SET first_ready_at = ? WHERE service = ? AND version = ?"
+                " AND first_ready_at IS NULL",
+                (time.time(), service, version),
+            )
+
+    # -- replicas -----------------------------------------------------------------------------
+
+    def add_replica(self, service: str, version: int, infra: str, reason: str) -> ReplicaRow:
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO replicas (service, version, infra, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (service, version, infra, now, now),
+            )
+            replica_id = cur.lastrowid
+            db.execute(
+                "INSERT INTO events (ts, service, replica_id, actor, action, reason)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (now, service, replica_id, "controller", "replica.create", reason),
+            )
+        row = self.replica(int(replica_id or 0))
+        assert row is not None
+        return row
+
+    def replica(self, replica_id: int) -> ReplicaRow | None:
+        rows = self._query("SELECT * FROM replicas WHERE id = ?", (replica_id,))
+        return _row(ReplicaRow, rows[0]) if rows else None
+
+    def replicas(self, service: str | None = None) -> list[ReplicaRow]:
+        if service is None:
+            rows = self._query("SELECT * FROM replicas ORDER BY id")
+        else:
+            rows = self._query("SELECT * FROM replicas WHERE service = ? ORDER BY id", (service,))
+        return [_row(ReplicaRow, r) for r in rows]
+
+    def update_replica(self, replica_id: int, **facts: Any) -> ReplicaRow | None:
+        """Set facts of one replica; ``handle`` (a mapping) is stored as JSON."""
+        if "handle" in facts:
+            handle = facts.pop("handle")
+            facts["handle_json"] = None if handle is None else json.dumps(dict(handle))
+        unknown = set(facts) - _REPLICA_FACTS
+        if unknown:
+            raise ValueError(f"not replica facts: {sorted(unknown)}")
+        if facts:
+            cols = ", ".join(f"{k} = ?" for k in facts)
+            with self._lock:
+                self._db.execute(
+                    f"UPDATE replicas SET {cols}, updated_at = ? WHERE id = ?",
+                    (*facts.values(), time.time(), replica_id),
+                )
+        return self.replica(replica_id)
+
+    def delete_replica(self, replica_id: int) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
+
+    # -- events -------------------------------------------------------------------------------
+
+    def event(
+        self,
+        service: str,
+        action: str,
+        reason: str | None = None,
+        *,
+        replica_id: int | None = None,
+        actor: str = "controller",
+    ) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO events (ts, service, replica_id, actor, action, reason)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (time.time(), service, replica_id, actor, action, reason),
+            )
+
+    def events(self, service: str, *, after: int = 0, limit: int = 200) -> list[EventRow]:
+        rows = self._query(
+            "SELECT * FROM (SELECT * FROM events WHERE service = ? AND id > ?"
+            " ORDER BY id DESC LIMIT ?) ORDER BY id",
+            (service, after, limit),
+        )
+        return [_row(EventRow, r) for r in rows]
+
+
+def _split(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip() and not _only_comments(s)]
+
+
+def _only_comments(statement: str) -> bool:
+    return all(not line.strip() or line.strip().startswith("--") for line in statement.splitlines())
+
+
+def as_dict(row: Any) -> dict[str, Any]:
+    """A state row as a plain dict (for the API's JSON)."""
+    return {f.name: getattr(row, f.name) for f in fields(row)}
