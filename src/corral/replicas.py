@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 
 class ReplicaStatus(enum.StrEnum):
@@ -116,9 +116,10 @@ def is_live(r: ReplicaFacts) -> bool:
     return not r.scale_down and r.teardown_state is None and replica_status(r) in SCALE_DOWN_ORDER
 
 
-def scale_down_victims(
-    replicas: Iterable[ReplicaFacts], count: int, *, current_version: int
-) -> list[ReplicaFacts]:
+F = TypeVar("F", bound=ReplicaFacts)
+
+
+def scale_down_victims(replicas: Iterable[F], count: int, *, current_version: int) -> list[F]:
     """Pick ``count`` live replicas to remove: old versions first, then the least useful
     status (PENDING before READY), then the newest (it has served least)."""
     live = [r for r in replicas if is_live(r)]

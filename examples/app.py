@@ -1,0 +1,34 @@
+"""A tiny HTTP app for the demo and the tests: answers who it is, and /health.
+
+Reads its port from $PORT (corral gives each local replica its own) and needs only the standard
+library, so a fresh machine can run it.
+"""
+
+import json
+import os
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+REPLICA = os.environ.get("CORRAL_REPLICA_ID", "?")
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = json.dumps({"replica": REPLICA, "path": self.path, "pid": os.getpid()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        print(f"replica {REPLICA}: {format % args}", flush=True)
+
+
+if __name__ == "__main__":
+    port = int(os.environ["PORT"])
+    print(f"replica {REPLICA} listening on 127.0.0.1:{port}", flush=True)
+    sys.stdout.flush()
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()

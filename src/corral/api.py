@@ -1,0 +1,388 @@
+"""The daemon's HTTP API (aiohttp), the only way the CLI talks to the daemon.
+
+Every answer is JSON. A request the daemon refuses gets a 4xx with ``{"error": message, ...}``;
+an unexpected failure gets a 500 with a short message (the traceback goes to the daemon's log,
+never to the client). Every route but ``/v1/health`` needs ``Authorization: Bearer <token>``,
+compared in constant time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from corral import __version__
+from corral.daemon import Daemon, RequestError
+
+log = logging.getLogger("corral.api")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MAX_SPEC_BYTES = 1 << 20
+LOG_CHUNK = 1 << 16
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda o: json.dumps(o, default=str))
+
+
+def _error(status: int, message: str, **details: Any) -> web.Response:
+    return _json({"error": message, **details}, status=status)
+
+
+def make_app(daemon: Daemon, token: str) -> web.Application:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != "/v1/health":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error(401, "missing or wrong API token (see $CORRAL_HOME/token)")
+        try:
+            return await handler(request)
+        except RequestError as exc:
+            return _error(exc.status, exc.message, **exc.details)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error(exc.status, exc.reason)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("API %s %s failed", request.method, request.path)
+            return _error(500, "internal error; the daemon log has the details")
+
+    app = web.Application(middlewares=[guard], client_max_size=MAX_SPEC_BYTES)
+    routes = web.RouteTableDef()
+
+    @routes.get("/v1/health")
+    async def health(request: web.Request) -> web.Response:
+        return _json({"ok": True, "version": __version__})
+
+    @routes.get("/v1/daemon")
+    async def info(request: web.Request) -> web.Response:
+        import os
+
+        return _json(
+            {
+                "pid": os.getpid(),
+                "home": str(daemon.home),
+                "started_at": daemon.started_at,
+                "services": len(daemon.controllers),
+                "jobs": daemon.deps.pool.stats(),
+            }
+        )
+
+    @routes.post("/v1/daemon/stop")
+    async def stop(request: web.Request) -> web.Response:
+        daemon.stop_requested.set()
+        return _json({"stopping": True}, status=202)
+
+    @routes.get("/v1/services")
+    async def list_services(request: web.Request) -> web.Response:
+        return _json({"services": daemon.services()})
+
+    @routes.post("/v1/services")
+    async def create(request: web.Request) -> web.Response:
+        body = await _body(request)
+        spec = body.get("spec")
+        if not isinstance(spec, str) or not spec.strip():
+            raise RequestError(400, "field 'spec' (the service YAML as a string) is required")
+        name = _optional_str(body, "name")
+        source = _optional_str(body, "source")
+        base_dir = _optional_str(body, "base_dir")
+        service = await daemon.create(spec, name=name, source=source, base_dir=base_dir)
+        return _json(service, status=201)
+
+    @routes.get("/v1/services/{name}")
+    async def get_service(request: web.Request) -> web.Response:
+        return _json(daemon.controller(request.match_info["name"]).snapshot())
+
+    @routes.delete("/v1/services/{name}")
+    async def down(request: web.Request) -> web.Response:
+        purge = _flag(request, "purge")
+        return _json(daemon.down(request.match_info["name"], purge=purge), status=202)
+
+    @routes.get("/v1/services/{name}/events")
+    async def events(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        daemon.controller(name)
+        after = _int_param(request, "after", 0)
+        rows = daemon.store.events(name, after=after)
+        return _json({"events": [r.__dict__ for r in rows]})
+
+    @routes.get("/v1/services/{name}/logs")
+    async def logs(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        kind = request.query.get("kind", "replica")
+        replica = request.query.get("replica")
+        replica_id = None
+        if replica is not None:
+            replica_id = _int_param(request, "replica", 0)
+        path = daemon.log_path(name, kind, replica_id)
+        offset = _int_param(request, "offset", 0)
+        follow = _flag(request, "follow")
+        if not path.exists() and not follow:
+            raise RequestError(
+                404,
+                f"no {kind} log yet for service {name!r}"
+                + (f" replica {replica_id}" if replica_id is not None else ""),
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
+        await response.prepare(request)
+        position = offset
+        while True:
+            chunk = await asyncio.to_thread(_read_from, path, position)
+            if chunk:
+                position += len(chunk)
+                await response.write(chunk)
+                continue
+            if not follow or _finished(daemon, name, kind, replica_id):
+                break
+            await asyncio.sleep(0.2)
+        await response.write_eof()
+        return response
+
+    @routes.get("/v1/openapi.json")
+    async def openapi(request: web.Request) -> web.Response:
+        return _json(OPENAPI)
+
+    app.add_routes(routes)
+
+    async def not_found(request: web.Request) -> web.Response:
+        return _error(404, f"no route {request.method} {request.path}")
+
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app
+
+
+def _read_from(path: Any, position: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(position)
+            return f.read(LOG_CHUNK)
+    except FileNotFoundError:
+        return b""
+
+
+def _finished(daemon: Daemon, name: str, kind: str, replica_id: int | None) -> bool:
+    """A followed log ends when what writes it is gone."""
+    if name not in daemon.controllers:
+        return True
+    if replica_id is None:
+        return False
+    return daemon.store.replica(replica_id) is None
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError(400, "request body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    return body
+
+
+def _optional_str(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RequestError(400, f"field {key!r} must be a string")
+    return value
+
+
+def _flag(request: web.Request, key: str) -> bool:
+    value = request.query.get(key, "0").lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no", ""):
+        return False
+    raise RequestError(400, f"query parameter {key!r} must be true or false, got {value!r}")
+
+
+def _int_param(request: web.Request, key: str, default: int) -> int:
+    value = request.query.get(key)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise RequestError(
+            400, f"query parameter {key!r} must be an integer, got {value!r}"
+        ) from None
+    if number < 0:
+        raise RequestError(400, f"query parameter {key!r} must be >= 0")
+    return number
+
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_SERVICE = {"$ref": "#/components/schemas/Service"}
+_NAME = {
+    "name": "name",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$"},
+}
+
+
+def _answers(ok: dict[str, Any], *errors: int) -> dict[str, Any]:
+    out: dict[str, Any] = dict(ok)
+    for status in (401, *errors):
+        out[str(status)] = {
+            "description": "refused",
+            "content": {"application/json": {"schema": _ERROR}},
+        }
+    return out
+
+
+def _ok(status: int, schema: dict[str, Any], description: str = "ok") -> dict[str, Any]:
+    return {
+        str(status): {
+            "description": description,
+            "content": {"application/json": {"schema": schema}},
+        }
+    }
+
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.0.3",
+    "info": {"title": "corral daemon API", "version": __version__},
+    "components": {
+        "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {
+                "type": "object",
+                "required": ["error"],
+                "properties": {"error": {"type": "string"}},
+            },
+            "Replica": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "version": {"type": "integer"},
+                    "status": {"type": "string"},
+                    "endpoint": {"type": "string", "nullable": True},
+                    "infra": {"type": "string"},
+                    "age_seconds": {"type": "number"},
+                    "failure": {"type": "string", "nullable": True},
+                    "exit_code": {"type": "integer", "nullable": True},
+                    "pid": {"type": "integer", "nullable": True},
+                },
+            },
+            "Service": {
+                "type": "object",
+                "required": ["name", "status", "replicas"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "status": {"type": "string"},
+                    "endpoint": {"type": "string", "nullable": True},
+                    "version": {"type": "integer"},
+                    "target": {"type": "integer"},
+                    "failure": {"type": "string", "nullable": True},
+                    "last_decision": {"type": "string"},
+                    "replicas": {
+                        "type": "array",
+                        "items": {"$ref": "#/components/schemas/Replica"},
+                    },
+                },
+            },
+        },
+    },
+    "security": [{"token": []}],
+    "paths": {
+        "/v1/health": {
+            "get": {
+                "security": [],
+                "responses": _ok(200, {"type": "object"}),
+            }
+        },
+        "/v1/daemon": {"get": {"responses": _answers(_ok(200, {"type": "object"}))}},
+        "/v1/daemon/stop": {"post": {"responses": _answers(_ok(202, {"type": "object"}))}},
+        "/v1/services": {
+            "get": {
+                "responses": _answers(
+                    _ok(
+                        200,
+                        {
+                            "type": "object",
+                            "properties": {"services": {"type": "array", "items": _SERVICE}},
+                        },
+                    )
+                )
+            },
+            "post": {
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["spec"],
+                                "properties": {
+                                    "spec": {"type": "string", "description": "service YAML"},
+                                    "name": {"type": "string"},
+                                    "source": {"type": "string"},
+                                    "base_dir": {"type": "string"},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": _answers(_ok(201, _SERVICE, "created"), 400, 409),
+            },
+        },
+        "/v1/services/{name}": {
+            "get": {"parameters": [_NAME], "responses": _answers(_ok(200, _SERVICE), 400, 404)},
+            "delete": {
+                "parameters": [
+                    _NAME,
+                    {"name": "purge", "in": "query", "schema": {"type": "boolean"}},
+                ],
+                "responses": _answers(_ok(202, _SERVICE, "shutting down"), 400, 404),
+            },
+        },
+        "/v1/services/{name}/events": {
+            "get": {
+                "parameters": [
+                    _NAME,
+                    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                ],
+                "responses": _answers(_ok(200, {"type": "object"}), 400, 404),
+            }
+        },
+        "/v1/services/{name}/logs": {
+            "get": {
+                "parameters": [
+                    _NAME,
+                    {
+                        "name": "kind",
+                        "in": "query",
+                        "schema": {"type": "string", "enum": ["replica", "launch", "controller"]},
+                    },
+                    {"name": "replica", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "follow", "in": "query", "schema": {"type": "boolean"}},
+                ],
+                "responses": _answers(
+                    {
+                        "200": {
+                            "description": "log text",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                    400,
+                    404,
+                ),
+            }
+        },
+    },
+}

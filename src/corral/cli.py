@@ -1,0 +1,342 @@
+"""The ``corral`` command line: SkyServe's verbs over the daemon's API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from corral.client import Client, ClientError, ensure_daemon
+from corral.daemon import DaemonError, default_home, serve
+from corral.spec import SpecError, load_spec, local_port_problem
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+FAILED_SERVICE = {"FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"}
+
+
+def _home(ctx: click.Context) -> Path:
+    return Path(ctx.obj["home"])
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="corral home (default: $CORRAL_HOME or ~/.corral).",
+)
+@click.pass_context
+def main(ctx: click.Context, home: Path | None) -> None:
+    """Keep N replicas of a service running behind a load balancer."""
+    ctx.ensure_object(dict)
+    ctx.obj["home"] = str((home or default_home()).expanduser().resolve())
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-n", "--name", help="Service name (overrides the spec's `name`).")
+@click.option("-d", "--detach", is_flag=True, help="Return once the service is accepted.")
+@click.option("--timeout", type=float, default=None, help="Give up waiting after this many s.")
+@click.pass_context
+def up(
+    ctx: click.Context, file: Path, name: str | None, detach: bool, timeout: float | None
+) -> None:
+    """Start a service from FILE and wait until its first replica is READY."""
+    spec = _load(file, name)
+    problem = local_port_problem(spec) if spec.infra == "local" else None
+    if problem:
+        _fail(problem)
+    client = _client(ctx, start=True)
+    try:
+        service = client.create(
+            file.read_text(),
+            name=name,
+            source=str(file.resolve()),
+            base_dir=str(file.resolve().parent),
+        )
+    except ClientError as exc:
+        _fail(_client_error_text(exc))
+        return
+    svc_name = service["name"]
+    out.print(f"service [bold]{svc_name}[/bold] accepted; endpoint {service['endpoint']}")
+    if detach:
+        return
+    _wait_ready(client, svc_name, timeout)
+
+
+def _wait_ready(client: Client, name: str, timeout: float | None) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    seen: dict[int, str] = {}
+    while True:
+        try:
+            service = client.service(name)
+        except ClientError as exc:
+            _fail(_client_error_text(exc))
+            return
+        for r in service["replicas"]:
+            if seen.get(r["id"]) != r["status"]:
+                seen[r["id"]] = r["status"]
+                detail = f" ({r['failure']})" if r.get("failure") else ""
+                out.print(f"  replica {r['id']}: {r['status']}{detail}", soft_wrap=True)
+        status = service["status"]
+        if status == "READY":
+            out.print(f"[green]service {name} is READY[/green] at {service['endpoint']}")
+            return
+        if status in FAILED_SERVICE:
+            failed = [r for r in service["replicas"] if r.get("failure")]
+            hint = f"; see `corral logs {name} {failed[-1]['id']} --launch`" if failed else ""
+            _fail(f"service {name} is {status}: {service.get('failure') or ''}{hint}")
+        if deadline is not None and time.monotonic() > deadline:
+            _fail(f"service {name} not READY after {timeout:g}s (status {status}); it keeps trying")
+        time.sleep(0.25)
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable).")
+@click.pass_context
+def status(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
+    """Show services, their endpoints and replicas."""
+    client = _client(ctx, start=False)
+    try:
+        services = [client.service(n) for n in names] if names else client.services()
+    except ClientError as exc:
+        _fail(_client_error_text(exc))
+        return
+    if as_json:
+        click.echo(json.dumps({"services": services}, indent=2, default=str))
+        return
+    if not services:
+        out.print("no services")
+        return
+    table = Table("SERVICE", "STATUS", "ENDPOINT", "VERSION", "READY", box=None)
+    for s in services:
+        ready = sum(1 for r in s["replicas"] if r["status"] == "READY")
+        table.add_row(
+            s["name"],
+            s["status"],
+            s["endpoint"] or "-",
+            str(s["version"]),
+            f"{ready}/{s['target']}",
+        )
+    out.print(table)
+    replicas = Table("SERVICE", "ID", "VERSION", "STATUS", "ENDPOINT", "AGE", "PID", box=None)
+    for s in services:
+        for r in s["replicas"]:
+            replicas.add_row(
+                s["name"],
+                str(r["id"]),
+                str(r["version"]),
+                r["status"],
+                r["endpoint"] or "-",
+                _age(r["age_seconds"]),
+                str(r["pid"] or "-"),
+            )
+    out.print()
+    out.print(replicas)
+    for s in services:
+        if s.get("failure"):
+            out.print(f"[red]{s['name']}:[/red] {s['failure']}", soft_wrap=True)
+
+
+@main.command()
+@click.argument("name")
+@click.argument("replica", required=False, type=int)
+@click.option("--launch", is_flag=True, help="The replica's launch/teardown log.")
+@click.option("--controller", is_flag=True, help="The service controller's log.")
+@click.option("--follow/--no-follow", default=True, help="Keep printing new output.")
+@click.pass_context
+def logs(
+    ctx: click.Context, name: str, replica: int | None, launch: bool, controller: bool, follow: bool
+) -> None:
+    """Print a replica's output (or its launch log, or the controller's log)."""
+    if controller and (launch or replica is not None):
+        _fail("--controller takes no replica and no --launch")
+    if not controller and replica is None:
+        _fail("give a replica id (see `corral status`), or --controller")
+    kind = "controller" if controller else "launch" if launch else "replica"
+    client = _client(ctx, start=False)
+    try:
+        for chunk in client.logs(name, kind=kind, replica=replica, follow=follow):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+    except ClientError as exc:
+        _fail(_client_error_text(exc))
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Take down every service.")
+@click.option("--purge", is_flag=True, help="Also forget replicas whose teardown failed.")
+@click.option("--wait/--no-wait", default=True, help="Wait until everything is torn down.")
+@click.option("--timeout", type=float, default=120.0, show_default=True)
+@click.pass_context
+def down(
+    ctx: click.Context, names: tuple[str, ...], all_: bool, purge: bool, wait: bool, timeout: float
+) -> None:
+    """Tear services down: drain, stop every replica, forget the service."""
+    if not names and not all_:
+        _fail("name services to take down, or --all")
+    client = _client(ctx, start=False)
+    try:
+        targets = [s["name"] for s in client.services()] if all_ else list(names)
+        for n in targets:
+            client.down(n, purge=purge)
+            out.print(f"service {n}: shutting down")
+    except ClientError as exc:
+        _fail(_client_error_text(exc))
+        return
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout
+    pending = set(targets)
+    while pending and time.monotonic() < deadline:
+        for n in list(pending):
+            try:
+                s = client.service(n)
+            except ClientError as exc:
+                if exc.status == 404:
+                    pending.discard(n)
+                    out.print(f"service {n}: down")
+                    continue
+                _fail(_client_error_text(exc))
+            else:
+                if s["status"] == "FAILED_CLEANUP" and not purge:
+                    pending.discard(n)
+                    _fail(
+                        f"service {n}: teardown failed for some replicas: {s.get('failure')}; "
+                        "see `corral status`, or `corral down --purge` to forget them"
+                    )
+        time.sleep(0.2)
+    if pending:
+        _fail(f"still shutting down after {timeout:g}s: {', '.join(sorted(pending))}")
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-n", "--name", help="Service name (overrides the spec's `name`).")
+@click.option("--json", "as_json", is_flag=True, help="Print the normalised spec as JSON.")
+def validate(file: Path, name: str | None, as_json: bool) -> None:
+    """Check a service spec and print its normalised form."""
+    spec = _load(file, name)
+    summary = spec.summary()
+    problem = local_port_problem(spec) if spec.infra == "local" else None
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "spec": summary,
+                    "warnings": list(spec.warnings),
+                    "errors": [problem] if problem else [],
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        out.print(f"[green]{file}: valid[/green]")
+        for key, value in summary.items():
+            out.print(f"  {key}: {json.dumps(value, default=str)}", soft_wrap=True)
+        for warning in spec.warnings:
+            err.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
+    if problem:
+        _fail(problem)
+
+
+@main.group()
+def daemon() -> None:
+    """Run, inspect or stop the daemon of this home."""
+
+
+@daemon.command("run")
+@click.option("--home", "home_opt", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--host", default="127.0.0.1", show_default=True, help="API address.")
+@click.option("--port", default=0, type=int, help="API port (default: a free one).")
+@click.pass_context
+def daemon_run(ctx: click.Context, home_opt: Path | None, host: str, port: int) -> None:
+    """Run the daemon in the foreground."""
+    home = (home_opt or _home(ctx)).expanduser().resolve()
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        _fail("the API serves plain HTTP: bind it to loopback (TLS on other addresses: not yet)")
+    try:
+        asyncio.run(serve(home, host=host, port=port))
+    except DaemonError as exc:
+        _fail(str(exc))
+
+
+@daemon.command("stop")
+@click.pass_context
+def daemon_stop(ctx: click.Context) -> None:
+    """Stop the daemon; replicas keep running and are re-adopted by the next daemon."""
+    client = Client(_home(ctx))
+    if not client.health():
+        out.print("no daemon running")
+        return
+    client.stop_daemon()
+    deadline = time.monotonic() + 30
+    while client.health() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out.print("daemon stopped")
+
+
+@daemon.command("status")
+@click.pass_context
+def daemon_status(ctx: click.Context) -> None:
+    """Show whether the daemon runs, and its pid and jobs."""
+    client = Client(_home(ctx))
+    if not client.health():
+        out.print(f"no daemon running on {_home(ctx)}")
+        sys.exit(1)
+    click.echo(json.dumps(client.request("GET", "/v1/daemon"), indent=2))
+
+
+def _load(file: Path, name: str | None) -> Any:
+    try:
+        spec = load_spec(file, name=name)
+    except SpecError as exc:
+        err.print(str(exc), soft_wrap=True, markup=False)
+        sys.exit(1)
+    if not spec.name:
+        _fail(f"{file}: the service needs a name: set `name:` in the spec or pass -n NAME")
+    return spec
+
+
+def _client(ctx: click.Context, *, start: bool) -> Client:
+    home = _home(ctx)
+    if start:
+        try:
+            return ensure_daemon(home)
+        except ClientError as exc:
+            _fail(str(exc))
+    return Client(home)
+
+
+def _client_error_text(exc: ClientError) -> str:
+    body = exc.body if isinstance(exc.body, dict) else {}
+    if body.get("text"):
+        return f"{exc}:\n{body['text']}"
+    return str(exc)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"

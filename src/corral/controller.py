@@ -1,0 +1,775 @@
+"""One service's controller: reconcile replicas toward the target, probe them, feed the balancer.
+
+Everything here runs on the daemon's event loop except launches and teardowns, which run as
+JobPool jobs. The controller never waits on a job: a job's completion callback posts back to the
+loop and wakes the reconcile step. No lock is held across I/O; the only shared structure with job
+threads is the SQLite store (which has its own short-held lock).
+
+Order of every change: write the fact to the store, then act. A daemon killed between the two
+finds the fact on restart and finishes the action (see :meth:`ServiceController._adopt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import ssl
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from corral import capture
+from corral.balancer import LoadBalancer
+from corral.infra.base import Infra, LaunchRequest, Liveness, ReplicaHandle
+from corral.jobs import Job, JobPool, JobState
+from corral.probe import probe
+from corral.replicas import (
+    ReplicaStatus,
+    failure_status,
+    is_live,
+    replica_status,
+    scale_down_victims,
+    service_status,
+)
+from corral.spec import ServiceSpec, parse_spec
+from corral.state import ReplicaRow, Store
+
+log = logging.getLogger("corral.controller")
+
+# A version that never had a READY replica gives up after this many replica failures.
+MAX_FAILURES_BEFORE_READY = 3
+# Failed replica rows kept visible per service (older ones are pruned).
+KEEP_FAILED = 10
+MAX_TEARDOWN_ATTEMPTS = 5
+BACKOFF_CAP = 30.0
+
+
+@dataclass
+class ControllerDeps:
+    """What every controller of one daemon shares."""
+
+    store: Store
+    pool: JobPool
+    infras: Mapping[str, Infra]
+    home: Path
+    home_marker: str
+    http: aiohttp.ClientSession
+    drain_timeout: float = 30.0
+    teardown_grace: float = 5.0
+
+
+@dataclass
+class _ProbeState:
+    last_probe: float = 0.0
+    failing_since: float | None = None
+    last_error: str | None = None
+
+
+@dataclass
+class _Runtime:
+    """In-memory bookkeeping; everything durable is in the store."""
+
+    launches: dict[int, Job] = field(default_factory=dict)
+    teardowns: dict[int, Job] = field(default_factory=dict)
+    draining: set[int] = field(default_factory=set)
+    ready: dict[int, str] = field(default_factory=dict)
+    probes: dict[int, _ProbeState] = field(default_factory=dict)
+
+
+def handle_to_json(handle: ReplicaHandle) -> dict[str, Any]:
+    return {"backend": handle.backend, "endpoint": handle.endpoint, "data": dict(handle.data)}
+
+
+def handle_from_row(row: ReplicaRow) -> ReplicaHandle | None:
+    data = row.handle_data
+    if data is None:
+        return None
+    return ReplicaHandle(backend=data["backend"], endpoint=data["endpoint"], data=data["data"])
+
+
+class ServiceController:
+    """Keeps one service's replicas at their target and its balancer's ready set current."""
+
+    def __init__(
+        self, name: str, deps: ControllerDeps, on_removed: Callable[[str], None] | None = None
+    ) -> None:
+        self.name = name
+        self.deps = deps
+        self.store = deps.store
+        self._on_removed = on_removed
+        self._rt = _Runtime()
+        self._specs: dict[int, ServiceSpec] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._removed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop = asyncio.get_running_loop()
+        self.balancer: LoadBalancer | None = None
+        self.failed: str | None = None  # the controller itself crashed
+        self.last_decision: str = ""
+        self.dir = deps.home / "services" / name
+        self.logs = self.dir / "logs"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the balancer, re-adopt what the store knows, then run the loops."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        ready = asyncio.Event()
+        self._spawn(self._run(ready), f"corral-controller-{self.name}")
+        await ready.wait()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, started: asyncio.Event) -> None:
+        # The controller's own output (logging, warnings, prints) lands in its own log: this task
+        # and every task it creates carry the route in their context.
+        with capture.to(self.logs / "controller.log"):
+            try:
+                await self._start_balancer()
+                self._adopt()
+            except Exception as exc:
+                self.failed = f"controller failed to start: {exc!r}"
+                log.exception("service %s: controller failed to start", self.name)
+                started.set()
+                return
+            started.set()
+            log.info("service %s: controller started", self.name)
+            probe_task = asyncio.create_task(self._probe_loop(), name=f"corral-probe-{self.name}")
+            try:
+                await self._reconcile_loop()
+            finally:
+                probe_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probe_task
+
+    async def stop(self) -> None:
+        """Stop controlling (daemon shutdown). Replicas keep running; a restart re-adopts them."""
+        self._stopping = True
+        self._wake.set()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.balancer is not None:
+            await self.balancer.stop()
+
+    def wake(self) -> None:
+        """Ask for a reconcile step soon (thread-safe)."""
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def wait_removed(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._removed.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # -- spec and paths -----------------------------------------------------------------------
+
+    def spec(self, version: int) -> ServiceSpec:
+        spec = self._specs.get(version)
+        if spec is None:
+            row = self.store.version(self.name, version)
+            if row is None:
+                raise KeyError(f"service {self.name} has no version {version}")
+            spec = parse_spec(row.spec_yaml, source=row.source or "<stored spec>", name=self.name)
+            self._specs[version] = spec
+        return spec
+
+    def launch_log(self, replica_id: int) -> Path:
+        return self.logs / f"replica_{replica_id}_launch.log"
+
+    def replica_log(self, replica_id: int) -> Path:
+        return self.logs / f"replica_{replica_id}.log"
+
+    # -- balancer -----------------------------------------------------------------------------
+
+    async def _start_balancer(self) -> None:
+        row = self.store.service(self.name)
+        if row is None:
+            raise KeyError(self.name)
+        spec = self.spec(row.current_version)
+        ssl_context = None
+        tls = spec.service.tls
+        if tls is not None:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(tls.certfile, tls.keyfile)
+        policy = spec.service.replica_policy
+        wait = 60.0 if policy.min_replicas == 0 else 0.0
+        port = row.lb_port or 0
+
+        def make(port: int) -> LoadBalancer:
+            return LoadBalancer(
+                name=self.name,
+                port=port,
+                policy=spec.service.load_balancing_policy,
+                ssl_context=ssl_context,
+                no_replica_wait=wait,
+            )
+
+        balancer = make(port)
+        try:
+            actual = await balancer.start()
+        except OSError as exc:
+            if port == 0:
+                raise
+            log.warning(
+                "service %s: port %d unavailable (%s), picking another", self.name, port, exc
+            )
+            balancer = make(0)
+            actual = await balancer.start()
+        if actual != row.lb_port:
+            self.store.update_service(self.name, lb_port=actual)
+        self.balancer = balancer
+
+    def _publish_ready(self) -> None:
+        if self.balancer is not None:
+            self.balancer.set_ready(dict(self._rt.ready))
+
+    def _set_ready(self, replica_id: int, endpoint: str | None) -> None:
+        changed = False
+        if endpoint is None:
+            changed = self._rt.ready.pop(replica_id, None) is not None
+        elif self._rt.ready.get(replica_id) != endpoint:
+            self._rt.ready[replica_id] = endpoint
+            changed = True
+        if changed:
+            self._publish_ready()
+
+    # -- restart recovery ---------------------------------------------------------------------
+
+    def _adopt(self) -> None:
+        """Bring rows left by a previous daemon back under control (called once at start)."""
+        for r in self.store.replicas(self.name):
+            handle = handle_from_row(r)
+            if r.teardown_state in ("pending", "running"):
+                self.store.update_replica(r.id, teardown_state=None)
+                self._retire(self.store.replica(r.id), "teardown interrupted by daemon restart")
+                continue
+            if r.launch_state == "running":
+                if handle is None:
+                    # Nothing recorded as started: the sweep killed any half-done setup.
+                    self.store.update_replica(r.id, launch_state="pending")
+                    self.store.event(
+                        self.name, "replica.relaunch", "launch interrupted", replica_id=r.id
+                    )
+                    continue
+                if self._infra_for(r).check(handle) is Liveness.ALIVE:
+                    # Started and recorded: only the job's return was lost.
+                    self.store.update_replica(r.id, launch_state="succeeded")
+                    self._event(r.id, "replica.adopt", "launch interrupted; process running")
+                else:
+                    # Interrupted before it could finish (a cancelled launch kills what it
+                    # started): launch again, it is not a failure of the app.
+                    self.store.update_replica(
+                        r.id, launch_state="pending", handle=None, endpoint=None
+                    )
+                    self._event(r.id, "replica.relaunch", "launch interrupted; process gone")
+                continue
+            if r.launch_state == "succeeded" and handle is not None and failure_status(r) is None:
+                if self._infra_for(r).check(handle) is Liveness.ALIVE:
+                    if r.ready:
+                        self._rt.ready[r.id] = handle.endpoint
+                    self.store.event(
+                        self.name, "replica.adopt", "running after restart", replica_id=r.id
+                    )
+                else:
+                    self._mark_failed(r, app_failed=1, failure="process gone after daemon restart")
+        self._publish_ready()
+
+    def _event(self, replica_id: int, action: str, reason: str | None) -> None:
+        self.store.event(self.name, action, reason, replica_id=replica_id)
+
+    def _infra_for(self, r: ReplicaRow) -> Infra:
+        infra = self.deps.infras.get(r.infra)
+        if infra is None:
+            raise KeyError(f"no backend {r.infra!r} in this daemon")
+        return infra
+
+    # -- reconcile ----------------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while not self._stopping:
+            try:
+                done = self._reconcile()
+            except Exception:
+                log.exception("service %s: reconcile step failed", self.name)
+                done = False
+            if done:
+                self._removed.set()
+                if self.balancer is not None:
+                    await self.balancer.stop()
+                if self._on_removed is not None:
+                    self._on_removed(self.name)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=2.0)
+            self._wake.clear()
+
+    def target(self, spec: ServiceSpec) -> int:
+        """Fixed-size target for now: the autoscaler issue replaces this with load."""
+        policy = spec.service.replica_policy
+        return policy.min_replicas + policy.num_overprovision
+
+    def _reconcile(self) -> bool:
+        """One step toward the wanted state. Returns True when the service is fully removed."""
+        svc = self.store.service(self.name)
+        if svc is None:
+            return True
+        replicas = self.store.replicas(self.name)
+        if svc.intent == "shutting_down":
+            return self._reconcile_down(replicas, purge=bool(svc.purge))
+        spec = self.spec(svc.current_version)
+        now = time.time()
+
+        for r in replicas:
+            failure = failure_status(r)
+            if failure is not None and r.teardown_state is None:
+                self._retire(r, f"replica {failure}")
+            elif r.teardown_state == "failed" and r.teardown_attempts < MAX_TEARDOWN_ATTEMPTS:
+                if now - r.updated_at >= _backoff(r.teardown_attempts):
+                    self._retire(r, f"retrying teardown (attempt {r.teardown_attempts + 1})")
+            elif r.scale_down and r.teardown_state is None:
+                self._retire(r, "scaled down")
+            elif r.version != svc.current_version and r.teardown_state is None:
+                self._retire(r, f"old version {r.version}")
+            elif r.launch_state == "pending" and r.id not in self._rt.launches:
+                self._launch(r, spec)
+
+        current = [r for r in self.store.replicas(self.name) if r.version == svc.current_version]
+        live = [r for r in current if is_live(r)]
+        target = self.target(spec)
+        gave_up = self._gave_up(svc.current_version, current)
+        if gave_up is not None:
+            if svc.failure != gave_up:
+                self.store.update_service(self.name, failure=gave_up)
+                self.store.event(self.name, "service.failed", gave_up)
+                log.error("service %s: %s", self.name, gave_up)
+            self.last_decision = f"not relaunching: {gave_up}"
+        elif len(live) < target:
+            wait = self._relaunch_wait(current, now)
+            if wait > 0:
+                self.last_decision = f"waiting {wait:.0f}s before relaunching (backoff)"
+            else:
+                for _ in range(target - len(live)):
+                    row = self.store.add_replica(
+                        self.name, svc.current_version, spec.infra, f"target {target}"
+                    )
+                    self._launch(row, spec)
+                self.last_decision = f"launching {target - len(live)} toward target {target}"
+        elif len(live) > target:
+            for r in scale_down_victims(
+                live, len(live) - target, current_version=svc.current_version
+            ):
+                self.store.update_replica(r.id, scale_down=1)
+                self._retire(self.store.replica(r.id), f"scale down to {target}")
+            self.last_decision = f"scaling down to {target}"
+        else:
+            self.last_decision = f"at target {target}"
+        if svc.failure is not None and gave_up is None:
+            self.store.update_service(self.name, failure=None)
+        self._prune_failed()
+        return False
+
+    def _reconcile_down(self, replicas: list[ReplicaRow], *, purge: bool) -> bool:
+        remaining = 0
+        for r in replicas:
+            if r.teardown_state == "succeeded":
+                self.store.delete_replica(r.id)
+                continue
+            if r.teardown_state == "failed" and (
+                purge or r.teardown_attempts >= MAX_TEARDOWN_ATTEMPTS
+            ):
+                if purge:
+                    self.store.event(
+                        self.name, "replica.purge", "teardown failed; purged", replica_id=r.id
+                    )
+                    self.store.delete_replica(r.id)
+                    continue
+                remaining += 1
+                continue
+            remaining += 1
+            if r.teardown_state == "failed":
+                if time.time() - r.updated_at >= _backoff(r.teardown_attempts):
+                    self._retire(r, "service down (retry)")
+            else:
+                self._retire(r, "service down")
+        if remaining == 0 and not self._rt.launches and not self._rt.teardowns:
+            self.store.event(self.name, "service.removed", "all replicas torn down")
+            self.store.delete_service(self.name)
+            log.info("service %s: removed", self.name)
+            return True
+        return False
+
+    def _gave_up(self, version: int, current: list[ReplicaRow]) -> str | None:
+        """SkyServe's rule, with a count: a version that never became ready and keeps failing
+        is not relaunched forever (no crash loop)."""
+        vrow = self.store.version(self.name, version)
+        if vrow is None or vrow.first_ready_at is not None:
+            return None
+        unrecoverable = {
+            ReplicaStatus.FAILED,
+            ReplicaStatus.FAILED_INITIAL_DELAY,
+            ReplicaStatus.FAILED_PROVISION,
+        }
+        failed = [r for r in current if failure_status(r) in unrecoverable]
+        if len(failed) < MAX_FAILURES_BEFORE_READY:
+            return None
+        last = max(failed, key=lambda r: r.id)
+        return (
+            f"version {version} never became ready and {len(failed)} replicas failed; "
+            f"last: replica {last.id} {failure_status(last)}: {last.failure or 'no detail'}"
+        )
+
+    def _relaunch_wait(self, current: list[ReplicaRow], now: float) -> float:
+        """Exponential backoff after consecutive failures, so a crashing app is not hammered."""
+        failures = [r for r in current if failure_status(r) is not None]
+        readies = [r.first_ready_at for r in current if r.first_ready_at]
+        if readies:
+            newest_ready = max(readies)
+            failures = [r for r in failures if r.updated_at > newest_ready]
+        if not failures:
+            return 0.0
+        last = max(r.updated_at for r in failures)
+        return max(0.0, last + _backoff(len(failures)) - now)
+
+    def _prune_failed(self) -> None:
+        done = [
+            r
+            for r in self.store.replicas(self.name)
+            if r.teardown_state == "succeeded" and failure_status(r) is not None
+        ]
+        for r in done[:-KEEP_FAILED] if len(done) > KEEP_FAILED else []:
+            self.store.delete_replica(r.id)
+
+    # -- launch -------------------------------------------------------------------------------
+
+    def _launch(self, r: ReplicaRow, spec: ServiceSpec) -> None:
+        if r.id in self._rt.launches:
+            return
+        infra = self._infra_for(r)
+        self.store.update_replica(r.id, launch_state="running")
+        self.store.event(self.name, "replica.launch", f"on {r.infra}", replica_id=r.id)
+        vrow = self.store.version(self.name, r.version)
+        base = Path(vrow.base_dir) if vrow and vrow.base_dir else self.dir
+        workdir = None
+        if spec.workdir:
+            workdir = Path(spec.workdir).expanduser()
+            if not workdir.is_absolute():
+                workdir = (base / workdir).resolve()
+        replica_dir = self.dir / "replicas" / str(r.id)
+        replica_dir.mkdir(parents=True, exist_ok=True)
+        port = None
+        if "PORT" not in (spec.run or ""):
+            port = spec.replica_port()
+        request = LaunchRequest(
+            service=self.name,
+            replica_id=r.id,
+            version=r.version,
+            run=spec.run or "",
+            setup=spec.setup,
+            envs=dict(spec.envs),
+            workdir=workdir,
+            replica_dir=replica_dir,
+            log_path=self.replica_log(r.id),
+            port=port,
+            resources=spec.resources.model_dump(exclude_none=True),
+            home_marker=self.deps.home_marker,
+            on_started=functools.partial(self._record_handle, r.id),
+        )
+        job = self.deps.pool.submit(
+            infra.launch,
+            request,
+            log=self.launch_log(r.id),
+            name=f"{self.name}-launch-{r.id}",
+            kind="launch",
+        )
+        self._rt.launches[r.id] = job
+        job.add_done_callback(functools.partial(self._from_thread, self._launch_done, r.id))
+
+    def _from_thread(self, fn: Callable[[int, Job], None], replica_id: int, job: Job) -> None:
+        """A job's done-callback runs on the job's thread: hand the result to the loop."""
+        self._loop.call_soon_threadsafe(fn, replica_id, job)
+
+    def _record_handle(self, replica_id: int, handle: ReplicaHandle) -> None:
+        """Called from the launch thread the moment something exists: stored before use."""
+        self.store.update_replica(
+            replica_id,
+            handle=handle_to_json(handle),
+            endpoint=handle.endpoint,
+            launched_at=time.time(),
+        )
+
+    def _launch_done(self, replica_id: int, job: Job) -> None:
+        self._rt.launches.pop(replica_id, None)
+        r = self.store.replica(replica_id)
+        if r is None:
+            return
+        if job.state is JobState.SUCCEEDED:
+            self.store.update_replica(replica_id, launch_state="succeeded")
+            self.store.event(self.name, "replica.launched", r.endpoint, replica_id=replica_id)
+        elif job.state is JobState.CANCELLED:
+            self.store.update_replica(replica_id, launch_state="cancelled")
+            self.store.event(self.name, "replica.launch_cancelled", None, replica_id=replica_id)
+        else:
+            detail = f"{job.exception()!r}; see {self.launch_log(replica_id)}"
+            self.store.update_replica(replica_id, launch_state="failed", failure=detail)
+            self.store.event(self.name, "replica.launch_failed", detail, replica_id=replica_id)
+        r = self.store.replica(replica_id)
+        if r is not None and r.launch_state == "cancelled":
+            self._retire(r, "launch cancelled")
+        self._wake.set()
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def _retire(self, r: ReplicaRow | None, reason: str) -> None:
+        """Take a replica out of service: cancel its launch, or drain and tear it down."""
+        if r is None or r.id in self._rt.teardowns or r.id in self._rt.draining:
+            return
+        self._set_ready(r.id, None)
+        job = self._rt.launches.get(r.id)
+        if job is not None:
+            if job.cancel():
+                self.store.event(self.name, "replica.cancel_launch", reason, replica_id=r.id)
+            return  # _launch_done retires it once the launch has stopped
+        if r.teardown_state == "succeeded":
+            return
+        handle = handle_from_row(r)
+        if handle is None:
+            # Nothing was started: nothing to tear down.
+            if failure_status(r) is not None:
+                self.store.update_replica(r.id, teardown_state="succeeded")
+            else:
+                self.store.delete_replica(r.id)
+                self.store.event(self.name, "replica.removed", reason, replica_id=r.id)
+            self._wake.set()
+            return
+        self.store.update_replica(r.id, teardown_state="pending", ready=0)
+        self.store.event(self.name, "replica.teardown", reason, replica_id=r.id)
+        self._rt.draining.add(r.id)
+        self._spawn(self._drain_then_teardown(r, handle), f"corral-drain-{r.id}")
+
+    async def _drain_then_teardown(self, r: ReplicaRow, handle: ReplicaHandle) -> None:
+        try:
+            if self.balancer is not None and failure_status(r) is None:
+                drained = await self.balancer.wait_drained(r.id, self.deps.drain_timeout)
+                if not drained:
+                    log.warning(
+                        "service %s: replica %d still had requests after %gs of draining",
+                        self.name,
+                        r.id,
+                        self.deps.drain_timeout,
+                    )
+        finally:
+            self._rt.draining.discard(r.id)
+        infra = self._infra_for(r)
+        self.store.update_replica(r.id, teardown_state="running")
+        job = self.deps.pool.submit(
+            infra.terminate,
+            handle,
+            self.deps.teardown_grace,
+            log=self.launch_log(r.id),
+            name=f"{self.name}-teardown-{r.id}",
+            kind="teardown",
+        )
+        self._rt.teardowns[r.id] = job
+        job.add_done_callback(functools.partial(self._from_thread, self._teardown_done, r.id))
+
+    def _teardown_done(self, replica_id: int, job: Job) -> None:
+        self._rt.teardowns.pop(replica_id, None)
+        self._rt.probes.pop(replica_id, None)
+        r = self.store.replica(replica_id)
+        if r is None:
+            return
+        if job.state is JobState.SUCCEEDED:
+            if failure_status(r) is not None:
+                self.store.update_replica(replica_id, teardown_state="succeeded")
+            else:
+                self.store.delete_replica(replica_id)
+            self.store.event(self.name, "replica.terminated", None, replica_id=replica_id)
+        else:
+            detail = f"teardown failed: {job.exception()!r}; see {self.launch_log(replica_id)}"
+            self.store.update_replica(
+                replica_id,
+                teardown_state="failed",
+                teardown_attempts=r.teardown_attempts + 1,
+                failure=detail,
+            )
+            self.store.event(self.name, "replica.teardown_failed", detail, replica_id=replica_id)
+            log.error("service %s: replica %d %s", self.name, replica_id, detail)
+        self._wake.set()
+
+    # -- probing ------------------------------------------------------------------------------
+
+    async def _probe_loop(self) -> None:
+        while not self._stopping:
+            try:
+                await self._probe_round()
+            except Exception:
+                log.exception("service %s: probe round failed", self.name)
+            await asyncio.sleep(self._tick())
+
+    def _tick(self) -> float:
+        svc = self.store.service(self.name)
+        if svc is None:
+            return 1.0
+        period = self.spec(svc.current_version).service.readiness_probe.period_seconds
+        return max(0.05, min(1.0, period))
+
+    async def _probe_round(self) -> None:
+        rows = [
+            r
+            for r in self.store.replicas(self.name)
+            if r.launch_state == "succeeded"
+            and r.teardown_state is None
+            and failure_status(r) is None
+            and r.handle_json is not None
+        ]
+        if rows:
+            await asyncio.gather(*(self._probe_one(r) for r in rows))
+
+    async def _probe_one(self, r: ReplicaRow) -> None:
+        handle = handle_from_row(r)
+        if handle is None:
+            return
+        infra = self._infra_for(r)
+        liveness = await asyncio.to_thread(infra.check, handle)
+        if liveness is Liveness.EXITED:
+            code = infra.exit_code(handle)
+            self._mark_failed(
+                r,
+                app_failed=1,
+                exit_code=code,
+                failure=f"process exited (code {code}); see {self.replica_log(r.id)}",
+            )
+            return
+        if liveness is Liveness.LOST:
+            self._mark_failed(r, preempted=1, failure="replica's host went away")
+            return
+        spec = self.spec(r.version)
+        rp = spec.service.readiness_probe
+        state = self._rt.probes.setdefault(r.id, _ProbeState())
+        now = time.time()
+        period = rp.period_seconds if r.first_ready_at else min(rp.period_seconds, 0.5)
+        if now - state.last_probe < period:
+            return
+        state.last_probe = now
+        result = await probe(
+            self.deps.http,
+            handle.endpoint,
+            path=rp.path,
+            post_data=rp.post_data,
+            headers=rp.headers,
+            timeout=rp.timeout_seconds,
+        )
+        current = self.store.replica(r.id)
+        if current is None or current.teardown_state is not None or failure_status(current):
+            return
+        if result.ok:
+            state.failing_since = None
+            state.last_error = None
+            if not current.ready:
+                first = current.first_ready_at or now
+                self.store.update_replica(r.id, ready=1, first_ready_at=first)
+                self.store.mark_version_ready(self.name, r.version)
+                self.store.event(self.name, "replica.ready", None, replica_id=r.id)
+                self._set_ready(r.id, handle.endpoint)
+                self._wake.set()
+            return
+        state.last_error = result.error
+        if state.failing_since is None:
+            state.failing_since = now
+        if current.ready:
+            self.store.update_replica(r.id, ready=0)
+            self.store.event(self.name, "replica.not_ready", result.error, replica_id=r.id)
+            self._set_ready(r.id, None)
+        if current.first_ready_at is not None:
+            if now - state.failing_since >= rp.failure_timeout_seconds:
+                self._mark_failed(
+                    current,
+                    probe_failed=1,
+                    failure=f"probes failing for {now - state.failing_since:.0f}s: {result.error}",
+                )
+        elif now - (current.launched_at or now) >= rp.initial_delay_seconds:
+            self._mark_failed(
+                current,
+                initial_delay_failed=1,
+                failure=f"not ready within {rp.initial_delay_seconds:g}s: {result.error}",
+            )
+
+    def _mark_failed(self, r: ReplicaRow, *, failure: str, **facts: Any) -> None:
+        self.store.update_replica(r.id, ready=0, failure=failure, **facts)
+        self.store.event(self.name, "replica.failed", failure, replica_id=r.id)
+        log.warning("service %s: replica %d failed: %s", self.name, r.id, failure)
+        self._set_ready(r.id, None)
+        self._wake.set()
+
+    # -- views --------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The service as the API shows it (plain data, computed now)."""
+        svc = self.store.service(self.name)
+        if svc is None:
+            raise KeyError(self.name)
+        rows = self.store.replicas(self.name)
+        statuses = [replica_status(r) for r in rows]
+        try:
+            spec = self.spec(svc.current_version)
+            target = self.target(spec)
+            policy = spec.service.replica_policy.model_dump()
+        except Exception as exc:  # a stored spec this corral cannot read any more
+            target, policy = 0, {"error": repr(exc)}
+        status = service_status(
+            statuses,
+            shutting_down=svc.intent == "shutting_down",
+            gave_up=svc.failure is not None,
+            controller_running=self.balancer is not None,
+            controller_failed=self.failed is not None,
+        )
+        scheme = (
+            "https"
+            if self.balancer is not None and self.balancer.url.startswith("https")
+            else "http"
+        )
+        now = time.time()
+        return {
+            "name": self.name,
+            "status": str(status),
+            "endpoint": f"{scheme}://127.0.0.1:{svc.lb_port}" if svc.lb_port else None,
+            "version": svc.current_version,
+            "target": target,
+            "policy": policy,
+            "failure": self.failed or svc.failure,
+            "last_decision": self.last_decision,
+            "created_at": svc.created_at,
+            "replicas": [
+                {
+                    "id": r.id,
+                    "version": r.version,
+                    "status": str(status_),
+                    "endpoint": r.endpoint,
+                    "infra": r.infra,
+                    "age_seconds": round(now - r.created_at, 1),
+                    "failure": r.failure,
+                    "exit_code": r.exit_code,
+                    "pid": (r.handle_data or {}).get("data", {}).get("pid"),
+                }
+                for r, status_ in zip(rows, statuses, strict=True)
+            ],
+        }
+
+
+def _backoff(failures: int) -> float:
+    return min(BACKOFF_CAP, float(2 ** max(0, failures - 1)))

@@ -1,0 +1,291 @@
+"""The daemon: one process per corral home that hosts every service.
+
+Why one process: a service costs a controller task, a balancer listener and a few rows, not two
+processes and a worker per launch. The daemon owns the event loop (API, controllers, balancers,
+probes), the JobPool (launch/teardown threads) and the state file. Its files in the home:
+
+* ``daemon.lock``: an ``flock`` held for the daemon's life: two daemons on one home are impossible.
+* ``daemon.json``: pid and API port, written once the API listens (clients wait for it).
+* ``token``: the API's bearer token, mode 0600; never passed to replicas.
+* ``home_id``: a stable random id put in every replica's environment so a crashed daemon's
+  half-recorded launches can be found and killed (the leak sweep at start).
+* ``state.db``: services, versions, replicas, events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+
+from corral import capture
+from corral.controller import ControllerDeps, ServiceController, handle_from_row
+from corral.infra.base import Infra, ReplicaHandle
+from corral.infra.local import LocalInfra
+from corral.jobs import JobPool
+from corral.spec import SpecError, local_port_problem, parse_spec, validate_name
+from corral.state import Store
+
+log = logging.getLogger("corral.daemon")
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("CORRAL_HOME") or Path.home() / ".corral").expanduser()
+
+
+class DaemonError(RuntimeError):
+    """The daemon cannot start (another one runs, the home is unusable)."""
+
+
+class RequestError(Exception):
+    """A request the daemon refuses: carries the HTTP status and a message for the user."""
+
+    def __init__(self, status: int, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.details = details
+
+
+def read_token(home: Path) -> str:
+    return (home / "token").read_text().strip()
+
+
+def _ensure_token(home: Path) -> str:
+    path = home / "token"
+    if path.exists():
+        path.chmod(0o600)
+        return read_token(home)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def _home_id(home: Path) -> str:
+    path = home / "home_id"
+    if not path.exists():
+        path.write_text(secrets.token_hex(8) + "\n")
+    return path.read_text().strip()
+
+
+def _lock(home: Path) -> IO[str]:
+    f = open(home / "daemon.lock", "a+")  # noqa: SIM115 - held for the daemon's life
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        info = read_info(home)
+        pid = info.get("pid") if info else "?"
+        raise DaemonError(f"another corral daemon (pid {pid}) already runs on {home}") from None
+    return f
+
+
+def read_info(home: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads((home / "daemon.json").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    """The services of one home, and the operations the API offers on them."""
+
+    def __init__(self, home: Path, store: Store, deps: ControllerDeps) -> None:
+        self.home = home
+        self.store = store
+        self.deps = deps
+        self.controllers: dict[str, ServiceController] = {}
+        self.started_at = time.time()
+        self.stop_requested = asyncio.Event()
+
+    async def start_controllers(self) -> None:
+        for svc in self.store.services():
+            await self._start_controller(svc.name)
+
+    async def _start_controller(self, name: str) -> ServiceController:
+        controller = ServiceController(name, self.deps, on_removed=self._removed)
+        self.controllers[name] = controller
+        await controller.start()
+        return controller
+
+    def _removed(self, name: str) -> None:
+        self.controllers.pop(name, None)
+
+    async def stop_controllers(self) -> None:
+        for controller in list(self.controllers.values()):
+            await controller.stop()
+
+    # -- operations ---------------------------------------------------------------------------
+
+    async def create(
+        self, spec_text: str, *, name: str | None, source: str | None, base_dir: str | None
+    ) -> dict[str, Any]:
+        try:
+            spec = parse_spec(spec_text, source=source or "<request>", name=name)
+        except SpecError as exc:
+            raise RequestError(
+                400,
+                "invalid service spec",
+                issues=[{"loc": i.loc, "message": i.message, "line": i.line} for i in exc.issues],
+                text=str(exc),
+            ) from None
+        if not spec.name:
+            raise RequestError(400, "the service needs a name: set `name:` in the spec or pass -n")
+        if spec.infra not in self.deps.infras:
+            raise RequestError(
+                400,
+                f"infra {spec.infra!r} is not available in this daemon "
+                f"(available: {', '.join(sorted(self.deps.infras))})",
+            )
+        if spec.infra == "local":
+            problem = local_port_problem(spec)
+            if problem:
+                raise RequestError(400, problem)
+        if spec.name in self.controllers or self.store.service(spec.name) is not None:
+            raise RequestError(409, f"service {spec.name!r} already exists")
+        try:
+            self.store.create_service(
+                spec.name, spec_text, source=source, base_dir=base_dir, lb_port=free_port()
+            )
+        except KeyError:
+            raise RequestError(409, f"service {spec.name!r} already exists") from None
+        controller = await self._start_controller(spec.name)
+        return controller.snapshot()
+
+    def controller(self, name: str) -> ServiceController:
+        try:
+            validate_name(name)
+        except SpecError as exc:
+            raise RequestError(400, f"bad service name {name!r}: {exc.issues[0].message}") from None
+        controller = self.controllers.get(name)
+        if controller is None:
+            raise RequestError(404, f"no service named {name!r}")
+        return controller
+
+    def down(self, name: str, *, purge: bool) -> dict[str, Any]:
+        controller = self.controller(name)
+        self.store.update_service(name, intent="shutting_down", purge=int(purge))
+        self.store.event(name, "service.down", "purge" if purge else None, actor="api")
+        controller.wake()
+        return controller.snapshot()
+
+    def services(self) -> list[dict[str, Any]]:
+        out = []
+        for controller in list(self.controllers.values()):
+            with contextlib.suppress(KeyError):
+                out.append(controller.snapshot())
+        return out
+
+    def log_path(self, name: str, kind: str, replica: int | None) -> Path:
+        controller = self.controller(name)
+        if kind == "controller":
+            return controller.logs / "controller.log"
+        if replica is None:
+            raise RequestError(400, f"log kind {kind!r} needs a replica id")
+        if kind == "launch":
+            return controller.launch_log(replica)
+        if kind == "replica":
+            return controller.replica_log(replica)
+        raise RequestError(400, f"unknown log kind {kind!r}: use replica, launch or controller")
+
+
+def _configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _sweep(home_marker: str, infras: Mapping[str, Infra], store: Store) -> None:
+    known: dict[str, list[ReplicaHandle]] = {name: [] for name in infras}
+    for row in store.replicas():
+        handle = handle_from_row(row)
+        if handle is not None and handle.backend in known:
+            known[handle.backend].append(handle)
+    for name, infra in infras.items():
+        try:
+            killed = infra.sweep(home_marker, known[name])
+        except Exception:
+            log.exception("leak sweep of backend %s failed", name)
+            continue
+        for what in killed:
+            log.warning("leak sweep: killed %s (started but never recorded)", what)
+
+
+async def serve(home: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Run the daemon until SIGTERM/SIGINT or an API stop request."""
+    home.mkdir(parents=True, exist_ok=True)
+    home.chmod(0o700)
+    capture.install()
+    _configure_logging()
+    lock = _lock(home)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "API listening on %s: anyone who can reach it and has the token controls "
+            "every service of this home",
+            host,
+        )
+    token = _ensure_token(home)
+    home_marker = _home_id(home)
+    store = Store(home / "state.db")
+    pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
+    infras: dict[str, Infra] = {"local": LocalInfra()}
+    _sweep(home_marker, infras, store)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        deps = ControllerDeps(
+            store=store, pool=pool, infras=infras, home=home, home_marker=home_marker, http=http
+        )
+        daemon = Daemon(home, store, deps)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop_requested.set)
+        await daemon.start_controllers()
+        from aiohttp import web
+
+        from corral.api import make_app  # the API layer sits above the daemon
+
+        runner = web.AppRunner(make_app(daemon, token), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        actual = runner.addresses[0][1]
+        info = {"pid": os.getpid(), "host": host, "port": actual, "started_at": time.time()}
+        tmp = home / "daemon.json.tmp"
+        tmp.write_text(json.dumps(info))
+        tmp.replace(home / "daemon.json")
+        log.info("corral daemon pid %d serving %s on %s:%d", os.getpid(), home, host, actual)
+        try:
+            await daemon.stop_requested.wait()
+        finally:
+            log.info("corral daemon stopping (replicas keep running; a restart re-adopts them)")
+            with contextlib.suppress(FileNotFoundError):
+                (home / "daemon.json").unlink()
+            await runner.cleanup()
+            await daemon.stop_controllers()
+            await asyncio.to_thread(pool.shutdown, timeout=15.0)
+            store.close()
+            lock.close()
