@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint typecheck check bench bench-quick clean
+.PHONY: venv demo demo-down test lint typecheck check bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +15,18 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m corral.demo
+	$(PY) examples/run_demo.py
+
+demo-down: $(STAMP)
+	CORRAL_HOME=$(CURDIR)/.corral-demo $(PY) -m corral down --all
+	CORRAL_HOME=$(CURDIR)/.corral-demo $(PY) -m corral daemon stop
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy src
