@@ -1,0 +1,145 @@
+"""Replica selection policies for the load balancer.
+
+A policy only chooses; it never owns state the balancer depends on. The balancer passes the
+candidate replica ids (already minus the replicas a retry has tried) and its live in-flight
+counts, and the policy returns one of the candidates. Policies run on the event loop thread for
+every request, so each ``select`` is a single linear pass with no sorting and no allocation
+beyond a couple of locals: the ready set of one service is small (tens of replicas), and a pass
+over it costs less than building any index would.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+__all__ = ["POLICY_NAMES", "LeastLoad", "Policy", "PowerOfTwo", "RoundRobin", "make_policy"]
+
+
+class Policy(Protocol):
+    """Chooses the replica that gets the next request."""
+
+    def select(self, candidates: Sequence[int], in_flight: Mapping[int, int]) -> int:
+        """Return one id out of ``candidates`` (never empty).
+
+        ``in_flight`` maps replica id to requests currently sent to it; a missing id means 0.
+        """
+        ...
+
+
+def _next_after(
+    candidates: Sequence[int], last: int | None, loads: Mapping[int, int] | None, target: int
+) -> int:
+    """Smallest candidate id greater than ``last``, wrapping to the smallest id.
+
+    Rotating by id rather than by list position keeps the rotation fair when the ready set
+    changes between calls (a replica added or removed does not make the next one be skipped or
+    served twice), and needs no sorted copy. When ``loads`` is given only candidates whose load
+    equals ``target`` are considered.
+    """
+    after: int | None = None
+    smallest: int | None = None
+    for rid in candidates:
+        if loads is not None and loads.get(rid, 0) != target:
+            continue
+        if smallest is None or rid < smallest:
+            smallest = rid
+        if last is not None and rid > last and (after is None or rid < after):
+            after = rid
+    chosen = after if after is not None else smallest
+    if chosen is None:  # pragma: no cover - callers guarantee a non-empty match
+        raise ValueError("no candidate replica")
+    return chosen
+
+
+class RoundRobin:
+    """Each replica in turn, by ascending id; ignores load.
+
+    With a stable ready set of N replicas, N consecutive requests hit each replica exactly once.
+    """
+
+    def __init__(self) -> None:
+        self._last: int | None = None
+
+    def select(self, candidates: Sequence[int], in_flight: Mapping[int, int]) -> int:
+        chosen = _next_after(candidates, self._last, None, 0)
+        self._last = chosen
+        return chosen
+
+    def __repr__(self) -> str:
+        return "RoundRobin()"
+
+
+class LeastLoad:
+    """The replica with the fewest in-flight requests; ties rotate like round robin.
+
+    Rotating among ties (instead of always taking the first) matters at low concurrency: with
+    sequential requests every replica is idle at every pick, and a fixed tie-break would send
+    all traffic to one replica and leave the others cold.
+    """
+
+    def __init__(self) -> None:
+        self._last: int | None = None
+
+    def select(self, candidates: Sequence[int], in_flight: Mapping[int, int]) -> int:
+        least: int | None = None
+        for rid in candidates:
+            load = in_flight.get(rid, 0)
+            if least is None or load < least:
+                least = load
+        if least is None:
+            raise ValueError("no candidate replica")
+        chosen = _next_after(candidates, self._last, in_flight, least)
+        self._last = chosen
+        return chosen
+
+    def __repr__(self) -> str:
+        return "LeastLoad()"
+
+
+class PowerOfTwo:
+    """Two replicas at random; the one with fewer in-flight requests wins.
+
+    Nearly as good as least-load at spreading load but needs no full scan, and its randomness
+    avoids the herding least-load shows when many requests arrive between count updates.
+    """
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()
+
+    def select(self, candidates: Sequence[int], in_flight: Mapping[int, int]) -> int:
+        n = len(candidates)
+        if n == 0:
+            raise ValueError("no candidate replica")
+        if n == 1:
+            return candidates[0]
+        i = self._rng.randrange(n)
+        j = self._rng.randrange(n - 1)
+        if j >= i:  # two distinct indexes without building a sample list
+            j += 1
+        a, b = candidates[i], candidates[j]
+        return b if in_flight.get(b, 0) < in_flight.get(a, 0) else a
+
+    def __repr__(self) -> str:
+        return "PowerOfTwo()"
+
+
+POLICY_NAMES: tuple[str, ...] = ("round_robin", "least_load", "power_of_two")
+
+
+def make_policy(name: str) -> Policy:
+    """Build a fresh policy from its service-YAML name.
+
+    Raises ValueError for an unknown name, listing the valid ones, so a typo in the YAML is
+    reported at validation rather than silently falling back to a default.
+    """
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "power_of_two":
+        return PowerOfTwo()
+    raise ValueError(
+        f"unknown load balancing policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}"
+    )
