@@ -245,19 +245,25 @@ class Job:
         _current_job.set(self)
         route = capture.to(self.log_path) if self.log_path is not None else nullcontext()
         state, result, error = JobState.FAILED, None, None
-        with route:
-            try:
-                checkpoint()
-                result = self._fn(*self._args, **self._kwargs)
-                state = JobState.SUCCEEDED
-            except Cancelled:
-                state = JobState.CANCELLED
-                print(f"[corral] job {self.name} cancelled", flush=True)
-            except BaseException as exc:
-                error = exc
-                # Into THIS job's log, before the route is reset.
-                traceback.print_exc()
-                print(f"[corral] job {self.name} failed: {exc!r}", flush=True)
+        try:
+            with route:
+                try:
+                    checkpoint()
+                    result = self._fn(*self._args, **self._kwargs)
+                    state = JobState.SUCCEEDED
+                except Cancelled:
+                    state = JobState.CANCELLED
+                    print(f"[corral] job {self.name} cancelled", flush=True)
+                except BaseException as exc:
+                    error = exc
+                    # Into THIS job's log, before the route is reset.
+                    traceback.print_exc()
+                    print(f"[corral] job {self.name} failed: {exc!r}", flush=True)
+        except BaseException as exc:
+            # The log could not be opened: the job fails, and the worker (maybe the lane's only
+            # one) lives on instead of dying with the job stuck in RUNNING forever.
+            state, result, error = JobState.FAILED, None, exc
+            log.error("job %s: cannot open its log %s: %r", self.name, self.log_path, exc)
         self._set_outcome(state, result, error)
 
 
@@ -306,11 +312,51 @@ def _signal_group(pgid: int, sig: signal.Signals) -> bool:
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    return not _only_zombies(pgid)
+
+
+def _only_zombies(pgid: int) -> bool:
+    """True when every member of the group is a zombie (Linux; False where /proc is missing).
+
+    ``killpg(pgid, 0)`` succeeds while a group holds nothing but zombies. A killed command's
+    orphaned grandchildren are re-parented to PID 1, and when that does not reap them (corral as
+    a container's PID 1, an init that reaps lazily) they stay zombies: dead, but the group would
+    look alive until the grace period and the KILL wait had both run out.
+    """
+    leader = _proc_state(str(pgid))
+    if leader is not None and leader[1] == pgid and leader[0] not in (b"Z", b"X"):
+        return False  # the usual case, without scanning every process
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    seen = False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        member = _proc_state(entry)
+        if member is None or member[1] != pgid:
+            continue
+        if member[0] not in (b"Z", b"X"):
+            return False
+        seen = True
+    return seen  # no member visible at all (hidden /proc): assume alive
+
+
+def _proc_state(pid: str) -> tuple[bytes, int] | None:
+    """(state letter, process group) of a process, from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        return fields[0], int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def terminate_process_group(
@@ -320,7 +366,7 @@ def terminate_process_group(
 
     ``reap`` (e.g. ``Popen.poll``) is called while waiting so an exited leader that is our own
     child does not linger as a zombie that keeps the group "alive". Returns True when the group
-    is gone.
+    is gone (a group of zombies only is gone: see :func:`_only_zombies`).
     """
     if not _signal_group(pgid, signal.SIGTERM):
         return True
@@ -387,6 +433,13 @@ def run_command(
                 proc.wait()
                 raise Cancelled(f"job {job.name if job else '?'} cancelled")
             delay = min(delay * 2, 0.05)
+        if code != 0 and job is not None and job._cancel.is_set():
+            # cancel() TERMs the group itself, so the leader may have died of it before this loop
+            # saw the cancel: that is a cancel, not a failed command, and members of the group
+            # that ignore TERM still get KILLed after the grace period.
+            terminate_process_group(pgid, grace, proc.poll)
+            proc.wait()
+            raise Cancelled(f"job {job.name} cancelled")
         proc.wait()  # joins the output pumps
     finally:
         if job is not None:
@@ -448,6 +501,9 @@ class JobPool:
             kind=kind,
             log_path=Path(log) if log is not None else None,
         )
+        job.add_done_callback(self._forget)
+        # Queued (and its worker started) under the pool lock: a shutdown() running meanwhile
+        # either refuses this job or sees it queued and its worker in the lane, never neither.
         with self._lock:
             if self._closed:
                 raise RuntimeError("JobPool is shut down")
@@ -456,20 +512,19 @@ class JobPool:
                 lane = _Lane(kind, self._limits.get(kind, self._default_limit))
                 self._lanes[kind] = lane
             self._jobs[job.id] = job
-        job.add_done_callback(self._forget)
-        with lane.cond:
-            lane.queue.append(job)
-            if lane.idle < len(lane.queue) and len(lane.workers) < lane.limit:
-                worker = threading.Thread(
-                    target=self._work,
-                    args=(lane,),
-                    name=f"corral-{kind}-{len(lane.workers) + 1}",
-                    daemon=True,
-                )
-                lane.workers.append(worker)
-                worker.start()
-            else:
-                lane.cond.notify()
+            with lane.cond:
+                lane.queue.append(job)
+                if lane.idle < len(lane.queue) and len(lane.workers) < lane.limit:
+                    worker = threading.Thread(
+                        target=self._work,
+                        args=(lane,),
+                        name=f"corral-{kind}-{len(lane.workers) + 1}",
+                        daemon=True,
+                    )
+                    lane.workers.append(worker)
+                    worker.start()
+                else:
+                    lane.cond.notify()
         return job
 
     def _forget(self, job: Job) -> None:
