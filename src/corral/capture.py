@@ -36,7 +36,8 @@ Policies a user of this module relies on:
   which hand the child the route's own file descriptor (flushing first, so order is kept) or, for
   destinations without one, pipe the child's output and pump it into the route. A library passing
   ``stdout=sys.stdout`` to ``subprocess`` gets the route's descriptor from ``fileno()`` (or the
-  fallback's when the route has none), so it does not crash.
+  fallback's when the route has none, or the process's own when neither has), so it does not
+  crash.
 
 What cannot be routed, by design:
 
@@ -188,18 +189,25 @@ class _Target:
             encoding = getattr(stream, "encoding", None) or "utf-8"
             safe = s.encode(encoding, "backslashreplace").decode(encoding, "replace")
             try:
-                return stream.write(safe)
+                written = stream.write(safe)
             except Exception as again:
                 exc = again
+            else:
+                self.report(exc, "text it cannot encode is written escaped")
+                return written
         self.report(exc)
         return len(s)
 
-    def report(self, exc: BaseException) -> None:
+    def report(
+        self,
+        exc: BaseException,
+        consequence: str = "its output is dropped until it works again",
+    ) -> None:
         self.failures += 1
         if self.failures == 1:
             _report(
                 f"corral.capture: cannot write to {self.name}: {exc!r}; "
-                "its output is dropped until it works again (reported once)"
+                f"{consequence} (reported once)"
             )
 
     def flush(self, timeout: float = _LOCK_TIMEOUT) -> None:
@@ -214,13 +222,20 @@ class _Target:
             self.release()
 
     def end(self) -> None:
-        """Close the route: later writers holding this target go to the fallback."""
+        """Close the route: later writers holding this target go to the fallback.
+
+        If another writer is stuck on the destination (a blocked pipe) past the lock timeout,
+        the route still ends, but the stream is left alone: flushing or closing it without the
+        lock would hang this thread behind the stuck one, or corrupt the stream.
+        """
         acquired = self.acquire(True, _LOCK_TIMEOUT)
         try:
             if self.ended:
                 return
             self.ended = True
-            if self.stream is not None:
+            if not acquired:
+                self.report(TimeoutError(f"destination busy for more than {_LOCK_TIMEOUT:g} s"))
+            elif self.stream is not None:
                 if self.owned:
                     self.stream.close()
                 else:
@@ -230,7 +245,9 @@ class _Target:
         finally:
             if acquired:
                 self.release()
-            _open_targets.discard(self)
+            # Under the guard: flush_all() iterates the set, which must not change meanwhile.
+            with _open_targets_guard:
+                _open_targets.discard(self)
 
     def fileno(self) -> int:
         if self.stream is None:
@@ -238,7 +255,9 @@ class _Target:
         return self.stream.fileno()
 
     def reinit_lock(self) -> None:
-        self._set_lock(threading.Lock())
+        """After fork, in the child: a fresh lock, still shared with every target of the same
+        stream (call after ``_stream_locks`` was emptied)."""
+        self._set_lock(_lock_for(self.stream) if self.stream is not None else threading.Lock())
 
 
 # Destinations shared by two routes (the same stream object passed to two `to()`) share one lock;
@@ -314,7 +333,8 @@ class _Router:
         self._route().flush()
 
     def fileno(self) -> int:
-        """The route's descriptor, flushed first; the fallback's when the route has none.
+        """The route's descriptor, flushed first; the fallback's when the route has none, and
+        the process's own (``sys.__stdout__``/``sys.__stderr__``) when neither has one.
 
         ``subprocess.Popen(stdout=sys.stdout)`` calls this: a child then writes straight into the
         job's log file, after everything Python wrote before it.
@@ -327,6 +347,14 @@ class _Router:
                 continue
             candidate.flush()
             return fd
+        std = getattr(sys, f"__{self._label}__", None)
+        try:
+            if std is not None:
+                fd = std.fileno()
+                std.flush()
+                return int(fd)
+        except Exception:
+            pass
         raise io.UnsupportedOperation(f"corral {self._label} route has no file descriptor")
 
     def isatty(self) -> bool:
@@ -486,8 +514,11 @@ def install() -> None:
             sys.stderr = _stderr
             return
         for router, original in ((_stdout, sys.stdout), (_stderr, sys.stderr)):
-            stream = None if isinstance(original, _Router) else original
-            router._fallback = _Target(stream, owned=False, name=f"original {router._label}")
+            if isinstance(original, _Router):
+                # A router put back after uninstall (a redirect_stdout that outlived it): the
+                # original is still the fallback it had; making it None would drop all output.
+                continue
+            router._fallback = _Target(original, owned=False, name=f"original {router._label}")
         _repoint_handlers()
         if faulthandler.is_enabled():
             _enable_faulthandler()
@@ -604,10 +635,13 @@ class to:
     def __enter__(self) -> IO[str]:
         install()
         t = _make_target(self._spec)
+        stream = t.stream
+        if stream is None:  # checked before the route is set: a failed enter must not leak it
+            t.end()
+            raise TypeError(f"capture.to() needs a path or a text stream, not {self._spec!r}")
         self._target = t
         self._token = _current.set(t)
-        assert t.stream is not None
-        return t.stream
+        return stream
 
     def __exit__(
         self,
@@ -647,8 +681,9 @@ def flush_all() -> None:
 def _after_fork_in_child() -> None:
     # Another thread of the parent may have held a lock at fork time; in the child that thread no
     # longer exists, so its lock would stay held forever.
-    global _open_targets_guard, _stream_locks_guard, _state_lock
+    global _open_targets_guard, _stream_locks, _stream_locks_guard, _state_lock
     _open_targets_guard = threading.Lock()
+    _stream_locks = weakref.WeakKeyDictionary()  # its locks may be held by parent threads
     _stream_locks_guard = threading.Lock()
     _state_lock = threading.RLock()
     for t in list(_open_targets):
@@ -677,14 +712,25 @@ def wrap(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 class Thread(threading.Thread):
-    """A ``threading.Thread`` that runs in a copy of its creator's context (and route)."""
+    """A ``threading.Thread`` that runs in a copy of its creator's context (and route).
+
+    Subclasses may override :meth:`run` as usual: the context is entered around whatever
+    ``run`` the instance has (bound here, so it works whatever ``_bootstrap_inner`` does).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._corral_context = contextvars.copy_context()
+        context = contextvars.copy_context()
+        run = self.run
+        self._corral_context = context
 
-    def run(self) -> None:
-        self._corral_context.run(super().run)
+        def run_in_context() -> None:
+            try:
+                context.run(run)
+            finally:
+                self.__dict__.pop("run", None)  # break the cycle self -> run_in_context -> self
+
+        self.run = run_in_context  # type: ignore[method-assign]
 
 
 class RoutedProcess:
@@ -713,14 +759,36 @@ class RoutedProcess:
         return code
 
 
+def _incomplete_utf8_tail(chunk: bytes) -> int:
+    """Where a UTF-8 sequence cut off at the end of ``chunk`` starts (``len(chunk)`` if none)."""
+    n = len(chunk)
+    for i in range(n - 1, max(n - 4, -1), -1):
+        byte = chunk[i]
+        if byte < 0x80:
+            return n
+        if byte >= 0xC0:  # lead byte: is its sequence complete?
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return i if n - i < need else n
+    return n
+
+
 def _pump(pipe: IO[bytes], write_bytes: Callable[[bytes], object]) -> None:
+    # A read can end in the middle of a multi-byte character; a route without a binary layer
+    # decodes each write on its own, so the cut-off bytes wait for the next read.
     fd = pipe.fileno()
+    held = b""
     try:
         while True:
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
-            write_bytes(chunk)
+            chunk = held + chunk
+            cut = _incomplete_utf8_tail(chunk)
+            held = chunk[cut:]
+            if cut:
+                write_bytes(chunk[:cut])
+        if held:
+            write_bytes(held)
     except Exception as exc:
         _report(f"corral.capture: lost child output: {exc!r}")
     finally:
@@ -744,8 +812,8 @@ def spawn(
     """
     fds: list[int | None] = []
     pumps_for: list[tuple[int, _Router]] = []
-    for index, router in enumerate((_stdout, _stderr)):
-        t = router._route()
+    targets = [router._route() for router in (_stdout, _stderr)]
+    for index, (router, t) in enumerate(zip((_stdout, _stderr), targets, strict=True)):
         try:
             fd = t.fileno()
         except Exception:
@@ -753,6 +821,9 @@ def spawn(
         if fd is not None:
             t.flush()
             fds.append(fd)
+        elif index == 1 and targets[0] is t:
+            # Both streams go to one destination: one pipe keeps their lines in order.
+            fds.append(subprocess.STDOUT)
         else:
             fds.append(subprocess.PIPE)
             pumps_for.append((index, router))
