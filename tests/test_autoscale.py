@@ -1,0 +1,443 @@
+"""Tests for corral.autoscale: load over a simulated clock in, replica targets out.
+
+Most tests replay a table: a request trace built from constant-rate segments, a ``decide`` call
+every simulated second, and a table of (time, expected target). Requests of a rate ``r`` segment
+sit at the middle of their 1/r slots (t0 + 0.5/r, t0 + 1.5/r, ...), so no request lands exactly
+on a window edge and the expected counts can be worked out by hand; the comments show the sums.
+"""
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from corral.autoscale import (
+    DEFAULT_DECISION_INTERVAL,
+    DEFAULT_ZERO_DECISION_INTERVAL,
+    Autoscaler,
+    Decision,
+    FixedAutoscaler,
+    RequestRateAutoscaler,
+    make_autoscaler,
+)
+from corral.spec import ReplicaPolicy
+
+
+def policy(
+    min_replicas: int = 1,
+    max_replicas: int = 5,
+    target_qps: float | None = 1.0,
+    up: float = 30.0,
+    down: float = 60.0,
+    over: int = 0,
+) -> ReplicaPolicy:
+    return ReplicaPolicy(
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        target_qps_per_replica=target_qps,
+        upscale_delay_seconds=up,
+        downscale_delay_seconds=down,
+        num_overprovision=over,
+    )
+
+
+def rate(per_second: float, t0: float, t1: float) -> list[float]:
+    """Request timestamps at ``per_second`` from t0 (inclusive) to t1 (exclusive)."""
+    out: list[float] = []
+    i = 0
+    while (stamp := t0 + (i + 0.5) / per_second) < t1:
+        out.append(stamp)
+        i += 1
+    return out
+
+
+def trace(*segments: Iterable[float]) -> list[float]:
+    return sorted(stamp for segment in segments for stamp in segment)
+
+
+def simulate(
+    scaler: Autoscaler, requests: Sequence[float], until: int, start: int = 0, step: int = 1
+) -> dict[int, Decision]:
+    """``decide`` every ``step`` seconds from start to until (inclusive), with the whole trace:
+    requests after ``now`` must be ignored, as the real caller's list would not hold them yet."""
+    return {now: scaler.decide(float(now), requests) for now in range(start, until + 1, step)}
+
+
+def check_table(decisions: dict[int, Decision], table: Sequence[tuple[int, int]]) -> None:
+    for now, expected in table:
+        got = decisions[now]
+        assert got.target == expected, f"t={now}: wanted {expected}, got {got}"
+
+
+def scaler_for(p: ReplicaPolicy, window: float = 10.0) -> Autoscaler:
+    return make_autoscaler(p, qps_window=window)
+
+
+# --------------------------------------------------------------------------------------------
+# Tables of load over time
+
+
+def test_steady_load_reaches_its_target_once_and_stays() -> None:
+    # 2 req/s wants 2 from t=1 (0.25 and 0.75 over the 1 s minimum span); the initial target is
+    # min_replicas 1, so it rises after the 30 s upscale delay and then holds for good.
+    decisions = simulate(scaler_for(policy(up=30)), rate(2, 0, 700), until=600)
+    check_table(decisions, [(0, 1), (1, 1), (30, 1), (31, 2), (32, 2), (600, 2)])
+    assert all(d.target == 2 and d.raw_target == 2 for t, d in decisions.items() if t >= 31)
+    assert all(d.qps == pytest.approx(2.0) for t, d in decisions.items() if t >= 1)
+
+
+def test_step_up_rises_exactly_after_the_upscale_delay() -> None:
+    # 1 req/s, then 3 req/s from t=100. At t=101 the 10 s window holds 9 old + 3 new = 12
+    # requests: 1.2 QPS wants 2 > 1, so the clock starts at 101 and the target moves at 131,
+    # to the raw target of that moment (the window is all new load by then: 3).
+    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    decisions = simulate(scaler_for(policy(up=30)), requests, until=300)
+    check_table(decisions, [(100, 1), (101, 1), (115, 1), (130, 1), (131, 3), (300, 3)])
+    assert decisions[100].raw_target == 1
+    assert decisions[101].raw_target == 2
+    assert decisions[130].raw_target == 3
+
+
+def test_step_down_falls_exactly_after_the_downscale_delay() -> None:
+    # 3 req/s (reached at t=1: upscale delay 0), then 1 req/s from t=100. The window holds
+    # 3*(10-k) + k requests at t=100+k: 22 at t=104 (wants 3), 20 at t=105 (wants 2 < 3), so
+    # the clock starts at 105 and the target falls at 165 to that moment's raw target, 1.
+    requests = trace(rate(3, 0, 100), rate(1, 100, 400))
+    decisions = simulate(scaler_for(policy(up=0, down=60)), requests, until=300)
+    check_table(decisions, [(1, 3), (100, 3), (104, 3), (105, 3), (164, 3), (165, 1), (300, 1)])
+    assert decisions[104].raw_target == 3
+    assert decisions[105].raw_target == 2
+
+
+def test_spikes_shorter_than_the_delays_change_nothing() -> None:
+    # A 4 req/s burst on top of 1 req/s during [100, 110) keeps the raw target above 1 from
+    # t=101 to t=119: 19 s, under the 30 s upscale delay.
+    requests = trace(rate(1, 0, 400), rate(4, 100, 110))
+    decisions = simulate(scaler_for(policy(up=30)), requests, until=300)
+    assert max(d.raw_target for d in decisions.values()) == 5
+    assert {d.target for d in decisions.values()} == {1}
+
+    # A 30 s lull in 3 req/s keeps the raw target below 3 for about 35 s, under the 60 s
+    # downscale delay.
+    requests = trace(rate(3, 0, 100), rate(3, 130, 400))
+    decisions = simulate(scaler_for(policy(up=0, down=60)), requests, until=300)
+    assert min(d.raw_target for d in decisions.values()) == 1
+    assert {d.target for t, d in decisions.items() if t >= 1} == {3}
+
+
+def test_spike_that_outlasts_the_upscale_delay_scales_up_then_back_down() -> None:
+    # The same burst for 50 s: raw above 1 from t=101, so the target moves at 131 to 5. When it
+    # ends at 150 the window holds 10 + 4*(10-k) at t=150+k: 42 (wants 5) at 152, 38 (wants 4)
+    # at 153, so the down clock starts at 153 and the target is back to 1 at 213.
+    requests = trace(rate(1, 0, 400), rate(4, 100, 150))
+    decisions = simulate(scaler_for(policy(up=30, down=60)), requests, until=300)
+    check_table(decisions, [(130, 1), (131, 5), (152, 5), (153, 5), (212, 5), (213, 1)])
+
+
+def test_scale_from_zero_is_immediate_and_polled_faster() -> None:
+    scaler = scaler_for(policy(min_replicas=0, max_replicas=3, up=300))
+    assert scaler.decision_interval == DEFAULT_ZERO_DECISION_INTERVAL
+    decisions = simulate(scaler, [50.5], until=50)
+    assert decisions[50].target == 0
+    assert scaler.decision_interval == DEFAULT_ZERO_DECISION_INTERVAL
+
+    # One request in the window is 0.1 QPS, which wants 1: no 300 s wait.
+    first = scaler.decide(51.0, [50.5])
+    assert (first.target, first.raw_target) == (1, 1)
+    assert "at once" in first.reason
+    assert scaler.decision_interval == DEFAULT_DECISION_INTERVAL
+
+    # A burst from zero goes straight to what it wants (25 requests / 10 s = 2.5 -> 3).
+    burst = scaler_for(policy(min_replicas=0, max_replicas=5, up=300))
+    simulate(burst, [], until=50)
+    assert burst.decide(51.0, [50.1] * 25).target == 3
+
+
+def test_scale_to_zero_after_the_downscale_delay() -> None:
+    # The one request leaves the 10 s window at 60.5: raw 0 from t=61, target 0 from t=121.
+    scaler = scaler_for(policy(min_replicas=0, max_replicas=3, up=300, down=60))
+    decisions = simulate(scaler, [50.5], until=200)
+    check_table(decisions, [(50, 0), (51, 1), (60, 1), (61, 1), (120, 1), (121, 0), (200, 0)])
+    assert decisions[61].raw_target == 0
+    assert scaler.decision_interval == DEFAULT_ZERO_DECISION_INTERVAL
+
+
+def test_raw_target_is_clipped_to_max_and_min() -> None:
+    high = simulate(scaler_for(policy(max_replicas=5, up=0)), rate(100, 0, 100), until=50)
+    assert (high[50].target, high[50].raw_target) == (5, 5)
+    assert high[50].reason.startswith("QPS 100.0 wants 100, capped at max_replicas 5")
+
+    low = simulate(scaler_for(policy(min_replicas=2, down=0)), [], until=50)
+    assert {(d.target, d.raw_target) for d in low.values()} == {(2, 2)}
+    assert "wants 0, raised to min_replicas 2" in low[50].reason
+
+
+def test_overprovision_is_added_on_top_but_not_at_zero() -> None:
+    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    decisions = simulate(scaler_for(policy(over=2, up=30)), requests, until=200)
+    check_table(decisions, [(100, 3), (130, 3), (131, 5)])
+    assert decisions[131].raw_target == 3  # raw excludes the overprovision
+    assert decisions[131].reason.endswith("(+2 overprovisioned = 5)")
+
+    capped = simulate(scaler_for(policy(max_replicas=4, over=2, up=0)), rate(50, 0, 60), until=5)
+    assert capped[5].target == 6  # max_replicas + num_overprovision
+
+    zero = scaler_for(policy(min_replicas=0, max_replicas=3, over=1, down=60))
+    check_table(simulate(zero, [50.5], until=200), [(50, 0), (51, 2), (120, 2), (121, 0)])
+
+
+def test_decisions_made_less_often_still_wait_from_the_first_seen_crossing() -> None:
+    # Every 5 s: the crossing is first seen at 105, so the move comes at the first decision at
+    # least 30 s later, 135 (never before 131, the earliest the delay allows).
+    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    decisions = simulate(scaler_for(policy(up=30)), requests, until=200, step=5)
+    check_table(decisions, [(100, 1), (105, 1), (130, 1), (135, 3)])
+
+
+# --------------------------------------------------------------------------------------------
+# QPS measurement
+
+
+def test_qps_over_the_default_60s_window() -> None:
+    scaler = make_autoscaler(policy())
+    requests = rate(2, 0, 500)
+    decisions = simulate(scaler, requests, until=300, step=10)
+    assert decisions[300].qps == pytest.approx(2.0)
+    # Half a window of 2 req/s after a quiet start: 60 requests / 60 s, not / 30 s.
+    late = make_autoscaler(policy())
+    simulate(late, [], until=100, step=10)
+    assert late.decide(130.0, rate(2, 100, 200)).qps == pytest.approx(1.0)
+
+
+def test_a_burst_right_after_start_is_not_under_estimated() -> None:
+    scaler = scaler_for(policy(), window=60.0)
+    burst = [0.1, 0.2, 0.3] * 10  # 30 requests in the first 0.3 s
+    assert scaler.decide(0.0, []).qps == 0.0
+    assert scaler.decide(0.5, burst).qps == pytest.approx(30.0)  # over the 1 s minimum span
+    assert scaler.decide(5.0, burst).qps == pytest.approx(6.0)  # over the 5 s watched
+    assert scaler.decide(60.0, burst).qps == pytest.approx(0.5)  # over the full window
+    assert scaler.decide(61.0, burst).qps == 0.0
+
+
+def test_requests_seen_before_the_first_decision_count_as_watched_time() -> None:
+    # The first decide at t=100 sees 1 req/s since t=70.5: 30 requests over 29.5 s, not 30
+    # requests over the 1 s floor.
+    scaler = scaler_for(policy(), window=60.0)
+    assert scaler.decide(100.0, rate(1, 70, 100)).qps == pytest.approx(30 / 29.5)
+
+
+def test_request_order_and_future_requests_do_not_matter() -> None:
+    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    shuffled = list(requests)
+    random.Random(7).shuffle(shuffled)
+    in_order = scaler_for(policy())
+    scrambled = scaler_for(policy())
+    for now in range(0, 200):
+        past = [s for s in requests if now - 10 < s <= now]
+        assert in_order.decide(float(now), past) == scrambled.decide(float(now), shuffled)
+
+
+# --------------------------------------------------------------------------------------------
+# Reasons
+
+
+def test_reason_names_the_qps_the_delay_and_the_outcome() -> None:
+    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    up = simulate(scaler_for(policy(up=30)), requests, until=131)
+    assert up[100].reason == "QPS 1 wants 1 (= current 1): holding 1"
+    assert up[101].reason == "QPS 1.2 wants 2 (> current 1) for 0s of 30s upscale delay: holding 1"
+    assert up[110].reason == "QPS 3 wants 3 (> current 1) for 9s of 30s upscale delay: holding 1"
+    assert up[131].reason == (
+        "QPS 3 wants 3 (> current 1) for 30s, past the 30s upscale delay: scaling up to 3"
+    )
+
+    requests = trace(rate(3, 0, 100), rate(1, 100, 400))
+    down = simulate(scaler_for(policy(up=0, down=60)), requests, until=165)
+    assert down[125].reason == (
+        "QPS 1 wants 1 (< current 3) for 20s of 60s downscale delay: holding 3"
+    )
+    assert down[165].reason.endswith("past the 60s downscale delay: scaling down to 1")
+
+    tiny = make_autoscaler(policy(min_replicas=0, up=300))
+    tiny.decide(0.0, [])
+    assert tiny.decide(100.0, [99.0]).reason == (
+        "QPS 0.0167 wants 1 while at zero: scaling up to 1 at once (scale from zero does not "
+        "wait for the 300s upscale delay)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Policy updates and the fixed autoscaler
+
+
+def test_reset_policy_clips_into_new_bounds_and_keeps_a_target_that_fits() -> None:
+    scaler = scaler_for(policy(max_replicas=5, up=0))
+    requests = rate(4, 0, 1000)  # wants 4
+    assert simulate(scaler, requests, until=20)[20].target == 4
+
+    scaler.reset_policy(policy(min_replicas=2, max_replicas=8, up=30))
+    assert scaler.decide(21.0, requests).target == 4  # still within bounds: kept
+
+    scaler.reset_policy(policy(max_replicas=3, up=30))
+    shrunk = scaler.decide(22.0, requests)
+    assert (shrunk.target, shrunk.raw_target) == (3, 3)  # clipped at once, no delay
+
+    # Widening again does not jump: the load's 4 must wait out the new upscale delay.
+    scaler.reset_policy(policy(max_replicas=8, up=30))
+    check_table(simulate(scaler, requests, start=23, until=60), [(23, 3), (52, 3), (53, 4)])
+
+    scaler.reset_policy(policy(min_replicas=2, max_replicas=2, target_qps=None, over=1))
+    fixed = scaler.decide(61.0, requests)
+    assert (fixed.target, fixed.raw_target) == (3, 2)
+    assert fixed.reason.startswith("fixed size of 2 replicas")
+
+
+def test_turning_autoscaling_on_keeps_the_fixed_size_as_the_starting_target() -> None:
+    scaler = make_autoscaler(policy(min_replicas=3, max_replicas=3, target_qps=None))
+    assert isinstance(scaler, FixedAutoscaler)
+    assert scaler.decide(0.0, []).target == 3
+    scaler.reset_policy(policy(min_replicas=1, max_replicas=5, down=60))
+    # No load wants 1, but that is a downscale: it waits, from 3, like any other.
+    check_table(simulate(scaler, [], start=1, until=70), [(1, 3), (60, 3), (61, 1)])
+
+
+def test_fixed_autoscaler_ignores_load() -> None:
+    scaler = make_autoscaler(policy(min_replicas=3, max_replicas=3, target_qps=None, over=1))
+    assert isinstance(scaler, FixedAutoscaler)
+    decisions = simulate(scaler, rate(1000, 0, 100), until=100, step=10)
+    assert {(d.target, d.raw_target) for d in decisions.values()} == {(4, 3)}
+    assert decisions[100].qps == pytest.approx(1000.0, rel=1e-3)  # measured all the same
+    assert "autoscaling is off" in decisions[100].reason
+    assert scaler.decision_interval == DEFAULT_DECISION_INTERVAL
+
+    # target_qps_per_replica with min == max is still a fixed size.
+    assert isinstance(make_autoscaler(policy(min_replicas=2, max_replicas=2)), FixedAutoscaler)
+
+    # replicas: 0 (a paused service) stays at 0, overprovision or not, and is not polled fast.
+    paused = make_autoscaler(policy(min_replicas=0, max_replicas=0, target_qps=None, over=2))
+    assert paused.decide(1.0, [0.5] * 100).target == 0
+    assert paused.decision_interval == DEFAULT_DECISION_INTERVAL
+
+
+def test_construction_checks() -> None:
+    assert isinstance(make_autoscaler(policy()), RequestRateAutoscaler)
+    assert isinstance(make_autoscaler(policy()), Autoscaler)
+    assert make_autoscaler(policy(min_replicas=2)).decide(0.0, []).target == 2  # starts at min
+    with pytest.raises(ValueError, match="FixedAutoscaler needs a fixed policy"):
+        FixedAutoscaler(policy())
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="qps_window"):
+            make_autoscaler(policy(), qps_window=bad)
+        with pytest.raises(ValueError, match="decision_interval"):
+            make_autoscaler(policy(), decision_interval=bad)
+    custom = make_autoscaler(
+        policy(min_replicas=0), decision_interval=2.0, zero_decision_interval=0.5
+    )
+    assert custom.decision_interval == 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# Property
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[ReplicaPolicy, float, list[float], list[float]]:
+    low = draw(st.integers(0, 3))
+    p = policy(
+        min_replicas=low,
+        max_replicas=low + draw(st.integers(1, 4)),
+        target_qps=draw(st.floats(0.1, 5.0)),
+        up=draw(st.floats(0.0, 20.0)),
+        down=draw(st.floats(0.0, 20.0)),
+        over=draw(st.integers(0, 2)),
+    )
+    window = draw(st.floats(0.5, 20.0))
+    requests = draw(st.lists(st.floats(0.0, 100.0), max_size=200))
+    steps = draw(st.lists(st.floats(0.05, 8.0), min_size=1, max_size=40))
+    times: list[float] = []
+    now = 0.0
+    for step in steps:
+        now += step
+        times.append(now)
+    return p, window, requests, times
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_target_stays_in_bounds_and_only_follows_the_raw_target(
+    scenario: tuple[ReplicaPolicy, float, list[float], list[float]],
+) -> None:
+    p, window, requests, times = scenario
+    over = p.num_overprovision
+    scaler = make_autoscaler(p, qps_window=window)
+    history: list[tuple[float, int, int]] = []  # (now, hysteresis target, raw target)
+    held = p.min_replicas
+    for now in times:
+        d = scaler.decide(now, requests)
+        assert p.min_replicas <= d.target <= p.max_replicas + over
+        assert p.min_replicas <= d.raw_target <= p.max_replicas
+        assert d.qps >= 0
+        new = d.target - over if d.target else 0
+        if new != held:
+            # It moves to the raw target, in the raw target's direction...
+            assert new == d.raw_target
+            direction = 1 if new > held else -1
+            assert (d.raw_target - held) * direction > 0
+            # ...and, except from zero, only after the raw target stayed on that side of the old
+            # target for the whole delay, as seen by the decisions made in between.
+            if held != 0:
+                delay = p.upscale_delay_seconds if direction > 0 else p.downscale_delay_seconds
+                since = now
+                for then, then_held, then_raw in reversed(history):
+                    if then_held != held or (then_raw - held) * direction <= 0:
+                        break
+                    since = then
+                assert now - since >= delay
+        history.append((now, new, d.raw_target))
+        held = new
+
+
+# --------------------------------------------------------------------------------------------
+# The delay clock, decision by decision
+
+
+def at_three_with_delays(delay: float) -> tuple[Autoscaler, Callable[[float, float], Decision]]:
+    """A scaler holding 3 in [1, 6] (min 3 first, then lowered: the target is kept), and a
+    ``load(now, qps)`` that decides with ``qps`` worth of requests just before ``now``."""
+    scaler = make_autoscaler(policy(min_replicas=3, max_replicas=6), qps_window=10)
+    assert scaler.decide(0.0, []).target == 3
+    scaler.reset_policy(policy(min_replicas=1, max_replicas=6, up=delay, down=delay))
+
+    def load(now: float, qps: float) -> Decision:
+        return scaler.decide(now, [now - 0.5] * round(qps * 10))
+
+    return scaler, load
+
+
+def test_the_clock_restarts_when_the_raw_target_jumps_to_the_other_side() -> None:
+    _, load = at_three_with_delays(30)
+    assert load(10, 5).target == 3  # up clock from 10
+    assert load(20, 5).target == 3
+    assert load(25, 0).raw_target == 1  # straight to below: the down clock starts at 25, not 10
+    assert load(50, 0).target == 3
+    assert load(55, 0).target == 1
+
+
+def test_one_decision_at_the_target_restarts_the_clock() -> None:
+    _, load = at_three_with_delays(30)
+    assert load(10, 5).target == 3
+    assert load(30, 5).target == 3
+    assert load(35, 3).reason == "QPS 3 wants 3 (= current 3): holding 3"
+    assert load(40, 5).target == 3  # above again: a new clock from 40
+    assert load(60, 5).target == 3  # 50 s since 10, but only 20 s continuously above
+    assert load(70, 5).target == 5
+
+
+def test_float_noise_does_not_ask_for_an_extra_replica() -> None:
+    # 21 requests / 10 s = 2.1 QPS; 2.1 / 0.3 is 7.000000000000001 in floats.
+    scaler = make_autoscaler(policy(max_replicas=20, target_qps=0.3, up=0), qps_window=10)
+    scaler.decide(0.0, [])
+    assert scaler.decide(20.0, [19.5] * 21).raw_target == 7
+    assert scaler.decide(21.0, [19.5] * 21 + [20.5]).raw_target == 8
