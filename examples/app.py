@@ -10,13 +10,16 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 REPLICA = os.environ.get("CORRAL_REPLICA_ID", "?")
+VERSION = os.environ.get("APP_VERSION", "1")
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
-        body = json.dumps({"replica": REPLICA, "path": self.path, "pid": os.getpid()}).encode()
+        body = json.dumps(
+            {"replica": REPLICA, "version": VERSION, "path": self.path, "pid": os.getpid()}
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

@@ -101,6 +101,26 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         service = await daemon.create(spec, name=name, source=source, base_dir=base_dir)
         return _json(service, status=201)
 
+    @routes.post("/v1/services/{name}/versions")
+    async def update(request: web.Request) -> web.Response:
+        body = await _body(request)
+        spec = _optional_str(body, "spec")
+        mode = _optional_str(body, "mode") or "rolling"
+        from_version = body.get("from_version")
+        if from_version is not None and (
+            not isinstance(from_version, int) or isinstance(from_version, bool) or from_version < 1
+        ):
+            raise RequestError(400, "field 'from_version' must be a version number (>= 1)")
+        service = daemon.update(
+            request.match_info["name"],
+            spec,
+            mode=mode,
+            source=_optional_str(body, "source"),
+            base_dir=_optional_str(body, "base_dir"),
+            from_version=from_version,
+        )
+        return _json(service, status=201)
+
     @routes.get("/v1/services/{name}")
     async def get_service(request: web.Request) -> web.Response:
         return _json(daemon.controller(request.match_info["name"]).snapshot())
@@ -139,12 +159,14 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         await response.prepare(request)
         position = offset
         while True:
+            # Decided before reading: what the writer wrote before it finished is still sent.
+            done = not follow or _finished(daemon, name, kind, replica_id)
             chunk = await asyncio.to_thread(_read_from, path, position)
             if chunk:
                 position += len(chunk)
                 await response.write(chunk)
                 continue
-            if not follow or _finished(daemon, name, kind, replica_id):
+            if done:
                 break
             await asyncio.sleep(0.2)
         await response.write_eof()
@@ -173,12 +195,14 @@ def _read_from(path: Any, position: int) -> bytes:
 
 
 def _finished(daemon: Daemon, name: str, kind: str, replica_id: int | None) -> bool:
-    """A followed log ends when what writes it is gone."""
+    """A followed log ends when what writes it is gone: the service, or the replica (removed,
+    or torn down: a failed replica stays listed but nothing writes its logs any more)."""
     if name not in daemon.controllers:
         return True
     if replica_id is None:
         return False
-    return daemon.store.replica(replica_id) is None
+    row = daemon.store.replica(replica_id)
+    return row is None or row.service != name or row.teardown_state == "succeeded"
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -349,6 +373,29 @@ OPENAPI: dict[str, Any] = {
                 ],
                 "responses": _answers(_ok(202, _SERVICE, "shutting down"), 400, 404),
             },
+        },
+        "/v1/services/{name}/versions": {
+            "post": {
+                "parameters": [_NAME],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "spec": {"type": "string", "description": "service YAML"},
+                                    "mode": {"type": "string", "enum": ["rolling", "blue_green"]},
+                                    "from_version": {"type": "integer", "minimum": 1},
+                                    "source": {"type": "string"},
+                                    "base_dir": {"type": "string"},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": _answers(_ok(201, _SERVICE, "new version rolling out"), 400, 404, 409),
+            }
         },
         "/v1/services/{name}/events": {
             "get": {

@@ -13,14 +13,15 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from corral.client import Client, ClientError, ensure_daemon
-from corral.daemon import DaemonError, default_home, serve
+from corral.client import EXIT_DAEMON_RUNNING, Client, ClientError, ensure_daemon
+from corral.daemon import DaemonError, DaemonRunning, default_home, serve
 from corral.spec import SpecError, load_spec, local_port_problem
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 FAILED_SERVICE = {"FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"}
+LIVE = {"PENDING", "PROVISIONING", "STARTING", "READY", "NOT_READY"}
 
 
 def _home(ctx: click.Context) -> Path:
@@ -98,10 +99,89 @@ def _wait_ready(client: Client, name: str, timeout: float | None) -> None:
             return
         if status in FAILED_SERVICE:
             failed = [r for r in service["replicas"] if r.get("failure")]
-            hint = f"; see `corral logs {name} {failed[-1]['id']} --launch`" if failed else ""
+            hint = ""
+            if failed:
+                # The app's own output tells why it exited; the launch log, why it never started.
+                last = failed[-1]
+                launch = " --launch" if last["status"] == "FAILED_PROVISION" else ""
+                hint = f"; see `corral logs {name} {last['id']}{launch}`"
             _fail(f"service {name} is {status}: {service.get('failure') or ''}{hint}")
         if deadline is not None and time.monotonic() > deadline:
             _fail(f"service {name} not READY after {timeout:g}s (status {status}); it keeps trying")
+        time.sleep(0.25)
+
+
+@main.command()
+@click.argument("name")
+@click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--mode",
+    type=click.Choice(["rolling", "blue_green"]),
+    default="rolling",
+    show_default=True,
+    help="rolling: replace replicas as new ones become READY; blue_green: switch traffic once "
+    "the new version has min_replicas READY.",
+)
+@click.option("--to-version", type=int, help="Roll back: deploy a stored version's spec again.")
+@click.option("-d", "--detach", is_flag=True, help="Return once the new version is accepted.")
+@click.option("--timeout", type=float, default=None, help="Give up waiting after this many s.")
+@click.pass_context
+def update(
+    ctx: click.Context,
+    name: str,
+    file: Path | None,
+    mode: str,
+    to_version: int | None,
+    detach: bool,
+    timeout: float | None,
+) -> None:
+    """Roll out a new version of service NAME from FILE (or --to-version N)."""
+    if (file is None) == (to_version is None):
+        _fail("give the new spec FILE, or --to-version N to roll back")
+    text = source = base_dir = None
+    if file is not None:
+        spec = _load(file, name)
+        problem = local_port_problem(spec) if spec.infra == "local" else None
+        if problem:
+            _fail(problem)
+        text, source, base_dir = file.read_text(), str(file.resolve()), str(file.resolve().parent)
+    client = _client(ctx, start=False)
+    try:
+        service = client.update(
+            name, text, mode=mode, source=source, base_dir=base_dir, from_version=to_version
+        )
+    except ClientError as exc:
+        _fail(_client_error_text(exc))
+        return
+    version = service["version"]
+    out.print(f"service [bold]{name}[/bold]: version {version} accepted ({mode})")
+    if not detach:
+        _wait_rollout(client, name, version, timeout)
+
+
+def _wait_rollout(client: Client, name: str, version: int, timeout: float | None) -> None:
+    """Wait until only the new version runs, at its target, or it is refused."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            service = client.service(name)
+        except ClientError as exc:
+            _fail(_client_error_text(exc))
+            return
+        live = [r for r in service["replicas"] if r["status"] in LIVE]
+        ready_new = [r for r in live if r["version"] == version and r["status"] == "READY"]
+        others = [r for r in live if r["version"] != version]
+        failure = service.get("failure") or ""
+        if f"version {version} never became ready" in failure:
+            serving = sorted({r["version"] for r in live if r["status"] == "READY"})
+            on = f"; traffic stays on version {serving}" if serving else ""
+            _fail(f"version {version} not promoted: {failure}{on}")
+        target = service.get("target")
+        if target is not None and not others and len(ready_new) >= target:
+            out.print(f"[green]service {name}: version {version} serves all traffic[/green]")
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            _fail(f"version {version} not fully rolled out after {timeout:g}s; it keeps going")
         time.sleep(0.25)
 
 
@@ -148,6 +228,13 @@ def status(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
             )
     out.print()
     out.print(replicas)
+    for s in services:
+        scaler = s.get("autoscaler")
+        if scaler:
+            out.print(
+                f"{s['name']}: target {s['target']} at {scaler['qps']:g} QPS: {scaler['reason']}",
+                soft_wrap=True,
+            )
     for s in services:
         if s.get("failure"):
             out.print(f"[red]{s['name']}:[/red] {s['failure']}", soft_wrap=True)
@@ -276,6 +363,8 @@ def daemon_run(ctx: click.Context, home_opt: Path | None, host: str, port: int) 
         _fail("the API serves plain HTTP: bind it to loopback (TLS on other addresses: not yet)")
     try:
         asyncio.run(serve(home, host=host, port=port))
+    except DaemonRunning as exc:
+        _fail(str(exc), code=EXIT_DAEMON_RUNNING)
     except DaemonError as exc:
         _fail(str(exc))
 

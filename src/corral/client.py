@@ -19,6 +19,10 @@ from urllib.parse import quote, urlencode
 
 from corral.daemon import read_info, read_token
 
+# `corral daemon run` exits with this code (EX_TEMPFAIL) when another daemon holds the home's
+# lock: two `corral up` raced to start one, and the winner answers once it has started.
+EXIT_DAEMON_RUNNING = 75
+
 
 class ClientError(Exception):
     """The daemon refused a request, or could not be reached. ``str()`` is for the user."""
@@ -127,6 +131,25 @@ class Client:
         body = {"spec": spec, "name": name, "source": source, "base_dir": base_dir}
         return dict(self.request("POST", "/v1/services", body))
 
+    def update(
+        self,
+        name: str,
+        spec: str | None,
+        *,
+        mode: str,
+        source: str | None = None,
+        base_dir: str | None = None,
+        from_version: int | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            "spec": spec,
+            "mode": mode,
+            "source": source,
+            "base_dir": base_dir,
+            "from_version": from_version,
+        }
+        return dict(self.request("POST", f"/v1/services/{quote(name, safe='')}/versions", body))
+
     def down(self, name: str, *, purge: bool = False) -> dict[str, Any]:
         params = {"purge": "true"} if purge else None
         return dict(self.request("DELETE", f"/v1/services/{quote(name, safe='')}", params=params))
@@ -179,6 +202,10 @@ def ensure_daemon(home: Path, timeout: float = 20.0) -> Client:
         if code is not None:
             if client.health():  # another `corral up` won the race and its daemon answers
                 return client
+            if code == EXIT_DAEMON_RUNNING:
+                # The winner may still be starting (daemon.json is written once it listens).
+                time.sleep(0.05)
+                continue
             tail = _tail(log_path)
             raise ClientError(f"the corral daemon exited with code {code}; {log_path}:\n{tail}")
         time.sleep(0.05)

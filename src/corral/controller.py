@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from corral import capture
+from corral.autoscale import Autoscaler, Decision, make_autoscaler
 from corral.balancer import LoadBalancer
 from corral.infra.base import Infra, LaunchRequest, Liveness, ReplicaHandle
 from corral.jobs import Job, JobPool, JobState
@@ -62,6 +63,8 @@ class ControllerDeps:
     http: aiohttp.ClientSession
     drain_timeout: float = 30.0
     teardown_grace: float = 5.0
+    decision_interval: float = 5.0  # autoscaler decisions (SkyServe: 20 s)
+    qps_window: float = 60.0  # the autoscaler's load signal: requests over this window
 
 
 @dataclass
@@ -79,6 +82,7 @@ class _Runtime:
     teardowns: dict[int, Job] = field(default_factory=dict)
     draining: set[int] = field(default_factory=set)
     ready: dict[int, str] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)  # replica id -> version, of `ready`
     probes: dict[int, _ProbeState] = field(default_factory=dict)
 
 
@@ -113,6 +117,12 @@ class ServiceController:
         self.balancer: LoadBalancer | None = None
         self.failed: str | None = None  # the controller itself crashed
         self.last_decision: str = ""
+        self._autoscaler: Autoscaler | None = None
+        self._policy_version = 0
+        self._decision: Decision | None = None
+        self._next_decision = 0.0
+        # Blue-green: READY replicas of this version get no traffic until the switch.
+        self._held_version: int | None = None
         self.dir = deps.home / "services" / name
         self.logs = self.dir / "logs"
 
@@ -141,6 +151,10 @@ class ServiceController:
                 self.failed = f"controller failed to start: {exc!r}"
                 log.exception("service %s: controller failed to start", self.name)
                 started.set()
+                # Nothing is launched or probed, but `corral down` must still remove the
+                # service (and tear down what an earlier daemon left), or it is stuck forever.
+                await self._wait_for_down()
+                await self._reconcile_loop()
                 return
             started.set()
             log.info("service %s: controller started", self.name)
@@ -164,6 +178,16 @@ class ServiceController:
                 await task
         if self.balancer is not None:
             await self.balancer.stop()
+
+    async def _wait_for_down(self) -> None:
+        """Return once the service is asked to shut down (or is gone, or the daemon stops)."""
+        while not self._stopping:
+            svc = self.store.service(self.name)
+            if svc is None or svc.intent == "shutting_down":
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=2.0)
+            self._wake.clear()
 
     def wake(self) -> None:
         """Ask for a reconcile step soon (thread-safe)."""
@@ -236,14 +260,23 @@ class ServiceController:
 
     def _publish_ready(self) -> None:
         if self.balancer is not None:
-            self.balancer.set_ready(dict(self._rt.ready))
+            held = self._held_version
+            self.balancer.set_ready(
+                {
+                    rid: endpoint
+                    for rid, endpoint in self._rt.ready.items()
+                    if held is None or self._rt.versions.get(rid) != held
+                }
+            )
 
-    def _set_ready(self, replica_id: int, endpoint: str | None) -> None:
+    def _set_ready(self, replica_id: int, endpoint: str | None, version: int = 0) -> None:
         changed = False
         if endpoint is None:
             changed = self._rt.ready.pop(replica_id, None) is not None
+            self._rt.versions.pop(replica_id, None)
         elif self._rt.ready.get(replica_id) != endpoint:
             self._rt.ready[replica_id] = endpoint
+            self._rt.versions[replica_id] = version
             changed = True
         if changed:
             self._publish_ready()
@@ -282,6 +315,7 @@ class ServiceController:
                 if self._infra_for(r).check(handle) is Liveness.ALIVE:
                     if r.ready:
                         self._rt.ready[r.id] = handle.endpoint
+                        self._rt.versions[r.id] = r.version
                     self.store.event(
                         self.name, "replica.adopt", "running after restart", replica_id=r.id
                     )
@@ -314,14 +348,44 @@ class ServiceController:
                 if self._on_removed is not None:
                     self._on_removed(self.name)
                 return
+            interval = 2.0
+            if self._autoscaler is not None:
+                interval = min(interval, self._autoscaler.decision_interval)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=2.0)
+                await asyncio.wait_for(self._wake.wait(), timeout=interval)
             self._wake.clear()
 
-    def target(self, spec: ServiceSpec) -> int:
-        """Fixed-size target for now: the autoscaler issue replaces this with load."""
+    def _decide(self, version: int, spec: ServiceSpec) -> Decision:
+        """The autoscaler's target, re-decided every decision interval from the balancer's
+        request timestamps (``time.monotonic()``, the clock the autoscaler expects)."""
         policy = spec.service.replica_policy
-        return policy.min_replicas + policy.num_overprovision
+        if self._autoscaler is None:
+            self._autoscaler = make_autoscaler(
+                policy,
+                decision_interval=self.deps.decision_interval,
+                qps_window=self.deps.qps_window,
+            )
+            self._policy_version = version
+        elif self._policy_version != version:
+            self._autoscaler.reset_policy(policy)
+            self._policy_version = version
+            self._next_decision = 0.0
+        now = time.monotonic()
+        if self._decision is None or now >= self._next_decision:
+            window = self.deps.qps_window
+            times = self.balancer.request_timestamps(window) if self.balancer else []
+            previous = self._decision
+            self._decision = self._autoscaler.decide(now, times)
+            self._next_decision = now + self._autoscaler.decision_interval
+            if previous is None or previous.target != self._decision.target:
+                self.store.event(self.name, "autoscale", self._decision.reason)
+                log.info(
+                    "service %s: target %d: %s",
+                    self.name,
+                    self._decision.target,
+                    self._decision.reason,
+                )
+        return self._decision
 
     def _reconcile(self) -> bool:
         """One step toward the wanted state. Returns True when the service is fully removed."""
@@ -343,14 +407,14 @@ class ServiceController:
                     self._retire(r, f"retrying teardown (attempt {r.teardown_attempts + 1})")
             elif r.scale_down and r.teardown_state is None:
                 self._retire(r, "scaled down")
-            elif r.version != svc.current_version and r.teardown_state is None:
-                self._retire(r, f"old version {r.version}")
             elif r.launch_state == "pending" and r.id not in self._rt.launches:
-                self._launch(r, spec)
+                self._launch(r, self.spec(r.version))
 
-        current = [r for r in self.store.replicas(self.name) if r.version == svc.current_version]
+        rows = self.store.replicas(self.name)
+        current = [r for r in rows if r.version == svc.current_version]
         live = [r for r in current if is_live(r)]
-        target = self.target(spec)
+        target = self._decide(svc.current_version, spec).target
+        self._replace_old_versions(svc.current_version, rows, target)
         gave_up = self._gave_up(svc.current_version, current)
         if gave_up is not None:
             if svc.failure != gave_up:
@@ -382,6 +446,55 @@ class ServiceController:
             self.store.update_service(self.name, failure=None)
         self._prune_failed()
         return False
+
+    def _replace_old_versions(self, version: int, rows: list[ReplicaRow], target: int) -> None:
+        """Retire replicas of older versions as the current one becomes READY.
+
+        Rolling: traffic goes to READY replicas of every version, and old replicas are kept
+        only while the new version has fewer READY than the target asks, so the READY count
+        never drops below it. Blue-green: the new version's READY replicas get no traffic
+        until it has ``min_replicas`` READY (at least 1); then traffic switches at once and
+        every old replica drains and goes. A version that never becomes READY is never
+        promoted: the old replicas keep serving.
+        """
+        old = [r for r in rows if r.version != version and is_live(r)]
+        held = None
+        if old:
+            ready_new = sum(
+                1 for r in rows if r.version == version and replica_status(r) is ReplicaStatus.READY
+            )
+            vrow = self.store.version(self.name, version)
+            if vrow is not None and vrow.mode == "blue_green":
+                policy = self.spec(version).service.replica_policy
+                needed = min(max(1, policy.min_replicas), max(1, target))
+                if ready_new >= needed:
+                    for r in old:
+                        self._retire(r, f"blue-green switch to version {version}")
+                    self.store.event(self.name, "update.switch", f"traffic to version {version}")
+                elif any(replica_status(r) is ReplicaStatus.READY for r in old):
+                    held = version
+            else:
+                old_ready = [r for r in old if replica_status(r) is ReplicaStatus.READY]
+                keep = max(0, target - ready_new)
+                for r in [r for r in old if r not in old_ready]:
+                    self._retire(r, f"rolling update to version {version}")
+                for r in scale_down_victims(
+                    old_ready, len(old_ready) - keep, current_version=version
+                ):
+                    self._retire(r, f"rolling update to version {version}")
+        if held != self._held_version:
+            self._held_version = held
+            self._publish_ready()
+
+    def updated(self) -> None:
+        """A new version was stored: reconcile now (blue-green holds its traffic at once)."""
+        svc = self.store.service(self.name)
+        if svc is not None:
+            vrow = self.store.version(self.name, svc.current_version)
+            if vrow is not None and vrow.mode == "blue_green":
+                self._held_version = svc.current_version
+                self._publish_ready()
+        self.wake()
 
     def _reconcile_down(self, replicas: list[ReplicaRow], *, purge: bool) -> bool:
         remaining = 0
@@ -685,7 +798,7 @@ class ServiceController:
                 self.store.update_replica(r.id, ready=1, first_ready_at=first)
                 self.store.mark_version_ready(self.name, r.version)
                 self.store.event(self.name, "replica.ready", None, replica_id=r.id)
-                self._set_ready(r.id, handle.endpoint)
+                self._set_ready(r.id, handle.endpoint, r.version)
                 self._wake.set()
             return
         state.last_error = result.error
@@ -725,12 +838,20 @@ class ServiceController:
             raise KeyError(self.name)
         rows = self.store.replicas(self.name)
         statuses = [replica_status(r) for r in rows]
+        decision = self._decision
         try:
-            spec = self.spec(svc.current_version)
-            target = self.target(spec)
-            policy = spec.service.replica_policy.model_dump()
+            policy = self.spec(svc.current_version).service.replica_policy.model_dump()
         except Exception as exc:  # a stored spec this corral cannot read any more
-            target, policy = 0, {"error": repr(exc)}
+            policy = {"error": repr(exc)}
+        versions = [
+            {
+                "version": v.version,
+                "mode": v.mode,
+                "created_at": v.created_at,
+                "first_ready_at": v.first_ready_at,
+            }
+            for v in self.store.versions(self.name)
+        ]
         status = service_status(
             statuses,
             shutting_down=svc.intent == "shutting_down",
@@ -749,8 +870,17 @@ class ServiceController:
             "status": str(status),
             "endpoint": f"{scheme}://127.0.0.1:{svc.lb_port}" if svc.lb_port else None,
             "version": svc.current_version,
-            "target": target,
+            "target": decision.target if decision else None,
+            "autoscaler": {
+                "qps": round(decision.qps, 3),
+                "raw_target": decision.raw_target,
+                "reason": decision.reason,
+            }
+            if decision
+            else None,
             "policy": policy,
+            "versions": versions,
+            "traffic_held_for_version": self._held_version,
             "failure": self.failed or svc.failure,
             "last_decision": self.last_decision,
             "created_at": svc.created_at,

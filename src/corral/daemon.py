@@ -36,7 +36,7 @@ from corral.controller import ControllerDeps, ServiceController, handle_from_row
 from corral.infra.base import Infra, ReplicaHandle
 from corral.infra.local import LocalInfra
 from corral.jobs import JobPool
-from corral.spec import SpecError, local_port_problem, parse_spec, validate_name
+from corral.spec import ServiceSpec, SpecError, local_port_problem, parse_spec, validate_name
 from corral.state import Store
 
 log = logging.getLogger("corral.daemon")
@@ -48,6 +48,10 @@ def default_home() -> Path:
 
 class DaemonError(RuntimeError):
     """The daemon cannot start (another one runs, the home is unusable)."""
+
+
+class DaemonRunning(DaemonError):
+    """Another daemon holds the home's lock (it may still be starting)."""
 
 
 class RequestError(Exception):
@@ -91,7 +95,7 @@ def _lock(home: Path) -> IO[str]:
         f.close()
         info = read_info(home)
         pid = info.get("pid") if info else "?"
-        raise DaemonError(f"another corral daemon (pid {pid}) already runs on {home}") from None
+        raise DaemonRunning(f"another corral daemon (pid {pid}) already runs on {home}") from None
     return f
 
 
@@ -141,6 +145,72 @@ class Daemon:
     async def create(
         self, spec_text: str, *, name: str | None, source: str | None, base_dir: str | None
     ) -> dict[str, Any]:
+        spec = self._check(spec_text, source=source, name=name)
+        assert spec.name is not None
+        if spec.name in self.controllers or self.store.service(spec.name) is not None:
+            raise RequestError(409, f"service {spec.name!r} already exists")
+        try:
+            self.store.create_service(
+                spec.name, spec_text, source=source, base_dir=base_dir, lb_port=free_port()
+            )
+        except KeyError:
+            raise RequestError(409, f"service {spec.name!r} already exists") from None
+        controller = await self._start_controller(spec.name)
+        return controller.snapshot()
+
+    def update(
+        self,
+        name: str,
+        spec_text: str | None,
+        *,
+        mode: str,
+        source: str | None,
+        base_dir: str | None,
+        from_version: int | None,
+    ) -> dict[str, Any]:
+        """Store a new version of a service and let its controller roll it out.
+
+        ``from_version`` re-deploys a stored version's spec (a rollback) as a new version, so
+        the history only grows and every rollout is in the event log.
+        """
+        controller = self.controller(name)
+        svc = self.store.service(name)
+        if svc is None or svc.intent == "shutting_down":
+            raise RequestError(409, f"service {name!r} is shutting down")
+        if mode not in ("rolling", "blue_green"):
+            raise RequestError(400, f"mode must be rolling or blue_green, not {mode!r}")
+        if from_version is not None:
+            if spec_text is not None:
+                raise RequestError(400, "give either a spec or a version to roll back to, not both")
+            old = self.store.version(name, from_version)
+            if old is None:
+                raise RequestError(404, f"service {name!r} has no version {from_version}")
+            spec_text, source, base_dir = old.spec_yaml, old.source, old.base_dir
+        if spec_text is None:
+            raise RequestError(400, "field 'spec' (the service YAML) or 'from_version' is required")
+        spec = self._check(spec_text, source=source, name=name)
+        current = controller.spec(svc.current_version)
+        if spec.infra != current.infra:
+            raise RequestError(
+                400,
+                f"an update cannot move a service from infra "
+                f"{current.infra!r} to {spec.infra!r}; bring up a new service",
+            )
+        # Only the `service:` section changed (policy, probe): keep the running replicas.
+        current_row = self.store.version(name, svc.current_version)
+        same_replicas = (
+            current_row is not None
+            and current_row.base_dir == base_dir
+            and spec.model_dump(exclude={"service"}) == current.model_dump(exclude={"service"})
+        )
+        self.store.add_version(
+            name, spec_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
+        )
+        controller.updated()
+        return controller.snapshot()
+
+    def _check(self, spec_text: str, *, source: str | None, name: str | None) -> ServiceSpec:
+        """Validate a spec as this daemon will run it (the API is the trust boundary)."""
         try:
             spec = parse_spec(spec_text, source=source or "<request>", name=name)
         except SpecError as exc:
@@ -162,16 +232,7 @@ class Daemon:
             problem = local_port_problem(spec)
             if problem:
                 raise RequestError(400, problem)
-        if spec.name in self.controllers or self.store.service(spec.name) is not None:
-            raise RequestError(409, f"service {spec.name!r} already exists")
-        try:
-            self.store.create_service(
-                spec.name, spec_text, source=source, base_dir=base_dir, lb_port=free_port()
-            )
-        except KeyError:
-            raise RequestError(409, f"service {spec.name!r} already exists") from None
-        controller = await self._start_controller(spec.name)
-        return controller.snapshot()
+        return spec
 
     def controller(self, name: str) -> ServiceController:
         try:
@@ -204,10 +265,30 @@ class Daemon:
         if replica is None:
             raise RequestError(400, f"log kind {kind!r} needs a replica id")
         if kind == "launch":
-            return controller.launch_log(replica)
-        if kind == "replica":
-            return controller.replica_log(replica)
-        raise RequestError(400, f"unknown log kind {kind!r}: use replica, launch or controller")
+            path = controller.launch_log(replica)
+        elif kind == "replica":
+            path = controller.replica_log(replica)
+        else:
+            raise RequestError(400, f"unknown log kind {kind!r}: use replica, launch or controller")
+        row = self.store.replica(replica)
+        if (row is None or row.service != name) and not path.exists():
+            # Without this a followed log of a replica that never existed ends at once, empty,
+            # and `corral logs NAME 999` exits 0 as if that were a log.
+            raise RequestError(404, f"service {name!r} has no replica {replica}")
+        return path
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise DaemonError(f"${name} must be a number of seconds, not {value!r}") from None
+    if not 0 < number < 3600:
+        raise DaemonError(f"${name} must be between 0 and 3600 seconds, not {number}")
+    return number
 
 
 def _configure_logging() -> None:
@@ -257,7 +338,14 @@ async def serve(home: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         deps = ControllerDeps(
-            store=store, pool=pool, infras=infras, home=home, home_marker=home_marker, http=http
+            store=store,
+            pool=pool,
+            infras=infras,
+            home=home,
+            home_marker=home_marker,
+            http=http,
+            decision_interval=_env_float("CORRAL_DECISION_INTERVAL", 5.0),
+            qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
         )
         daemon = Daemon(home, store, deps)
         loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Each entry migrates from version i to i+1; a new schema change appends one entry.
 _MIGRATIONS: list[str] = [
@@ -81,6 +81,10 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX events_by_service ON events(service, id);
     """,
+    # 2: updates. How a version replaces the one before it.
+    """
+    ALTER TABLE versions ADD COLUMN mode TEXT NOT NULL DEFAULT 'rolling'
+    """,
 ]
 
 
@@ -109,6 +113,7 @@ class VersionRow:
     base_dir: str | None
     first_ready_at: float | None
     created_at: float
+    mode: str
 
 
 @dataclass(frozen=True)
@@ -282,6 +287,66 @@ class Store:
             "SELECT * FROM versions WHERE service = ? AND version = ?", (service, version)
         )
         return _row(VersionRow, rows[0]) if rows else None
+
+    def versions(self, service: str) -> list[VersionRow]:
+        rows = self._query("SELECT * FROM versions WHERE service = ? ORDER BY version", (service,))
+        return [_row(VersionRow, r) for r in rows]
+
+    def add_version(
+        self,
+        service: str,
+        spec_yaml: str,
+        *,
+        source: str | None,
+        base_dir: str | None,
+        mode: str,
+        adopt_live: bool,
+    ) -> int:
+        """Store a new version and make it current, in one transaction.
+
+        ``adopt_live``: the new version differs only in how the service is run (policy, probe),
+        so the current version's live replicas simply become replicas of the new one instead of
+        being relaunched.
+        """
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT current_version FROM services WHERE name = ?", (service,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(service)
+            old = int(row[0])
+            (latest,) = db.execute(
+                "SELECT MAX(version) FROM versions WHERE service = ?", (service,)
+            ).fetchone()
+            version = int(latest) + 1
+            db.execute(
+                "INSERT INTO versions (service, version, spec_yaml, source, base_dir, created_at,"
+                " mode) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (service, version, spec_yaml, source, base_dir, now, mode),
+            )
+            if adopt_live:
+                db.execute(
+                    "UPDATE replicas SET version = ?, updated_at = ? WHERE service = ?"
+                    " AND version = ? AND teardown_state IS NULL AND scale_down = 0",
+                    (version, now, service, old),
+                )
+                db.execute(
+                    "UPDATE versions SET first_ready_at = (SELECT first_ready_at FROM versions"
+                    " WHERE service = ? AND version = ?) WHERE service = ? AND version = ?",
+                    (service, old, service, version),
+                )
+            db.execute(
+                "UPDATE services SET current_version = ?, failure = NULL, updated_at = ?"
+                " WHERE name = ?",
+                (version, now, service),
+            )
+            how = "in place (same replicas)" if adopt_live else mode
+            db.execute(
+                "INSERT INTO events (ts, service, actor, action, reason) VALUES (?, ?, ?, ?, ?)",
+                (now, service, "api", "service.update", f"version {old} -> {version}, {how}"),
+            )
+        return version
 
     def mark_version_ready(self, service: str, version: int) -> None:
         with self._lock:
