@@ -342,11 +342,13 @@ class ServiceController:
                 log.exception("service %s: reconcile step failed", self.name)
                 done = False
             if done:
+                # Forget the service before the (slow) balancer stop: its row is gone, so
+                # the API must answer 404 for it from now on, and a new `up` may reuse the name.
+                if self._on_removed is not None:
+                    self._on_removed(self.name)
                 self._removed.set()
                 if self.balancer is not None:
                     await self.balancer.stop()
-                if self._on_removed is not None:
-                    self._on_removed(self.name)
                 return
             interval = 2.0
             if self._autoscaler is not None:
