@@ -291,6 +291,28 @@ def _env_float(name: str, default: float) -> float:
     return number
 
 
+def _cluster_backends() -> dict[str, Infra]:
+    """Backends for clusters the user pointed corral at (optional dependencies).
+
+    Ray: set ``RAY_ADDRESS`` (or ``CORRAL_RAY_ADDRESS``, which wins) and install
+    ``corral[ray]``. A cluster that does not answer is reported in the daemon log and the
+    backend is left out: a spec asking for it then gets a clear 400 at ``corral up``.
+    """
+    address = os.environ.get("CORRAL_RAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    if not address:
+        return {}
+    try:
+        from corral.infra.ray import RayInfra
+    except ImportError as exc:
+        log.error("RAY_ADDRESS is set but Ray is missing (pip install 'corral[ray]'): %s", exc)
+        return {}
+    try:
+        return {"ray": RayInfra(address)}
+    except Exception as exc:
+        log.error("Ray cluster at %s is not usable: %s", address, exc)
+        return {}
+
+
 def _configure_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -334,6 +356,7 @@ async def serve(home: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
     store = Store(home / "state.db")
     pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
     infras: dict[str, Infra] = {"local": LocalInfra()}
+    infras.update(_cluster_backends())
     _sweep(home_marker, infras, store)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as http:
