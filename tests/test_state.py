@@ -111,3 +111,57 @@ def test_writes_from_many_threads(tmp_path: Path) -> None:
     assert len(rows) == 400
     assert len({r.id for r in rows}) == 400
     assert all(r.launch_state == "running" for r in rows)
+
+
+def test_migrates_a_version_1_file(tmp_path: Path) -> None:
+    """A state file written by the first schema opens with every row kept."""
+    from corral.state import _MIGRATIONS, _split
+
+    path = tmp_path / "state.db"
+    db = sqlite3.connect(path)
+    for statement in _split(_MIGRATIONS[0]):
+        db.execute(statement)
+    db.execute("PRAGMA user_version = 1")
+    db.execute(
+        "INSERT INTO services (name, current_version, created_at, updated_at)"
+        " VALUES ('old', 1, 0, 0)"
+    )
+    db.execute(
+        "INSERT INTO versions (service, version, spec_yaml, created_at)"
+        " VALUES ('old', 1, 'run: x', 0)"
+    )
+    db.commit()
+    db.close()
+    store = Store(path)
+    version = store.version("old", 1)
+    assert version is not None and version.spec_yaml == "run: x" and version.mode == "rolling"
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_add_version_in_place_relabels_live_replicas(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    store.create_service("a", "run: x", source=None, base_dir=None, lb_port=None)
+    live = store.add_replica("a", 1, "local", "t")
+    leaving = store.add_replica("a", 1, "local", "t")
+    store.update_replica(leaving.id, teardown_state="running")
+    store.mark_version_ready("a", 1)
+    version = store.add_version(
+        "a",
+        "run: x\nservice: {replicas: 2}",
+        source=None,
+        base_dir=None,
+        mode="rolling",
+        adopt_live=True,
+    )
+    assert version == 2
+    assert store.replica(live.id).version == 2  # type: ignore[union-attr]
+    assert store.replica(leaving.id).version == 1  # type: ignore[union-attr]
+    new = store.version("a", 2)
+    assert new is not None and new.first_ready_at is not None
+    svc = store.service("a")
+    assert svc is not None and svc.current_version == 2
+    relaunch = store.add_version(
+        "a", "run: y", source=None, base_dir=None, mode="blue_green", adopt_live=False
+    )
+    assert relaunch == 3 and store.replica(live.id).version == 2  # type: ignore[union-attr]
+    assert store.version("a", 3).mode == "blue_green"  # type: ignore[union-attr]
