@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from corral.client import Client, ClientError
-from corral.daemon import read_info
+from corral.home import read_info
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

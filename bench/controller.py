@@ -56,7 +56,7 @@ from _ctrl_harness import (
 from _ctrl_traffic import DeadPortListener, RequestStream
 
 from corral.client import ensure_daemon
-from corral.daemon import read_info
+from corral.home import read_info
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_JSON = BENCH_DIR / "results" / "controller.json"

@@ -13,8 +13,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from corral.client import EXIT_DAEMON_RUNNING, Client, ClientError, ensure_daemon
-from corral.daemon import DaemonError, DaemonRunning, default_home, serve
+from corral.client import Client, ClientError, ensure_daemon
+from corral.home import EXIT_DAEMON_RUNNING, default_home
 from corral.spec import SpecError, load_spec, local_port_problem
 
 out = Console(highlight=False)
@@ -361,6 +361,8 @@ def daemon_run(ctx: click.Context, home_opt: Path | None, host: str, port: int) 
     home = (home_opt or _home(ctx)).expanduser().resolve()
     if host not in ("127.0.0.1", "localhost", "::1"):
         _fail("the API serves plain HTTP: bind it to loopback (TLS on other addresses: not yet)")
+    from corral.daemon import DaemonError, DaemonRunning, serve  # heavy: imported only here
+
     try:
         asyncio.run(serve(home, host=host, port=port))
     except DaemonRunning as exc:

@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from corral.daemon import read_info, read_token
+from corral.home import EXIT_DAEMON_RUNNING, read_info, read_token
 
 # `corral daemon run` exits with this code (EX_TEMPFAIL) when another daemon holds the home's
 # lock: two `corral up` raced to start one, and the winner answers once it has started.
-EXIT_DAEMON_RUNNING = 75
 
 
 class ClientError(Exception):

@@ -33,6 +33,7 @@ import aiohttp
 
 from corral import capture
 from corral.controller import ControllerDeps, ServiceController, handle_from_row
+from corral.home import read_info, read_token
 from corral.infra.base import Infra, ReplicaHandle
 from corral.infra.local import LocalInfra
 from corral.jobs import JobPool
@@ -40,10 +41,6 @@ from corral.spec import ServiceSpec, SpecError, local_port_problem, parse_spec, 
 from corral.state import Store
 
 log = logging.getLogger("corral.daemon")
-
-
-def default_home() -> Path:
-    return Path(os.environ.get("CORRAL_HOME") or Path.home() / ".corral").expanduser()
 
 
 class DaemonError(RuntimeError):
@@ -62,10 +59,6 @@ class RequestError(Exception):
         self.status = status
         self.message = message
         self.details = details
-
-
-def read_token(home: Path) -> str:
-    return (home / "token").read_text().strip()
 
 
 def _ensure_token(home: Path) -> str:
@@ -97,13 +90,6 @@ def _lock(home: Path) -> IO[str]:
         pid = info.get("pid") if info else "?"
         raise DaemonRunning(f"another corral daemon (pid {pid}) already runs on {home}") from None
     return f
-
-
-def read_info(home: Path) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads((home / "daemon.json").read_text()))
-    except (OSError, ValueError):
-        return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
