@@ -115,6 +115,17 @@ class Replica:
             return web.Response(text="slow")
         if path == "/500":
             return web.Response(status=500, text="replica error")
+        if path == "/delay":  # headers after ?s= seconds
+            await asyncio.sleep(float(request.query.get("s", "1")))
+            return web.Response(text="delayed")
+        if path == "/gap":  # headers and a first chunk at once, the rest after ?s= seconds
+            resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+            await resp.prepare(request)
+            await resp.write(b"first;")
+            await asyncio.sleep(float(request.query.get("s", "1")))
+            await resp.write(b"second")
+            await resp.write_eof()
+            return resp
         if path == "/cut":
             resp = web.StreamResponse(headers={"Content-Length": "1000"})
             await resp.prepare(request)

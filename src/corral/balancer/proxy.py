@@ -19,27 +19,42 @@ Design points, each answering a failure seen in SkyServe (see skyserve-facts.md)
 * The low-level aiohttp server is used instead of an ``Application``: a proxy needs no router or
   middlewares, and skipping them saves CPU on every request. Handler cancellation is turned on
   so a client that goes away cancels the upstream exchange instead of letting it run to the end.
+* Three timeouts instead of one total: ``connect_timeout`` (a dead host), ``first_byte_timeout``
+  (a replica that accepted the request but never answers) and ``idle_timeout`` (silence between
+  two chunks of a response). A token stream that keeps sending is never cut however long it
+  runs, and a model that thinks for a minute before its first token can be allowed to without
+  letting a stalled stream hang for as long.
+* Limits (``max_header_bytes``, ``max_body_bytes``) and malformed HTTP are answered with a JSON
+  4xx and one rate-limited log line, never a traceback: garbage sent to the port (a port
+  scanner, TLS to the plain port) must not fill the log or reach a replica.
+* Metrics (optional, :class:`~corral.balancer.metrics.BalancerMetrics`) are written on the hot
+  path through pre-resolved children; without them the path has one ``is None`` test more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import json
 import logging
 import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import aiohttp
 from aiohttp import WSMsgType, web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from yarl import URL
 
 from corral.balancer.headers import request_headers, response_headers
+from corral.balancer.metrics import BalancerMetrics, ServiceMetrics
 from corral.balancer.policies import make_policy
 
 __all__ = ["LoadBalancer"]
@@ -58,7 +73,6 @@ _SKIP_AUTO_HEADERS: Final = frozenset({"Accept", "Accept-Encoding", "User-Agent"
 # got the request and may be working on it, so resending could run it twice.
 _UNREACHABLE: Final = (
     aiohttp.ClientConnectorError,
-    aiohttp.ConnectionTimeoutError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientConnectionResetError,
     aiohttp.ClientOSError,
@@ -68,6 +82,16 @@ _UNREACHABLE: Final = (
 # timeout of common Python servers (uvicorn closes after 5 s), so the balancer rarely picks a
 # pooled connection the replica is closing at that moment.
 _UPSTREAM_KEEPALIVE: Final = 4.0
+
+# aiohttp's own default for the longest request line / header field; also the floor of the limit
+# on the replica's response headers, so a small max_header_bytes (meant to protect the balancer
+# from clients) does not start rejecting a replica's ordinary Set-Cookie headers.
+_DEFAULT_HEADER_BYTES: Final = 8190
+# Most header fields in one request (aiohttp's default, stated so the 431 message can say it).
+_MAX_HEADERS: Final = 128
+
+# Failure reasons that are the client's doing: they do not count against the replica.
+_CLIENT_FAULTS: Final = frozenset({"body_too_large", "bad_request"})
 
 # Sendable WebSocket close codes; others (1005, 1006, 1015) only describe what happened locally.
 _SENDABLE_CLOSE: Final = frozenset(range(1000, 1004)) | frozenset(range(1007, 1012))
@@ -93,6 +117,10 @@ class _Body:
     streamed: bool = False
     prefix: bytes = b""
     consumed: bool = False
+    # set by _stream_body when the client's streamed body broke a rule mid-way; the attempt
+    # that was sending it then answers for the client instead of blaming the replica
+    too_large: bool = False
+    malformed: bool = False
 
     @property
     def replayable(self) -> bool:
@@ -106,6 +134,83 @@ class _Failure:
     status: int
     message: str
     retryable: bool
+    reason: str  # a metrics.ERROR_REASONS key
+
+
+class _BodyTooLarge(Exception):
+    """Raised inside the upload of a streamed body that went past max_body_bytes."""
+
+
+class _ParseErrorHook(Protocol):
+    def __call__(self, request: web.BaseRequest, exc: HttpProcessingError) -> web.Response: ...
+
+
+class _ProxyProtocol(RequestHandler):
+    """aiohttp's per-connection handler, with the balancer answering parse errors.
+
+    aiohttp answers malformed HTTP itself with a plain-text 400 and logs it with a full
+    traceback at ERROR level (except a garbage first request, at DEBUG), outside any handler the
+    balancer sees. That lets any client flood the log, and the rejection never reaches the
+    metrics. Overriding :meth:`handle_error` for the parser's 400 keeps aiohttp's behaviour
+    (the response closes the connection) but with the balancer's JSON body, status (431 for
+    size limits), counting and rate-limited log line.
+    """
+
+    __slots__ = ("_on_parse_error",)
+    _on_parse_error: _ParseErrorHook
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status == 400 and isinstance(exc, HttpProcessingError):
+            return self._on_parse_error(request, exc)
+        return super().handle_error(request, status, exc, message)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # aiohttp's C parser reports broken framing inside a body (a bad chunk size arriving
+        # after the headers) by queueing a 400 "message" behind the request being handled,
+        # without failing that request's body stream: the handler would wait for the rest of
+        # the body until its idle timeout, then answer 408 instead of 400. Fail the stream so
+        # the handler answers at once. Read defensively: these are aiohttp internals, and if
+        # they change this degrades to the timeout, never to an error.
+        messages = getattr(self, "_messages", None)
+        if not messages:
+            return
+        exc = getattr(messages[-1][0], "exc", None)  # only aiohttp's _ErrInfo has .exc
+        request = getattr(self, "_current_request", None)
+        if isinstance(exc, HttpProcessingError) and request is not None:
+            content = request.content
+            if not content.is_eof() and content.exception() is None:
+                content.set_exception(RequestPayloadError(str(exc.message)))
+
+
+class _ProxyServer(web.Server):
+    """``web.Server`` building :class:`_ProxyProtocol` handlers.
+
+    Keeps its own copy of the handler arguments instead of reading web.Server's private ones.
+    """
+
+    def __init__(
+        self,
+        handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+        *,
+        on_parse_error: _ParseErrorHook,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handler, handler_cancellation=True, **kwargs)
+        self._proxy_loop = asyncio.get_running_loop()
+        self._proxy_kwargs = kwargs
+        self._on_parse_error = on_parse_error
+
+    def __call__(self) -> RequestHandler:
+        protocol = _ProxyProtocol(self, loop=self._proxy_loop, **self._proxy_kwargs)
+        protocol._on_parse_error = self._on_parse_error
+        return protocol
 
 
 class LoadBalancer:
@@ -134,18 +239,53 @@ class LoadBalancer:
         ssl_context: ssl.SSLContext | None = None,
         max_attempts: int = 3,
         connect_timeout: float = 5.0,
-        request_timeout: float = 120.0,
+        first_byte_timeout: float | None = None,
+        idle_timeout: float | None = None,
+        request_timeout: float | None = None,
         no_replica_wait: float = 0.0,
         max_buffered_body: int = 1 << 20,
+        max_body_bytes: int | None = None,
+        max_header_bytes: int = _DEFAULT_HEADER_BYTES,
+        metrics: BalancerMetrics | None = None,
     ) -> None:
+        """Configure; nothing binds until :meth:`start`.
+
+        Timeouts, in seconds:
+
+        * ``connect_timeout``: to open a connection to a replica. A replica that cannot be
+          reached is retried on another one (the request never reached it).
+        * ``first_byte_timeout``: from the request (body included) being sent to the replica's
+          response headers; 504, not retried (the replica may be working on it).
+        * ``idle_timeout``: longest silence between two chunks of a response once its headers
+          are out (the response is then cut, as it cannot become an error any more); also the
+          deadline for reading a buffered request body from the client (408).
+        * ``request_timeout``: the former single timeout, kept as the default of both
+          ``first_byte_timeout`` and ``idle_timeout``; 120 s when neither is given, like
+          SkyServe's stream timeout.
+
+        Limits: ``max_header_bytes`` is the longest request line and header field accepted
+        (431 beyond); ``max_body_bytes`` the largest request body (413 beyond, whether announced
+        by Content-Length or streamed chunked; None = no limit: bodies above
+        ``max_buffered_body`` are streamed, not held in memory, so the limit is a policy of the
+        service, not a memory guard).
+        """
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        if connect_timeout <= 0 or request_timeout <= 0:
-            raise ValueError("connect_timeout and request_timeout must be > 0")
+        if request_timeout is not None and request_timeout <= 0:
+            raise ValueError("request_timeout must be > 0")
+        default_timeout = request_timeout if request_timeout is not None else 120.0
+        first_byte = first_byte_timeout if first_byte_timeout is not None else default_timeout
+        idle = idle_timeout if idle_timeout is not None else default_timeout
+        if connect_timeout <= 0 or first_byte <= 0 or idle <= 0:
+            raise ValueError("connect_timeout, first_byte_timeout and idle_timeout must be > 0")
         if no_replica_wait < 0:
             raise ValueError("no_replica_wait must be >= 0")
         if max_buffered_body < 0:
             raise ValueError("max_buffered_body must be >= 0")
+        if max_body_bytes is not None and max_body_bytes < 0:
+            raise ValueError("max_body_bytes must be >= 0 or None")
+        if max_header_bytes < 256:
+            raise ValueError("max_header_bytes must be >= 256")
         self._name = name
         self._host = host
         self._requested_port = port
@@ -155,9 +295,14 @@ class LoadBalancer:
         self._scheme = "https" if ssl_context is not None else "http"
         self._max_attempts = max_attempts
         self._connect_timeout = connect_timeout
-        self._request_timeout = request_timeout
+        self._first_byte_timeout = first_byte
+        self._idle_timeout = idle
         self._no_replica_wait = no_replica_wait
         self._max_buffered_body = max_buffered_body
+        self._max_body = max_body_bytes
+        self._max_header_bytes = max_header_bytes
+        self._metrics_owner = metrics
+        self._m: ServiceMetrics | None = None  # bound in start(), released in stop()
 
         # Ready set: id -> base URL without trailing slash; ids kept as a tuple so the common
         # first attempt hands the policy a ready-made sequence.
@@ -174,10 +319,14 @@ class LoadBalancer:
         self._timestamps: deque[float] = deque(maxlen=self.TIMESTAMP_CAPACITY)
         self._requests = 0
         self._errors = 0
+        self._error_reasons: dict[str, int] = {}
+        self._bad_requests = 0
         self._aborted = 0
         self._client_gone = 0
         self._quiet_until: dict[int, float] = {}  # per replica: failures only counted until then
         self._suppressed: dict[int, int] = {}
+        self._parse_log_until = 0.0  # malformed-request log lines: at most one per interval
+        self._parse_suppressed = 0
 
         self._runner: web.ServerRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -198,21 +347,39 @@ class LoadBalancer:
             limit=0,  # no pool cap: long streams must not make short requests queue
             keepalive_timeout=_UPSTREAM_KEEPALIVE,
         )
+        upstream_header_bytes = max(self._max_header_bytes, _DEFAULT_HEADER_BYTES)
         self._session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),  # never mix one client's cookies into another's
+            max_line_size=upstream_header_bytes,
+            max_field_size=upstream_header_bytes,
             timeout=aiohttp.ClientTimeout(
                 total=None,
                 connect=None,
                 sock_connect=self._connect_timeout,
-                # Longest silence from the replica: before the headers (-> 504) and between
-                # two chunks of a stream. An idle limit, not a total one, so a long SSE stream
-                # that keeps sending is never cut.
-                sock_read=self._request_timeout,
+                # aiohttp's read timeout is an idle timer, re-armed on every packet and started
+                # once the request body is sent: until the headers it is the first-byte timeout;
+                # _relay switches it to idle_timeout when they differ. Set on the session so the
+                # common request builds no ClientTimeout of its own.
+                sock_read=self._first_byte_timeout,
             ),
         )
-        server = web.Server(self._handle, handler_cancellation=True, access_log=None)
+        if self._metrics_owner is not None:
+            self._m = self._metrics_owner.bind(self._name)
+            self._publish_replicas()
+        server = _ProxyServer(
+            self._handle,
+            on_parse_error=self._parse_error,
+            access_log=None,
+            max_line_size=self._max_header_bytes,
+            max_field_size=self._max_header_bytes,
+            max_headers=_MAX_HEADERS,
+            # The body must reach the replica as the client encoded it: with the server's
+            # default, a gzip-encoded request body would be inflated here and forwarded still
+            # labelled Content-Encoding: gzip.
+            auto_decompress=False,
+        )
         runner = web.ServerRunner(server, shutdown_timeout=self.STOP_GRACE_SECONDS)
         try:
             await runner.setup()
@@ -224,6 +391,9 @@ class LoadBalancer:
             await runner.cleanup()
             await self._session.close()
             self._session = None
+            if self._m is not None:
+                self._m.close()
+                self._m = None
             raise
         self._runner = runner
         self._port = int(runner.addresses[0][1])
@@ -241,6 +411,9 @@ class LoadBalancer:
             await runner.cleanup()
         if session is not None:
             await session.close()
+        if self._m is not None:
+            self._m.close()
+            self._m = None
         logger.info("balancer %s stopped", self._name)
 
     @property
@@ -280,9 +453,20 @@ class LoadBalancer:
             self._ready_event.set()
         else:
             self._ready_event.clear()
+        self._publish_replicas()
         known = set(self._in_flight) | set(self._served) | set(self._failed)
+        if self._m is not None:
+            known |= set(self._m.replicas)
         for rid in known | set(self._quiet_until):
             self._forget_if_idle(rid)
+
+    def _publish_replicas(self) -> None:
+        """Give every ready replica an in-flight series (0 when idle, rather than missing)."""
+        m = self._m
+        if m is None:
+            return
+        for rid in self._ready_ids:
+            m.replica(rid, _counter_reader(self._in_flight, rid))
 
     def in_flight(self, replica_id: int | None = None) -> int:
         """Requests in flight to one replica, or to all of them."""
@@ -311,14 +495,24 @@ class LoadBalancer:
     def request_timestamps(self, window: float = 60.0) -> list[float]:
         """``time.monotonic()`` of the requests accepted in the last ``window`` seconds, oldest
         first."""
-        cutoff = time.monotonic() - window
-        recent: list[float] = []
-        for ts in reversed(self._timestamps):
-            if ts < cutoff:
-                break
-            recent.append(ts)
-        recent.reverse()
-        return recent
+        start = self._window_start(window)
+        return list(itertools.islice(self._timestamps, start, None))
+
+    def qps(self, window: float = 60.0) -> float:
+        """Accepted requests per second over the last ``window`` seconds (SkyServe's autoscaler
+        signal: requests in the last 60 s / 60).
+
+        Capped by TIMESTAMP_CAPACITY / window (about 4.4k req/s over 60 s) when older
+        timestamps were already dropped.
+        """
+        if window <= 0:
+            raise ValueError("window must be > 0")
+        return (len(self._timestamps) - self._window_start(window)) / window
+
+    def _window_start(self, window: float) -> int:
+        """Index of the first timestamp inside the window: a binary search, since timestamps
+        are appended in monotonic order; O(log n) even with 2^18 of them kept."""
+        return bisect.bisect_left(self._timestamps, time.monotonic() - window)
 
     def stats(self) -> dict[str, Any]:
         """Counters for status output and tests; a fresh dict, safe to keep or mutate."""
@@ -330,6 +524,8 @@ class LoadBalancer:
             "ready": list(self._ready_ids),
             "requests": self._requests,
             "errors": self._errors,
+            "errors_by_reason": dict(self._error_reasons),
+            "bad_requests": self._bad_requests,
             "aborted": self._aborted,
             "client_disconnects": self._client_gone,
             "in_flight": self._total_in_flight,
@@ -373,6 +569,8 @@ class LoadBalancer:
             self._failed.pop(rid, None)
             self._quiet_until.pop(rid, None)
             self._suppressed.pop(rid, None)
+            if self._m is not None:
+                self._m.forget_replica(rid)
 
     def _warn(self, rid: int, text: str) -> None:
         """Log a replica failure, at most once per FAILURE_LOG_INTERVAL per replica.
@@ -393,17 +591,25 @@ class LoadBalancer:
     # ------------------------------------------------------------------ request handling
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        t0 = time.monotonic()
         self._requests += 1
-        self._timestamps.append(time.monotonic())
+        self._timestamps.append(t0)
+        m = self._m
         try:
             if request.method == "CONNECT":
-                return self._error(405, "CONNECT is not supported by a reverse proxy")
-            path = _path_qs(request)
-            if _is_websocket(request):
-                return await self._proxy_websocket(request, path)
-            return await self._proxy_http(request, path)
+                response: web.StreamResponse = self._error(
+                    405, "CONNECT is not supported by a reverse proxy", "bad_request"
+                )
+            else:
+                path = _path_qs(request)
+                if _is_websocket(request):
+                    response = await self._proxy_websocket(request, path, t0)
+                else:
+                    response = await self._proxy_http(request, path, t0)
         except asyncio.CancelledError:
             self._client_gone += 1
+            if m is not None and request.writer.output_size == 0:
+                m.response(499, None)  # nginx's "client closed request"
             raise
         except Exception:
             # Reached only through a bug: every expected failure is answered where it happens.
@@ -412,15 +618,32 @@ class LoadBalancer:
             logger.exception("balancer %s: unexpected error on %s", self._name, request.path)
             if request.writer.output_size > 0:
                 _close_client(request)
+                self._count_error("internal")
                 return web.StreamResponse()
-            return self._error(502, "internal proxy error")
+            response = self._error(502, "internal proxy error", "internal")
+        # A relayed response was counted when its headers went out (_relay / websocket); a
+        # response built here (errors) goes out right after this return.
+        if m is not None and not response.prepared:
+            m.response(response.status, time.monotonic() - t0)
+        return response
+
+    def _count_error(self, reason: str) -> None:
+        self._error_reasons[reason] = self._error_reasons.get(reason, 0) + 1
+        if self._m is not None:
+            self._m.error(reason)
 
     def _error(
-        self, status: int, message: str, headers: Mapping[str, str] | None = None
+        self,
+        status: int,
+        message: str,
+        reason: str,
+        headers: Mapping[str, str] | None = None,
     ) -> web.Response:
-        """A JSON error generated by the balancer itself (counted in ``errors`` when 5xx)."""
+        """A JSON error generated by the balancer itself (counted in ``errors`` when 5xx, and
+        by ``reason`` always)."""
         if status >= 500:
             self._errors += 1
+        self._count_error(reason)
         body = json.dumps({"error": message, "service": self._name})
         return web.Response(
             status=status, text=body, content_type="application/json", headers=headers
@@ -428,13 +651,82 @@ class LoadBalancer:
 
     def _no_ready(self) -> web.Response:
         return self._error(
-            503, "no ready replicas", headers={"Retry-After": str(self.RETRY_AFTER_SECONDS)}
+            503,
+            "no ready replicas",
+            "no_replica",
+            headers={"Retry-After": str(self.RETRY_AFTER_SECONDS)},
         )
+
+    def _too_large(self, size: int | None) -> web.Response:
+        """413 for a body above max_body_bytes, closing the connection after it. Nothing of the
+        body goes further; aiohttp reads and drops what the client is still sending for at most
+        its lingering time (10 s) before closing, so the client reads the 413 rather than a
+        connection reset."""
+        got = f"{size} bytes" if size is not None else "more"
+        resp = self._error(
+            413,
+            f"request body too large: {got}, limit {self._max_body} bytes",
+            "body_too_large",
+        )
+        resp.force_close()
+        return resp
+
+    def _body_error(self, request: web.BaseRequest, message: str) -> web.Response:
+        """400 for a request body whose framing broke mid-way; the connection is closed.
+
+        The failed body stream is marked finished first: otherwise aiohttp, seeing an unread
+        body after the handler, tries to drain it ("lingering close"), meets the stored
+        parse error again and logs it with a traceback.
+        """
+        with contextlib.suppress(Exception):
+            request.content.feed_eof()
+        resp = self._error(400, message, "bad_request")
+        resp.force_close()
+        return resp
+
+    def _parse_error(self, request: web.BaseRequest, exc: HttpProcessingError) -> web.Response:
+        """Answer a request aiohttp's parser rejected (see :class:`_ProxyProtocol`)."""
+        self._bad_requests += 1
+        too_big = isinstance(exc, LineTooLong) or "too many headers" in exc.message.lower()
+        status, reason = (431, "header_too_large") if too_big else (400, "bad_request")
+        detail = " ".join(str(exc.message).split())[:200]  # one line, bounded
+        now = time.monotonic()
+        if now >= self._parse_log_until:
+            self._parse_log_until = now + self.FAILURE_LOG_INTERVAL
+            skipped, self._parse_suppressed = self._parse_suppressed, 0
+            more = f" ({skipped} more not logged)" if skipped else ""
+            logger.info(
+                "balancer %s: rejected malformed request from %s with %d: %s%s",
+                self._name,
+                request.remote,
+                status,
+                detail,
+                more,
+            )
+        else:
+            self._parse_suppressed += 1
+        if too_big:
+            message = (
+                f"request line or header too large (limits: {self._max_header_bytes} bytes "
+                f"per line, {_MAX_HEADERS} header fields)"
+            )
+        else:
+            message = f"malformed HTTP request: {detail}"
+        resp = self._error(status, message, reason)
+        resp.force_close()
+        if self._m is not None:
+            self._m.response(status, None)
+        return resp
 
     async def _read_body(self, request: web.BaseRequest) -> _Body | web.Response:
         """Read the body once, up to ``max_buffered_body``, so any attempt can resend it."""
         if not request.body_exists:
             return _Body(data=None)
+        length = request.content_length
+        max_body = self._max_body
+        if max_body is not None and length is not None and length > max_body:
+            # Before any "100 Continue": a client that asked first never sends the body.
+            return self._too_large(length)
         if (
             request.version >= aiohttp.HttpVersion11
             and request.headers.get("Expect", "").lower() == "100-continue"
@@ -444,36 +736,61 @@ class LoadBalancer:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0
         limit = self._max_buffered_body
-        length = request.content_length
         if length is not None and length > limit:
             return _Body(data=None, streamed=True)
         chunks: list[bytes] = []
         size = 0
         try:
-            async with asyncio.timeout(self._request_timeout):
+            async with asyncio.timeout(self._idle_timeout):
                 while True:
                     chunk = await request.content.readany()
                     if not chunk:
                         break
                     chunks.append(chunk)
                     size += len(chunk)
+                    if max_body is not None and size > max_body:
+                        return self._too_large(None)
                     if size > limit:
                         return _Body(data=None, streamed=True, prefix=b"".join(chunks))
         except TimeoutError:
-            return self._error(408, "timed out reading the request body")
-        except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
-            return self._error(400, f"could not read the request body: {exc}")
+            resp = self._error(408, "timed out reading the request body", "client_timeout")
+            resp.force_close()
+            return resp
+        except (
+            aiohttp.ClientError,
+            ConnectionError,
+            ValueError,
+            RequestPayloadError,
+            HttpProcessingError,
+        ) as exc:
+            # RequestPayloadError / HttpProcessingError: broken chunked framing or a length
+            # mismatch, found by the parser after the handler started (a later packet).
+            return self._body_error(request, f"could not read the request body: {exc}")
         return _Body(data=b"".join(chunks))
 
     async def _stream_body(self, request: web.BaseRequest, body: _Body) -> AsyncIterator[bytes]:
-        """A large body for one attempt: what was read already, then the rest from the client."""
+        """A large body for one attempt: what was read already, then the rest from the client.
+
+        Enforces max_body_bytes on chunked bodies as they flow (a Content-Length body was
+        checked up front and the parser holds it to its length).
+        """
+        body.consumed = True
+        max_body = self._max_body
+        size = len(body.prefix)
         if body.prefix:
             yield body.prefix
-        body.consumed = True
         while True:
-            chunk = await request.content.readany()
+            try:
+                chunk = await request.content.readany()
+            except (RequestPayloadError, HttpProcessingError):
+                body.malformed = True
+                raise
             if not chunk:
                 return
+            size += len(chunk)
+            if max_body is not None and size > max_body:
+                body.too_large = True
+                raise _BodyTooLarge()
             yield chunk
 
     async def _pick(self, tried: Sequence[int]) -> int | None:
@@ -508,7 +825,9 @@ class LoadBalancer:
             except TimeoutError:
                 return
 
-    async def _proxy_http(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+    async def _proxy_http(
+        self, request: web.BaseRequest, path: str, t0: float
+    ) -> web.StreamResponse:
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             return body
@@ -525,12 +844,14 @@ class LoadBalancer:
             rid = await self._pick(tried)
             if rid is None:
                 break
+            if tried and self._m is not None:
+                self._m.retry()
             tried.append(rid)
             base = self._ready[rid]
             self._acquire(rid)
             try:
-                outcome = await self._attempt(request, rid, base + path, headers, body)
-                if isinstance(outcome, _Failure):
+                outcome = await self._attempt(request, rid, base + path, headers, body, t0)
+                if isinstance(outcome, _Failure) and outcome.reason not in _CLIENT_FAULTS:
                     # counted before the release, which may forget a replica that has left
                     self._failed[rid] = self._failed.get(rid, 0) + 1
                     self._warn(rid, f"{request.method} {request.path} failed: {outcome.message}")
@@ -538,15 +859,20 @@ class LoadBalancer:
                 self._release(rid)
             if not isinstance(outcome, _Failure):
                 return outcome
+            if outcome.reason == "body_too_large":
+                return self._too_large(None)
+            if outcome.reason == "bad_request":
+                return self._body_error(request, outcome.message)
             failures.append(f"replica {rid}: {outcome.message}")
             last = outcome
             if not outcome.retryable:
                 break
         if last is None:
             return self._no_ready()
+        detail = "; ".join(failures)
         if last.status == 504:
-            return self._error(504, f"upstream timed out: {'; '.join(failures)}")
-        return self._error(502, f"{len(failures)} attempt(s) failed: {'; '.join(failures)}")
+            return self._error(504, f"upstream timed out: {detail}", last.reason)
+        return self._error(502, f"{len(failures)} attempt(s) failed: {detail}", last.reason)
 
     async def _attempt(
         self,
@@ -555,6 +881,7 @@ class LoadBalancer:
         url: str,
         headers: Mapping[str, str],
         body: _Body,
+        t0: float,
     ) -> web.StreamResponse | _Failure:
         """Send the request to one replica and relay its response.
 
@@ -563,7 +890,7 @@ class LoadBalancer:
         """
         session = self._session
         if session is None:
-            return _Failure(503, "balancer is stopped", retryable=False)
+            return _Failure(503, "balancer is stopped", retryable=False, reason="stopped")
         data: bytes | AsyncIterator[bytes] | None
         data = self._stream_body(request, body) if body.streamed else body.data
         try:
@@ -575,27 +902,62 @@ class LoadBalancer:
                 allow_redirects=False,
                 skip_auto_headers=_SKIP_AUTO_HEADERS,
             )
-        except aiohttp.SocketTimeoutError:
-            return _Failure(504, f"no response within {self._request_timeout:g}s", retryable=False)
-        except _UNREACHABLE as exc:
-            message = _describe(exc)
-            if not body.replayable:
-                message += " (request body already streamed, not retried)"
-            return _Failure(502, message, retryable=body.replayable)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return _Failure(502, _describe(exc), retryable=False)
+        except Exception as exc:
+            return self._classify(exc, body)
         self._served[rid] = self._served.get(rid, 0) + 1
         try:
-            return await self._relay(request, rid, upstream)
+            return await self._relay(request, rid, upstream, t0)
         finally:
             # Returns the connection to the pool only if the body was read to the end;
             # otherwise aiohttp closes it, so a half-read response never gets reused.
             upstream.release()
 
+    def _classify(self, exc: Exception, body: _Body) -> _Failure:
+        """What an exception from sending a request (before any response header) means."""
+        if body.too_large:
+            return _Failure(413, "request body too large", retryable=False, reason="body_too_large")
+        if body.malformed:
+            cause = exc.__cause__ if exc.__cause__ is not None else exc  # aiohttp wraps it
+            detail = " ".join(_describe(cause).split())
+            return _Failure(400, f"malformed request body: {detail}", False, reason="bad_request")
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return _Failure(
+                504,
+                f"could not connect within {self._connect_timeout:g}s",
+                retryable=body.replayable,
+                reason="connect_timeout",
+            )
+        if isinstance(exc, aiohttp.SocketTimeoutError):
+            return _Failure(
+                504,
+                f"no response within {self._first_byte_timeout:g}s",
+                retryable=False,
+                reason="first_byte_timeout",
+            )
+        if isinstance(exc, _UNREACHABLE):
+            message = _describe(exc)
+            if not body.replayable:
+                message += " (request body already streamed, not retried)"
+            return _Failure(502, message, retryable=body.replayable, reason="upstream_unreachable")
+        if isinstance(exc, (TimeoutError, aiohttp.ClientError)):
+            return _Failure(502, _describe(exc), retryable=False, reason="upstream_error")
+        raise exc
+
     async def _relay(
-        self, request: web.BaseRequest, rid: int, upstream: aiohttp.ClientResponse
+        self, request: web.BaseRequest, rid: int, upstream: aiohttp.ClientResponse, t0: float
     ) -> web.StreamResponse:
         """Stream the replica's response to the client chunk by chunk, flushing each one."""
+        content = upstream.content
+        if self._idle_timeout != self._first_byte_timeout and not content.is_eof():
+            # Switch aiohttp's read timer from the first-byte to the idle timeout for the rest
+            # of this response (it is re-armed with the new value on every packet). Skipped
+            # when the body is already complete: the timer is off then, and re-arming it would
+            # let it fire on the idle pooled connection.
+            connection = upstream.connection
+            protocol = connection.protocol if connection is not None else None
+            if protocol is not None:
+                protocol.read_timeout = self._idle_timeout
+                protocol.start_timeout()
         out = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
@@ -607,7 +969,8 @@ class LoadBalancer:
             self._client_gone += 1
             upstream.close()
             return out
-        content = upstream.content
+        if self._m is not None:
+            self._m.response(upstream.status, time.monotonic() - t0)
         while True:
             try:
                 chunk = await content.readany()
@@ -615,6 +978,8 @@ class LoadBalancer:
                 # Headers are out, a 5xx is impossible: cut the client connection so it sees
                 # a truncated response rather than one that looks complete.
                 self._aborted += 1
+                timed_out = isinstance(exc, TimeoutError)  # SocketTimeoutError is one
+                self._count_error("idle_timeout" if timed_out else "upstream_aborted")
                 self._warn(rid, f"failed mid-response on {request.path}: {_describe(exc)}")
                 upstream.close()
                 _close_client(request)
@@ -635,12 +1000,14 @@ class LoadBalancer:
 
     # ------------------------------------------------------------------ websockets
 
-    async def _proxy_websocket(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+    async def _proxy_websocket(
+        self, request: web.BaseRequest, path: str, t0: float
+    ) -> web.StreamResponse:
         """Relay a WebSocket: handshake with a replica first (retrying unreachable ones),
         then accept the client and pump messages both ways until either side closes."""
         session = self._session
         if session is None:
-            return self._error(503, "balancer is stopped")
+            return self._error(503, "balancer is stopped", "stopped")
         headers = request_headers(
             request.headers, peer=request.remote, scheme=self._scheme, keep_content_length=False
         )
@@ -662,6 +1029,8 @@ class LoadBalancer:
             rid = await self._pick(tried)
             if rid is None:
                 break
+            if tried and self._m is not None:
+                self._m.retry()
             tried.append(rid)
             self._acquire(rid)
             try:
@@ -673,18 +1042,20 @@ class LoadBalancer:
                         max_msg_size=self.WS_MAX_MESSAGE,
                         timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=10.0),
                     )
-                except _UNREACHABLE as exc:
+                except (*_UNREACHABLE, aiohttp.ConnectionTimeoutError) as exc:
                     self._failed[rid] = self._failed.get(rid, 0) + 1
                     failures.append(f"replica {rid}: {_describe(exc)}")
                     continue
                 except aiohttp.WSServerHandshakeError as exc:
                     self._failed[rid] = self._failed.get(rid, 0) + 1
                     return self._error(
-                        502, f"replica {rid} refused the WebSocket upgrade (HTTP {exc.status})"
+                        502,
+                        f"replica {rid} refused the WebSocket upgrade (HTTP {exc.status})",
+                        "upstream_error",
                     )
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     self._failed[rid] = self._failed.get(rid, 0) + 1
-                    return self._error(502, f"replica {rid}: {_describe(exc)}")
+                    return self._error(502, f"replica {rid}: {_describe(exc)}", "upstream_error")
                 self._served[rid] = self._served.get(rid, 0) + 1
                 try:
                     client = web.WebSocketResponse(
@@ -692,6 +1063,8 @@ class LoadBalancer:
                         max_msg_size=self.WS_MAX_MESSAGE,
                     )
                     await client.prepare(request)
+                    if self._m is not None:
+                        self._m.response(101, time.monotonic() - t0)
                     await _pump_websockets(client, upstream)
                     return client
                 finally:
@@ -700,7 +1073,11 @@ class LoadBalancer:
                 self._release(rid)
         if not tried:
             return self._no_ready()
-        return self._error(502, f"{len(failures)} attempt(s) failed: {'; '.join(failures)}")
+        return self._error(
+            502,
+            f"{len(failures)} attempt(s) failed: {'; '.join(failures)}",
+            "upstream_unreachable",
+        )
 
 
 async def _pump_websockets(
@@ -732,6 +1109,12 @@ async def _pump_websockets(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await client.close()
+
+
+def _counter_reader(counts: dict[int, int], rid: int) -> Callable[[], float]:
+    """A scrape-time reader of one replica's in-flight count (a dict read is atomic under the
+    GIL, so a scrape from another thread never sees a half-updated value)."""
+    return lambda: counts.get(rid, 0)
 
 
 def _is_websocket(request: web.BaseRequest) -> bool:
