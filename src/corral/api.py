@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from corral import __version__
+from corral.balancer import CONTENT_TYPE_LATEST, render
 from corral.daemon import Daemon, RequestError
 
 log = logging.getLogger("corral.api")
@@ -171,6 +172,14 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
             await asyncio.sleep(0.2)
         await response.write_eof()
         return response
+
+    @routes.get("/metrics")
+    async def metrics(request: web.Request) -> web.Response:
+        """Prometheus exposition of every service's balancer (requests, errors, latency,
+        in-flight per replica, retries)."""
+        registry = daemon.deps.metrics
+        body = render(registry.registry) if registry is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @routes.get("/v1/openapi.json")
     async def openapi(request: web.Request) -> web.Response:
@@ -330,6 +339,18 @@ OPENAPI: dict[str, Any] = {
             }
         },
         "/v1/daemon": {"get": {"responses": _answers(_ok(200, {"type": "object"}))}},
+        "/metrics": {
+            "get": {
+                "responses": _answers(
+                    {
+                        "200": {
+                            "description": "Prometheus text format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    }
+                )
+            }
+        },
         "/v1/daemon/stop": {"post": {"responses": _answers(_ok(202, {"type": "object"}))}},
         "/v1/services": {
             "get": {

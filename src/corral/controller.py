@@ -26,7 +26,7 @@ import aiohttp
 
 from corral import capture
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
-from corral.balancer import LoadBalancer
+from corral.balancer import BalancerMetrics, LoadBalancer
 from corral.infra.base import Infra, LaunchRequest, Liveness, ReplicaHandle
 from corral.jobs import Job, JobPool, JobState
 from corral.probe import probe
@@ -65,6 +65,7 @@ class ControllerDeps:
     teardown_grace: float = 5.0
     decision_interval: float = 5.0  # autoscaler decisions (SkyServe: 20 s)
     qps_window: float = 60.0  # the autoscaler's load signal: requests over this window
+    metrics: BalancerMetrics | None = None  # one Prometheus registry for every service
 
 
 @dataclass
@@ -234,6 +235,8 @@ class ServiceController:
         wait = 60.0 if policy.min_replicas == 0 else 0.0
         port = row.lb_port or 0
 
+        lb = spec.service.load_balancer
+
         def make(port: int) -> LoadBalancer:
             return LoadBalancer(
                 name=self.name,
@@ -241,6 +244,12 @@ class ServiceController:
                 policy=spec.service.load_balancing_policy,
                 ssl_context=ssl_context,
                 no_replica_wait=wait,
+                connect_timeout=lb.connect_timeout_seconds,
+                first_byte_timeout=lb.first_byte_timeout_seconds or lb.stream_timeout_seconds,
+                idle_timeout=lb.stream_timeout_seconds,
+                max_body_bytes=lb.max_body_bytes,
+                max_header_bytes=lb.max_header_bytes,
+                metrics=self.deps.metrics,
             )
 
         balancer = make(port)
@@ -679,13 +688,13 @@ class ServiceController:
     async def _drain_then_teardown(self, r: ReplicaRow, handle: ReplicaHandle) -> None:
         try:
             if self.balancer is not None and failure_status(r) is None:
-                drained = await self.balancer.wait_drained(r.id, self.deps.drain_timeout)
+                drained = await self.balancer.wait_drained(r.id, self._drain_timeout(r))
                 if not drained:
                     log.warning(
                         "service %s: replica %d still had requests after %gs of draining",
                         self.name,
                         r.id,
-                        self.deps.drain_timeout,
+                        self._drain_timeout(r),
                     )
         finally:
             self._rt.draining.discard(r.id)
@@ -701,6 +710,12 @@ class ServiceController:
         )
         self._rt.teardowns[r.id] = job
         job.add_done_callback(functools.partial(self._from_thread, self._teardown_done, r.id))
+
+    def _drain_timeout(self, r: ReplicaRow) -> float:
+        try:
+            return self.spec(r.version).service.load_balancer.drain_timeout_seconds
+        except Exception:
+            return self.deps.drain_timeout
 
     def _teardown_done(self, replica_id: int, job: Job) -> None:
         self._rt.teardowns.pop(replica_id, None)

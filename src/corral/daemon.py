@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
+from prometheus_client import CollectorRegistry
 
 from corral import capture
+from corral.balancer import BalancerMetrics
 from corral.controller import ControllerDeps, ServiceController, handle_from_row
 from corral.home import read_info, read_token
 from corral.infra.base import Infra, ReplicaHandle
@@ -355,6 +357,7 @@ async def serve(home: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
             http=http,
             decision_interval=_env_float("CORRAL_DECISION_INTERVAL", 5.0),
             qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
+            metrics=BalancerMetrics(CollectorRegistry()),
         )
         daemon = Daemon(home, store, deps)
         loop = asyncio.get_running_loop()

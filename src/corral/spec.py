@@ -635,9 +635,20 @@ class _LegacyHttps(_Section):
 
 
 class LoadBalancerSettings(_Section):
-    """SkyServe's ``load_balancer:`` knobs (only the stream timeout exists)."""
+    """SkyServe's ``load_balancer:`` knobs (its stream timeout), plus corral's own.
+
+    ``stream_timeout_seconds`` is SkyServe's: the longest a replica may stay silent, before its
+    response headers (unless ``first_byte_timeout_seconds`` says otherwise) and between chunks.
+    The rest are corral extensions: connecting to a replica, the largest request body and
+    header line accepted, and how long a leaving replica may finish its in-flight requests.
+    """
 
     stream_timeout_seconds: float = Field(DEFAULT_STREAM_TIMEOUT_SECONDS, gt=0, le=MAX_SECONDS)
+    connect_timeout_seconds: float = Field(5.0, gt=0, le=MAX_SECONDS)
+    first_byte_timeout_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
+    max_body_bytes: int | None = Field(None, gt=0)
+    max_header_bytes: int = Field(8190, ge=1024, le=1 << 20)
+    drain_timeout_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
 
 
 class ServiceSection(_Section):

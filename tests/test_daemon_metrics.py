@@ -1,0 +1,29 @@
+"""The daemon's /metrics: every service's balancer in one Prometheus exposition."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import EXAMPLES, CorralHome, http, write_spec
+
+
+def test_metrics_count_requests_per_service(corral_home: CorralHome, tmp_path: Path) -> None:
+    home = corral_home
+    path = write_spec(
+        tmp_path / "m.yaml",
+        f"name: m\nworkdir: {EXAMPLES}\nrun: exec python3 app.py\n"
+        "service:\n  readiness_probe: {path: /health, period_seconds: 0.2}\n  replicas: 1\n",
+    )
+    home.run("up", str(path))
+    svc = home.wait_replicas("m", 1)
+    for _ in range(7):
+        assert http(svc["endpoint"] + "/x").status == 200
+    assert home.api("GET", "/metrics", token=None).status == 401
+    answer = home.api("GET", "/metrics")
+    assert answer.status == 200
+    assert answer.headers["Content-Type"].startswith("text/plain")
+    text = answer.body.decode()
+    assert 'corral_lb_requests_total{code="200",service="m"} 7.0' in text
+    assert 'corral_lb_request_seconds_count{service="m"} 7.0' in text
+    replica = svc["replicas"][0]["id"]
+    assert f'corral_lb_in_flight{{replica="{replica}",service="m"}} 0.0' in text
