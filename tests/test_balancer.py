@@ -606,9 +606,9 @@ def test_dead_replica_is_retried_elsewhere_once_per_request(
                 status, echo = await get_json(s, lb.url + "/")
                 assert (status, echo["replica"]) == (200, 1)
             stats = lb.stats()["replicas"]
-            # round robin picks it first on every request after the first: one failure each,
-            # never two (that would be 18)
-            assert stats[2]["failed"] == 9
+            # after its first refused connection it is passed over (EJECT_SECONDS), so it
+            # fails once, not once per request (9) and never twice per request (18)
+            assert stats[2]["failed"] == 1
             assert stats[1]["served"] == 10
             # the dead replica's failures are logged once, not once per request
             assert len([r for r in caplog.records if "replica 2" in r.getMessage()]) == 1
@@ -868,5 +868,24 @@ def test_lifecycle_and_url() -> None:
             await lb2.start()
         await lb2.stop()
         await lb2.stop()  # idempotent
+
+    run(main())
+
+
+def test_unreachable_replica_is_passed_over_by_least_load() -> None:
+    """A dead replica has nothing in flight, so least_load would keep choosing it until the
+    controller notices; after one refused connection it is passed over for a while."""
+
+    async def main() -> None:
+        async with (
+            cluster(2, dead=1, policy="least_load") as (lb, _reps, _),
+            aiohttp.ClientSession() as s,
+        ):
+            for _ in range(30):
+                status, _echo = await get_json(s, lb.url + "/")
+                assert status == 200
+            stats = lb.stats()["replicas"]
+            assert stats[3]["failed"] == 1, stats
+            assert stats[1]["served"] + stats[2]["served"] == 30
 
     run(main())

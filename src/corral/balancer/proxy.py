@@ -92,6 +92,8 @@ _MAX_HEADERS: Final = 128
 
 # Failure reasons that are the client's doing: they do not count against the replica.
 _CLIENT_FAULTS: Final = frozenset({"body_too_large", "bad_request"})
+# Failures that say the replica cannot be reached at all (not that it answered badly).
+_UNREACHABLE_REASONS: Final = frozenset({"upstream_unreachable", "connect_timeout"})
 
 # Sendable WebSocket close codes; others (1005, 1006, 1015) only describe what happened locally.
 _SENDABLE_CLOSE: Final = frozenset(range(1000, 1004)) | frozenset(range(1007, 1012))
@@ -220,6 +222,8 @@ class LoadBalancer:
     # stays bounded (~10 MB) at any rate; the autoscaler can measure up to this/60 req/s over a
     # 60 s window, above what one balancer can serve.
     TIMESTAMP_CAPACITY: Final = 1 << 18
+    # How long a replica that refused a connection is passed over (unless all are).
+    EJECT_SECONDS: Final = 2.0
     # Retry-After on a 503: scale-from-zero or a replacement is expected within seconds.
     RETRY_AFTER_SECONDS: Final = 1
     # stop() lets in-flight requests finish for up to this long before cancelling them.
@@ -324,6 +328,10 @@ class LoadBalancer:
         self._aborted = 0
         self._client_gone = 0
         self._quiet_until: dict[int, float] = {}  # per replica: failures only counted until then
+        # Replicas that refused a connection: passed over for EJECT_SECONDS. A replica whose
+        # process died has no requests in flight, so least_load would otherwise prefer it
+        # until the controller notices (up to a probe tick).
+        self._ejected: dict[int, float] = {}
         self._suppressed: dict[int, int] = {}
         self._parse_log_until = 0.0  # malformed-request log lines: at most one per interval
         self._parse_suppressed = 0
@@ -804,11 +812,22 @@ class LoadBalancer:
                 await self._wait_for_ready(self._no_replica_wait)
             if not self._ready_ids:
                 return None
-            return self._policy.select(self._ready_ids, self._in_flight)
+            return self._policy.select(self._healthy(self._ready_ids), self._in_flight)
         candidates = [rid for rid in self._ready_ids if rid not in tried]
         if not candidates:
             return None
-        return self._policy.select(candidates, self._in_flight)
+        return self._policy.select(self._healthy(candidates), self._in_flight)
+
+    def _healthy(self, candidates: Sequence[int]) -> Sequence[int]:
+        """Candidates minus recently unreachable ones (all of them if every one is)."""
+        if not self._ejected:
+            return candidates
+        now = time.monotonic()
+        for rid, until in list(self._ejected.items()):
+            if until <= now:
+                del self._ejected[rid]
+        healthy = [rid for rid in candidates if rid not in self._ejected]
+        return healthy or candidates
 
     async def _wait_for_ready(self, wait: float) -> None:
         loop = asyncio.get_running_loop()
@@ -859,6 +878,8 @@ class LoadBalancer:
                 self._release(rid)
             if not isinstance(outcome, _Failure):
                 return outcome
+            if outcome.reason in _UNREACHABLE_REASONS:
+                self._ejected[rid] = time.monotonic() + self.EJECT_SECONDS
             if outcome.reason == "body_too_large":
                 return self._too_large(None)
             if outcome.reason == "bad_request":
