@@ -7,6 +7,7 @@ library, so a fresh machine can run it.
 import json
 import os
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 REPLICA = os.environ.get("CORRAL_REPLICA_ID", "?")
@@ -18,7 +19,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         body = json.dumps(
-            {"replica": REPLICA, "version": VERSION, "path": self.path, "pid": os.getpid()}
+            {
+                "replica": REPLICA,
+                "version": VERSION,
+                "path": self.path,
+                "pid": os.getpid(),
+                "time": time.time(),
+            }
         ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")

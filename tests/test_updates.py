@@ -42,7 +42,8 @@ class Load:
     rate: float
     seconds: float
     threads: int = 4
-    answers: list[tuple[float, str, str]] = field(default_factory=list)  # (time, replica, ver)
+    # (when the replica answered, by its clock; replica id; version)
+    answers: list[tuple[float, str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _workers: list[threading.Thread] = field(default_factory=list)
@@ -58,8 +59,10 @@ class Load:
                 try:
                     with urllib.request.urlopen(self.url + "/", timeout=10) as response:
                         body = json.load(response)
+                    # The replica's own clock: when it answered, not when this thread got
+                    # around to reading the answer.
                     with self._lock:
-                        self.answers.append((time.time(), body["replica"], body["version"]))
+                        self.answers.append((body["time"], body["replica"], body["version"]))
                 except (urllib.error.URLError, OSError, ValueError) as exc:
                     with self._lock:
                         self.errors.append(repr(exc))
