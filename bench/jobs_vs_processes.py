@@ -355,12 +355,18 @@ def _round(
 def run_pool(
     jobload: ModuleType, n: int, cfg: Config, sampler: Sampler, logdir: Path, timeout: float
 ) -> _Round:
-    """N jobs on ``JobPool(max_workers=N)``, all submitted at once."""
+    """N jobs on a warm ``JobPool(max_workers=N)``, all submitted at once."""
     from corral.jobs import JobPool
 
     threads_alive = threading.active_count()
     io_s = cfg.io_ms / 1000.0
     pool = JobPool(max_workers=n)
+    # Warm, like the daemon's pool after its first launches (and like the forkserver, started
+    # before the clock): n workers are started by n jobs that wait for each other, then idle.
+    barrier = threading.Barrier(n)
+    warm = [pool.submit(barrier.wait, 30.0, name=f"warm{i}") for i in range(n)]
+    for job in warm:
+        job.wait(60.0)
     submits: list[float] = []
     handles = []
     sampler.start()
