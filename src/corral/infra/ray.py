@@ -1,0 +1,993 @@
+"""The Ray backend: every replica is a detached, named Ray actor whose child is the app.
+
+A user who already runs a Ray cluster sets ``infra: ray`` in a spec and points the daemon at the
+cluster with ``RAY_ADDRESS`` (or ``CORRAL_RAY_ADDRESS``); nothing else about corral changes.
+Install with ``pip install 'corral[ray]'``: Ray stays an optional dependency, imported only here.
+
+What runs where:
+
+* On a node: one :class:`~corral.infra._ray_actor.ReplicaActor` per replica, named
+  ``corral-<home marker>-<service>-<replica id>`` in the namespace (default ``corral``),
+  ``lifetime="detached"`` (it outlives the daemon, so a restarted daemon re-adopts it by name) and
+  ``max_restarts=0`` (a restarted actor would be a new replica with a new port: corral replaces
+  replicas itself). The actor picks a free port on its node, runs ``setup`` then ``run`` as its
+  direct children in its own process group, so the app dies with the actor however the actor
+  dies (see :mod:`corral.infra._ray_actor`). Output goes to node-local files.
+* In the daemon: :meth:`RayInfra.launch` (a JobPool job) creates the actor, records its handle at
+  once, streams setup's output into the launch log and starts ``run``. One :class:`_Pump` thread
+  follows every replica: twice a second it asks each actor for new output (appended to the
+  replica's log on the daemon side, so ``corral logs --follow`` works for remote replicas) and its
+  child's state (which :meth:`RayInfra.check` answers from without another round trip).
+
+Resources and placement (:mod:`corral.infra._ray_resources`): ``cpus`` -> ``num_cpus``
+(0.01 when not given), ``memory`` -> ``memory`` bytes, ``accelerators: GPU:N`` or a GPU model ->
+``num_gpus``, any other accelerator name -> a Ray custom resource (``accelerators: node-2:1``
+pins to the node started with ``--resources '{"node-2": ...}'``), ``labels`` ->
+``label_selector``. Among the nodes that can hold the request, the one with the fewest replicas
+of the service is preferred (a soft node affinity: :meth:`RayInfra._choose_node`), so a service
+survives the loss of one node.
+
+The app's environment is the node's (minus ``CORRAL_*``) plus the spec's ``envs``, ``PORT``,
+``CORRAL_REPLICA_ID``, ``CORRAL_SERVICE``, ``CORRAL_VERSION``, ``CORRAL_REPLICA_KEY`` and
+``CORRAL_RAY_HOME_MARKER``. Not the local backend's ``CORRAL_HOME_MARKER``: the local leak sweep
+stops every process on the daemon's machine that carries it without a *local* handle's key, so a
+Ray node sharing the daemon's machine would lose its replicas at every daemon restart.
+
+The handle's ``data``: ``actor_name``, ``namespace``, ``key`` (the replica key, also in the app's
+environment), ``log`` and ``log_base`` (the daemon-side log and its size when the replica started,
+so a restarted daemon resumes streaming where it stopped), then ``node_id``, ``ip``, ``port``,
+``actor_pid`` and ``pid`` as they become known. ``launch`` calls ``on_started`` three times:
+when the actor exists (name only: a crash after this leaks nothing, ``terminate`` needs just the
+name), when its node and port are known (before anything of the app runs, so a recorded running
+replica always has its endpoint), and with the app's pid.
+
+Liveness: the app exited -> EXITED (with its exit code); the actor is gone (its node died, it was
+killed, its worker crashed) -> LOST, so the controller replaces it as preempted rather than
+counting an app failure; the cluster does not answer -> UNKNOWN.
+
+Why every call to the cluster is bounded: a Ray driver blocks in GCS calls while the GCS is
+unreachable, and by default *exits the whole process* after 60 s without it. The daemon must
+outlive its cluster, so the connection is made with that exit disabled, every GCS call runs
+through :func:`_bounded` (a timeout, and a cap on calls left hanging), and every ``ray.get``
+has a timeout.
+
+Limits: ``workdir`` must exist at the same path on the nodes (shared filesystem or synced
+checkout); ``ports`` in the spec fixes the port on every node (two replicas on one node then
+collide); a child that escapes the actor's process group and drops ``CORRAL_REPLICA_KEY`` from
+its environment outlives an abruptly killed actor; ``labels`` need Ray >= 2.49; one Ray
+connection per process, so one cluster per daemon.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+import ray.exceptions
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from corral import jobs
+from corral.infra import _ray_actor
+from corral.infra._ray_resources import ray_options
+from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
+
+__all__ = ["BACKEND", "RayInfra", "RayUnreachable", "actor_name"]
+
+BACKEND = "ray"
+ENV_HOME_MARKER = _ray_actor.ENV_HOME_MARKER
+ENV_REPLICA_KEY = _ray_actor.ENV_REPLICA_KEY
+
+log = logging.getLogger("corral.infra.ray")
+
+T = TypeVar("T")
+
+# Bytes of a replica's output moved per actor per pump round: bounds one round's memory and the
+# size of one RPC, while 2 MB/s per replica is more than any log worth following.
+_READ_CHUNK = 1 << 20
+# A pump result older than this is stale: check() then asks the actor itself.
+_FRESH = 3.0
+# A replica whose output is quiet is polled less and less often, down to once per this many
+# seconds (measured: polling 32 quiet actors twice a second doubled the daemon's idle CPU). Any
+# new output brings it back to the pump's interval. Below _FRESH, so check() stays answered.
+_QUIET_MAX = 2.0
+# Calls to the cluster left hanging (GCS gone) before new ones fail at once instead of piling up.
+_MAX_HANGING = 8
+# The driver gives up on the GCS (and, by Ray's default, exits the process) after this long.
+_RECONNECT_ENV = (
+    "RAY_gcs_rpc_server_reconnect_timeout_s"  # Ray's spelling: system config, lowercase
+)
+_RECONNECT_TIMEOUT_S = str(10 * 365 * 24 * 3600)
+
+
+# Ray >= 2.9 is supported; the finer exceptions came later (RayActorError was their parent).
+_ACTOR_DIED: type[BaseException] = getattr(
+    ray.exceptions, "ActorDiedError", ray.exceptions.RayActorError
+)
+# An actor that cannot answer right now (its worker is restarting or unreachable): ask again.
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    ray.exceptions.GetTimeoutError,
+    *[getattr(ray.exceptions, n) for n in ["ActorUnavailableError"] if hasattr(ray.exceptions, n)],
+)
+
+
+class RayUnreachable(RuntimeError):
+    """The Ray cluster did not answer in time."""
+
+
+def actor_name(home_marker: str, service: str, replica_id: int) -> str:
+    """The actor of one replica: unique per corral home, found again after a daemon restart."""
+    return f"corral-{home_marker}-{service}-{replica_id}"
+
+
+def replica_key(home_marker: str, service: str, replica_id: int) -> str:
+    """Same value as the local backend's ``CORRAL_REPLICA_KEY``: one replica, any backend."""
+    return f"{home_marker}/{service}/{replica_id}"
+
+
+# -- bounded calls --------------------------------------------------------------------------------
+
+_hanging = threading.BoundedSemaphore(_MAX_HANGING)
+_overdue_lock = threading.Lock()
+_overdue = 0  # calls still running after their caller gave up on them
+
+
+def _bounded(what: str, timeout: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on a helper thread, waited for at most ``timeout`` s.
+
+    Raises :class:`RayUnreachable` on timeout (the call goes on in the background and its result
+    is dropped). While such an overdue call still hangs, or ``_MAX_HANGING`` calls run, new calls
+    fail at once: a dead GCS costs one timeout and a few threads, not a timeout per replica (the
+    controller checks every replica at start, on its event loop) nor a growing pile of threads.
+    """
+    global _overdue
+    if _overdue:
+        raise RayUnreachable(f"{what}: an earlier call to the Ray cluster still has no answer")
+    if not _hanging.acquire(blocking=False):
+        raise RayUnreachable(f"{what}: {_MAX_HANGING} earlier calls to the cluster still hang")
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    gave_up = threading.Event()
+
+    def run() -> None:
+        global _overdue
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            with _overdue_lock:
+                done.set()
+                if gave_up.is_set():
+                    _overdue -= 1
+            _hanging.release()
+
+    threading.Thread(target=run, name=f"corral-ray-{what}", daemon=True).start()
+    if not done.wait(timeout):
+        with _overdue_lock:
+            if not done.is_set():
+                gave_up.set()
+                _overdue += 1
+        if gave_up.is_set():
+            raise RayUnreachable(f"{what}: the Ray cluster did not answer within {timeout:g}s")
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
+
+
+# -- connection -----------------------------------------------------------------------------------
+
+_connect_lock = threading.Lock()
+_connected: set[str] = set()  # the address of this process's one Ray connection
+
+
+def _gcs_host_port(address: str) -> tuple[str, int] | None:
+    """``host:port`` of a GCS (or Ray Client) address, None for ``auto`` and the like."""
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+class _QuietSigtermWarning(logging.Filter):
+    """Drops Ray's "SIGTERM handler is not set" warning: ray.init runs on a helper thread (so it
+    can be given up on), and the daemon handles SIGTERM itself; the warning would only alarm."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def _connect(address: str, namespace: str, timeout: float) -> None:
+    """Connect this process to the cluster once (Ray allows one connection per process), within
+    ``timeout`` s, or raise RuntimeError saying why."""
+    with _connect_lock:
+        if ray.is_initialized():
+            # Every call names its namespace, so one connection serves any number of them.
+            if address in _connected:
+                return
+            raise RuntimeError(
+                f"this process is already connected to a Ray cluster "
+                f"({', '.join(_connected) or 'unknown'}); cannot also connect to {address}"
+            )
+        if address in ("local", ""):
+            raise RuntimeError(
+                "RAY_ADDRESS=local would start a private Ray cluster inside the daemon; "
+                "point corral at a running cluster (host:port of its GCS, or 'auto')"
+            )
+        target = _gcs_host_port(address)
+        deadline = time.monotonic() + timeout
+        if target is not None:
+            # A plain TCP probe first: a closed port or a silent host fails here in seconds
+            # with a readable error, where ray.init would retry for a minute.
+            try:
+                with socket.create_connection(target, timeout=min(timeout, 5.0)):
+                    pass
+            except OSError as exc:
+                raise RuntimeError(
+                    f"Ray cluster at {address} did not answer: {exc.strerror or exc}"
+                ) from None
+        kwargs: dict[str, Any] = {
+            "address": address,
+            "namespace": namespace,
+            "ignore_reinit_error": True,
+            "log_to_driver": False,
+            "logging_level": logging.WARNING,
+        }
+        if target is not None and target[0] in ("127.0.0.1", "localhost", "::1"):
+            # A cluster on loopback: register the driver there too, not on the machine's
+            # external address, which the cluster's processes may not listen on.
+            kwargs["_node_ip_address"] = "127.0.0.1"
+        # The driver must survive its cluster (see the module docstring). Read once, at init.
+        logging.getLogger("ray._private.worker").addFilter(_QuietSigtermWarning())
+        saved = os.environ.get(_RECONNECT_ENV)
+        os.environ[_RECONNECT_ENV] = _RECONNECT_TIMEOUT_S
+        try:
+            _bounded("connect", max(0.1, deadline - time.monotonic()), ray.init, **kwargs)
+        except RayUnreachable:
+            raise RuntimeError(
+                f"Ray cluster at {address} did not answer within {timeout:g}s"
+            ) from None
+        except Exception as exc:
+            raise RuntimeError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
+        finally:
+            if saved is None:
+                os.environ.pop(_RECONNECT_ENV, None)
+            else:
+                os.environ[_RECONNECT_ENV] = saved
+        _connected.clear()
+        _connected.add(address)
+
+
+_actor_class_lock = threading.Lock()
+_actor_class: Any = None
+_reaper: Any = None
+
+
+def _remote_code() -> tuple[Any, Any]:
+    """The actor class and the stray-reaper task, shipped by value (see _ray_actor's docstring)."""
+    global _actor_class, _reaper
+    with _actor_class_lock:
+        if _actor_class is None:
+            import ray.cloudpickle
+
+            pickler: Any = ray.cloudpickle  # untyped
+            pickler.register_pickle_by_value(_ray_actor)
+            _actor_class = ray.remote(_ray_actor.ReplicaActor)
+            _reaper = ray.remote(num_cpus=0, max_retries=0)(_ray_actor.reap_strays)
+        return _actor_class, _reaper
+
+
+# -- the log pump ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Followed:
+    """One replica the pump follows, and the latest it learned about it."""
+
+    name: str
+    actor: Any
+    log_path: Path
+    offset: int  # bytes of the node-local run log already appended to log_path
+    inflight: Any = None  # the ObjectRef of the poll in progress
+    started: bool = False
+    code: int | None = None
+    pid: int | None = None
+    dead: str | None = None  # why the actor is gone, once it is
+    updated: float = 0.0  # monotonic time of the last answer
+    every: float = 0.0  # current polling period (grows while the replica is quiet)
+    due: float = 0.0  # monotonic time of the next poll
+    io: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class _Pump:
+    """One thread for every followed replica: each round sends a ``poll`` to every actor that is
+    due and whose previous poll has answered, then applies the answers (new output to the
+    daemon-side log, the child's state to the record). A slow actor skips rounds; it never holds
+    up the others. A quiet replica is polled less often (up to ``_QUIET_MAX`` apart)."""
+
+    def __init__(self, interval: float, call_timeout: float) -> None:
+        self.interval = interval
+        self.call_timeout = call_timeout
+        self._lock = threading.Lock()
+        self._followed: dict[str, _Followed] = {}
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    def follow(self, name: str, actor: Any, log_path: Path, offset: int) -> _Followed:
+        with self._lock:
+            entry = self._followed.get(name)
+            if entry is None:
+                entry = _Followed(name, actor, Path(log_path), max(0, offset))
+                self._followed[name] = entry
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="corral-ray-pump")
+                self._thread.daemon = True
+                self._thread.start()
+        self._wake.set()
+        return entry
+
+    def get(self, name: str) -> _Followed | None:
+        with self._lock:
+            return self._followed.get(name)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._followed.pop(name, None)
+
+    def names(self) -> set[str]:
+        with self._lock:
+            return set(self._followed)
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            try:
+                self.round()
+            except Exception:
+                log.exception("ray log pump round failed")
+
+    def round(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            entries = [e for e in self._followed.values() if e.dead is None]
+        for entry in entries:
+            if entry.inflight is None and now >= entry.due:
+                entry.inflight = (entry.offset, entry.actor.poll.remote(entry.offset, _READ_CHUNK))
+        pending = {e.inflight[1]: e for e in entries if e.inflight is not None}
+        if not pending:
+            return
+        # Wait one interval at most: an actor that answers later is applied next round.
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.interval)
+        for ref in ready:
+            entry = pending[ref]
+            offset, _ = entry.inflight
+            entry.inflight = None
+            self._apply(entry, offset, ref)
+
+    def _apply(self, entry: _Followed, offset: int, ref: Any) -> None:
+        try:
+            answer = ray.get(ref, timeout=0)
+        except _TRANSIENT:
+            return  # asked again next round
+        except _ACTOR_DIED as exc:
+            self.mark_dead(entry, exc)
+            return
+        except Exception as exc:  # one broken actor must not stop the round for the others
+            log.warning("ray log pump: polling %s failed: %r", entry.name, exc)
+            return
+        with entry.io:
+            if offset != entry.offset:
+                return  # a drain read the same bytes first
+            data: bytes = answer["data"]
+            if data:
+                with open(entry.log_path, "ab") as out:
+                    out.write(data)
+                entry.offset += len(data)
+            entry.started = bool(answer["started"])
+            entry.code = answer["code"]
+            entry.pid = answer["pid"]
+            entry.updated = time.monotonic()
+            quiet = not data and entry.started and entry.code is None
+            if quiet:
+                entry.every = min(_QUIET_MAX, max(self.interval, entry.every * 2))
+            else:
+                entry.every = self.interval
+            entry.due = entry.updated + entry.every - self.interval / 2
+        if len(data) >= _READ_CHUNK:
+            self._wake.set()  # more waiting: read it without sleeping
+
+    def mark_dead(self, entry: _Followed, exc: BaseException) -> None:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        with entry.io:
+            if entry.dead is None:
+                entry.dead = reason
+                entry.updated = time.monotonic()
+                with contextlib.suppress(OSError), open(entry.log_path, "ab") as out:
+                    out.write(f"\n[corral] the replica's Ray actor is gone: {reason}\n".encode())
+
+    def drain(self, name: str, timeout: float) -> None:
+        """Copy what is left of a replica's output (its app has stopped) before it is deleted."""
+        entry = self.get(name)
+        if entry is None:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and entry.dead is None:
+            with entry.io:
+                offset = entry.offset
+                try:
+                    answer = ray.get(
+                        entry.actor.poll.remote(offset, _READ_CHUNK),
+                        timeout=max(0.1, deadline - time.monotonic()),
+                    )
+                except Exception:
+                    return
+                data: bytes = answer["data"]
+                if data:
+                    with open(entry.log_path, "ab") as out:
+                        out.write(data)
+                    entry.offset += len(data)
+                entry.code = answer["code"]
+            if len(data) < _READ_CHUNK:
+                return
+
+
+# -- the backend ----------------------------------------------------------------------------------
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class _Echo:
+    """Setup's node-side output, decoded incrementally into the launch log (a multi-byte
+    character split between two reads is not mangled)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        self.offset += len(data)
+        text = self._decoder.decode(data, final=final)
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+
+class RayInfra:
+    """Replicas as detached Ray actors on the cluster at ``address``. See the module docstring.
+
+    The constructor connects (or raises RuntimeError within ``connect_timeout`` s).
+    ``call_timeout`` bounds every call to the cluster; ``placement_timeout`` is how long a launch
+    waits for the cluster to find room for an actor before failing; ``abort_grace`` is the
+    TERM-to-KILL wait when a launch is abandoned and for leaks found by ``sweep``.
+    """
+
+    name = BACKEND
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        namespace: str = "corral",
+        connect_timeout: float = 10.0,
+        call_timeout: float = 10.0,
+        placement_timeout: float = 300.0,
+        poll_interval: float = 0.5,
+        abort_grace: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.call_timeout = call_timeout
+        self.placement_timeout = placement_timeout
+        self.abort_grace = abort_grace
+        _connect(address, namespace, connect_timeout)
+        self._pump = _Pump(poll_interval, call_timeout)
+        self._inflight_lock = threading.Lock()
+        self._inflight: set[str] = set()  # actor names of launches running in this process
+        # actor name -> (service key, node id) of the replicas this process placed or adopted:
+        # what _choose_node spreads a service's replicas by.
+        self._placed: dict[str, tuple[str, str]] = {}
+
+    # -- cluster helpers ----------------------------------------------------------------------
+
+    def _lookup(self, name: str) -> Any | None:
+        """The live actor called ``name`` in our namespace, or None when there is none."""
+
+        def get() -> Any | None:
+            try:
+                return ray.get_actor(name, namespace=self.namespace)
+            except ValueError:  # "Failed to look up actor": never existed, or dead
+                return None
+
+        return _bounded("get_actor", self.call_timeout, get)
+
+    def _kill(self, actor: Any) -> None:
+        _bounded("kill", self.call_timeout, ray.kill, actor, no_restart=True)
+
+    def _wait_gone(self, name: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._lookup(name) is None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    def _node_alive(self) -> dict[str, bool]:
+        nodes = _bounded("nodes", self.call_timeout, ray.nodes)
+        return {str(n["NodeID"]): bool(n["Alive"]) for n in nodes}
+
+    def _choose_node(self, service_key: str, name: str, options: dict[str, Any]) -> str | None:
+        """The live node, among those that could ever hold this request, with the fewest
+        replicas of this service (then of any service) that this process knows of.
+
+        Why not Ray's SPREAD alone: it is best effort and was measured putting 3 replicas
+        launched together on 2 of 3 nodes; a service whose replicas share a node loses them
+        together. The choice is a *soft* affinity (Ray still places the actor elsewhere when
+        that node is full or gone) judged on node totals, so it never makes a request
+        unplaceable.
+        """
+        need: dict[str, float] = {
+            "CPU": float(options.get("num_cpus") or 0),
+            "GPU": float(options.get("num_gpus") or 0),
+            "memory": float(options.get("memory") or 0),
+        }
+        need.update(options.get("resources") or {})
+        if options.get("accelerator_type"):
+            need[f"accelerator_type:{options['accelerator_type']}"] = 0.001
+        selector: dict[str, str] = options.get("label_selector") or {}
+        if any(v.startswith("!") or "(" in v for v in selector.values()):
+            selector = {}  # an operator, not a value: Ray's label_selector alone decides
+        candidates = []
+        for node in _bounded("nodes", self.call_timeout, ray.nodes):
+            if not node.get("Alive"):
+                continue
+            have: dict[str, float] = node.get("Resources") or {}
+            labels: dict[str, str] = node.get("Labels") or {}
+            if have.get("CPU", 0.0) <= 0:
+                continue  # a node without CPUs (--num-cpus=0 head) is kept free of work
+            if all(have.get(k, 0.0) >= v for k, v in need.items() if v > 0) and all(
+                labels.get(k) == v for k, v in selector.items()
+            ):
+                candidates.append(str(node["NodeID"]))
+        if not candidates:
+            return None
+        with self._inflight_lock:
+            per_service = dict.fromkeys(candidates, 0)
+            per_node = dict.fromkeys(candidates, 0)
+            for svc, node_id in self._placed.values():
+                if node_id in per_node:
+                    per_node[node_id] += 1
+                    if svc == service_key:
+                        per_service[node_id] += 1
+            best = min(candidates, key=lambda n: (per_service[n], per_node[n], random.random()))
+            self._placed[name] = (service_key, best)  # counted before the actor even exists
+        return best
+
+    # -- launch -------------------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> ReplicaHandle:
+        """Create the replica's actor, record it, run setup (output streamed into the launch
+        log), start ``run`` and return the handle without waiting for readiness.
+
+        Meant to run in a JobPool job whose route is the launch log. Raises
+        :class:`jobs.CommandFailed` when setup fails, :class:`jobs.Cancelled` when the job is
+        cancelled, RuntimeError/ValueError for what the cluster refuses; in every case the actor
+        (and so the app) is gone before it returns.
+        """
+        name = actor_name(request.home_marker, request.service, request.replica_id)
+        with self._inflight_lock:
+            self._inflight.add(name)
+        try:
+            return self._launch(request, name)
+        finally:
+            with self._inflight_lock:
+                self._inflight.discard(name)
+
+    def _launch(self, request: LaunchRequest, name: str) -> ReplicaHandle:
+        placement = ray_options(request.resources)  # a bad spec fails before anything exists
+        key = replica_key(request.home_marker, request.service, request.replica_id)
+        actor_cls, _ = _remote_code()
+        shown = {k: v for k, v in placement.options.items() if k != "scheduling_strategy"}
+        print(
+            f"[corral] launching replica {request.service}/{request.replica_id} "
+            f"(version {request.version}) on Ray at {self.address} as actor {name} "
+            f"(namespace {self.namespace}); resources {shown or 'none requested'}",
+            flush=True,
+        )
+        for note in placement.notes:
+            print(f"[corral] note: {note}", flush=True)
+
+        stale = self._lookup(name)
+        if stale is not None:
+            # Replica ids are never reused, so this is the actor of an earlier, interrupted
+            # launch of this very replica: nothing else will ever start or stop it.
+            print(f"[corral] actor {name} is left from an interrupted launch; removing it")
+            self._stop_actor(name, stale, self.abort_grace)
+        jobs.checkpoint()
+
+        log_path = Path(request.log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        data: dict[str, Any] = {
+            "actor_name": name,
+            "namespace": self.namespace,
+            "key": key,
+            "log": str(log_path),
+            "log_base": _log_size(log_path),
+        }
+        # Recorded BEFORE the actor is created: the name is all terminate() needs, and an
+        # actor whose creation call timed out but went through later is still found by it.
+        request.on_started(ReplicaHandle(BACKEND, "", dict(data)))
+        actor: Any = None
+        try:
+            options = dict(placement.options)
+            target = self._choose_node(f"{request.home_marker}/{request.service}", name, options)
+            if target is not None:
+                print(f"[corral] preferring node {target[:12]} (fewest replicas of this service)")
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    target, soft=True, _spill_on_unavailable=True
+                )
+            actor = _bounded(
+                "create actor",
+                self.call_timeout,
+                lambda: actor_cls.options(
+                    name=name,
+                    namespace=self.namespace,
+                    lifetime="detached",
+                    max_restarts=0,
+                    max_task_retries=0,
+                    max_concurrency=8,
+                    **options,
+                ).remote(key, request.home_marker),
+            )
+            return self._start(request, name, actor, data)
+        except BaseException as exc:
+            what = "cancelled" if isinstance(exc, jobs.Cancelled) else f"failed ({exc!r})"
+            print(f"[corral] launch {what}; removing actor {name}", flush=True)
+            self._abort(name, actor)
+            raise
+
+    def _start(
+        self, request: LaunchRequest, name: str, actor: Any, data: dict[str, Any]
+    ) -> ReplicaHandle:
+        info = self._wait_placed(actor, name)
+        port = ray.get(actor.reserve_port.remote(request.port), timeout=self.call_timeout)
+        data.update(node_id=info["node_id"], ip=info["ip"], port=port, actor_pid=info["actor_pid"])
+        self._place(name, data)
+        endpoint = f"http://{info['ip']}:{port}"
+        # Before anything of the app runs: a recorded, running replica always has its endpoint.
+        request.on_started(ReplicaHandle(BACKEND, endpoint, dict(data)))
+        print(
+            f"[corral] actor {name} placed on node {info['node_id'][:12]} ({info['ip']}), "
+            f"actor pid {info['actor_pid']}, port {port}",
+            flush=True,
+        )
+        corral_env = {
+            "PORT": str(port),
+            "CORRAL_REPLICA_ID": str(request.replica_id),
+            "CORRAL_SERVICE": request.service,
+            "CORRAL_VERSION": str(request.version),
+            ENV_HOME_MARKER: request.home_marker,
+            ENV_REPLICA_KEY: data["key"],
+        }
+        # corral's variables win over the spec's: PORT is what the daemon probes, and the
+        # marker and key are what stop() and sweep() trust.
+        env = {str(k): str(v) for k, v in request.envs.items()} | corral_env
+        names = ", ".join(sorted(set(request.envs) | set(corral_env)))
+        # Keys only: values may be secrets, and this log is shown to anyone who asks for it.
+        print(f"[corral] environment: the node's (minus CORRAL_*) + {names}", flush=True)
+        workdir = str(request.workdir) if request.workdir is not None else None
+        jobs.checkpoint()
+        if request.setup and request.setup.strip():
+            print(f"[corral] setup: {request.setup}", flush=True)
+            code = self._run_setup(actor, request.setup, env, workdir)
+            if code != 0:
+                raise jobs.CommandFailed(request.setup, code)
+            print("[corral] setup done", flush=True)
+        jobs.checkpoint()
+        print(f"[corral] run: {request.run}", flush=True)
+        pid = ray.get(actor.start.remote(request.run, env, workdir), timeout=self.call_timeout)
+        data["pid"] = pid
+        handle = ReplicaHandle(BACKEND, endpoint, dict(data))
+        self._pump.follow(name, actor, Path(data["log"]), 0)
+        request.on_started(handle)
+        print(
+            f"[corral] started pid {pid} on node {info['ip']} port {port}; its output is "
+            f"streamed to {data['log']}",
+            flush=True,
+        )
+        jobs.checkpoint()
+        return handle
+
+    def _place(self, name: str, data: Mapping[str, Any]) -> None:
+        """Note where a replica runs (see _choose_node)."""
+        key, node_id = data.get("key"), data.get("node_id")
+        if isinstance(key, str) and isinstance(node_id, str):
+            with self._inflight_lock:
+                self._placed[name] = (key.rsplit("/", 1)[0], node_id)
+
+    def _unplace(self, name: str) -> None:
+        with self._inflight_lock:
+            self._placed.pop(name, None)
+
+    def _wait_placed(self, actor: Any, name: str) -> dict[str, Any]:
+        """Wait (cancellably) until the cluster has placed the actor and it answers."""
+        ref = actor.info.remote()
+        started = time.monotonic()
+        next_note = started + 10.0
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.25)
+            if ready:
+                info: dict[str, Any] = ray.get(ref, timeout=self.call_timeout)
+                return info
+            jobs.checkpoint()
+            now = time.monotonic()
+            if now - started > self.placement_timeout:
+                raise RuntimeError(
+                    f"the Ray cluster found no node for actor {name} within "
+                    f"{self.placement_timeout:g}s (resources or labels no node has?)"
+                )
+            if now >= next_note:
+                print(f"[corral] waiting for the cluster to place actor {name}...", flush=True)
+                next_note = now + 30.0
+
+    def _run_setup(self, actor: Any, command: str, env: dict[str, str], workdir: str | None) -> int:
+        """Run setup on the node, echoing its output into the launch log as it comes."""
+        ref = actor.run_setup.remote(command, env, workdir)
+        echo = _Echo()
+
+        def pull(final: bool = False) -> None:
+            while True:
+                data = ray.get(
+                    actor.read.remote("setup", echo.offset, _READ_CHUNK), timeout=self.call_timeout
+                )
+                echo.write(data, final=final and len(data) < _READ_CHUNK)
+                if len(data) < _READ_CHUNK:
+                    return
+
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.3)
+            pull(final=bool(ready))
+            if ready:
+                code: int = ray.get(ref, timeout=self.call_timeout)
+                return code
+            jobs.checkpoint()
+
+    def _abort(self, name: str, actor: Any | None) -> None:
+        """Remove the actor of an abandoned launch (looked up by name when its creation did not
+        return). Never raises: it runs while another error is on its way out, and that error is
+        the one to report; the recorded handle lets the controller's teardown try again."""
+        try:
+            if actor is None:
+                actor = self._lookup(name)
+            if actor is not None:
+                self._stop_actor(name, actor, self.abort_grace)
+            self._unplace(name)
+        except Exception as exc:
+            print(f"[corral] removing actor {name} failed: {exc!r}", flush=True)
+
+    def _stop_actor(self, name: str, actor: Any, grace: float) -> None:
+        """Stop the app (TERM, KILL after ``grace``), keep the rest of its output, remove the
+        actor and make sure it is gone. Raises when it is not."""
+        try:
+            left: list[str] = ray.get(actor.stop.remote(grace), timeout=grace + self.call_timeout)
+            for line in left:
+                print(f"[corral] on the node: {line}; killing the actor ends its group", flush=True)
+        except ray.exceptions.GetTimeoutError:
+            print(f"[corral] actor {name} did not stop its app in time; killing it", flush=True)
+        except ray.exceptions.RayActorError:
+            pass  # already dead or dying: ray.kill below makes sure
+        self._pump.drain(name, self.call_timeout)
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(actor.cleanup.remote(), timeout=self.call_timeout)
+        self._kill(actor)
+        if not self._wait_gone(name, self.call_timeout):
+            raise RuntimeError(f"Ray actor {name} still exists after ray.kill")
+        self._pump.forget(name)
+        self._unplace(name)
+
+    # -- terminate / check / exit_code ---------------------------------------------------------
+
+    @staticmethod
+    def _data(handle: ReplicaHandle) -> Mapping[str, Any]:
+        if handle.backend != BACKEND:
+            raise ValueError(f"not a {BACKEND} replica handle: backend={handle.backend!r}")
+        name = handle.data.get("actor_name")
+        if not isinstance(name, str) or not name.startswith("corral-"):
+            raise ValueError(f"malformed {BACKEND} replica handle {dict(handle.data)!r}")
+        return handle.data
+
+    def terminate(self, handle: ReplicaHandle, grace: float) -> None:
+        """Stop the app (TERM, KILL after ``grace`` s), copy the rest of its output, kill the
+        actor. Idempotent: an actor that is already gone is success (its app died with it; a
+        stray that kept the replica's key is stopped by a task on its node). Raises when the
+        cluster does not answer or the actor survives."""
+        data = self._data(handle)
+        name = str(data["actor_name"])
+        entry = self._pump.get(name)
+        actor = self._lookup(name) if entry is None or entry.dead is None else None
+        if actor is None:
+            print(f"[corral] actor {name} is already gone", flush=True)
+            self._pump.forget(name)
+            self._unplace(name)
+            self._reap_node(data)
+            return
+        print(f"[corral] stopping actor {name}: TERM, KILL after {grace:g}s", flush=True)
+        self._stop_actor(name, actor, grace)
+        print(f"[corral] actor {name} removed", flush=True)
+
+    def _reap_node(self, data: Mapping[str, Any]) -> None:
+        """After an actor died on a node that is still up, stop what kept its replica key there
+        (a child that left the actor's process group). Best effort, bounded."""
+        node_id, key = data.get("node_id"), data.get("key")
+        if not isinstance(node_id, str) or not isinstance(key, str):
+            return
+        try:
+            if not self._node_alive().get(node_id, False):
+                return
+            _, reaper = _remote_code()
+            marker = key.split("/", 1)[0]
+            ref = reaper.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+            ).remote(marker, [], key)
+            for line in ray.get(ref, timeout=self.call_timeout * 3):
+                print(f"[corral] stopped a process the actor left: {line}", flush=True)
+        except Exception as exc:
+            print(f"[corral] could not look for leftovers on node {node_id[:12]}: {exc!r}")
+
+    def check(self, handle: ReplicaHandle) -> Liveness:
+        """ALIVE while the app runs; EXITED once it ended; LOST when the actor is gone (node
+        died, actor killed); UNKNOWN when the cluster does not answer. Usually answered from the
+        pump's latest poll; a replica this process does not follow yet (a restarted daemon's) is
+        asked directly and then followed, its output resuming where the daemon-side log ends."""
+        data = self._data(handle)
+        name = str(data["actor_name"])
+        entry = self._pump.get(name)
+        if entry is not None:
+            if entry.dead is not None:
+                return Liveness.LOST
+            if entry.code is not None:
+                return Liveness.EXITED
+            if entry.started and time.monotonic() - entry.updated < _FRESH:
+                return Liveness.ALIVE
+            actor = entry.actor
+        else:
+            try:
+                actor = self._lookup(name)
+            except RayUnreachable:
+                return Liveness.UNKNOWN
+            if actor is None:
+                return Liveness.LOST
+        try:
+            answer = ray.get(actor.poll.remote(0, 0), timeout=min(self.call_timeout, 5.0))
+        except _TRANSIENT:
+            return Liveness.UNKNOWN
+        except _ACTOR_DIED as exc:
+            if entry is not None:
+                self._pump.mark_dead(entry, exc)
+            return Liveness.LOST
+        except Exception as exc:  # never into the controller (it adopts on its event loop)
+            log.warning("checking Ray actor %s failed: %r", name, exc)
+            return Liveness.UNKNOWN
+        if not answer["started"]:
+            with self._inflight_lock:
+                launching = name in self._inflight
+            if launching:
+                return Liveness.ALIVE
+            # A launch that died with a previous daemon: nothing will ever start (or stop) this
+            # actor, and the controller relaunches the replica without its handle.
+            with contextlib.suppress(Exception):
+                self._stop_actor(name, actor, 0.0)
+            return Liveness.EXITED
+        if entry is None:
+            self._place(name, data)
+            log_path = Path(str(data.get("log") or ""))
+            base = int(data.get("log_base") or 0)
+            entry = self._pump.follow(name, actor, log_path, _log_size(log_path) - base)
+        entry.code = answer["code"]
+        entry.started = True
+        entry.updated = time.monotonic()
+        return Liveness.ALIVE if answer["code"] is None else Liveness.EXITED
+
+    def exit_code(self, handle: ReplicaHandle) -> int | None:
+        """The app's exit code as the pump last saw it (negative: killed by that signal); None
+        while it runs or when it is not known. Never calls the cluster: it runs on the daemon's
+        event loop, right after :meth:`check` said EXITED."""
+        entry = self._pump.get(str(self._data(handle)["actor_name"]))
+        return entry.code if entry is not None else None
+
+    # -- sweep ----------------------------------------------------------------------------------
+
+    def sweep(self, home_marker: str, known: Collection[ReplicaHandle]) -> list[str]:
+        """Remove actors of this corral home that no known handle names (a launch interrupted
+        between creating the actor and recording it), then, on every live node, processes of
+        this home whose replica key no known handle holds. Returns one line per thing removed."""
+        prefix = f"corral-{home_marker}-"
+        known_names: set[str] = set()
+        known_keys: set[str] = set()
+        for handle in known:
+            if handle.backend != BACKEND:
+                continue
+            name = handle.data.get("actor_name")
+            if isinstance(name, str):
+                known_names.add(name)
+            key = handle.data.get("key")
+            if isinstance(key, str):
+                known_keys.add(key)
+        with self._inflight_lock:
+            known_names |= self._inflight
+        known_names |= self._pump.names()
+        listed = _bounded(
+            "list_named_actors", self.call_timeout, ray.util.list_named_actors, all_namespaces=True
+        )
+        report: list[str] = []
+        for item in listed:
+            name = item["name"]
+            if item["namespace"] != self.namespace or not name.startswith(prefix):
+                continue
+            if name in known_names:
+                continue
+            actor = self._lookup(name)
+            if actor is None:
+                continue
+            try:
+                self._stop_actor(name, actor, self.abort_grace)
+                report.append(f"Ray actor {name} (namespace {self.namespace})")
+            except Exception as exc:
+                report.append(f"Ray actor {name}: could not remove it: {exc!r}")
+        # Keys of live actors are spared too: their children carry them.
+        keys = sorted(known_keys | {_key_of(n, home_marker) for n in known_names})
+        report.extend(self._reap_everywhere(home_marker, keys))
+        return report
+
+    def _reap_everywhere(self, home_marker: str, keep: list[str]) -> list[str]:
+        """Run the stray reaper on every live node at once; one line per process it stopped
+        (or per node it could not ask). A node that died meanwhile took its processes along."""
+        try:
+            nodes = [n for n, alive in self._node_alive().items() if alive]
+            _, reaper = _remote_code()
+        except Exception as exc:
+            return [f"looking for leftover processes on the Ray nodes failed: {exc!r}"]
+        refs = [
+            reaper.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(home_marker, keep)
+            for node in nodes
+        ]
+        lines: list[str] = []
+        deadline = time.monotonic() + self.call_timeout * 2
+        for node, ref in zip(nodes, refs, strict=True):
+            try:
+                found = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.TaskUnschedulableError:
+                continue  # the node went away after it was listed
+            except Exception as exc:
+                lines.append(f"could not look for leftover processes on node {node[:12]}: {exc!r}")
+                continue
+            lines.extend(f"process on Ray node {node[:12]}: {line}" for line in found)
+        return lines
+
+
+def _key_of(name: str, home_marker: str) -> str:
+    """The replica key of an actor name: ``corral-<marker>-<service>-<id>`` -> ``m/s/id``."""
+    rest = name[len(f"corral-{home_marker}-") :]
+    service, _, replica = rest.rpartition("-")
+    return replica_key(home_marker, service, int(replica)) if replica.isdigit() else ""
