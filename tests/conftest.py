@@ -24,10 +24,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -138,6 +141,36 @@ def write_spec(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+class LineReader:
+    """Reads a subprocess's stdout on a thread, so the test can wait for a line with a deadline."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        assert proc.stdout is not None
+        self._stdout = proc.stdout
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        for raw in iter(self._stdout.readline, b""):
+            self.lines.put(raw.decode(errors="replace"))
+
+    def wait_line(self, pattern: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.seen:
+                if re.search(pattern, line):
+                    return line
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no line matching {pattern!r} in {timeout:g}s: {self.seen}")
+            try:
+                self.seen.append(self.lines.get(timeout=min(left, 0.2)))
+            except queue.Empty:
+                continue
 
 
 # -- the corral home ------------------------------------------------------------------------------

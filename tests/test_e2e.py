@@ -10,14 +10,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import queue
 import re
 import signal
 import socket
-import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
 from collections import Counter
@@ -26,7 +23,16 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import APPS, EXAMPLES, CorralHome, http, pid_alive, wait_for, write_spec
+from conftest import (
+    APPS,
+    EXAMPLES,
+    CorralHome,
+    LineReader,
+    http,
+    pid_alive,
+    wait_for,
+    write_spec,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -101,36 +107,6 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-class LineReader:
-    """Reads a subprocess's stdout on a thread, so the test can wait for a line with a deadline."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        assert proc.stdout is not None
-        self._stdout = proc.stdout
-        self._thread = threading.Thread(target=self._pump, daemon=True)
-        self._thread.start()
-
-    def _pump(self) -> None:
-        for raw in iter(self._stdout.readline, b""):
-            self.lines.put(raw.decode(errors="replace"))
-
-    def wait_line(self, pattern: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in self.seen:
-                if re.search(pattern, line):
-                    return line
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no line matching {pattern!r} in {timeout:g}s: {self.seen}")
-            try:
-                self.seen.append(self.lines.get(timeout=min(left, 0.2)))
-            except queue.Empty:
-                continue
 
 
 # -- 1. up --------------------------------------------------------------------------------------

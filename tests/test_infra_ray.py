@@ -13,8 +13,6 @@ Every test checks by pid that the actors and apps it started are gone; every wai
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import os
 import shutil
 import signal
@@ -39,6 +37,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
 from conftest import EXAMPLES, pid_alive, wait_for  # noqa: E402
+from ray_support import cluster_dir, topology  # noqa: E402
 
 from corral import jobs  # noqa: E402
 from corral.infra import ray as ray_infra  # noqa: E402
@@ -58,29 +57,6 @@ NODES: list[dict[str, Any]] = [
 
 
 # -- fixtures -------------------------------------------------------------------------------------
-
-
-def cluster_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """A short directory (Unix socket paths are limited to 107 bytes) that every xdist worker of
-    this test run computes the same, so they share one cluster."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    digest = hashlib.sha1(f"{root}:{name}".encode()).hexdigest()[:10]
-    return Path("/tmp") / f"corral-ray-{digest}"
-
-
-@contextlib.contextmanager
-def topology(cluster: LocalRayCluster, *, exclusive: bool) -> Iterator[None]:
-    """Tests that add and remove nodes (exclusive) never run while another test (shared) runs on
-    the other xdist worker: corral rightly prefers a fresh, empty node for new replicas, and a
-    node removed under them would fail or move them (a correct outcome, not that test's)."""
-    with open(cluster.dir / "topology.lock", "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

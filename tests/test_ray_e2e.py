@@ -13,20 +13,14 @@ home is left on the cluster and that every replica process (found by pid, and by
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import os
-import queue
 import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
@@ -40,7 +34,8 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # see test_infra_ray.py
 pytest.importorskip("ray")
 
-from conftest import EXAMPLES, CorralHome, http, pid_alive, wait_for, write_spec
+from conftest import EXAMPLES, CorralHome, LineReader, http, pid_alive, wait_for, write_spec
+from ray_support import cluster_dir, topology
 
 from corral.infra._ray_cluster import LocalRayCluster
 
@@ -59,29 +54,6 @@ READY_LINE = re.compile(r"service (\S+) is READY at (http://127\.0\.0\.1:\d+)")
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def cluster_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """A short directory (Unix socket paths are limited to 107 bytes) that every xdist worker of
-    this test run computes the same, so they share one cluster."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    digest = hashlib.sha1(f"{root}:{name}".encode()).hexdigest()[:10]
-    return Path("/tmp") / f"corral-ray-{digest}"
-
-
-@contextlib.contextmanager
-def topology(cluster: LocalRayCluster, *, exclusive: bool) -> Iterator[None]:
-    """Tests that add and remove nodes (exclusive) never run while another test (shared) runs on
-    the other xdist worker: corral rightly prefers a fresh, empty node for new replicas, and a
-    node removed under them would fail or move them (a correct outcome, not that test's)."""
-    with open(cluster.dir / "topology.lock", "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def endpoint_of(up_output: str) -> str:
     match = READY_LINE.search(up_output)
     assert match, f"`corral up` did not print the endpoint:\n{up_output}"
@@ -92,35 +64,6 @@ def get_json(url: str, timeout: float = 10.0) -> Any:
     answer = http(url, timeout=timeout)
     assert answer.status == 200, (url, answer.status, answer.body[:500])
     return answer.json()
-
-
-class LineReader:
-    """Reads a subprocess's stdout on a thread, so the test can wait for a line with a deadline."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        assert proc.stdout is not None
-        self._stdout = proc.stdout
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for raw in iter(self._stdout.readline, b""):
-            self.lines.put(raw.decode(errors="replace"))
-
-    def wait_line(self, pattern: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in self.seen:
-                if re.search(pattern, line):
-                    return line
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no line matching {pattern!r} in {timeout:g}s: {self.seen}")
-            try:
-                self.seen.append(self.lines.get(timeout=min(left, 0.2)))
-            except queue.Empty:
-                continue
 
 
 @pytest.fixture(autouse=True)
