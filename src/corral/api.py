@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -69,8 +70,6 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
 
     @routes.get("/v1/daemon")
     async def info(request: web.Request) -> web.Response:
-        import os
-
         return _json(
             {
                 "pid": os.getpid(),
