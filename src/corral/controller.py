@@ -112,7 +112,6 @@ class ServiceController:
         self._specs: dict[int, ServiceSpec] = {}
         self._wake = asyncio.Event()
         self._stopping = False
-        self._removed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self.balancer: LoadBalancer | None = None
@@ -193,13 +192,6 @@ class ServiceController:
     def wake(self) -> None:
         """Ask for a reconcile step soon (thread-safe)."""
         self._loop.call_soon_threadsafe(self._wake.set)
-
-    async def wait_removed(self, timeout: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._removed.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
 
     # -- spec and paths -----------------------------------------------------------------------
 
@@ -355,7 +347,6 @@ class ServiceController:
                 # the API must answer 404 for it from now on, and a new `up` may reuse the name.
                 if self._on_removed is not None:
                     self._on_removed(self.name)
-                self._removed.set()
                 if self.balancer is not None:
                     await self.balancer.stop()
                 return

@@ -441,8 +441,3 @@ def _split(script: str) -> list[str]:
 
 def _only_comments(statement: str) -> bool:
     return all(not line.strip() or line.strip().startswith("--") for line in statement.splitlines())
-
-
-def as_dict(row: Any) -> dict[str, Any]:
-    """A state row as a plain dict (for the API's JSON)."""
-    return {f.name: getattr(row, f.name) for f in fields(row)}
