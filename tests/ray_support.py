@@ -35,3 +35,15 @@ def topology(cluster: LocalRayCluster, *, exclusive: bool) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def guard_topology(request: pytest.FixtureRequest, changes_topology: set[str]) -> Iterator[None]:
+    """Body of each Ray test file's autouse fixture: every test holds the cluster's topology
+    lock shared, except those in ``changes_topology`` (they take it exclusive around the change
+    themselves, see :func:`topology`)."""
+    if request.node.name in changes_topology:
+        yield
+        return
+    cluster: LocalRayCluster = request.getfixturevalue("cluster")
+    with topology(cluster, exclusive=False):
+        yield

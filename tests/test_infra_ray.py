@@ -37,7 +37,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
 from conftest import EXAMPLES, pid_alive, wait_for  # noqa: E402
-from ray_support import cluster_dir, topology  # noqa: E402
+from ray_support import cluster_dir, guard_topology, topology  # noqa: E402
 
 from corral import jobs  # noqa: E402
 from corral.infra import ray as ray_infra  # noqa: E402
@@ -61,14 +61,7 @@ NODES: list[dict[str, Any]] = [
 
 @pytest.fixture(autouse=True)
 def _topology_guard(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every test of this module holds the cluster's topology lock shared, except those that
-    change the topology (they take it exclusive around the change): see :func:`topology`."""
-    if request.node.name in CHANGES_TOPOLOGY:
-        yield
-        return
-    cluster: LocalRayCluster = request.getfixturevalue("cluster")
-    with topology(cluster, exclusive=False):
-        yield
+    yield from guard_topology(request, CHANGES_TOPOLOGY)
 
 
 @pytest.fixture(scope="session")

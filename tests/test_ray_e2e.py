@@ -35,7 +35,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # see test_infr
 pytest.importorskip("ray")
 
 from conftest import EXAMPLES, CorralHome, LineReader, http, pid_alive, wait_for, write_spec
-from ray_support import cluster_dir, topology
+from ray_support import cluster_dir, guard_topology, topology
 
 from corral.infra._ray_cluster import LocalRayCluster
 
@@ -68,14 +68,7 @@ def get_json(url: str, timeout: float = 10.0) -> Any:
 
 @pytest.fixture(autouse=True)
 def _topology_guard(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every test of this module holds the cluster's topology lock shared, except those that
-    change the topology (they take it exclusive around the change): see :func:`topology`."""
-    if request.node.name in CHANGES_TOPOLOGY:
-        yield
-        return
-    cluster: LocalRayCluster = request.getfixturevalue("cluster")
-    with topology(cluster, exclusive=False):
-        yield
+    yield from guard_topology(request, CHANGES_TOPOLOGY)
 
 
 @pytest.fixture(scope="session")
