@@ -326,8 +326,18 @@ def _sweep(home_marker: str, infras: Mapping[str, Infra], store: Store) -> None:
             log.warning("leak sweep: killed %s (started but never recorded)", what)
 
 
-async def serve(home: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
-    """Run the daemon until SIGTERM/SIGINT or an API stop request."""
+async def serve(
+    home: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    infras: Mapping[str, Infra] | None = None,
+) -> None:
+    """Run the daemon until SIGTERM/SIGINT or an API stop request.
+
+    ``infras`` replaces the backends the daemon would build (local, plus Ray when configured):
+    the seam through which the chaos tests run a real daemon over a backend that fails on cue.
+    """
     home.mkdir(parents=True, exist_ok=True)
     home.chmod(0o700)
     capture.install()
@@ -343,8 +353,9 @@ async def serve(home: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
     home_marker = _home_id(home)
     store = Store(home / "state.db")
     pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
-    infras: dict[str, Infra] = {"local": LocalInfra()}
-    infras.update(_cluster_backends())
+    if infras is None:
+        infras = {"local": LocalInfra(), **_cluster_backends()}
+    infras = dict(infras)
     _sweep(home_marker, infras, store)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as http:
