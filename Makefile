@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-down test lint typecheck check bench bench-quick clean
+.PHONY: venv demo demo-down test chaos lint typecheck check bench bench-quick soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ demo-down: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
+
+# The long chaos suite (the default `make test` runs the short version of each chaos test).
+CHAOS_REPORT ?= $(CURDIR)/chaos-report.jsonl
+chaos: $(STAMP)
+	rm -f $(CHAOS_REPORT)
+	CORRAL_CHAOS=long CORRAL_CHAOS_REPORT=$(CHAOS_REPORT) $(PY) -m pytest -n 2 tests/chaos
+	$(PY) tests/chaos/summarize.py $(CHAOS_REPORT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples
