@@ -1,0 +1,356 @@
+"""Chaos: the balancer under steady load while replicas die and are replaced.
+
+The promise tested here is the architecture's last invariant: *a request the balancer accepted
+is answered*, and for an idempotent GET "answered" must mean answered well. A replica killed
+with SIGKILL mid-request, a pooled keep-alive connection to a dead replica, a connect refused by
+a port nobody listens on any more: each is a failure before any response header, which the
+balancer retries on another replica (never the same one) while the controller drops the dead
+replica from the ready set and launches a replacement. A rolling update and a scale-down are the
+graceful version of the same churn: replicas leave the ready set, drain, then stop.
+
+How it is driven (all real: the CLI, the daemon, examples/app.py replicas, HTTP on 127.0.0.1):
+
+* an open-loop load generator (:class:`PacedLoad`) sends GETs at a fixed rate (~200 req/s) for
+  a fixed time, each with its own deadline, from an asyncio loop on a thread. Open loop: a slow
+  answer does not slow the schedule down, so a stall shows up as latency, not as fewer requests;
+* a seeded schedule (``chaos_support.rng``) SIGKILLs the process group of a random READY replica
+  every few seconds; corral must notice and replace it. A kill happens only while at least two
+  replicas are READY, so that a retry always has somewhere to go (with no replica at all a 503
+  is the right answer, and not what is tested here).
+
+Every failed request (non-2xx, connection error, deadline) is a lost request and fails the test,
+with the first few errors in the message. Latency is reported (p50/p99/max), never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+from chaos_support import LONG, record, rng, seconds
+from conftest import ENV_HOME_MARKER, EXAMPLES, CorralHome, pid_alive, wait_for, write_spec
+
+pytestmark = pytest.mark.timeout(900 if LONG else 240)
+
+RATE = 200.0  # requests per second, open loop
+REQUEST_DEADLINE = 10.0  # s, total per request (connect + answer)
+MAX_CONCURRENT = 128  # open requests at most; a stall beyond this delays sends (seen as latency)
+KILL_EVERY = (3.0, 5.0)  # s between two kills, drawn per kill
+LIVE = {"PENDING", "PROVISIONING", "STARTING", "NOT_READY", "READY"}
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadResult:
+    """What the client saw: one entry per request sent."""
+
+    sent: int = 0
+    ok: int = 0
+    latencies: list[float] = field(default_factory=list)  # s, of every answered request
+    errors: Counter[str] = field(default_factory=Counter)  # failure kind -> count
+    examples: list[str] = field(default_factory=list)  # the first few failures, verbatim
+    pids: Counter[int] = field(default_factory=Counter)  # replica pid -> answers
+    elapsed: float = 0.0
+
+    @property
+    def failed(self) -> int:
+        return self.sent - self.ok
+
+    def quantile_ms(self, q: float) -> float:
+        if not self.latencies:
+            return 0.0
+        ordered = sorted(self.latencies)
+        return 1000.0 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": self.sent,
+            "failed": self.failed,
+            "achieved_rps": round(self.sent / self.elapsed, 1) if self.elapsed else 0.0,
+            "p50_ms": round(self.quantile_ms(0.50), 1),
+            "p99_ms": round(self.quantile_ms(0.99), 1),
+            "max_ms": round(1000.0 * max(self.latencies, default=0.0), 1),
+            "replicas_answering": len(self.pids),
+        }
+
+
+class PacedLoad:
+    """GET ``url/churn/<n>`` at ``rate`` req/s for ``duration`` s on a thread of its own.
+
+    Bounded in every way: at most ``rate * duration`` requests, each with a total deadline of
+    REQUEST_DEADLINE, and the thread is joined with a deadline by :meth:`join`.
+    """
+
+    def __init__(self, url: str, rate: float, duration: float) -> None:
+        assert url.startswith("http://127.0.0.1:"), url
+        self.url = url
+        self.rate = rate
+        self.duration = duration
+        self.result = LoadResult()
+        self._thread = threading.Thread(target=self._main, name="paced-load", daemon=True)
+        self._crash: BaseException | None = None
+        self._halt = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Send no more requests (those in flight still finish, within their deadline)."""
+        self._halt.set()
+
+    def join(self) -> LoadResult:
+        self._thread.join(self.duration + REQUEST_DEADLINE + 30.0)
+        assert not self._thread.is_alive(), "the load generator overran its own deadline"
+        if self._crash is not None:
+            raise self._crash
+        return self.result
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as exc:  # reported by join(), on the test's thread
+            self._crash = exc
+
+    async def _run(self) -> None:
+        total = int(self.rate * self.duration)
+        limit = asyncio.Semaphore(MAX_CONCURRENT)
+        connector = aiohttp.TCPConnector(limit=MAX_CONCURRENT, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=REQUEST_DEADLINE)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            tasks = []
+            for n in range(total):
+                if self._halt.is_set():
+                    break
+                delay = start + n / self.rate - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await limit.acquire()
+                tasks.append(asyncio.create_task(self._one(session, n, limit)))
+            await asyncio.gather(*tasks)
+            self.result.elapsed = loop.time() - start
+
+    async def _one(self, session: aiohttp.ClientSession, n: int, limit: asyncio.Semaphore) -> None:
+        result = self.result
+        result.sent += 1
+        t0 = time.monotonic()
+        try:
+            async with session.get(f"{self.url}/churn/{n}") as response:
+                body = await response.read()
+                if 200 <= response.status < 300:
+                    result.ok += 1
+                    result.latencies.append(time.monotonic() - t0)
+                    result.pids[int(json.loads(body)["pid"])] += 1
+                    return
+                kind = f"HTTP {response.status}"
+                detail = body[:300].decode(errors="replace")
+                result.latencies.append(time.monotonic() - t0)
+        except TimeoutError:
+            kind, detail = "deadline", f"no answer within {REQUEST_DEADLINE:g}s"
+        except (aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
+            kind, detail = type(exc).__name__, str(exc)
+        finally:
+            limit.release()
+        result.errors[kind] += 1
+        if len(result.examples) < 10:
+            result.examples.append(f"t={t0 % 1000:.3f} #{n} {kind}: {detail}")
+
+
+# -- the service ----------------------------------------------------------------------------------
+
+
+def churn_spec(directory: Path, name: str, replicas: int, version: str = "1") -> Path:
+    """examples/app.py with fast probes; APP_VERSION changes the launch (a rolling relaunch)."""
+    run = f"exec {sys.executable} app.py"
+    text = (
+        f"name: {name}\n"
+        f"workdir: {EXAMPLES}\n"
+        f"run: {json.dumps(run)}\n"
+        "envs:\n"
+        f"  APP_VERSION: {json.dumps(version)}\n"
+        "service:\n"
+        "  readiness_probe:\n"
+        "    path: /health\n"
+        "    initial_delay_seconds: 60\n"
+        "    period_seconds: 0.2\n"
+        "    timeout_seconds: 2\n"
+        f"  replicas: {replicas}\n"
+    )
+    return write_spec(directory / f"{name}-v{version}-{replicas}.yaml", text)
+
+
+def start_service(home: CorralHome, tmp_path: Path, name: str, replicas: int) -> str:
+    """`corral up` the service; return the balancer's URL once every replica is READY."""
+    home.run("up", str(churn_spec(tmp_path, name, replicas)), "--detach")
+    svc = home.wait_replicas(name, replicas, timeout=90.0)
+    url = str(svc["endpoint"]).rstrip("/")
+    assert url.startswith("http://127.0.0.1:"), url
+    return url
+
+
+def ready_replicas(home: CorralHome, name: str) -> list[dict[str, Any]]:
+    svc = home.service(name)
+    assert svc is not None, f"service {name} vanished"
+    return sorted((r for r in svc["replicas"] if r["status"] == "READY"), key=lambda r: r["id"])
+
+
+def kill_replica_group(home: CorralHome, pid: int) -> bool:
+    """SIGKILL the process group a replica leads, after checking the pid is this home's replica.
+
+    The marker check means a pid recycled since the status was read is never signalled. Returns
+    False when the replica was already gone (nothing was signalled).
+    """
+    try:
+        env = psutil.Process(pid).environ()
+    except psutil.Error:
+        return False
+    if env.get(ENV_HOME_MARKER) != home.marker:
+        return False
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the local backend starts each replica as a group leader
+    except ProcessLookupError:
+        return False
+    wait_for(lambda: not pid_alive(pid), 10.0, f"killed replica pid {pid} to die")
+    return True
+
+
+def report(label: str, result: LoadResult, **extra: Any) -> str:
+    line = {"run": label, **result.summary(), **extra}
+    text = json.dumps(line, sort_keys=True)
+    print(f"\n[balancer churn] {text}")
+    return text
+
+
+def assert_nothing_lost(result: LoadResult, label: str, seed_note: str) -> None:
+    assert result.sent > 0, f"{label}: no request was sent"
+    assert result.failed == 0, (
+        f"{label}: {result.failed} of {result.sent} requests failed ({dict(result.errors)}); "
+        f"{seed_note}; first failures:\n" + "\n".join(result.examples)
+    )
+
+
+# -- tests ----------------------------------------------------------------------------------------
+
+
+def test_replica_kills_under_load_lose_no_request(corral_home: CorralHome, tmp_path: Path) -> None:
+    """Random SIGKILLs of READY replicas while ~200 req/s of GETs flow: zero failed requests."""
+    name = "churn"
+    replicas = 3
+    duration = seconds(15.0, 60.0)
+    seed = f"CORRAL_CHAOS_SEED={os.environ.get('CORRAL_CHAOS_SEED', '1')}"
+    random = rng("balancer_churn.kills")
+    url = start_service(corral_home, tmp_path, name, replicas)
+
+    load = PacedLoad(url, RATE, duration)
+    load.start()
+    started = time.monotonic()
+    end = started + duration
+    kills: list[dict[str, Any]] = []
+    skipped = 0
+    next_kill = started + random.uniform(*KILL_EVERY) / 2
+    while True:
+        if next_kill >= end - 1.0:  # leave the last second for the last retries to settle
+            break
+        time.sleep(max(0.0, next_kill - time.monotonic()))
+        ready = ready_replicas(corral_home, name)
+        if len(ready) < 2:
+            skipped += 1  # a retry needs another replica; try again shortly
+            next_kill = time.monotonic() + 0.5
+            continue
+        victim = random.choice(ready)
+        if kill_replica_group(corral_home, int(victim["pid"])):
+            kills.append(
+                {
+                    "at_s": round(time.monotonic() - started, 2),
+                    "replica": victim["id"],
+                    "ready": len(ready),
+                }
+            )
+        next_kill = time.monotonic() + random.uniform(*KILL_EVERY)
+    result = load.join()
+
+    # corral replaced every killed replica: back to full strength, none of the victims serving.
+    svc = corral_home.wait_replicas(name, replicas, timeout=60.0)
+    killed_ids = {k["replica"] for k in kills}
+    ready_ids = {r["id"] for r in svc["replicas"] if r["status"] == "READY"}
+    assert not killed_ids & ready_ids, f"a killed replica is READY again: {killed_ids & ready_ids}"
+
+    line = report("kills", result, kills=len(kills), skipped_kills=skipped, seed=seed)
+    record(
+        "balancer: replica SIGKILL under load",
+        rounds=len(kills),
+        lost=result.failed,
+        requests=result.sent,
+        p99_ms=result.summary()["p99_ms"],
+        rate=RATE,
+        seconds=duration,
+    )
+    assert len(kills) >= max(2, int(duration / KILL_EVERY[1]) - 1), f"too few kills ran: {kills}"
+    assert_nothing_lost(result, line, seed)
+    assert len(result.pids) > replicas, "replacements never served a request"
+
+
+def test_rolling_update_and_scale_down_under_load_lose_no_request(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """Graceful churn while ~200 req/s flow: a rolling update that relaunches every replica, then
+    a scale-down from 4 to 3. Replicas leave the ready set, drain and stop: zero failed requests.
+    """
+    name = "roll"
+    duration = seconds(15.0, 45.0)  # at least; the load goes on until the churn is over
+    seed = f"CORRAL_CHAOS_SEED={os.environ.get('CORRAL_CHAOS_SEED', '1')}"
+    url = start_service(corral_home, tmp_path, name, 4)
+    before = {r["id"] for r in ready_replicas(corral_home, name)}
+
+    load = PacedLoad(url, RATE, duration + 120.0)  # stopped below, once the churn is over
+    load.start()
+    started = time.monotonic()
+    time.sleep(2.0)  # some steady traffic first
+    corral_home.run("update", name, str(churn_spec(tmp_path, name, 4, version="2")), "--detach")
+
+    def rolled() -> bool:
+        ready = ready_replicas(corral_home, name)
+        return len(ready) == 4 and not before & {r["id"] for r in ready}
+
+    wait_for(rolled, max(duration, 60.0), "the rolling update to replace every replica")
+    rolled_at = time.monotonic() - started
+    corral_home.run("update", name, str(churn_spec(tmp_path, name, 3, version="2")), "--detach")
+    corral_home.wait_replicas(name, 3, timeout=60.0)
+    scaled_at = time.monotonic() - started
+    # traffic on the final set for a while, and at least `duration` in all
+    time.sleep(max(2.0, duration - scaled_at))
+    load.stop()
+    result = load.join()
+
+    line = report(
+        "rolling+scale-down",
+        result,
+        rolled_at_s=round(rolled_at, 1),
+        scaled_at_s=round(scaled_at, 1),
+        seed=seed,
+    )
+    record(
+        "balancer: rolling update + scale-down under load",
+        rounds=1,
+        lost=result.failed,
+        requests=result.sent,
+        p99_ms=result.summary()["p99_ms"],
+        rate=RATE,
+        seconds=duration,
+    )
+    assert_nothing_lost(result, line, seed)
