@@ -890,37 +890,6 @@ def test_never_raises_anything_but_spec_error() -> None:
         assert not caught.value.issues[0].message.startswith("internal error"), text
 
 
-def test_fuzz_never_escapes() -> None:
-    pytest.importorskip("hypothesis")  # not a declared dev dependency: skip where absent
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
-
-    keys = st.sampled_from(
-        ["run", "name", "service", "resources", "replicas", "replica_policy", "min_replicas",
-         "max_replicas", "readiness_probe", "path", "post_data", "ports", "envs", "tls", "x"]
-    )  # fmt: skip
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8))
-    values = st.recursive(
-        scalars,
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=4),
-        max_leaves=15,
-    )
-
-    @settings(max_examples=300, deadline=None)
-    @given(st.dictionaries(keys, values, max_size=6) | st.text(max_size=80))
-    def check(doc: object) -> None:
-        text = doc if isinstance(doc, str) else json.dumps(doc)
-        try:
-            spec = parse_spec(text)
-        except SpecError as exc:
-            assert not any(i.message.startswith("internal error") for i in exc.issues)
-        else:
-            json.dumps(spec.summary())
-            json.dumps(spec.model_dump())
-
-    check()
-
-
 # ---------------------------------------------------------------------------------------------
 # local_port_problem, summary, SpecError
 

@@ -114,11 +114,18 @@ DEFAULT_STREAM_TIMEOUT_SECONDS = 120.0
 
 MAX_SECONDS = 7 * 24 * 3600
 MAX_REPLICAS = 10_000
-# A spec is a page of YAML; these bounds keep a hostile or broken file (a "billion laughs" of
-# aliases, a log pasted by mistake) from costing more than a moment.
-MAX_SPEC_BYTES = 1_000_000
-MAX_YAML_NODES = 50_000
+# A spec is a page of YAML (the biggest SkyServe example: 2 KB, 55 values); these bounds keep a
+# hostile or broken file (a "billion laughs" of aliases, a log pasted by mistake, 100000 copies of
+# one key) from costing more than a moment. They matter because the daemon validates every spec
+# posted to its API on its one event loop: PyYAML's pure-Python parser needs ~1 s per MB on a
+# loaded machine and ~30 us per value, so text size and value count are capped while parsing,
+# before the work is done, not after. The bounds are far above any real spec.
+MAX_SPEC_BYTES = 256 * 1024
+MAX_YAML_NODES = 10_000
 MAX_YAML_DEPTH = 64
+# At most this many problems are reported (the last one says how many more there were): a
+# generated file with thousands of bad keys must not produce megabytes of error text.
+MAX_ISSUES = 100
 
 NAME_RULE = (
     "a service name uses lowercase letters, digits and '-', starts with a letter, "
@@ -192,6 +199,8 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         return str(int(value))
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"a whole number of {len(str(abs(value)))} digits"
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, str):
@@ -248,6 +257,16 @@ def _name_problem(name: object) -> str | None:
         reasons.append("it ends with '-'")
     why = "; ".join(reasons) if reasons else "it does not match the rule"
     return f"{_show(name)} is not a valid service name ({why}): {NAME_RULE}"
+
+
+def _positive_number(value: Any) -> bool:
+    """A YAML number above 0 and finite: ``.inf`` is a number to YAML, never a size or count
+    (found by fuzzing: ``cpus: .inf`` was accepted as the text "inf")."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value > 0  # math.isfinite() of an int beyond float range raises OverflowError
+    return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
 def _scalar_to_text(value: Any) -> Any:
@@ -416,7 +435,7 @@ class Resources(_Section):
     @classmethod
     def _cpus_text(cls, value: Any) -> Any:
         # SkyPilot writes "2+" for "at least 2"; keep that form so a backend can honour it.
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        if _positive_number(value):
             return str(value)
         if isinstance(value, str) and _CPUS_RE.fullmatch(value.strip()):
             return value.strip()
@@ -427,7 +446,7 @@ class Resources(_Section):
     @field_validator("memory", mode="before")
     @classmethod
     def _memory_text(cls, value: Any) -> Any:
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        if _positive_number(value):
             return str(value)
         if isinstance(value, str) and _MEMORY_RE.fullmatch(value.strip()):
             return value.strip()
@@ -471,11 +490,11 @@ class Resources(_Section):
             number: float
             if count is None:
                 number = float(given) if given is not None else 1.0
-            elif isinstance(count, int | float) and not isinstance(count, bool) and count > 0:
+            elif _positive_number(count) and count < 1e300:
                 number = float(count)
             else:
                 raise ValueError(f"accelerator counts are positive numbers, got {_show(count)}")
-            if number <= 0:
+            if not (0 < number < math.inf):  # "A100:" + 400 digits reads as inf
                 raise ValueError(f"accelerator counts are positive numbers, got {_show(name)}")
             shown = str(int(number)) if number.is_integer() else str(number)
             options.append(f"{match.group(1)}:{shown}")
@@ -981,7 +1000,7 @@ def _dotted(path: Sequence[str]) -> str:
 def _unknown_field_message(loc: tuple[int | str, ...]) -> str:
     key = str(loc[-1])
     parent = tuple(str(p) for p in loc[:-1])
-    text = f"unknown field '{key}'"
+    text = f"unknown field '{key if len(key) <= 60 else key[:57] + '...'}'"
     model = _SECTIONS.get(parent)
     if model is None:
         return text
@@ -1068,11 +1087,19 @@ def _locate(root: Node | None, loc: Sequence[int | str]) -> tuple[str, int | Non
             continue
         child: Node | None = None
         if isinstance(node, MappingNode):
+            found = False
             for key_node, value_node in node.value:
                 if isinstance(key_node, ScalarNode) and key_node.value == str(part):
-                    child = value_node
+                    child, found = value_node, True
                     line = key_node.start_mark.line + 1
-            parts.append(f".{part}" if parts else str(part))
+            if not found and not isinstance(part, str):
+                # A key YAML typed (``true:``, ``1:``, ``~:``) reaches pydantic as a value whose
+                # str() is not what the file says; match it by value to find its line.
+                for key_node, value_node in node.value:
+                    if isinstance(key_node, ScalarNode) and _scalar_value(key_node) == part:
+                        child = value_node
+                        line = key_node.start_mark.line + 1
+            parts.append(f".{_key_text(part)}" if parts else _key_text(part))
         elif (
             isinstance(node, SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value)
         ):
@@ -1082,9 +1109,37 @@ def _locate(root: Node | None, loc: Sequence[int | str]) -> tuple[str, int | Non
         elif isinstance(part, int):
             parts.append(f"[{part}]")
         else:
-            parts.append(f".{part}" if parts else str(part))
+            parts.append(f".{_key_text(part)}" if parts else _key_text(part))
         node = child
     return "".join(parts), line
+
+
+def _scalar_value(node: ScalarNode) -> Any:
+    """The value PyYAML builds from one scalar, or a marker when it cannot build one."""
+    try:
+        return yaml.SafeLoader("").construct_object(node)
+    except Exception:
+        return _UNREADABLE
+
+
+_UNREADABLE = object()
+
+
+def _loc_text(path: Sequence[int | str]) -> str:
+    """``path`` (mapping keys and sequence indexes) as the dotted text issues use."""
+    parts: list[str] = []
+    for part in path:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        else:
+            parts.append(f".{_key_text(part)}" if parts else _key_text(part))
+    return "".join(parts)
+
+
+def _key_text(key: object) -> str:
+    """A key as a path shows it: cut short, so a 100 KB key does not make a 100 KB path."""
+    text = str(key)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _child(node: Node | None, key: str) -> Node | None:
@@ -1140,7 +1195,7 @@ def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
                         "",
                         f"the spec expands to more than {MAX_YAML_NODES} YAML values "
                         "(aliases repeated too often?); a service spec is much smaller",
-                        None,
+                        node.start_mark.line + 1,
                     )
                 ],
                 source,
@@ -1158,10 +1213,11 @@ def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
                 line = key_node.start_mark.line + 1
                 ident = (key_node.tag, key_node.value)
                 if id(node) not in checked and ident in first_seen:
-                    loc, _ = _locate(root, (*path, key_node.value))
+                    # The path is known here: searching the tree for it again per duplicate
+                    # made a file of 100000 repeated keys take minutes (found by fuzzing).
                     issues.append(
                         SpecIssue(
-                            loc,
+                            _loc_text((*path, key_node.value)),
                             f"'{key_node.value}' is given twice (first at line "
                             f"{first_seen[ident]}); YAML would silently keep only the last one",
                             line,
@@ -1219,24 +1275,78 @@ def _check_flow_depth(text: str, source: str) -> None:
             depth -= 1
 
 
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a document past MAX_YAML_NODES values or MAX_YAML_DEPTH
+    levels while it is being built.
+
+    Counting after composing (as :func:`_walk_nodes` does for what aliases expand to) comes too
+    late for size: 250 KB of ``[a,a,a,...]`` is 100000 nodes and many seconds of parsing first.
+    Stopping the composer stops the parser and scanner with it, since they run on demand.
+    Aliases cost one count here (they are references); their expansion is counted later.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._nodes = 0
+        self._depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
+        self._nodes += 1
+        self._depth += 1
+        try:
+            if self._nodes > MAX_YAML_NODES or self._depth > MAX_YAML_DEPTH:
+                line = self.peek_event().start_mark.line + 1  # type: ignore[no-untyped-call]
+                if self._depth > MAX_YAML_DEPTH:
+                    message = (
+                        f"the spec nests deeper than {MAX_YAML_DEPTH} levels; "
+                        "a service spec is much flatter"
+                    )
+                else:
+                    message = (
+                        f"the spec has more than {MAX_YAML_NODES} YAML values; "
+                        "a service spec is much smaller"
+                    )
+                raise _Refused(message, line)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _Refused(Exception):
+    """A limit of :class:`_BoundedLoader` was hit; carries the message and the line."""
+
+    def __init__(self, message: str, line: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+
+
 def _read_yaml(text: str, source: str) -> tuple[Any, Node, list[SpecIssue]]:
     """YAML text -> (data, node tree for line numbers, duplicate-key issues)."""
 
     def fail(message: str, line: int | None = None) -> SpecError:
         return SpecError([SpecIssue("", message, line)], source)
 
+    if len(text) > MAX_SPEC_BYTES:
+        raise fail(
+            f"the spec is {len(text)} characters long, more than the {MAX_SPEC_BYTES} allowed; "
+            "a service spec is a short YAML file",
+            text.count("\n", 0, MAX_SPEC_BYTES) + 1,
+        )
     _check_flow_depth(text, source)
-    loader: yaml.SafeLoader | None = None
+    loader: _BoundedLoader | None = None
     root: Node | None = None
     try:
-        loader = yaml.SafeLoader(text)
+        loader = _BoundedLoader(text)
         root = loader.get_single_node()
         if root is None:
-            raise fail("the spec is empty; it needs at least a `run` command")
+            raise fail("the spec is empty; it needs at least a `run` command", 1)
         issues = _walk_nodes(root, source)
         data = loader.construct_document(root)
     except SpecError:
         raise
+    except _Refused as exc:
+        raise fail(exc.message, exc.line) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         what = " ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
@@ -1307,7 +1417,8 @@ def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSp
     try:
         spec = ServiceSpec.model_validate(data)
     except ValidationError as exc:
-        for error in exc.errors(include_url=False):
+        # Only what can be shown is located and explained (each costs a walk of the tree).
+        for error in exc.errors(include_url=False)[: MAX_ISSUES + 1]:
             loc = tuple(error["loc"])
             dotted, line = _locate(root, loc)
             if name_given and loc[:1] == ("name",):
@@ -1323,9 +1434,16 @@ def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSp
 
 
 def _sorted(issues: Iterable[SpecIssue]) -> list[SpecIssue]:
-    """File order, then field order; drop repeats (one cause can surface twice)."""
+    """File order, then field order; drop repeats (one cause can surface twice); at most
+    MAX_ISSUES, the last saying how many more were left out."""
     unique = list(dict.fromkeys(issues))
-    return sorted(unique, key=lambda i: -1 if i.line is None else i.line)
+    ordered = sorted(unique, key=lambda i: -1 if i.line is None else i.line)
+    if len(ordered) <= MAX_ISSUES:
+        return ordered
+    last = ordered[MAX_ISSUES - 1]
+    more = len(ordered) - MAX_ISSUES
+    note = f"{last.message} (and {more} more problems not shown; fix these first)"
+    return [*ordered[: MAX_ISSUES - 1], SpecIssue(last.loc, note, last.line)]
 
 
 def parse_spec(text: str, source: str = "<string>", name: str | None = None) -> ServiceSpec:
