@@ -38,15 +38,29 @@ def _error(status: int, message: str, **details: Any) -> web.Response:
     return _json({"error": message, **details}, status=status)
 
 
+# The only route answered without the token: clients poll it to learn whether a daemon runs.
+OPEN_PATHS = frozenset({"/v1/health"})
+
+
+def authorized(header: str, expected: bytes) -> bool:
+    """Whether an ``Authorization`` header value is exactly ``expected``, in constant time.
+
+    ``hmac.compare_digest`` takes as long for a near miss as for a wild one, so response times
+    do not reveal how much of a guess was right. Bytes, not text: compare_digest refuses non-ASCII
+    text, and aiohttp hands undecodable header bytes over as surrogates, which must give a 401,
+    not a 500.
+    """
+    return hmac.compare_digest(header.encode("utf-8", "surrogateescape"), expected)
+
+
 def make_app(daemon: Daemon, token: str) -> web.Application:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/v1/health":
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return _error(401, "missing or wrong API token (see $CORRAL_HOME/token)")
+        given = request.headers.get("Authorization", "")
+        if request.path not in OPEN_PATHS and not authorized(given, expected):
+            return _error(401, "missing or wrong API token (see $CORRAL_HOME/token)")
         try:
             return await handler(request)
         except RequestError as exc:

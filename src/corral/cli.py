@@ -13,8 +13,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from corral.client import Client, ClientError, ensure_daemon
-from corral.home import EXIT_DAEMON_RUNNING, default_home
+from corral.client import Client, ClientError, UntrustedDaemon, ensure_daemon
+from corral.home import EXIT_DAEMON_RUNNING, default_home, is_loopback
 from corral.spec import SpecError, load_spec, local_port_problem
 
 out = Console(highlight=False)
@@ -355,16 +355,54 @@ def daemon() -> None:
 @click.option("--home", "home_opt", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--host", default="127.0.0.1", show_default=True, help="API address.")
 @click.option("--port", default=0, type=int, help="API port (default: a free one).")
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="PEM certificate (chain) for HTTPS; required with a --host that is not loopback.",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="PEM private key of --tls-cert.",
+)
 @click.pass_context
-def daemon_run(ctx: click.Context, home_opt: Path | None, host: str, port: int) -> None:
-    """Run the daemon in the foreground."""
+def daemon_run(
+    ctx: click.Context,
+    home_opt: Path | None,
+    host: str,
+    port: int,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+) -> None:
+    """Run the daemon in the foreground.
+
+    The API listens on 127.0.0.1. Any other address is reachable from elsewhere, so it needs
+    HTTPS (--tls-cert and --tls-key): the bearer token must not cross a network in clear.
+    """
     home = (home_opt or _home(ctx)).expanduser().resolve()
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        _fail("the API serves plain HTTP: bind it to loopback (TLS on other addresses: not yet)")
-    from corral.daemon import DaemonError, DaemonRunning, serve  # heavy: imported only here
+    if (tls_cert is None) != (tls_key is None):
+        _fail("--tls-cert and --tls-key go together: give both, or neither")
+    if tls_cert is None and not is_loopback(host):
+        _fail(
+            f"the API would listen on {host}, which is not loopback, in plain HTTP: the token "
+            "would cross the network in clear. Pass --tls-cert FILE --tls-key FILE (clients "
+            "verify that certificate), or keep the default --host 127.0.0.1."
+        )
+    from corral.daemon import (  # heavy: imported only here
+        DaemonError,
+        DaemonRunning,
+        serve,
+        server_tls_context,
+    )
 
     try:
-        asyncio.run(serve(home, host=host, port=port))
+        context = None
+        if tls_cert is not None and tls_key is not None:
+            tls_cert = tls_cert.expanduser().resolve()
+            context = server_tls_context(tls_cert, tls_key.expanduser().resolve())
+        asyncio.run(serve(home, host=host, port=port, ssl_context=context, tls_cert=tls_cert))
     except DaemonRunning as exc:
         _fail(str(exc), code=EXIT_DAEMON_RUNNING)
     except DaemonError as exc:
@@ -377,6 +415,8 @@ def daemon_stop(ctx: click.Context) -> None:
     """Stop the daemon; replicas keep running and are re-adopted by the next daemon."""
     client = Client(_home(ctx))
     if not client.health():
+        if isinstance(client.last_error, UntrustedDaemon):
+            _fail(str(client.last_error))
         out.print("no daemon running")
         return
     client.stop_daemon()
@@ -392,6 +432,8 @@ def daemon_status(ctx: click.Context) -> None:
     """Show whether the daemon runs, and its pid and jobs."""
     client = Client(_home(ctx))
     if not client.health():
+        if isinstance(client.last_error, UntrustedDaemon):
+            _fail(str(client.last_error))
         out.print(f"no daemon running on {_home(ctx)}")
         sys.exit(1)
     click.echo(json.dumps(client.request("GET", "/v1/daemon"), indent=2))

@@ -2,22 +2,37 @@
 
 Synchronous on purpose: the CLI makes one request at a time and a blocking ``http.client`` keeps
 it free of an event loop. Streaming (``logs --follow``) reads the chunked answer as it comes.
+
+Where the API is: the home's ``daemon.json`` (host, port, scheme). A daemon serving HTTPS also
+records its certificate there, and the client verifies the API against exactly that file (or
+``$CORRAL_API_CA`` when set). A daemon bound to every interface (``0.0.0.0``) is reached on
+loopback, and a loopback connection accepts a certificate issued to ``localhost`` or a loopback
+address; any other host name is checked as usual. ``$CORRAL_API_URL`` (with ``$CORRAL_API_TOKEN``
+and ``$CORRAL_API_CA``) points the CLI at a daemon elsewhere instead; plain ``http://`` is
+refused for a host that is not loopback, as the token would travel in clear.
 """
 
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
-from corral.home import EXIT_DAEMON_RUNNING, read_info, read_token
+from corral.home import EXIT_DAEMON_RUNNING, WILDCARD_HOSTS, is_loopback, read_info, read_token
+
+ENV_API_URL = "CORRAL_API_URL"
+ENV_API_TOKEN = "CORRAL_API_TOKEN"
+ENV_API_CA = "CORRAL_API_CA"
 
 # `corral daemon run` exits with this code (EX_TEMPFAIL) when another daemon holds the home's
 # lock: two `corral up` raced to start one, and the winner answers once it has started.
@@ -32,21 +47,144 @@ class ClientError(Exception):
         self.body = body
 
 
+class UntrustedDaemon(ClientError):
+    """Something answers on the daemon's address but fails TLS verification."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the API is and how to trust it. ``ca`` is a PEM file (None: the system's CAs)."""
+
+    scheme: str
+    host: str
+    port: int
+    ca: str | None = None
+    remote: bool = False  # from $CORRAL_API_URL: the token comes from $CORRAL_API_TOKEN
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+def endpoint(home: Path) -> Endpoint:
+    """The API of ``home``'s daemon, or of ``$CORRAL_API_URL``; :class:`ClientError` if none."""
+    url = os.environ.get(ENV_API_URL)
+    if url:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ClientError(f"${ENV_API_URL} must be https://HOST:PORT, not {url!r}")
+        if parts.scheme == "http" and not is_loopback(parts.hostname):
+            raise ClientError(
+                f"${ENV_API_URL} is plain http to {parts.hostname}, which is not loopback: "
+                "the token would travel in clear; use https://"
+            )
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            raise ClientError(f"${ENV_API_URL} has a bad port: {url!r}") from None
+        return Endpoint(parts.scheme, parts.hostname, port, os.environ.get(ENV_API_CA), True)
+    info = read_info(home)
+    if info is None:
+        raise ClientError(f"no corral daemon runs on {home} (start one with `corral up`)")
+    host = str(info.get("host") or "127.0.0.1")
+    if host in WILDCARD_HOSTS:
+        host = "::1" if host == "::" else "127.0.0.1"
+    scheme = str(info.get("scheme") or "http")
+    ca = os.environ.get(ENV_API_CA) or info.get("tls_cert")
+    return Endpoint(scheme, host, int(info["port"]), str(ca) if ca else None)
+
+
+def client_tls_context(ca: str | None, *, loopback: bool) -> ssl.SSLContext:
+    """Verify the API's certificate against ``ca``; on loopback the name is checked by
+    :class:`_LoopbackHTTPSConnection` instead of OpenSSL (see there)."""
+    try:
+        context = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ClientError(f"cannot load the API's CA certificate {ca}: {exc}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # The daemon's own certificate (recorded in daemon.json) is the trust anchor even when it is
+    # a leaf issued by some CA rather than self-signed.
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    if loopback:
+        context.check_hostname = False  # verify_mode stays CERT_REQUIRED
+    return context
+
+
+def _names_loopback(cert: dict[str, Any]) -> bool:
+    """The certificate is issued to ``localhost`` or a loopback address (subjectAltName)."""
+    for kind, value in cert.get("subjectAltName", ()):
+        if kind == "DNS" and str(value).lower() == "localhost":
+            return True
+        if kind == "IP Address":
+            try:
+                if ipaddress.ip_address(str(value).strip()).is_loopback:
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
+class _LoopbackHTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to a loopback address, accepting a certificate issued to any loopback name.
+
+    A daemon bound to ``0.0.0.0`` is reached on 127.0.0.1 while its certificate may name
+    ``localhost`` (or the other way round), and OpenSSL's check wants one exact name. The chain
+    is still verified by OpenSSL; only the name is checked here, right after the handshake and
+    before any byte (the token) is sent.
+    """
+
+    def connect(self) -> None:
+        super().connect()
+        cert = self.sock.getpeercert()
+        if not cert or not _names_loopback(cert):
+            self.sock.close()
+            raise ssl.SSLCertVerificationError(
+                "the API's certificate names neither localhost nor a loopback address"
+            )
+
+
+def open_connection(ep: Endpoint, timeout: float | None) -> http.client.HTTPConnection:
+    """An unconnected HTTP(S) connection to ``ep`` (connecting happens on the first request)."""
+    if ep.scheme == "http":
+        return http.client.HTTPConnection(ep.host, ep.port, timeout=timeout)
+    loopback = is_loopback(ep.host)
+    context = client_tls_context(ep.ca, loopback=loopback)
+    cls = _LoopbackHTTPSConnection if loopback else http.client.HTTPSConnection
+    return cls(ep.host, ep.port, timeout=timeout, context=context)
+
+
+def _unreachable(exc: OSError, ep: Endpoint) -> ClientError:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        trusted = ep.ca or "the system's CAs"
+        return UntrustedDaemon(
+            f"the corral daemon at {ep.url} did not prove who it is (TLS, trusting {trusted}; "
+            f"set ${ENV_API_CA} to its certificate): {exc}"
+        )
+    return ClientError(f"cannot reach the corral daemon at {ep.url}: {exc}")
+
+
 class Client:
     def __init__(self, home: Path, timeout: float = 30.0) -> None:
         self.home = home
         self.timeout = timeout
+        # Why the last health() said no (None: it said yes, or nothing answered at all).
+        self.last_error: ClientError | None = None
 
-    def _connection(self, timeout: float | None) -> tuple[http.client.HTTPConnection, str]:
-        info = read_info(self.home)
-        if info is None:
-            raise ClientError(f"no corral daemon runs on {self.home} (start one with `corral up`)")
-        try:
-            token = read_token(self.home)
-        except OSError as exc:
-            raise ClientError(f"cannot read the API token in {self.home}: {exc}") from None
-        conn = http.client.HTTPConnection(str(info["host"]), int(info["port"]), timeout=timeout)
-        return conn, token
+    def _connection(
+        self, timeout: float | None
+    ) -> tuple[http.client.HTTPConnection, str, Endpoint]:
+        ep = endpoint(self.home)
+        if ep.remote:
+            token = os.environ.get(ENV_API_TOKEN, "").strip()
+            if not token:
+                raise ClientError(f"${ENV_API_URL} is set: set ${ENV_API_TOKEN} to the API token")
+        else:
+            try:
+                token = read_token(self.home)
+            except OSError as exc:
+                raise ClientError(f"cannot read the API token in {self.home}: {exc}") from None
+        return open_connection(ep, timeout), token, ep
 
     def request(
         self,
@@ -55,7 +193,7 @@ class Client:
         body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
     ) -> Any:
-        conn, token = self._connection(self.timeout)
+        conn, token, ep = self._connection(self.timeout)
         url = path + ("?" + urlencode(params) if params else "")
         headers = {"Authorization": f"Bearer {token}"}
         payload = None
@@ -67,7 +205,7 @@ class Client:
             response = conn.getresponse()
             raw = response.read()
         except OSError as exc:
-            raise ClientError(f"cannot reach the corral daemon: {exc}") from None
+            raise _unreachable(exc, ep) from None
         finally:
             conn.close()
         try:
@@ -80,7 +218,7 @@ class Client:
         return data
 
     def stream(self, path: str, params: dict[str, Any]) -> Iterator[bytes]:
-        conn, token = self._connection(None)
+        conn, token, ep = self._connection(None)
         try:
             conn.request(
                 "GET", path + "?" + urlencode(params), headers={"Authorization": f"Bearer {token}"}
@@ -99,20 +237,27 @@ class Client:
                     return
                 yield chunk
         except OSError as exc:
-            raise ClientError(f"cannot reach the corral daemon: {exc}") from None
+            raise _unreachable(exc, ep) from None
         finally:
             conn.close()
 
     # -- operations ---------------------------------------------------------------------------
 
     def health(self) -> bool:
+        """The API answers. A daemon that answers but fails TLS verification is not healthy,
+        and ``last_error`` says so (``ensure_daemon`` must not start another one beside it)."""
+        self.last_error = None
         try:
-            conn, _ = self._connection(2.0)
-        except ClientError:
+            conn, _, ep = self._connection(2.0)
+        except ClientError as exc:
+            self.last_error = exc
             return False
         try:
             conn.request("GET", "/v1/health")
             return conn.getresponse().status == 200
+        except ssl.SSLCertVerificationError as exc:
+            self.last_error = _unreachable(exc, ep)
+            return False
         except OSError:
             return False
         finally:
@@ -180,7 +325,13 @@ def ensure_daemon(home: Path, timeout: float = 20.0) -> Client:
     client = Client(home)
     if client.health():
         return client
-    home.mkdir(parents=True, exist_ok=True)
+    if os.environ.get(ENV_API_URL):
+        raise client.last_error or ClientError(
+            f"no corral daemon answers at ${ENV_API_URL} ({os.environ[ENV_API_URL]})"
+        )
+    if isinstance(client.last_error, UntrustedDaemon):
+        raise client.last_error  # a daemon answers, over TLS we cannot verify: not a new one
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)  # the daemon narrows an old one too
     log_path = home / "daemon.log"
     with open(log_path, "ab") as log:
         env = dict(os.environ)

@@ -3,17 +3,31 @@
 Kept apart from :mod:`corral.daemon` so the CLI can find and talk to a daemon without importing
 the daemon's machinery (aiohttp, the controller, the balancer): every ``corral`` command pays
 that import time, and most never need it.
+
+The token is the only secret of a home: whoever can read ``token`` controls every service (and
+runs commands as the daemon's user through a spec's ``run``). Hence the file's mode 0600, the
+home's 0700, and the daemon refusing a token too short to be one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
+import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
 # The exit code of `corral daemon run` when another daemon already holds the home's lock.
 EXIT_DAEMON_RUNNING = 75
+
+# A token shorter than this is not one (an empty file would otherwise make "Bearer " the key).
+MIN_TOKEN_CHARS = 16
+
+# Addresses that mean "every interface": a client of a daemon bound to one connects to loopback.
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 def default_home() -> Path:
@@ -25,8 +39,64 @@ def read_token(home: Path) -> str:
 
 
 def read_info(home: Path) -> dict[str, Any] | None:
-    """The running daemon's ``daemon.json`` (pid, host, port), or None."""
+    """The running daemon's ``daemon.json`` (pid, host, port, scheme, tls_cert), or None."""
     try:
         return dict(json.loads((home / "daemon.json").read_text()))
     except (OSError, ValueError):
         return None
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach: ``localhost``, 127.0.0.0/8, ``::1``.
+
+    Any other name counts as reachable from elsewhere (a hostname may resolve to anything), so
+    binding the API to it needs TLS.
+    """
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _usable(token: str) -> bool:
+    """A token the API can compare: long enough, and printable ASCII without spaces (it travels
+    in a header, and ``hmac.compare_digest`` on text takes ASCII only)."""
+    return len(token) >= MIN_TOKEN_CHARS and all(33 <= ord(c) < 127 for c in token)
+
+
+def ensure_token(home: Path) -> tuple[str, list[str]]:
+    """The home's API token, created (mode 0600) when missing or unusable; and what was fixed.
+
+    A token file found with a wider mode is narrowed to 0600 (reported: the token may have been
+    read while it was open). An empty or too short token is replaced by a fresh one, never
+    accepted: an empty file would make a bare ``Authorization: Bearer `` the password.
+    """
+    path = home / "token"
+    notes: list[str] = []
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if mode & 0o077:
+            path.chmod(0o600)
+            notes.append(f"{path} had mode {mode:04o}; narrowed to 0600")
+        token = read_token(home)
+        if _usable(token):
+            return token, notes
+        notes.append(
+            f"{path} held no usable token (at least {MIN_TOKEN_CHARS} printable characters); "
+            "wrote a new one"
+        )
+    token = secrets.token_urlsafe(32)
+    # Written beside and renamed over: a reader never sees a half-written or wider file.
+    tmp = home / f".token.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    tmp.replace(path)
+    return token, notes
