@@ -117,6 +117,12 @@ class Job:
         self.ended_at: float | None = None
         self._submitted_mono = time.monotonic()
         self._started_mono: float | None = None
+        # The worker thread running the function, and whether the pool gave up on it (see
+        # JobPool.abandon): an abandoned job is final for everyone, but its thread may still be
+        # inside the function; `_returned` is set once no thread is (or will be).
+        self._thread: threading.Thread | None = None
+        self._abandoned = False
+        self._returned = threading.Event()
 
     def __repr__(self) -> str:
         return f"<Job {self.id} {self.name} {self.state}>"
@@ -131,6 +137,23 @@ class Job:
         if self._started_mono is None:
             return None
         return self._started_mono - self._submitted_mono
+
+    @property
+    def run_seconds(self) -> float | None:
+        """How long the job has been running (or ran), None while it waits for a worker."""
+        if self._started_mono is None:
+            return None
+        return time.monotonic() - self._started_mono
+
+    @property
+    def abandoned(self) -> bool:
+        """The pool gave up waiting for this job (:meth:`JobPool.abandon`)."""
+        return self._abandoned
+
+    def returned(self) -> bool:
+        """True once the job's function is not running on any thread: it returned, raised or
+        never started. Differs from :meth:`done` only for an abandoned job whose call is stuck."""
+        return self._returned.is_set()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -171,6 +194,7 @@ class Job:
                 finish = True
                 self._state = JobState.CANCELLED
                 self.ended_at = time.time()
+                self._returned.set()  # it never ran
         for pgid in pgids:
             _signal_group(pgid, signal.SIGTERM)
         if finish:
@@ -209,14 +233,23 @@ class Job:
             self._state = JobState.RUNNING
             self.started_at = time.time()
             self._started_mono = time.monotonic()
+            self._thread = threading.current_thread()
             return True
 
     def _set_outcome(self, state: JobState, result: Any, exc: BaseException | None) -> None:
         with self._lock:
-            self._state = state
-            self._result = result
-            self._exception = exc
-            self.ended_at = time.time()
+            abandoned = self._abandoned
+            self._returned.set()
+            if not abandoned:
+                self._state = state
+                self._result = result
+                self._exception = exc
+                self.ended_at = time.time()
+        if abandoned:
+            # Already final (failed as abandoned) and reported: the late outcome is only logged.
+            outcome = repr(exc) if exc else state
+            log.warning("abandoned job %s returned after all: %s", self.name, outcome)
+            return
         self._finish()
 
     def _finish(self) -> None:
@@ -458,6 +491,9 @@ class _Lane:
     queue: deque[Job] = field(default_factory=deque)
     cond: threading.Condition = field(default_factory=threading.Condition)
     workers: list[threading.Thread] = field(default_factory=list)
+    # Workers whose job was abandoned while its call was stuck: they no longer count toward
+    # the limit, and each exits as soon as its call returns.
+    stuck: list[threading.Thread] = field(default_factory=list)
     idle: int = 0
     closed: bool = False
 
@@ -480,6 +516,7 @@ class JobPool:
                 raise ValueError(f"limit of job kind {kind!r} must be >= 1")
         self._lanes: dict[str, _Lane] = {}
         self._jobs: dict[int, Job] = {}
+        self._abandoned: dict[int, Job] = {}  # abandoned jobs whose call has not returned
         self._lock = threading.Lock()
         self._closed = False
 
@@ -514,18 +551,65 @@ class JobPool:
             self._jobs[job.id] = job
             with lane.cond:
                 lane.queue.append(job)
-                if lane.idle < len(lane.queue) and len(lane.workers) < lane.limit:
-                    worker = threading.Thread(
-                        target=self._work,
-                        args=(lane,),
-                        name=f"corral-{kind}-{len(lane.workers) + 1}",
-                        daemon=True,
-                    )
-                    lane.workers.append(worker)
-                    worker.start()
-                else:
+                if not self._add_worker(lane):
                     lane.cond.notify()
         return job
+
+    def _add_worker(self, lane: _Lane) -> bool:
+        """Start a worker when queued jobs outnumber idle workers and the lane has room (called
+        with ``lane.cond`` held). True when one was started."""
+        if lane.closed or lane.idle >= len(lane.queue) or len(lane.workers) >= lane.limit:
+            return False
+        worker = threading.Thread(
+            target=self._work,
+            args=(lane,),
+            name=f"corral-{lane.kind}-{len(lane.workers) + len(lane.stuck) + 1}",
+            daemon=True,
+        )
+        lane.workers.append(worker)
+        worker.start()
+        return True
+
+    def abandon(self, job: Job, error: BaseException) -> bool:
+        """Give up on a job that does not finish: it fails at once with ``error`` (its done
+        callbacks run now), it is asked to cancel, and its worker stops counting toward the
+        lane's limit, so the jobs queued behind it run. False if it had already finished.
+
+        Why: a thread cannot be killed, and a backend call that ignores cancellation (a stuck
+        RPC, a process in uninterruptible sleep) would otherwise hold its lane slot forever;
+        enough of them and no teardown of any service runs again. The stuck thread is left to
+        return on its own (:meth:`Job.returned` says when); it then exits instead of taking
+        more work, and its late outcome is only logged.
+        """
+        with job._lock:
+            if job._state in _FINAL:
+                return False
+            job._cancel.set()
+            running = job._state is JobState.RUNNING
+            job._state = JobState.FAILED
+            job._exception = error
+            job.ended_at = time.time()
+            job._abandoned = running
+            if not running:
+                job._returned.set()  # never started: no thread to wait for
+            thread = job._thread
+            pgids = list(job._pgids)
+        for pgid in pgids:
+            _signal_group(pgid, signal.SIGTERM)
+        if running and thread is not None:
+            with self._lock:
+                lane = self._lanes.get(job.kind)
+                if not job.returned():
+                    self._abandoned[job.id] = job
+            if lane is not None:
+                with lane.cond:
+                    if thread in lane.workers:
+                        lane.workers.remove(thread)
+                        lane.stuck.append(thread)
+                    self._add_worker(lane)
+        log.error("job %s abandoned: %s", job.name, error)
+        job._finish()
+        return True
 
     def _forget(self, job: Job) -> None:
         with self._lock:
@@ -543,6 +627,19 @@ class JobPool:
                 job = lane.queue.popleft()
             if job._start():
                 contextvars.Context().run(job._run)
+                if job.abandoned:
+                    # Its slot was handed to another worker when the job was abandoned: this
+                    # thread leaves, so the lane never holds more than its limit of workers.
+                    with self._lock:
+                        self._abandoned.pop(job.id, None)
+                    me = threading.current_thread()
+                    with lane.cond:
+                        if me in lane.stuck:
+                            lane.stuck.remove(me)
+                        elif me in lane.workers:  # returned before abandon() moved it
+                            lane.workers.remove(me)
+                            self._add_worker(lane)
+                    return
 
     def jobs(self) -> list[Job]:
         """Jobs not finished yet (a copy)."""
@@ -560,6 +657,7 @@ class JobPool:
                     "workers": len(lane.workers),
                     "idle": lane.idle,
                     "queued": len(lane.queue),
+                    "abandoned": len(lane.stuck),
                 }
         return out
 
@@ -575,6 +673,7 @@ class JobPool:
             self._closed = True
             lanes = list(self._lanes.values())
             jobs = list(self._jobs.values())
+            stuck = list(self._abandoned.values())
         for job in jobs:
             pending = job.state is JobState.PENDING
             if (pending and cancel_pending) or (not pending and cancel_running):
@@ -587,8 +686,10 @@ class JobPool:
         for lane in lanes:
             for worker in list(lane.workers):
                 worker.join(max(0.0, deadline - time.monotonic()))
-        alive = [w for lane in lanes for w in lane.workers if w.is_alive()]
-        for job in jobs:
+        # Threads of abandoned jobs are not waited for (they are stuck: that is why they were
+        # abandoned) but count as alive, and the commands they started are killed like any.
+        alive = [w for lane in lanes for w in lane.workers + lane.stuck if w.is_alive()]
+        for job in jobs + stuck:
             for pgid in job._groups():
                 terminate_process_group(pgid, grace=1.0)
         return not alive
