@@ -1,0 +1,517 @@
+"""Chaos: the daemon is SIGKILLed at random points, restarted, and must put everything right.
+
+The promise tested is the architecture's restart invariant: *a daemon killed at any point
+restarts into the same services and replicas* (it re-adopts live ones, finishes interrupted
+launches and teardowns, sweeps what it started but never recorded), with no replica orphaned,
+duplicated or pointed at by a row when it is gone, and an event log that says what happened.
+
+One corral home, one seeded round after another (``chaos_support.rng``; the failure message
+names the seed and the round). Each round:
+
+1. picks an operation that fits the home's current services: ``up`` a new service (2-3
+   replicas), a relaunching update (new ``APP_VERSION``, rolling or blue-green, 2-3 replicas),
+   an in-place scale-down or scale-up (only ``service.replicas`` changes: the same replicas are
+   relabelled, then one is retired or launched), a replica crash (its process group SIGKILLed
+   just before the daemon: it must end FAILED, kept visible, and be replaced), or ``down``;
+   operations not yet covered in the run go first, so even the short run sees each one;
+2. picks where the kill lands: after a random delay, or at an observable point made to last
+   long enough to be hit on a loaded machine:
+
+   * ``setup``: a trap file makes every replica's ``setup`` sleep 60 s; the kill lands while
+     setups sleep (a replica PROVISIONING with nothing recorded: only the restarted daemon's
+     leak sweep can stop that sleep in time, and the relaunch must not duplicate it);
+   * ``teardown``: a flag file makes replicas ignore SIGTERM, so a teardown sits in its
+     TERM-to-KILL grace; the kill lands while a replica is SHUTTING_DOWN;
+
+3. SIGKILLs the daemon by pid (every third round the restarted daemon too, at a random point
+   of its own start: imports, leak sweep, re-adoption), takes a picture of the state file while
+   nothing runs it, removes the trap and the flag, restarts the daemon and waits (with a
+   deadline) until the state file shows the intended state;
+4. checks every invariant of ``invariants.py`` (rows vs processes, orphans, duplicates, the
+   intended state, the events written since the restart), that setups caught by the kill were
+   swept, and that the endpoint answers from the intended version.
+
+Everything is real: the daemon, examples/app.py replicas (behind a small wrapper that can
+ignore SIGTERM on cue), SQLite, HTTP on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from random import Random
+
+import pytest
+from chaos_support import BASE_SEED, LONG, record, rng, rounds
+from conftest import EXAMPLES, CorralHome, http, pid_alive, wait_for
+from invariants import HomeState, Intent, check_home, marked_processes, read_state, settled
+
+pytestmark = pytest.mark.timeout(1200 if LONG else 300)
+
+TEST = "daemon_kill"
+MAX_SERVICES = 2  # live at once: each has up to 3 replicas, on a shared 2-core machine
+SETTLE_TIMEOUT = 120.0  # restart -> intended state; generous: the machine is shared
+OBSERVE_TIMEOUT = 45.0  # until the kill point is reached (a launch in setup, a teardown)
+
+# The wrapper: examples/app.py, except that a SIGTERM is ignored while the flag file exists.
+# That stretches a teardown to its TERM-to-KILL grace (5 s), long enough for a kill to land in.
+WRAPPER = '''\
+"""examples/app.py, slow to stop on cue (a chaos test's replica)."""
+import os
+import runpy
+import signal
+import subprocess
+import sys
+
+flag = sys.argv[1]
+
+
+def on_term(signum, frame):
+    if not os.path.exists(flag):
+        os._exit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, on_term)
+sys.argv = ["app.py"]
+runpy.run_path("app.py", run_name="__main__")
+'''
+
+OPS = ("up", "update-rolling", "update-blue_green", "scale-down", "scale-up", "crash", "down")
+# Where a kill may land, per operation ("delay": after a random delay in the given range).
+KILL_POINTS = {
+    "up": ("setup", "delay"),
+    "update-rolling": ("setup", "teardown", "delay"),
+    "update-blue_green": ("setup", "teardown", "delay"),
+    "scale-down": ("teardown", "delay"),
+    "scale-up": ("setup", "delay"),
+    "crash": ("delay",),  # a replica SIGKILLed just before the daemon: noticed or not yet
+    "down": ("teardown", "delay"),
+}
+DELAYS = {"up": 2.5, "update-rolling": 3.0, "update-blue_green": 3.0, "crash": 1.5}
+
+
+@dataclass
+class Service:
+    replicas: int
+    version: int = 1
+    app_version: int = 1  # APP_VERSION of the running replicas (the answer's "version")
+    failed: set[int] = field(default_factory=set)  # replicas this test crashed (kept visible)
+
+
+@dataclass
+class Chaos:
+    """The home under test, what it should be running, and what the rounds did."""
+
+    home: CorralHome
+    tmp: Path
+    trap: Path  # exists: every setup sleeps 60 s
+    stubborn: Path  # exists: replicas ignore SIGTERM
+    wrapper: Path
+    services: dict[str, Service] = field(default_factory=dict)
+    removed: set[str] = field(default_factory=set)
+    ops: Counter[str] = field(default_factory=Counter)
+    points: Counter[str] = field(default_factory=Counter)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def intended(self) -> dict[str, Intent | None]:
+        wanted: dict[str, Intent | None] = {name: None for name in self.removed}
+        for name, svc in self.services.items():
+            wanted[name] = Intent(svc.replicas, svc.version, frozenset(svc.failed))
+        return wanted
+
+    def spec(self, name: str, svc: Service) -> str:
+        setup = f"if [ -e {self.trap} ]; then sleep 60; fi"
+        run = f"exec {sys.executable} {self.wrapper} {self.stubborn}"
+        return (
+            f"name: {name}\n"
+            f"workdir: {EXAMPLES}\n"
+            f"setup: {json.dumps(setup)}\n"
+            f"run: {json.dumps(run)}\n"
+            f'envs: {{APP_VERSION: "{svc.app_version}"}}\n'
+            "service:\n"
+            "  readiness_probe:\n"
+            "    path: /health\n"
+            "    initial_delay_seconds: 60\n"
+            "    period_seconds: 0.2\n"
+            "    timeout_seconds: 2\n"
+            f"  replicas: {svc.replicas}\n"
+        )
+
+    # -- operations (each returns once the API accepted it: the intent is durable) ------------
+
+    def up(self, name: str, replicas: int) -> None:
+        svc = Service(replicas)
+        answer = self.home.api(
+            "POST",
+            "/v1/services",
+            body={
+                "spec": self.spec(name, svc),
+                "source": f"{name}.yaml",
+                "base_dir": str(self.tmp),
+            },
+        )
+        assert answer.status == 201, (answer.status, answer.body)
+        self.services[name] = svc
+
+    def update(self, name: str, mode: str, *, replicas: int, relaunch: bool) -> None:
+        old = self.services[name]
+        new = Service(replicas, old.version + 1, old.app_version + (1 if relaunch else 0))
+        new.failed = old.failed
+        answer = self.home.api(
+            "POST",
+            f"/v1/services/{name}/versions",
+            body={
+                "spec": self.spec(name, new),
+                "mode": mode,
+                "source": f"{name}.yaml",
+                "base_dir": str(self.tmp),
+            },
+        )
+        assert answer.status == 201, (answer.status, answer.body)
+        self.services[name] = new
+
+    def crash(self, name: str, r: Random) -> int:
+        """SIGKILL the process group of a random READY replica of ``name``; its id."""
+        rows = [
+            row
+            for row in read_state(self.home).replicas.values()
+            if row["service"] == name and row["ready"] and row["teardown_state"] is None
+        ]
+        victim = r.choice(rows)
+        handle = json.loads(victim["handle_json"])["data"]
+        os.killpg(int(handle["pgid"]), signal.SIGKILL)
+        self.services[name].failed.add(victim["id"])
+        return int(victim["id"])
+
+    def down(self, name: str) -> None:
+        answer = self.home.api("DELETE", f"/v1/services/{name}")
+        assert answer.status == 202, (answer.status, answer.body)
+        del self.services[name]
+        self.removed.add(name)
+
+
+# -- choosing ---------------------------------------------------------------------------------
+
+
+def applicable(chaos: Chaos) -> list[str]:
+    live = chaos.services
+    ops = []
+    if len(live) < MAX_SERVICES:
+        ops.append("up")
+    if live:
+        ops += ["update-rolling", "update-blue_green", "down"]
+    if any(s.replicas >= 2 for s in live.values()):
+        ops.append("scale-down")
+    if any(s.replicas <= 2 for s in live.values()):
+        ops.append("scale-up")
+    # Failed replicas stay visible, the last 10 per service: stay well below that.
+    if any(len(s.failed) < 4 for s in live.values()):
+        ops.append("crash")
+    return ops
+
+
+def choose(r: Random, options: list[str] | tuple[str, ...], seen: Counter[str]) -> str:
+    """A seeded pick that prefers what the run has not done yet, so that the short run covers
+    every operation and kill point. ``down`` and ``delay`` come last among those: ``down``
+    empties the home (the next round has to start over with ``up``) and ``delay`` is what the
+    long run's later rounds are mostly made of anyway."""
+    fresh = [o for o in options if not seen[o]]
+    if fresh:
+        fresh = [o for o in fresh if o not in ("down", "delay")] or fresh
+        return r.choice(fresh)
+    return r.choice(list(options))
+
+
+# -- kill points ------------------------------------------------------------------------------
+
+
+def wait_setups(chaos: Chaos, name: str, version: int, count: int) -> list[int]:
+    """Wait until ``count`` replicas of ``name`` v``version`` sleep in their setup; their pids."""
+
+    def sleeping() -> list[int] | None:
+        state = read_state(chaos.home)
+        mine = {
+            f"{chaos.home.marker}/{name}/{rid}"
+            for rid, row in state.replicas.items()
+            if row["service"] == name and row["version"] == version
+        }
+        pids = [
+            p.pid for p in marked_processes(chaos.home) if "sleep" in p.cmdline and p.key in mine
+        ]
+        return pids if len(pids) >= count else None
+
+    found: list[int] = wait_for(sleeping, OBSERVE_TIMEOUT, f"{count} setups of {name} asleep")
+    return found
+
+
+def wait_teardown(chaos: Chaos, name: str) -> int:
+    """Wait until a replica of ``name`` is being torn down; its id."""
+
+    def leaving() -> int | None:
+        for rid, row in read_state(chaos.home).replicas.items():
+            if row["service"] == name and row["teardown_state"] in ("pending", "running"):
+                return rid
+        return None
+
+    rid: int = wait_for(leaving, OBSERVE_TIMEOUT, f"a replica of {name} SHUTTING_DOWN", 0.02)
+    return rid
+
+
+def kill_daemon(home: CorralHome) -> None:
+    pid = home.daemon_pid()
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), 15, f"daemon pid {pid} to die")
+    home._reap()
+
+
+def start_daemon_nowait(home: CorralHome) -> int:
+    """``corral daemon run`` in the background, as ``CorralHome.start_daemon`` starts it, but
+    without waiting for it to answer: it is about to be killed while it starts."""
+    log = open(home.path / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
+    with log:
+        proc = subprocess.Popen(
+            home.cli("daemon", "run"),
+            env=home.env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    home.popens.append(proc)
+    home.daemon_pids.add(proc.pid)
+    return proc.pid
+
+
+# -- the round ----------------------------------------------------------------------------------
+
+
+def run_round(chaos: Chaos, round_no: int) -> None:
+    r = rng(TEST, round_no)
+    home = chaos.home
+    op = choose(r, applicable(chaos), chaos.ops)
+    point = choose(r, KILL_POINTS[op], chaos.points)
+    chaos.ops[op] += 1
+    chaos.points[point] += 1
+    if point == "setup":
+        chaos.trap.touch()
+    if point == "teardown":
+        chaos.stubborn.touch()
+
+    name = ""
+    if op == "up":
+        name = f"s{round_no}"
+        chaos.up(name, r.choice((2, 3)))
+    elif op.startswith("update-"):
+        name = r.choice(sorted(chaos.services))
+        chaos.update(name, op.split("-", 1)[1], replicas=r.choice((2, 3)), relaunch=True)
+    elif op == "scale-down":
+        name = r.choice(sorted(n for n, s in chaos.services.items() if s.replicas >= 2))
+        chaos.update(name, "rolling", replicas=chaos.services[name].replicas - 1, relaunch=False)
+    elif op == "scale-up":
+        name = r.choice(sorted(n for n, s in chaos.services.items() if s.replicas <= 2))
+        chaos.update(name, "rolling", replicas=chaos.services[name].replicas + 1, relaunch=False)
+    elif op == "crash":
+        name = r.choice(sorted(n for n, s in chaos.services.items() if len(s.failed) < 4))
+        chaos.crash(name, r)
+    else:
+        name = r.choice(sorted(chaos.services))
+        chaos.down(name)
+    intent = chaos.services.get(name)
+
+    asleep: list[int] = []
+    if point == "setup":
+        assert intent is not None
+        new = intent.replicas if op != "scale-up" else 1
+        asleep = wait_setups(chaos, name, intent.version, r.randint(1, new))
+    elif point == "teardown":
+        wait_teardown(chaos, name)
+        time.sleep(r.uniform(0.0, 1.0))  # somewhere inside the 5 s grace: a chosen kill time
+    else:
+        time.sleep(r.uniform(0.0, DELAYS.get(op, 0.6)))  # a chosen kill time, not a wait
+    kill_daemon(home)
+    asleep = [p for p in asleep if pid_alive(p)]
+    chaos.counts["setups caught"] += len(asleep)
+
+    # Every third round the restarted daemon is killed too, at a random point of its own start
+    # (imports, the leak sweep, re-adoption, the first reconcile steps), trap and flag still set.
+    double = round_no % 3 == 1
+    if double:
+        chaos.counts["double kills"] += 1
+        pid = start_daemon_nowait(home)
+        time.sleep(r.uniform(0.0, 2.0))  # a chosen kill time, not a wait
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(pid), 15, f"daemon pid {pid} to die")
+        home._reap()
+
+    before = read_state(home)
+    chaos.trap.unlink(missing_ok=True)
+    chaos.stubborn.unlink(missing_ok=True)
+    home.start_daemon()
+
+    where = f"seed {BASE_SEED} round {round_no}: {op} of {name}, kill at {point}"
+    where += ", and again while restarting" if double else ""
+    intended = chaos.intended()
+    try:
+        wait_for(lambda: settled(home, intended), SETTLE_TIMEOUT, "the intended state", 0.2)
+    except AssertionError:
+        findings = check_home(home, intended, before_restart=before)
+        raise AssertionError(f"{where}: never settled:\n{findings}") from None
+    findings = check_home(home, intended, before_restart=before)
+    chaos.counts["orphans"] += len(findings.orphans)
+    chaos.counts["duplicates"] += len(findings.duplicates)
+    chaos.counts["dangling rows"] += len(findings.dangling)
+    assert not findings, f"{where}:\n{findings}"
+
+    survivors = [p for p in asleep if pid_alive(p)]
+    assert not survivors, f"{where}: setups of the killed daemon still run: {survivors}"
+    if asleep:
+        assert "leak sweep: killed" in home.tail("daemon.log", 400), where
+
+    after = read_state(home)
+    actions = Counter(e["action"] for e in after.events if e["id"] > before.last_event_id)
+    chaos.counts["adopted"] += actions["replica.adopt"]
+    chaos.counts["relaunched"] += actions["replica.relaunch"]
+    chaos.counts["teardowns resumed"] += sum(
+        1
+        for e in after.events
+        if e["id"] > before.last_event_id
+        and "interrupted" in (e["reason"] or "")
+        and e["action"] == "replica.teardown"
+    )
+    check_story(chaos, name, op, after, where)
+    check_serving(chaos, where)
+
+
+def check_story(chaos: Chaos, name: str, op: str, after: HomeState, where: str) -> None:
+    """The event log of the service the round worked on records the operation itself."""
+    actions = [e["action"] for e in after.events if e["service"] == name]
+    wanted = {
+        "up": "service.create",
+        "down": "service.removed",
+        "crash": "replica.failed",
+    }.get(op, "service.update")
+    assert wanted in actions, f"{where}: no {wanted} event for {name}: {actions}"
+
+
+def check_serving(chaos: Chaos, where: str) -> None:
+    """Every running service answers through its endpoint, from its current version only."""
+    for name, svc in chaos.services.items():
+        service = chaos.home.service(name)
+        assert service is not None and service["endpoint"], (where, name, service)
+        ready = {str(r["id"]) for r in service["replicas"] if r["status"] == "READY"}
+        for i in range(4):
+            answer = http(f"{service['endpoint']}/round/{i}", timeout=15)
+            assert answer.status == 200, (where, name, answer.status, answer.body[:300])
+            body = answer.json()
+            assert body["version"] == str(svc.app_version), (where, name, body)
+            assert body["replica"] in ready, (where, name, body, ready)
+
+
+# -- the test -------------------------------------------------------------------------------------
+
+
+def test_daemon_sigkill_at_random_points(corral_home: CorralHome, tmp_path: Path) -> None:
+    wrapper = tmp_path / "slow_to_stop.py"
+    wrapper.write_text(WRAPPER)
+    chaos = Chaos(
+        home=corral_home,
+        tmp=tmp_path,
+        trap=tmp_path / "setup-trap",
+        stubborn=tmp_path / "ignore-sigterm",
+        wrapper=wrapper,
+    )
+    total = rounds(7, 40)
+    corral_home.start_daemon()
+    done = 0
+    try:
+        for round_no in range(total):
+            run_round(chaos, round_no)
+            done += 1
+    finally:
+        chaos.trap.unlink(missing_ok=True)
+        chaos.stubborn.unlink(missing_ok=True)
+        lost = chaos.counts["orphans"] + chaos.counts["duplicates"] + chaos.counts["dangling rows"]
+        record(
+            "daemon SIGKILL",
+            rounds=done,
+            lost=lost if done == total else max(lost, 1),
+            operations=dict(chaos.ops),
+            kill_points=dict(chaos.points),
+            **{k.replace(" ", "_"): v for k, v in chaos.counts.items()},
+        )
+    # Even the short run covers every operation and both observable kill points.
+    assert set(chaos.ops) == set(OPS), chaos.ops
+    assert chaos.points["setup"] and chaos.points["teardown"], chaos.points
+
+
+def test_invariants_see_what_is_wrong(corral_home: CorralHome, tmp_path: Path) -> None:
+    """The checker the rounds rely on is not blind: each kind of breakage, made by hand, is
+    reported under its invariant (a checker that always says "consistent" would pass too)."""
+    wrapper = tmp_path / "slow_to_stop.py"
+    wrapper.write_text(WRAPPER)
+    chaos = Chaos(corral_home, tmp_path, tmp_path / "trap", tmp_path / "stubborn", wrapper)
+    corral_home.start_daemon()
+    chaos.up("lone", 1)
+    intended = chaos.intended()
+    wait_for(lambda: settled(corral_home, intended), SETTLE_TIMEOUT, "lone READY", 0.2)
+    assert not check_home(corral_home, intended)
+    (rid,) = read_state(corral_home).replicas
+
+    # A second process group with the replica's key, and a process of a replica nobody knows.
+    marker = corral_home.marker
+    assert marker is not None
+    strays = []
+    for key in (f"{marker}/lone/{rid}", f"{marker}/lone/999999"):
+        env = {**os.environ, "CORRAL_HOME_MARKER": marker, "CORRAL_REPLICA_KEY": key}
+        strays.append(_start(["sleep", "60"], env, corral_home))
+    wait_for(lambda: len(marked_processes(corral_home)) == 3, 10, "the strays to show")
+    found = check_home(corral_home, intended)
+    assert any(f"{marker}/lone/{rid}" in d for d in found.duplicates), found
+    assert any("999999" in o and "no replica row" in o for o in found.orphans), found
+    assert any(f"key {marker}/lone/{rid}" in o for o in found.orphans), found
+    for proc in strays:
+        proc.kill()
+        proc.wait(10)
+    assert not check_home(corral_home, intended)
+
+    # Not what was asked for: another count, or a service nobody asked for.
+    assert check_home(corral_home, {"lone": Intent(2, 1)}).mismatched
+    assert not settled(corral_home, {"lone": Intent(1, 2)})
+    assert check_home(corral_home, {}).mismatched
+
+    # A row whose process is gone, and a restart that wrote no event.
+    kill_daemon(corral_home)
+    before = read_state(corral_home)
+    (pid,) = {p.pid for p in marked_processes(corral_home)}
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), 10, "the replica to die")
+    found = check_home(corral_home, intended, before_restart=before)
+    assert any(f"pid {pid} is gone" in d for d in found.dangling), found
+    assert any("no event since" in e for e in found.missing_events), found
+    # The restarted daemon sees the dead replica: FAILED (kept visible) and replaced.
+    corral_home.start_daemon()
+
+    def replaced() -> bool:
+        state = read_state(corral_home)
+        return (
+            any(r["app_failed"] for r in state.replicas.values())
+            and not check_home(corral_home, {"lone": Intent(1, 1)}).dangling
+        )
+
+    wait_for(replaced, SETTLE_TIMEOUT, "the dead replica FAILED and replaced", 0.2)
+    found = check_home(corral_home, intended, before_restart=before)
+    assert any("not a READY replica" in m for m in found.mismatched), found  # the FAILED row
+
+
+def _start(args: list[str], env: dict[str, str], home: CorralHome) -> subprocess.Popen[bytes]:
+    """A process of our own in a session of its own, killed at teardown if still running."""
+    proc = subprocess.Popen(args, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+    home.popens.append(proc)
+    return proc
