@@ -47,7 +47,6 @@ log = logging.getLogger("corral.controller")
 MAX_FAILURES_BEFORE_READY = 3
 # Failed replica rows kept visible per service (older ones are pruned).
 KEEP_FAILED = 10
-MAX_TEARDOWN_ATTEMPTS = 5
 BACKOFF_CAP = 30.0
 
 
@@ -63,6 +62,9 @@ class ControllerDeps:
     http: aiohttp.ClientSession
     drain_timeout: float = 30.0
     teardown_grace: float = 5.0
+    # A teardown job running longer than this is abandoned and reported (FAILED_CLEANUP): a
+    # backend call that never returns must not hold a teardown slot, or the service, forever.
+    teardown_timeout: float = 120.0
     decision_interval: float = 5.0  # autoscaler decisions (SkyServe: 20 s)
     qps_window: float = 60.0  # the autoscaler's load signal: requests over this window
     metrics: BalancerMetrics | None = None  # one Prometheus registry for every service
@@ -85,6 +87,8 @@ class _Runtime:
     ready: dict[int, str] = field(default_factory=dict)
     versions: dict[int, int] = field(default_factory=dict)  # replica id -> version, of `ready`
     probes: dict[int, _ProbeState] = field(default_factory=dict)
+    # Teardowns given up on (timed out) whose backend call has not returned yet.
+    hung: dict[int, Job] = field(default_factory=dict)
 
 
 def handle_to_json(handle: ReplicaHandle) -> dict[str, Any]:
@@ -404,7 +408,10 @@ class ServiceController:
             failure = failure_status(r)
             if failure is not None and r.teardown_state is None:
                 self._retire(r, f"replica {failure}")
-            elif r.teardown_state == "failed" and r.teardown_attempts < MAX_TEARDOWN_ATTEMPTS:
+            elif r.teardown_state == "failed":
+                # Retried for as long as it fails (backoff capped at BACKOFF_CAP): a replica
+                # whose teardown failed may still run, and giving up after a few attempts
+                # left it running for good once a backend outage outlasted them.
                 if now - r.updated_at >= _backoff(r.teardown_attempts):
                     self._retire(r, f"retrying teardown (attempt {r.teardown_attempts + 1})")
             elif r.scale_down and r.teardown_state is None:
@@ -504,16 +511,11 @@ class ServiceController:
             if r.teardown_state == "succeeded":
                 self.store.delete_replica(r.id)
                 continue
-            if r.teardown_state == "failed" and (
-                purge or r.teardown_attempts >= MAX_TEARDOWN_ATTEMPTS
-            ):
-                if purge:
-                    self.store.event(
-                        self.name, "replica.purge", "teardown failed; purged", replica_id=r.id
-                    )
-                    self.store.delete_replica(r.id)
-                    continue
-                remaining += 1
+            if r.teardown_state == "failed" and purge:
+                self.store.event(
+                    self.name, "replica.purge", "teardown failed; purged", replica_id=r.id
+                )
+                self.store.delete_replica(r.id)
                 continue
             remaining += 1
             if r.teardown_state == "failed":
@@ -575,7 +577,6 @@ class ServiceController:
         if r.id in self._rt.launches:
             return
         infra = self._infra_for(r)
-        self.store.update_replica(r.id, launch_state="running")
         self.store.event(self.name, "replica.launch", f"on {r.infra}", replica_id=r.id)
         vrow = self.store.version(self.name, r.version)
         base = Path(vrow.base_dir) if vrow and vrow.base_dir else self.dir
@@ -605,7 +606,8 @@ class ServiceController:
             on_started=functools.partial(self._record_handle, r.id),
         )
         job = self.deps.pool.submit(
-            infra.launch,
+            self._run_launch,
+            infra,
             request,
             log=self.launch_log(r.id),
             name=f"{self.name}-launch-{r.id}",
@@ -613,6 +615,14 @@ class ServiceController:
         )
         self._rt.launches[r.id] = job
         job.add_done_callback(functools.partial(self._from_thread, self._launch_done, r.id))
+
+    def _run_launch(self, infra: Infra, request: LaunchRequest) -> ReplicaHandle:
+        """The launch job (on a JobPool thread). The row turns PROVISIONING only here, when a
+        launch slot is free: while the job waits in a saturated launch lane the replica stays
+        PENDING ("waiting for a launch slot"), which is what status should say and what
+        scale-down removes first. A restart finds it pending either way and launches it."""
+        self.store.update_replica(request.replica_id, launch_state="running")
+        return infra.launch(request)
 
     def _from_thread(self, fn: Callable[[int, Job], None], replica_id: int, job: Job) -> None:
         """A job's done-callback runs on the job's thread: hand the result to the loop."""
@@ -653,6 +663,8 @@ class ServiceController:
         """Take a replica out of service: cancel its launch, or drain and tear it down."""
         if r is None or r.id in self._rt.teardowns or r.id in self._rt.draining:
             return
+        if self._teardown_stuck(r.id):
+            return  # its last terminate call has not returned: never stack another on it
         self._set_ready(r.id, None)
         job = self._rt.launches.get(r.id)
         if job is not None:
@@ -701,6 +713,45 @@ class ServiceController:
         )
         self._rt.teardowns[r.id] = job
         job.add_done_callback(functools.partial(self._from_thread, self._teardown_done, r.id))
+        self._loop.call_later(self.deps.teardown_timeout, self._teardown_overdue, r.id, job)
+
+    def _teardown_overdue(self, replica_id: int, job: Job) -> None:
+        """Bound a teardown job: one running longer than ``teardown_timeout`` is abandoned.
+
+        A thread cannot be killed, and a backend call that ignores cancellation (a stuck RPC)
+        would otherwise keep the replica SHUTTING_DOWN, the service undeletable and a teardown
+        slot taken, forever. Abandoning fails the job now (so it is recorded as FAILED_CLEANUP
+        with the reason, like any failed teardown, and retried with backoff) and hands its slot
+        to the next queued teardown; the replica's next attempt waits until the stuck call has
+        returned, so stuck threads never pile up on one replica. Time spent queued for a slot
+        does not count: that is a busy lane, not a hung call.
+        """
+        if job.done() or self._stopping:
+            return
+        limit = self.deps.teardown_timeout
+        ran = job.run_seconds
+        if ran is None or ran < limit:
+            wait = max(0.1, limit - (ran or 0.0))
+            self._loop.call_later(wait, self._teardown_overdue, replica_id, job)
+            return
+        error = TimeoutError(
+            f"teardown did not finish within {limit:g}s; its backend call is left running and "
+            "the teardown is retried once it returns"
+        )
+        self._rt.hung[replica_id] = job
+        if self.deps.pool.abandon(job, error):  # runs _teardown_done (FAILED_CLEANUP) next
+            self.store.event(self.name, "replica.teardown_hung", str(error), replica_id=replica_id)
+            log.error("service %s: replica %d: %s", self.name, replica_id, error)
+
+    def _teardown_stuck(self, replica_id: int) -> bool:
+        """True while an abandoned teardown of this replica is still inside its backend call."""
+        job = self._rt.hung.get(replica_id)
+        if job is None:
+            return False
+        if job.returned():
+            del self._rt.hung[replica_id]
+            return False
+        return True
 
     def _drain_timeout(self, r: ReplicaRow) -> float:
         try:
@@ -716,17 +767,22 @@ class ServiceController:
             return
         if job.state is JobState.SUCCEEDED:
             if failure_status(r) is not None:
-                self.store.update_replica(replica_id, teardown_state="succeeded")
+                # Back to the replica's own failure (why it failed), without the teardown's.
+                self.store.update_replica(
+                    replica_id, teardown_state="succeeded", failure=_replica_failure(r.failure)
+                )
             else:
                 self.store.delete_replica(replica_id)
             self.store.event(self.name, "replica.terminated", None, replica_id=replica_id)
         else:
             detail = f"teardown failed: {job.exception()!r}; see {self.launch_log(replica_id)}"
+            # The replica's own failure stays in the text: it is why it was torn down.
+            original = _replica_failure(r.failure)
             self.store.update_replica(
                 replica_id,
                 teardown_state="failed",
                 teardown_attempts=r.teardown_attempts + 1,
-                failure=detail,
+                failure=detail if original is None else f"{detail}{_BEFORE}{original}",
             )
             self.store.event(self.name, "replica.teardown_failed", detail, replica_id=replica_id)
             log.error("service %s: replica %d %s", self.name, replica_id, detail)
@@ -907,6 +963,19 @@ class ServiceController:
                 for r, status_ in zip(rows, statuses, strict=True)
             ],
         }
+
+
+_TEARDOWN_FAILED = "teardown failed: "
+_BEFORE = "; replica: "
+
+
+def _replica_failure(text: str | None) -> str | None:
+    """A replica's own failure text, from a row whose text may have a teardown error in front
+    (``teardown failed: ...; replica: <own failure>``)."""
+    if text is None or not text.startswith(_TEARDOWN_FAILED):
+        return text
+    _, sep, original = text.partition(_BEFORE)
+    return original if sep else None
 
 
 def _backoff(failures: int) -> float:
