@@ -5,7 +5,8 @@ processes and a worker per launch. The daemon owns the event loop (API, controll
 probes), the JobPool (launch/teardown threads) and the state file. Its files in the home:
 
 * ``daemon.lock``: an ``flock`` held for the daemon's life: two daemons on one home are impossible.
-* ``daemon.json``: pid and API port, written once the API listens (clients wait for it).
+* ``daemon.json``: pid, API host, port and scheme (and the TLS certificate's path, which a local
+  client verifies the API against), written once the API listens (clients wait for it).
 * ``token``: the API's bearer token, mode 0600; never passed to replicas.
 * ``home_id``: a stable random id put in every replica's environment so a crashed daemon's
   half-recorded launches can be found and killed (the leak sweep at start).
@@ -23,6 +24,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Mapping
@@ -35,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from corral import capture
 from corral.balancer import BalancerMetrics
 from corral.controller import ControllerDeps, ServiceController, handle_from_row
-from corral.home import read_info, read_token
+from corral.home import ensure_token, is_loopback, read_info
 from corral.infra.base import Infra, ReplicaHandle
 from corral.infra.local import LocalInfra
 from corral.jobs import JobPool
@@ -63,16 +65,18 @@ class RequestError(Exception):
         self.details = details
 
 
-def _ensure_token(home: Path) -> str:
-    path = home / "token"
-    if path.exists():
-        path.chmod(0o600)
-        return read_token(home)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
+def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The API's TLS context from a PEM certificate (chain) and its key; TLS 1.2 at least.
+
+    Raises :class:`DaemonError` saying which file is wrong, before anything listens.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(certfile=str(cert), keyfile=str(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise DaemonError(f"cannot use TLS certificate {cert} with key {key}: {exc}") from None
+    return context
 
 
 def _home_id(home: Path) -> str:
@@ -332,24 +336,38 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 0,
     infras: Mapping[str, Infra] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    tls_cert: Path | None = None,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT or an API stop request.
 
     ``infras`` replaces the backends the daemon would build (local, plus Ray when configured):
     the seam through which the chaos tests run a real daemon over a backend that fails on cue.
+
+    ``ssl_context`` (see :func:`server_tls_context`) makes the API speak HTTPS; it is required
+    for any ``host`` that is not loopback, because the token would otherwise cross the network
+    in clear. ``tls_cert`` is that context's certificate file, recorded in ``daemon.json`` so a
+    client on this machine can verify the API against exactly it.
     """
+    if not is_loopback(host) and ssl_context is None:
+        raise DaemonError(
+            f"refusing to serve the API on {host} (not loopback) without TLS: "
+            "pass --tls-cert and --tls-key, or bind to 127.0.0.1"
+        )
     home.mkdir(parents=True, exist_ok=True)
     home.chmod(0o700)
     capture.install()
     _configure_logging()
     lock = _lock(home)
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if not is_loopback(host):
         log.warning(
-            "API listening on %s: anyone who can reach it and has the token controls "
-            "every service of this home",
+            "API listening on %s (TLS): anyone who can reach it and has the token controls "
+            "every service of this home and runs commands as this user",
             host,
         )
-    token = _ensure_token(home)
+    token, notes = ensure_token(home)
+    for note in notes:
+        log.warning("API token: %s", note)
     home_marker = _home_id(home)
     store = Store(home / "state.db")
     pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
@@ -382,14 +400,28 @@ async def serve(
 
         runner = web.AppRunner(make_app(daemon, token), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         actual = runner.addresses[0][1]
-        info = {"pid": os.getpid(), "host": host, "port": actual, "started_at": time.time()}
+        info = {
+            "pid": os.getpid(),
+            "host": host,
+            "port": actual,
+            "scheme": "https" if ssl_context is not None else "http",
+            "tls_cert": str(tls_cert) if ssl_context is not None and tls_cert else None,
+            "started_at": time.time(),
+        }
         tmp = home / "daemon.json.tmp"
         tmp.write_text(json.dumps(info))
         tmp.replace(home / "daemon.json")
-        log.info("corral daemon pid %d serving %s on %s:%d", os.getpid(), home, host, actual)
+        log.info(
+            "corral daemon pid %d serving %s on %s://%s:%d",
+            os.getpid(),
+            home,
+            info["scheme"],
+            host,
+            actual,
+        )
         try:
             await daemon.stop_requested.wait()
         finally:
