@@ -1,0 +1,605 @@
+"""Chaos: the backend fails under a real daemon (issue 7, "backend faults").
+
+Each test runs the REAL daemon (``corral.daemon.serve``) in a subprocess over the real local
+backend wrapped in ``FaultyInfra`` (tests/chaos/faulty_daemon.py), which raises, hangs or holds
+when the test rewrites the cue file ``HOME/faults.json``. The test drives the daemon through the
+CLI and the API, as a user would, and checks what the user would see (status, events, logs) and
+what the machine holds (replica processes, by pid).
+
+* launch raising: the replica is FAILED_PROVISION with the error in status, events and its launch
+  log; it is replaced with backoff (or, for a version that never became READY, the service gives
+  up after 3 with the error); a process started before the raise is torn down; a second service
+  keeps serving throughout.
+* teardown raising: FAILED_CLEANUP is shown (replica and service), the teardown is retried with
+  backoff (past the point where it used to give up), and once the fault clears the replica is
+  cleaned and no process is left.
+* teardown hanging: the controller bounds it (``CORRAL_TEARDOWN_TIMEOUT``), reports it as
+  FAILED_CLEANUP, does not stack a second call on the stuck one, and meanwhile other services
+  launch, serve and go down; when the call returns the teardown is retried and completes.
+* JobPool saturated: more held launches than the launch lane's limit: the API answers, the
+  queued replicas show PENDING, they start in submission order as slots free, none is lost or
+  launched twice.
+
+Reproduce: ``.venv/bin/pytest -p no:xdist tests/chaos/test_backend_faults.py`` (short) or with
+``CORRAL_CHAOS=long`` (long); ``CORRAL_CHAOS_SEED`` replays a seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chaos_support import BASE_SEED, LONG, record, rng, rounds
+from conftest import (
+    DAEMON_START_TIMEOUT,
+    EXAMPLES,
+    CorralHome,
+    http,
+    pid_alive,
+    wait_for,
+    write_spec,
+)
+
+from corral.jobs import JobPool, JobState
+
+pytestmark = pytest.mark.timeout(600 if LONG else 240)
+
+FAULTY_DAEMON = Path(__file__).with_name("faulty_daemon.py")
+LIVE = {"PENDING", "PROVISIONING", "STARTING", "NOT_READY", "READY"}
+# The bound on a teardown the tests give the daemon: short, so a hang is reported quickly.
+TEARDOWN_TIMEOUT = 3.0
+
+
+# -- the faulty daemon ----------------------------------------------------------------------------
+
+
+def start_faulty_daemon(home: CorralHome, **env: str) -> int:
+    """Start faulty_daemon.py as the home's daemon (detached, like ``corral daemon run``) and
+    wait until it answers. Mirrors :meth:`CorralHome.start_daemon`, so the fixture's teardown
+    (``down --all --purge``, stop by pid, leak check) treats it like any daemon."""
+    home.path.mkdir(parents=True, exist_ok=True)
+    set_faults(home, {})
+    log = open(home.path / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
+    with log:
+        proc = subprocess.Popen(
+            [sys.executable, str(FAULTY_DAEMON), str(home.path)],
+            env={**home.env, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    home.popens.append(proc)
+    home.daemon_pids.add(proc.pid)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"faulty daemon exited {proc.returncode}:\n{home.tail('daemon.log')}"
+            )
+        info = home.daemon_info()
+        return info is not None and info["pid"] == proc.pid and home.healthy()
+
+    try:
+        wait_for(up, DAEMON_START_TIMEOUT, "the faulty daemon to answer", interval=0.05)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{home.tail('daemon.log')}") from None
+    return proc.pid
+
+
+def set_faults(home: CorralHome, cue: dict[str, dict[str, Any]]) -> None:
+    """Rewrite the cue atomically: the daemon reads it on every backend call."""
+    tmp = home.path / "faults.json.tmp"
+    tmp.write_text(json.dumps(cue))
+    tmp.replace(home.path / "faults.json")
+
+
+def journal(home: CorralHome, service: str | None = None) -> list[dict[str, Any]]:
+    """What the backend was asked to do, in order (see faulty_daemon.py)."""
+    try:
+        lines = (home.path / "faults.log").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    entries = [json.loads(line) for line in lines if line.strip()]
+    return [e for e in entries if service is None or e["service"] == service]
+
+
+def ops(home: CorralHome, service: str, op: str, replica: int | None = None) -> list[int]:
+    return [
+        e["replica"]
+        for e in journal(home, service)
+        if e["op"] == op and (replica is None or e["replica"] == replica)
+    ]
+
+
+# -- specs, services, events ----------------------------------------------------------------------
+
+
+def app_spec(directory: Path, name: str, replicas: int, *, marker: str = "0") -> Path:
+    """examples/app.py with fast probes; ``marker`` goes into the envs (changing it makes an
+    update that relaunches replicas, not just relabels them)."""
+    text = (
+        f"name: {name}\n"
+        f"workdir: {EXAMPLES}\n"
+        f"run: exec {sys.executable} app.py\n"
+        "envs:\n"
+        f"  ROUND: '{marker}'\n"
+        "service:\n"
+        "  readiness_probe:\n"
+        "    path: /health\n"
+        "    initial_delay_seconds: 60\n"
+        "    period_seconds: 0.2\n"
+        "    timeout_seconds: 2\n"
+        f"  replicas: {replicas}\n"
+    )
+    return write_spec(directory / f"{name}.yaml", text)
+
+
+def events(home: CorralHome, name: str, after: int = 0) -> list[dict[str, Any]]:
+    """Every event of a service after id ``after`` (paged: the API answers 200 at a time)."""
+    found: list[dict[str, Any]] = []
+    while True:
+        answer = home.api("GET", f"/v1/services/{name}/events?after={after}")
+        assert answer.status == 200, (answer.status, answer.body)
+        page = answer.json()["events"]
+        if not page:
+            return found
+        found.extend(page)
+        after = page[-1]["id"]
+
+
+def last_event_id(home: CorralHome, name: str) -> int:
+    evs = events(home, name)
+    return evs[-1]["id"] if evs else 0
+
+
+def by_status(svc: dict[str, Any], *statuses: str) -> list[dict[str, Any]]:
+    return [r for r in svc["replicas"] if r["status"] in statuses]
+
+
+def serves(endpoint: str) -> bool:
+    """One request through a service's balancer answers 200."""
+    return http(endpoint + "/", timeout=10.0).status == 200
+
+
+def gone(home: CorralHome, name: str) -> bool:
+    return home.service(name) is None
+
+
+def daemon_jobs(home: CorralHome) -> dict[str, dict[str, int]]:
+    answer = home.api("GET", "/v1/daemon")
+    assert answer.status == 200, answer.body
+    jobs: dict[str, dict[str, int]] = answer.json()["jobs"]
+    return jobs
+
+
+@contextlib.contextmanager
+def faults_cleared_on_exit(home: CorralHome) -> Any:
+    """Whatever happens, the cue is empty before the fixture takes the home down."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            set_faults(home, {})
+
+
+# -- 1. launch raising ----------------------------------------------------------------------------
+
+
+def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
+    home = corral_home
+    start_faulty_daemon(home)
+    n_rounds = rounds(2, 8)
+    lost = 0
+    healthy_requests = 0
+    with faults_cleared_on_exit(home):
+        home.run("up", str(app_spec(tmp_path, "healthy", 1)))
+        home.run("up", str(app_spec(tmp_path, "flaky", 1)))
+        healthy = home.service("healthy")
+        assert healthy is not None
+        healthy_endpoint = healthy["endpoint"]
+
+        # A version that never became READY: the service gives up after 3 failed launches and
+        # says why, instead of relaunching forever.
+        set_faults(home, {"broken": {"launch_raise": "before"}})
+        result = home.run("up", str(app_spec(tmp_path, "broken", 1)), check=False)
+        assert result.returncode != 0, result.stdout
+        assert "FAILED" in result.stdout + result.stderr, result.stdout + result.stderr
+        broken = home.service("broken")
+        assert broken is not None
+        assert broken["status"] == "FAILED", broken
+        assert "InjectedFault" in (broken["failure"] or ""), broken
+        assert [r["status"] for r in broken["replicas"]] == ["FAILED_PROVISION"] * 3, broken
+        for r in broken["replicas"]:
+            assert "InjectedFault" in r["failure"], r
+        first = broken["replicas"][0]["id"]
+        launch_log = home.run("logs", "broken", str(first), "--launch", "--no-follow").stdout
+        assert "InjectedFault" in launch_log and "Traceback" in launch_log, launch_log
+        failed_events = [
+            e for e in events(home, "broken") if e["action"] == "replica.launch_failed"
+        ]
+        assert len(failed_events) == 3, failed_events
+        assert all("InjectedFault" in (e["reason"] or "") for e in failed_events), failed_events
+        assert healthy_endpoint and serves(healthy_endpoint)
+        healthy_requests += 1
+
+        for round_no in range(n_rounds):
+            r = rng("launch_raising", round_no)
+            mode = r.choice(["before", "after"])
+            failures = r.randint(1, 2)
+            flaky = home.wait_replicas("flaky", 1, timeout=60)
+            (victim,) = by_status(flaky, "READY")
+            mark = last_event_id(home, "flaky")
+            set_faults(home, {"flaky": {"launch_raise": mode}})
+            os.kill(int(victim["pid"]), signal.SIGKILL)  # a replica our daemon started
+
+            def launch_failures(mark: int = mark) -> list[dict[str, Any]]:
+                return [
+                    e for e in events(home, "flaky", mark) if e["action"] == "replica.launch_failed"
+                ]
+
+            def enough(failures: int = failures) -> bool:
+                nonlocal healthy_requests
+                # The other service and the API keep serving while this one fails.
+                assert serves(healthy_endpoint), "the healthy service stopped serving"
+                healthy_requests += 1
+                return len(launch_failures()) >= failures
+
+            wait_for(enough, 60, f"round {round_no} (seed {BASE_SEED}): {failures} launch failures")
+            set_faults(home, {})
+            seen = launch_failures()
+            assert all("InjectedFault" in (e["reason"] or "") for e in seen), seen
+            # The failure is visible in status: the newest failed replica (never pruned) ends
+            # FAILED_PROVISION with the error (after its teardown, when the launch had started).
+            newest = seen[-1]["replica_id"]
+
+            def shown(newest: int = newest) -> dict[str, Any] | None:
+                svc = home.service("flaky")
+                assert svc is not None
+                found = [x for x in svc["replicas"] if x["id"] == newest]
+                return found[0] if found and found[0]["status"] == "FAILED_PROVISION" else None
+
+            failed = wait_for(shown, 30, f"replica {newest} shown FAILED_PROVISION")
+            assert "InjectedFault" in (failed["failure"] or ""), failed
+            # Replaced per policy once the backend works again: one READY replica, nothing else
+            # live, and the process a raising launch had started ("after") torn down.
+            flaky = home.wait_replicas("flaky", 1, timeout=90)
+            if mode == "after":
+                started = [
+                    e["pid"]
+                    for e in journal(home, "flaky")
+                    if e["op"] == "launch_raise" and e.get("pid")
+                ]
+                assert started, journal(home, "flaky")
+                home.replica_pids.update(started)
+                wait_for(
+                    lambda started=started: not any(pid_alive(p) for p in started),
+                    30,
+                    "the processes of launches that raised after starting to be torn down",
+                )
+            if len(by_status(flaky, "READY")) != 1:
+                lost += 1
+        assert home.healthy()
+        # The broken service was never relaunched past its 3 attempts.
+        assert len(ops(home, "broken", "launch_enter")) == 3, journal(home, "broken")
+        home.run("down", "broken", "flaky")
+        assert serves(healthy_endpoint)
+    record(
+        "backend: launch raising",
+        rounds=n_rounds,
+        lost=lost,
+        healthy_requests=healthy_requests,
+        gave_up_after=3,
+    )
+    assert lost == 0
+
+
+# -- 2. teardown raising --------------------------------------------------------------------------
+
+
+def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
+    home = corral_home
+    start_faulty_daemon(home)
+    n_rounds = rounds(1, 4)
+    # How many failed attempts before the fault clears: in long mode past 5, where the
+    # controller used to stop retrying and left the replica (and its process) behind for good.
+    attempts_needed = 7 if LONG else 3
+    lost = 0
+    with faults_cleared_on_exit(home):
+        home.run("up", str(app_spec(tmp_path, "healthy", 1)))
+        home.run("up", str(app_spec(tmp_path, "td", 2)))
+        td = home.service("td")
+        assert td is not None
+        endpoint = td["endpoint"]
+
+        for round_no in range(n_rounds):
+            mode = rng("teardown_raising", round_no).choice(["before", "after"])
+            old = home.wait_replicas("td", 2, timeout=60)
+            old_ids = {r["id"] for r in old["replicas"] if r["status"] == "READY"}
+            old_pids = {int(r["pid"]) for r in old["replicas"] if r["status"] == "READY"}
+            set_faults(home, {"td": {"terminate_raise": mode}})
+            # A real relaunching update: the new version comes up, the old replicas are retired
+            # and their teardown raises.
+            spec = app_spec(tmp_path, "td", 2, marker=str(round_no + 1)).read_text()
+            answer = home.api("POST", "/v1/services/td/versions", body={"spec": spec})
+            assert answer.status == 201, answer.body
+
+            def shown_failed(old_ids: set[int] = old_ids) -> dict[str, Any] | None:
+                svc = home.service("td")
+                assert svc is not None
+                cleanup = {r["id"] for r in by_status(svc, "FAILED_CLEANUP")}
+                new_ready = [r for r in by_status(svc, "READY") if r["id"] not in old_ids]
+                if cleanup == old_ids and len(new_ready) == 2:
+                    return svc
+                return None
+
+            svc = wait_for(shown_failed, 90, f"round {round_no}: old replicas FAILED_CLEANUP")
+            # Shown, not hidden: the service says FAILED_CLEANUP, each replica says why.
+            assert svc["status"] == "FAILED_CLEANUP", svc
+            for r in by_status(svc, "FAILED_CLEANUP"):
+                assert "InjectedFault" in (r["failure"] or ""), r
+            if mode == "before":  # nothing was terminated: the old processes still run
+                assert all(pid_alive(p) for p in old_pids)
+            # ... while the new version serves.
+            assert serves(endpoint)
+            status_text = home.run("status", "td").stdout
+            assert "FAILED_CLEANUP" in status_text, status_text
+
+            def retried(old_ids: set[int] = old_ids) -> bool:
+                failed = [
+                    e["replica_id"]
+                    for e in events(home, "td")
+                    if e["action"] == "replica.teardown_failed"
+                ]
+                return all(failed.count(i) >= attempts_needed for i in old_ids)
+
+            wait_for(retried, 120, f"{attempts_needed} failed teardown attempts per replica")
+            set_faults(home, {})
+
+            def cleaned(old_ids: set[int] = old_ids) -> bool:
+                svc = home.service("td")
+                assert svc is not None
+                return not ({r["id"] for r in svc["replicas"]} & old_ids)
+
+            wait_for(cleaned, 60, f"round {round_no}: old replicas cleaned after the fault")
+            wait_for(lambda p=old_pids: not any(pid_alive(x) for x in p), 30, "old pids gone")
+            svc = home.wait_replicas("td", 2, timeout=30)
+            if svc["status"] != "READY":
+                lost += 1
+
+        # `corral down` while teardowns raise: the CLI says so (not a silent success), the
+        # replicas stay visible and are retried, and the down finishes once the fault clears.
+        final = home.wait_replicas("td", 2, timeout=60)
+        pids = {int(r["pid"]) for r in by_status(final, "READY")}
+        set_faults(home, {"td": {"terminate_raise": "before"}})
+        result = home.run("down", "td", "--timeout", "60", check=False)
+        assert result.returncode != 0, result.stdout
+        assert "teardown failed" in result.stdout + result.stderr, result.stdout + result.stderr
+        svc = home.service("td")
+        assert svc is not None and svc["status"] == "FAILED_CLEANUP", svc
+        assert all(pid_alive(p) for p in pids), "a failed teardown must not pretend"
+
+        def down_retried() -> bool:
+            failed = [
+                e["replica_id"]
+                for e in events(home, "td")
+                if e["action"] == "replica.teardown_failed"
+            ]
+            return all(failed.count(r["id"]) >= attempts_needed for r in by_status(final, "READY"))
+
+        wait_for(down_retried, 120, "failed teardowns of `down` retried")
+        set_faults(home, {})
+        wait_for(lambda: gone(home, "td"), 60, "td removed once teardown works again")
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "td's processes gone")
+        healthy = home.service("healthy")
+        assert healthy is not None and serves(healthy["endpoint"])
+    record(
+        "backend: teardown raising",
+        rounds=n_rounds + 1,
+        lost=lost,
+        failed_attempts_before_clearing=attempts_needed,
+    )
+    assert lost == 0
+
+
+# -- 3. teardown hanging --------------------------------------------------------------------------
+
+
+def test_teardown_hanging(corral_home: CorralHome, tmp_path: Path) -> None:
+    home = corral_home
+    start_faulty_daemon(home, CORRAL_TEARDOWN_TIMEOUT=str(TEARDOWN_TIMEOUT))
+    n_rounds = rounds(1, 3)
+    lost = 0
+    with faults_cleared_on_exit(home):
+        for round_no in range(n_rounds):
+            width = 1 if round_no == 0 else rng("teardown_hanging", round_no).randint(2, 4)
+            stuck, other, fresh = f"stuck{round_no}", f"other{round_no}", f"fresh{round_no}"
+            home.run("up", str(app_spec(tmp_path, stuck, width)))
+            home.run("up", str(app_spec(tmp_path, other, 1)))
+            stuck_svc = home.wait_replicas(stuck, width, timeout=60)
+            ids = {r["id"] for r in stuck_svc["replicas"]}
+            pids = {int(r["pid"]) for r in stuck_svc["replicas"]}
+
+            set_faults(home, {stuck: {"terminate_hang": True}})
+            home.run("down", stuck, "--no-wait")
+
+            def reported(stuck: str = stuck, ids: set[int] = ids) -> dict[str, Any] | None:
+                svc = home.service(stuck)
+                assert svc is not None
+                hung = by_status(svc, "FAILED_CLEANUP")
+                if {r["id"] for r in hung} == ids and all(
+                    "did not finish" in (r["failure"] or "") for r in hung
+                ):
+                    return svc
+                return None
+
+            svc = wait_for(reported, 60, f"hung teardowns of {stuck} reported")
+            assert svc["status"] == "FAILED_CLEANUP", svc
+            assert sorted(ops(home, stuck, "terminate_hang")) == sorted(ids)
+            hung_events = [e for e in events(home, stuck) if e["action"] == "replica.teardown_hung"]
+            assert {e["replica_id"] for e in hung_events} == ids, hung_events
+            assert daemon_jobs(home)["teardown"]["abandoned"] == width
+
+            # The controller and the teardown lane go on: another service launches and serves,
+            # and another `corral down` completes while those calls are still stuck.
+            home.run("up", str(app_spec(tmp_path, fresh, 1)))
+            fresh_svc = home.service(fresh)
+            assert fresh_svc is not None and serves(fresh_svc["endpoint"])
+            home.run("down", other, fresh)
+            assert home.healthy()
+            # Still stuck: no second terminate was stacked on a call that has not returned.
+            assert sorted(ops(home, stuck, "terminate_enter")) == sorted(ids), journal(home, stuck)
+            assert all(pid_alive(p) for p in pids)
+
+            # The call returns: the teardown is retried and the service goes.
+            set_faults(home, {})
+            wait_for(lambda s=stuck: gone(home, s), 60, f"{stuck} removed after the hang ends")
+            wait_for(lambda p=pids: not any(pid_alive(x) for x in p), 30, f"{stuck} pids gone")
+            wait_for(
+                lambda: daemon_jobs(home)["teardown"]["abandoned"] == 0,
+                30,
+                "the stuck threads to be gone from the pool's count",
+            )
+            if any(pid_alive(p) for p in pids):
+                lost += 1
+    record("backend: teardown hanging", rounds=n_rounds, lost=lost, bound_s=TEARDOWN_TIMEOUT)
+    assert lost == 0
+
+
+# -- 4. JobPool saturated -------------------------------------------------------------------------
+
+
+def test_jobpool_saturated(corral_home: CorralHome, tmp_path: Path) -> None:
+    home = corral_home
+    start_faulty_daemon(home)
+    n_rounds = rounds(1, 3)
+    lost = duplicated = api_calls = 0
+    with faults_cleared_on_exit(home):
+        home.run("up", str(app_spec(tmp_path, "side", 1)))
+        side = home.service("side")
+        assert side is not None
+        limit = daemon_jobs(home)["launch"]["limit"]
+        for round_no in range(n_rounds):
+            r = rng("jobpool_saturated", round_no)
+            extra = r.randint(3, 6)
+            width = limit + extra
+            name = f"wide{round_no}"
+            set_faults(home, {name: {"launch_hold": True, "release": []}})
+            home.run("up", str(app_spec(tmp_path, name, width)), "--detach")
+
+            def saturated(name: str = name, width: int = width) -> dict[str, Any] | None:
+                entered = ops(home, name, "launch_enter")
+                if len(entered) < limit:
+                    return None
+                svc = home.service(name)
+                assert svc is not None
+                return svc if len(svc["replicas"]) == width else None
+
+            svc = wait_for(saturated, 60, f"{limit} launches of {name} running")
+            ids = sorted(x["id"] for x in svc["replicas"])
+            entered = ops(home, name, "launch_enter")
+            # FIFO: the first `limit` replicas hold the slots, the rest wait for one.
+            assert sorted(entered) == ids[:limit], (entered, ids)
+            queued = ids[limit:]
+            assert daemon_jobs(home)["launch"]["queued"] == extra
+            # Status tells a launch that waits for a slot from one that runs.
+            statuses = {x["id"]: x["status"] for x in svc["replicas"]}
+            assert [statuses[i] for i in queued] == ["PENDING"] * extra, statuses
+            assert [statuses[i] for i in ids[:limit]] == ["PROVISIONING"] * limit, statuses
+
+            # The API, the CLI and the other service answer while every slot is taken.
+            for _ in range(20):
+                assert home.api("GET", "/v1/services", timeout=10).status == 200
+                assert serves(side["endpoint"])
+                api_calls += 1
+            assert "PENDING" in home.run("status", name).stdout
+
+            # Free the slots one at a time, in a random order: each freed slot goes to the
+            # oldest queued launch.
+            release: list[int] = []
+            order = ids[:limit]
+            r.shuffle(order)
+            for k, rid in enumerate(order[:extra]):
+                release.append(rid)
+                set_faults(home, {name: {"launch_hold": True, "release": release}})
+                wait_for(
+                    lambda k=k, name=name: len(ops(home, name, "launch_enter")) >= limit + k + 1,
+                    60,
+                    f"a queued launch to take the slot of replica {rid}",
+                )
+            started_late = ops(home, name, "launch_enter")[limit:]
+            assert started_late == queued, (started_late, queued)
+            set_faults(home, {})
+
+            svc = home.wait_replicas(name, width, timeout=120)
+            launched = ops(home, name, "launch_enter")
+            duplicated += len(launched) - len(set(launched))
+            ready_ids = sorted(x["id"] for x in by_status(svc, "READY"))
+            lost += len(set(ids) - set(ready_ids))
+            assert ready_ids == ids and sorted(launched) == ids, (ready_ids, launched)
+            assert len({x["pid"] for x in svc["replicas"]}) == width
+            launch_events = [e for e in events(home, name) if e["action"] == "replica.launched"]
+            assert sorted(e["replica_id"] for e in launch_events) == ids
+            home.run("down", name)
+            assert serves(side["endpoint"])
+    record(
+        "backend: JobPool saturated",
+        rounds=n_rounds,
+        lost=lost,
+        duplicated=duplicated,
+        api_calls_while_saturated=api_calls,
+    )
+    assert lost == 0 and duplicated == 0
+
+
+# -- 5. the pool itself: an abandoned job gives its slot back -------------------------------------
+
+
+def test_abandoned_job_frees_its_lane_slot() -> None:
+    """The mechanism the controller's teardown bound relies on, without a daemon: a job stuck
+    in a call that ignores cancellation is abandoned, fails at once with the given error, and
+    the job queued behind it in a lane of ONE worker runs; the stuck thread leaves once its
+    call returns and is never reused."""
+    pool = JobPool(max_workers=1)
+    release = threading.Event()
+    threads: list[str] = []
+
+    def stuck() -> str:
+        threads.append(threading.current_thread().name)
+        release.wait(60)  # ignores cancellation, like a hung RPC
+        return "late"
+
+    def quick() -> str:
+        threads.append(threading.current_thread().name)
+        return "ok"
+
+    try:
+        first = pool.submit(stuck, kind="t")
+        wait_for(lambda: first.state is JobState.RUNNING, 10, "the stuck job to start")
+        second = pool.submit(quick, kind="t")
+        assert not second.wait(0.3), "the lane has one worker: the second job must wait"
+        assert pool.abandon(first, TimeoutError("stuck")) is True
+        assert first.done() and first.state is JobState.FAILED and first.abandoned
+        assert isinstance(first.exception(), TimeoutError) and not first.returned()
+        assert second.result(timeout=10) == "ok"
+        assert pool.stats()["t"]["abandoned"] == 1
+        assert pool.abandon(second, TimeoutError("late")) is False  # finished: nothing to do
+        release.set()
+        wait_for(first.returned, 10, "the stuck call to return")
+        wait_for(lambda: pool.stats()["t"]["abandoned"] == 0, 10, "the stuck thread to leave")
+        assert first.state is JobState.FAILED  # its late success changes nothing
+        third = pool.submit(quick, kind="t")
+        assert third.result(timeout=10) == "ok"
+        assert threads[-1] != threads[0], "the abandoned thread must not take new work"
+        assert pool.stats()["t"]["workers"] <= 1
+    finally:
+        release.set()
+        assert pool.shutdown(timeout=10)
