@@ -27,9 +27,9 @@ import aiohttp
 from corral import capture
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
 from corral.balancer import BalancerMetrics, LoadBalancer
-from corral.infra.base import Infra, LaunchRequest, Liveness, ReplicaHandle
+from corral.infra.base import EndpointOwner, Infra, LaunchRequest, Liveness, ReplicaHandle
 from corral.jobs import Job, JobPool, JobState
-from corral.probe import probe
+from corral.probe import ProbeResult, probe
 from corral.replicas import (
     ReplicaStatus,
     failure_status,
@@ -854,6 +854,20 @@ class ServiceController:
         current = self.store.replica(r.id)
         if current is None or current.teardown_state is not None or failure_status(current):
             return
+        if result.ok and current.first_ready_at is None and isinstance(infra, EndpointOwner):
+            # Before the first READY: the answer may have come from another process that took
+            # the replica's port before the app bound it (see EndpointOwner). Not ready then.
+            conflict = await asyncio.to_thread(infra.endpoint_conflict, handle)
+            current = self.store.replica(r.id)
+            if current is None or current.teardown_state is not None or failure_status(current):
+                return
+            if conflict is not None:
+                if conflict != state.last_error:
+                    self.store.event(
+                        self.name, "replica.endpoint_conflict", conflict, replica_id=r.id
+                    )
+                    log.warning("service %s: replica %d: %s", self.name, r.id, conflict)
+                result = ProbeResult(False, result.status, conflict, result.seconds)
         if result.ok:
             state.failing_since = None
             state.last_error = None

@@ -15,6 +15,9 @@ It is shaped so that a local process, a Ray actor and a Kubernetes pod all fit:
   from a replica whose host went away (PREEMPTED: replace it).
 * ``sweep`` kills what a backend started but the state does not know (a launch interrupted by
   SIGKILL between starting a process and recording it).
+* ``endpoint_conflict`` (optional, :class:`EndpointOwner`): a backend that hands out ports it
+  does not hold until the app binds them can say, before the first READY, whether the process
+  answering on the endpoint is really the replica's.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import enum
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class Liveness(enum.StrEnum):
@@ -69,3 +72,19 @@ class Infra(Protocol):
     def exit_code(self, handle: ReplicaHandle) -> int | None: ...
 
     def sweep(self, home_marker: str, known: Collection[ReplicaHandle]) -> list[str]: ...
+
+
+@runtime_checkable
+class EndpointOwner(Protocol):
+    """Optional part of a backend: who answers on a replica's endpoint.
+
+    The local backend picks a free port, releases it and lets the app bind it later; in
+    between, any other process may bind that port, and a probe answered by it would make a
+    replica READY that is not serving at all (and send it traffic meant for the replica). The
+    controller asks this once per successful probe until the replica is READY the first time.
+    """
+
+    def endpoint_conflict(self, handle: ReplicaHandle) -> str | None:
+        """None when the endpoint's listener is the replica's own, or when that cannot be told
+        (the listener's owner is not visible); otherwise the reason it is not (who holds it)."""
+        ...

@@ -264,7 +264,8 @@ def _shell() -> str:
 
 def _free_port() -> int:
     """A port free on 127.0.0.1 right now. Another process may take it before the replica binds
-    it; the replica then fails its probes and is replaced, which is cheaper than reserving."""
+    it; :meth:`LocalInfra.endpoint_conflict` then keeps that process's answers from making the
+    replica READY, and the replica fails (cannot bind) and is replaced: cheaper than reserving."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -323,6 +324,99 @@ def _environ(proc: psutil.Process) -> dict[str, str] | None:
         return proc.environ()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
         return None
+
+
+_LOOPBACK = frozenset({"127.0.0.1", "::ffff:127.0.0.1"})
+_WILDCARD = frozenset({"0.0.0.0", "::", "::ffff:0.0.0.0"})
+
+
+def _listeners(port: int) -> list[tuple[str, int | None]]:
+    """(address, pid) of every TCP socket listening on ``port``; the pid is None when the owner
+    is not visible to this process (another user's)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    return [
+        (c.laddr.ip, c.pid)
+        for c in conns
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+    ]
+
+
+def _environ_key(proc: psutil.Process) -> str | None:
+    env = _environ(proc)
+    return None if env is None else env.get(ENV_REPLICA_KEY)
+
+
+def _belongs_to(pid: int, pgid: int, key: str | None) -> bool:
+    """``pid`` is part of the replica: in its process group, or carrying its key (a descendant
+    that left the group). One that is gone cannot be shown to be ours: not ours (the next
+    probe asks again)."""
+    try:
+        if os.getpgid(pid) == pgid:
+            return True
+        proc = psutil.Process(pid)
+    except (OSError, psutil.Error):
+        return False
+    return key is not None and _environ_key(proc) == key
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Still running: not gone and not a zombie (a zombie is dead, whoever has to reap it)."""
+    try:
+        return proc.is_running() and proc.status() not in (
+            psutil.STATUS_ZOMBIE,
+            psutil.STATUS_DEAD,
+        )
+    except psutil.Error:
+        return False
+
+
+def _key_holders(key: str, *, outside_pgid: int | None = None) -> list[psutil.Process]:
+    """Running processes (but this one) whose environment carries replica key ``key``; with
+    ``outside_pgid``, only those not in that process group. One full process scan."""
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        env = _environ(proc)
+        if env is None or env.get(ENV_REPLICA_KEY) != key or not _running(proc):
+            continue
+        if outside_pgid is not None:
+            try:
+                if os.getpgid(proc.pid) == outside_pgid:
+                    continue
+            except ProcessLookupError:
+                continue
+        found.append(proc)
+    return found
+
+
+def _stop_key_holders(key: str, termed: list[psutil.Process], grace: float) -> list[int]:
+    """Make sure no process carrying replica key ``key`` runs any more; return survivors' pids.
+
+    ``termed`` already got SIGTERM: they get what is left of ``grace``. Then every holder of the
+    key is stopped (SIGSTOP, so a process that respawns its children cannot fork between our
+    scan and our kill) and killed, and the table is scanned again, until none is left or 5 s
+    have passed: a tree that forks while it is being killed is caught by the next scan.
+    """
+    deadline = time.monotonic() + grace
+    while any(_running(p) for p in termed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    deadline = time.monotonic() + 5.0
+    holders = _key_holders(key)
+    while holders and time.monotonic() < deadline:
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for proc in holders:
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(sig)
+        settle = time.monotonic() + 1.0
+        while any(_running(p) for p in holders) and time.monotonic() < settle:
+            time.sleep(0.01)
+        holders = _key_holders(key)
+    return [p.pid for p in holders]
 
 
 def _describe(proc: psutil.Process, pgid: int, key: str | None) -> str:
@@ -565,8 +659,10 @@ class LocalInfra:
         Idempotent: a replica already gone is success. Signals nothing unless the handle's
         process is still the same process (never a recycled pid). When the leader is gone but
         members of its group survived (a backgrounded child), they are stopped too, once their
-        environment proves they are this replica's. Raises RuntimeError when something of the
-        replica is still alive afterwards.
+        environment proves they are this replica's. So are processes that left the group
+        (``setsid``) but carry the replica's key, found by a scan of the process table; a
+        process that also scrubbed its environment is out of reach (only a cgroup could find
+        it). Raises RuntimeError when something of the replica is still alive afterwards.
         """
         info = _handle_info(handle)
         child = _REGISTRY.find(info.ident)
@@ -576,20 +672,32 @@ class LocalInfra:
             leader: _Leader = "running" if child.popen.poll() is None else "gone"
         else:
             leader = _leader_state(info.ident)
-        if leader == "gone" and (info.key is None or not self._survivors(info)):
+        group_alive = leader != "gone" or (info.key is not None and bool(self._survivors(info)))
+        # Processes of this replica that left its group (``setsid``, a daemonizing child) are
+        # out of reach of killpg: without this they outlived every teardown. The replica key in
+        # their environment (inherited by every descendant) is what finds them.
+        escaped = [] if info.key is None else _key_holders(info.key, outside_pgid=info.pgid)
+        if not group_alive and not escaped:
             return
-        if not _safe_group(info.pgid):
+        if group_alive and not _safe_group(info.pgid):
             raise RuntimeError(
                 f"refusing to signal process group {info.pgid} of replica pid {info.ident.pid}: "
                 "it is the daemon's own group"
             )
-        gone = jobs.terminate_process_group(info.pgid, grace, reap)
+        for proc in escaped:  # TERM them now, so their grace runs alongside the group's
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        gone = True
+        if group_alive:
+            gone = jobs.terminate_process_group(info.pgid, grace, reap)
         if child is not None:
             child.popen.poll()
-        if not gone:
+        left = _stop_key_holders(info.key, escaped, grace) if info.key is not None else []
+        if not gone or left:
             raise RuntimeError(
                 f"replica process group {info.pgid} (pid {info.ident.pid}) is still alive "
                 f"after SIGTERM, {grace:g} s and SIGKILL"
+                + (f"; processes that left the group survived too: {left}" if left else "")
             )
 
     @staticmethod
@@ -614,6 +722,37 @@ class LocalInfra:
         if _leader_state(info.ident) == "running":
             return Liveness.ALIVE
         return Liveness.EXITED
+
+    def endpoint_conflict(self, handle: ReplicaHandle) -> str | None:
+        """Whether the socket listening on the replica's port is the replica's own (see
+        :class:`corral.infra.base.EndpointOwner`): None when it is, or when its owner cannot be
+        seen (another user's process, e.g. a root ``docker-proxy`` publishing the app's port);
+        otherwise who holds the port instead. The listener that gets connections to 127.0.0.1
+        is judged: one bound to 127.0.0.1 itself, else a wildcard one."""
+        info = _handle_info(handle)
+        port = handle.data.get("port")
+        if not isinstance(port, int):
+            return None
+        listeners = _listeners(port)
+        chosen = [pid for ip, pid in listeners if ip in _LOOPBACK] or [
+            pid for ip, pid in listeners if ip in _WILDCARD
+        ]
+        foreign = [
+            pid for pid in chosen if pid is not None and not _belongs_to(pid, info.pgid, info.key)
+        ]
+        if not foreign:
+            return None
+        holders = []
+        for pid in sorted(set(foreign)):
+            try:
+                proc = psutil.Process(pid)
+                holders.append(_describe(proc, os.getpgid(pid), _environ_key(proc)))
+            except (psutil.Error, ProcessLookupError):
+                holders.append(f"pid {pid}")
+        return (
+            f"port {port} is held by a process that is not this replica's "
+            f"({'; '.join(holders)}): the probe reached it, not the replica"
+        )
 
     def exit_code(self, handle: ReplicaHandle) -> int | None:
         """The exit code of a replica this process started and that has exited (negative: killed
