@@ -296,6 +296,12 @@ class ServiceController:
                 self.store.update_replica(r.id, teardown_state=None)
                 self._retire(self.store.replica(r.id), "teardown interrupted by daemon restart")
                 continue
+            if r.launch_state == "cancelled" and r.teardown_state is None:
+                # Killed between _launch_done's two writes (cancel recorded, retire not): no
+                # later step looks at a cancelled row, so it would stay SHUTTING_DOWN forever,
+                # uncounted, its process (if the cancel missed it) untracked. Retire it now.
+                self._retire(r, "launch cancelled before the daemon restart")
+                continue
             if r.launch_state == "running":
                 if handle is None:
                     # Nothing recorded as started: the sweep killed any half-done setup.

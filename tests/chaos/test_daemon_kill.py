@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -515,3 +516,46 @@ def _start(args: list[str], env: dict[str, str], home: CorralHome) -> subprocess
     proc = subprocess.Popen(args, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
     home.popens.append(proc)
     return proc
+
+
+def test_kill_between_the_two_writes_of_a_cancelled_launch(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A kill window too narrow to hit by timing, staged in the state file instead.
+
+    When a launch is cancelled (scale-down, an update, ``down``) the controller records
+    ``launch_state=cancelled`` and then, in a second write, retires the replica. A daemon killed
+    between the two leaves a cancelled row that nothing was tearing down: the restart must
+    retire it (not leave it SHUTTING_DOWN forever, uncounted) and put the service back at its
+    size. Staged here: the replica's process stopped (as the cancel stops it) and its row
+    cancelled, while the daemon is dead.
+    """
+    wrapper = tmp_path / "slow_to_stop.py"
+    wrapper.write_text(WRAPPER)
+    chaos = Chaos(corral_home, tmp_path, tmp_path / "trap", tmp_path / "stubborn", wrapper)
+    corral_home.start_daemon()
+    chaos.up("halted", 2)
+    intended = chaos.intended()
+    wait_for(lambda: settled(corral_home, intended), SETTLE_TIMEOUT, "halted READY", 0.2)
+    kill_daemon(corral_home)
+    victim = min(read_state(corral_home).replicas.values(), key=lambda row: row["id"])
+    pgid = int(json.loads(victim["handle_json"])["data"]["pgid"])
+    os.killpg(pgid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pgid), 10, "the cancelled replica's process to stop")
+    db = sqlite3.connect(corral_home.path / "state.db", timeout=10)
+    with db:
+        db.execute(
+            "UPDATE replicas SET launch_state = 'cancelled', ready = 0 WHERE id = ?",
+            (victim["id"],),
+        )
+    db.close()
+    before = read_state(corral_home)
+
+    corral_home.start_daemon()
+    try:
+        wait_for(lambda: settled(corral_home, intended), SETTLE_TIMEOUT, "2 READY again", 0.2)
+    except AssertionError:
+        raise AssertionError(f"never settled:\n{check_home(corral_home, intended)}") from None
+    findings = check_home(corral_home, intended, before_restart=before)
+    assert not findings, str(findings)
+    assert victim["id"] not in read_state(corral_home).replicas
