@@ -685,8 +685,9 @@ class ServiceController:
             if failure_status(r) is not None:
                 self.store.update_replica(r.id, teardown_state="succeeded")
             else:
-                self.store.delete_replica(r.id)
+                # Event first, as in _teardown_done: a kill between leaves the row to redo.
                 self.store.event(self.name, "replica.removed", reason, replica_id=r.id)
+                self.store.delete_replica(r.id)
             self._wake.set()
             return
         self.store.update_replica(r.id, teardown_state="pending", ready=0)
@@ -777,9 +778,13 @@ class ServiceController:
                 self.store.update_replica(
                     replica_id, teardown_state="succeeded", failure=_replica_failure(r.failure)
                 )
+                self.store.event(self.name, "replica.terminated", None, replica_id=replica_id)
             else:
+                # The event first: a daemon killed between the two writes then leaves a row
+                # whose teardown a restart repeats (idempotent), never a replica gone from the
+                # state without a word in the event log.
+                self.store.event(self.name, "replica.terminated", None, replica_id=replica_id)
                 self.store.delete_replica(replica_id)
-            self.store.event(self.name, "replica.terminated", None, replica_id=replica_id)
         else:
             detail = f"teardown failed: {job.exception()!r}; see {self.launch_log(replica_id)}"
             # The replica's own failure stays in the text: it is why it was torn down.
