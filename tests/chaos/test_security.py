@@ -350,14 +350,21 @@ SHELL_COMMANDS = {
 }
 
 
-def test_nothing_runs_through_a_shell_but_the_specs_run_and_setup() -> None:
-    check = Checks("no-shell")
+def scan_shell_use(root: Path) -> tuple[list[str], set[tuple[str, str, str]], int, int]:
+    """Every way code under ``root`` starts a process, judged.
+
+    Returns (problems, shell commands as (file, function, command expression), how many "-c"
+    constants the code holds, how many spawning call sites were checked). A problem is a shell
+    call (os.system, create_subprocess_shell ...), ``shell=`` anything but False (or a wrapper
+    handing on its own ``shell`` parameter), an argv that is not a list (or a wrapper's own
+    parameter), an argv item built from pieces, or ``SHELL -c X`` where X is not one plain value
+    or something follows it.
+    """
+    problems: list[str] = []
     shell_lists: set[tuple[str, str, str]] = set()
-    dash_c = 0
-    files = sorted(SRC.rglob("*.py"))
-    check(len(files) > 10, files)
-    for path in files:
-        rel = path.relative_to(SRC).as_posix()
+    dash_c = sites = 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
         tree = ast.parse(path.read_text(), filename=rel)
         parents: dict[ast.AST, ast.AST] = {}
         for node in ast.walk(tree):
@@ -380,8 +387,8 @@ def test_nothing_runs_through_a_shell_but_the_specs_run_and_setup() -> None:
                 continue
             name = _dotted(node.func)
             where = f"{rel}:{node.lineno} {ast.unparse(node)[:120]}"
-            check(name not in FORBIDDEN, f"shell call {where}")
-            check(not name.startswith(("os.exec", "os.spawn", "os.posix_spawn")), where)
+            if name in FORBIDDEN or name.startswith(("os.exec", "os.spawn", "os.posix_spawn")):
+                problems.append(f"shell or exec call: {where}")
             func = function_of(node)
             params = set()
             if func is not None:
@@ -392,33 +399,41 @@ def test_nothing_runs_through_a_shell_but_the_specs_run_and_setup() -> None:
                 plain = isinstance(kw.value, ast.Constant) and kw.value.value is False
                 # A wrapper's own `shell` parameter (default False) handed on: allowed.
                 passed_on = isinstance(kw.value, ast.Name) and kw.value.id in params
-                check(plain or passed_on, f"shell= not False at {where}")
+                if not (plain or passed_on):
+                    problems.append(f"shell= not False: {where}")
             if name not in SPAWNERS or not node.args:
                 continue
+            sites += 1
             argv = node.args[0]
             if isinstance(argv, ast.Name):
-                check(argv.id in params, f"argv {argv.id} neither a list nor passed on: {where}")
+                if argv.id not in params:
+                    problems.append(f"argv {argv.id} neither a list nor passed on: {where}")
                 continue
-            check(isinstance(argv, ast.List | ast.Tuple), f"argv is not a list: {where}")
-            assert isinstance(argv, ast.List | ast.Tuple)
+            if not isinstance(argv, ast.List | ast.Tuple):
+                problems.append(f"argv is not a list: {where}")
+                continue
             items = argv.elts
             for i, item in enumerate(items):
-                check(
-                    not isinstance(item, ast.JoinedStr | ast.BinOp),
-                    f"argv item built from pieces (f-string / + / %): {where}",
-                )
-                if isinstance(item, ast.Constant) and item.value == "-c" and i > 0:
-                    if "python" in _dotted(items[0]) or "executable" in _dotted(items[0]):
-                        continue
-                    # `SHELL -c X`: X must be one value (the spec's text), nothing after it.
-                    check(i == len(items) - 2, f"argv after the shell command: {where}")
-                    command = items[i + 1]
-                    check(
-                        isinstance(command, ast.Attribute | ast.Name),
-                        f"shell command is not a plain value: {where}",
-                    )
-                    fname = func.name if func is not None else "<module>"
-                    shell_lists.add((rel, fname, ast.unparse(command)))
+                if isinstance(item, ast.JoinedStr | ast.BinOp):
+                    problems.append(f"argv item built from pieces (f-string, +, %): {where}")
+                if not (isinstance(item, ast.Constant) and item.value == "-c" and i > 0):
+                    continue
+                if "python" in _dotted(items[0]) or "executable" in _dotted(items[0]):
+                    continue  # python -c CODE is not a shell (and none exists today)
+                command = items[i + 1] if i + 1 < len(items) else None
+                if i != len(items) - 2 or not isinstance(command, ast.Attribute | ast.Name):
+                    problems.append(f"shell command is not one plain value: {where}")
+                    continue
+                fname = func.name if func is not None else "<module>"
+                shell_lists.add((rel, fname, ast.unparse(command)))
+    return problems, shell_lists, dash_c, sites
+
+
+def test_nothing_runs_through_a_shell_but_the_specs_run_and_setup(tmp_path: Path) -> None:
+    check = Checks("no-shell")
+    problems, shell_lists, dash_c, sites = scan_shell_use(SRC)
+    check(sites >= 5, f"only {sites} spawning call sites found: is the scan blind?")
+    check(not problems, "\n".join(problems))
     check(shell_lists == SHELL_COMMANDS, shell_lists)
     # Every "-c" in the source is one of those argv lists (none appended to a list elsewhere).
     check(dash_c == len(SHELL_COMMANDS), f"{dash_c} '-c' constants, expected {len(SHELL_COMMANDS)}")
@@ -430,6 +445,24 @@ def test_nothing_runs_through_a_shell_but_the_specs_run_and_setup() -> None:
     # And the spec says they are shell.
     spec_src = (SRC / "spec.py").read_text()
     check("shell command" in spec_src, "spec.py does not document run as a shell command")
+
+    # The scan sees what it must refuse (else the checks above prove nothing).
+    bad = {
+        "system": "os.system('rm ' + name)",
+        "true": "subprocess.run(c, shell=True)",
+        "string": "subprocess.Popen('ls -l')",
+        "fstr": "subprocess.Popen([sh, '-c', f'cd x; {r.run}'])",
+        "after": "subprocess.Popen([sh, '-c', r.run, 'x'])",
+        "aio": "asyncio.create_subprocess_shell(c)",
+        "exec": "os.execv(p, [p])",
+    }
+    for label, line in bad.items():
+        root = tmp_path / label
+        root.mkdir()
+        code = f"import asyncio, os, subprocess\ndef f(sh, r, c, p, name):\n    {line}\n"
+        (root / "bad.py").write_text(code)
+        found, _, _, _ = scan_shell_use(root)
+        check(found, f"the scan missed {label}: {line}")
     check.done()
 
 
