@@ -7,19 +7,33 @@ first ready time, app failed, ...), not pickles: their status is derived from th
 
 One connection guarded by a lock serves the event-loop thread and the job threads; statements are
 short (no lock is held across anything but one statement or one small transaction).
+
+The file may be locked by ANOTHER process (an operator's ``sqlite3 state.db``, a backup tool, a
+second corral by mistake). SQLite's own busy handler would wait inside the statement, holding
+this store's lock and, on the event-loop thread, freezing every balancer of the daemon for the
+whole wait. So the connection never waits itself (``busy_timeout`` 0): :meth:`Store._run` retries
+with the store's lock RELEASED between attempts, for a bounded time that depends on the caller.
+The event loop's thread waits at most ``loop_busy_timeout`` (a fraction of a second: it serves
+traffic), any other thread (launch jobs, ``asyncio.to_thread``) up to ``busy_timeout``. A caller
+that runs out of time gets :class:`StateBusy` and nothing was written: the API answers 503
+("locked, retry") and the controller retries on its next reconcile step. Any other SQLite
+failure (disk I/O error, read-only or full disk) is a :class:`StateError` with the file named.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 SCHEMA_VERSION = 2
 
@@ -90,6 +104,33 @@ _MIGRATIONS: list[str] = [
 
 class StateError(RuntimeError):
     """The state file cannot be used (locked, read-only, newer schema)."""
+
+
+class StateBusy(StateError):
+    """Another connection held the state file's write lock for longer than this caller may
+    wait. Nothing was written; the same operation can simply be retried."""
+
+
+# SQLite primary result codes meaning "another connection holds a lock": worth waiting for.
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)
+    text = str(exc)
+    return "locked" in text or "busy" in text
+
+
+def _on_event_loop() -> bool:
+    """True on a thread that runs an asyncio loop right now (the daemon's main thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -164,13 +205,27 @@ def _row(cls: type[Any], row: sqlite3.Row) -> Any:
 
 
 class Store:
-    """Typed queries over the state file. Safe to share between threads."""
+    """Typed queries over the state file. Safe to share between threads.
 
-    def __init__(self, path: str | Path, *, busy_timeout: float = 5.0) -> None:
+    ``busy_timeout``: how long a thread other than the event loop's waits for a lock another
+    process holds; ``loop_busy_timeout``: the same for the event loop's thread (see the module
+    docstring for why the two differ).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        busy_timeout: float = 15.0,
+        loop_busy_timeout: float = 0.25,
+    ) -> None:
         self.path = Path(path)
+        self.busy_timeout = busy_timeout
+        self.loop_busy_timeout = loop_busy_timeout
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         try:
+            # While opening, nothing else uses this store: SQLite's own busy handler may wait.
             self._db = sqlite3.connect(
                 self.path,
                 timeout=busy_timeout,
@@ -182,6 +237,8 @@ class Store:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+            # From now on a busy file fails at once and _run() waits, without the store's lock.
+            self._db.execute("PRAGMA busy_timeout = 0")
         except sqlite3.Error as exc:
             raise StateError(f"cannot open state file {self.path}: {exc}") from exc
 
@@ -207,20 +264,60 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+    def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``work(connection)`` under the store's lock; retry while the file is locked.
+
+        Between attempts the store's lock is released, so other threads' statements (reads the
+        event loop needs to keep probing and balancing) are not queued behind the wait. ``work``
+        must be safe to run again after it failed busy: one statement, or one transaction
+        (:meth:`_transaction`) that was rolled back.
+        """
+        deadline: float | None = None
+        delay = 0.005
+        while True:
+            with self._lock:
+                try:
+                    return work(self._db)
+                except sqlite3.OperationalError as exc:
+                    if not _is_busy(exc):
+                        raise StateError(f"state file {self.path}: {exc}") from exc
+                    busy = exc
+            now = time.monotonic()
+            if deadline is None:
+                wait = self.loop_busy_timeout if _on_event_loop() else self.busy_timeout
+                deadline = now + wait
+            if now >= deadline:
+                raise StateBusy(
+                    f"state database {self.path} is locked by another process ({busy}); "
+                    "nothing was changed, retry"
+                ) from busy
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 0.05)
+
+    def _transaction(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        """``body`` in one write transaction (``BEGIN IMMEDIATE``: the write lock is taken up
+        front, so a busy file fails before anything ran), retried as a whole by :meth:`_run`."""
+
+        def work(db: sqlite3.Connection) -> T:
+            db.execute("BEGIN IMMEDIATE")
             try:
-                yield self._db
+                result = body(db)
+                db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            return result
+
+        return self._run(work)
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, params).fetchall()
+        return self._run(lambda db: db.execute(sql, params).fetchall())
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """One statement that changes something (autocommit)."""
+        self._run(lambda db: db.execute(sql, params))
 
     # -- services and versions ----------------------------------------------------------------
 
@@ -234,7 +331,8 @@ class Store:
         lb_port: int | None,
     ) -> ServiceRow:
         now = time.time()
-        with self._tx() as db:
+
+        def create(db: sqlite3.Connection) -> None:
             if db.execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone():
                 raise KeyError(name)
             db.execute(
@@ -251,6 +349,8 @@ class Store:
                 "INSERT INTO events (ts, service, actor, action, reason) VALUES (?, ?, ?, ?, ?)",
                 (now, name, "api", "service.create", f"version 1 from {source or 'request'}"),
             )
+
+        self._transaction(create)
         service = self.service(name)
         assert service is not None
         return service
@@ -270,17 +370,18 @@ class Store:
         if not facts:
             return
         cols = ", ".join(f"{k} = ?" for k in facts)
-        with self._lock:
-            self._db.execute(
-                f"UPDATE services SET {cols}, updated_at = ? WHERE name = ?",
-                (*facts.values(), time.time(), name),
-            )
+        self._execute(
+            f"UPDATE services SET {cols}, updated_at = ? WHERE name = ?",
+            (*facts.values(), time.time(), name),
+        )
 
     def delete_service(self, name: str) -> None:
-        with self._tx() as db:
+        def delete(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM replicas WHERE service = ?", (name,))
             db.execute("DELETE FROM versions WHERE service = ?", (name,))
             db.execute("DELETE FROM services WHERE name = ?", (name,))
+
+        self._transaction(delete)
 
     def version(self, service: str, version: int) -> VersionRow | None:
         rows = self._query(
@@ -309,7 +410,8 @@ class Store:
         being relaunched.
         """
         now = time.time()
-        with self._tx() as db:
+
+        def add(db: sqlite3.Connection) -> int:
             row = db.execute(
                 "SELECT current_version FROM services WHERE name = ?", (service,)
             ).fetchone()
@@ -346,33 +448,37 @@ class Store:
                 "INSERT INTO events (ts, service, actor, action, reason) VALUES (?, ?, ?, ?, ?)",
                 (now, service, "api", "service.update", f"version {old} -> {version}, {how}"),
             )
-        return version
+            return version
+
+        return self._transaction(add)
 
     def mark_version_ready(self, service: str, version: int) -> None:
-        with self._lock:
-            self._db.execute(
-                "UPDATE versions SET first_ready_at = ? WHERE service = ? AND version = ?"
-                " AND first_ready_at IS NULL",
-                (time.time(), service, version),
-            )
+        self._execute(
+            "UPDATE versions SET first_ready_at = ? WHERE service = ? AND version = ?"
+            " AND first_ready_at IS NULL",
+            (time.time(), service, version),
+        )
 
     # -- replicas -----------------------------------------------------------------------------
 
     def add_replica(self, service: str, version: int, infra: str, reason: str) -> ReplicaRow:
         now = time.time()
-        with self._tx() as db:
+
+        def add(db: sqlite3.Connection) -> int:
             cur = db.execute(
                 "INSERT INTO replicas (service, version, infra, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?)",
                 (service, version, infra, now, now),
             )
-            replica_id = cur.lastrowid
+            replica_id = int(cur.lastrowid or 0)
             db.execute(
                 "INSERT INTO events (ts, service, replica_id, actor, action, reason)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (now, service, replica_id, "controller", "replica.create", reason),
             )
-        row = self.replica(int(replica_id or 0))
+            return replica_id
+
+        row = self.replica(self._transaction(add))
         assert row is not None
         return row
 
@@ -397,16 +503,14 @@ class Store:
             raise ValueError(f"not replica facts: {sorted(unknown)}")
         if facts:
             cols = ", ".join(f"{k} = ?" for k in facts)
-            with self._lock:
-                self._db.execute(
-                    f"UPDATE replicas SET {cols}, updated_at = ? WHERE id = ?",
-                    (*facts.values(), time.time(), replica_id),
-                )
+            self._execute(
+                f"UPDATE replicas SET {cols}, updated_at = ? WHERE id = ?",
+                (*facts.values(), time.time(), replica_id),
+            )
         return self.replica(replica_id)
 
     def delete_replica(self, replica_id: int) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
+        self._execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
 
     # -- events -------------------------------------------------------------------------------
 
@@ -419,12 +523,11 @@ class Store:
         replica_id: int | None = None,
         actor: str = "controller",
     ) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO events (ts, service, replica_id, actor, action, reason)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (time.time(), service, replica_id, actor, action, reason),
-            )
+        self._execute(
+            "INSERT INTO events (ts, service, replica_id, actor, action, reason)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (time.time(), service, replica_id, actor, action, reason),
+        )
 
     def events(self, service: str, *, after: int = 0, limit: int = 200) -> list[EventRow]:
         rows = self._query(
