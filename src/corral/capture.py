@@ -108,6 +108,7 @@ class _Target:
         "acquire",
         "ended",
         "failures",
+        "first_error",
         "lock",
         "name",
         "owned",
@@ -122,6 +123,7 @@ class _Target:
         self.name = name
         self.ended = False
         self.failures = 0
+        self.first_error: str | None = None
         self.stream_write: Callable[[str], int] = len if stream is None else stream.write
         self._set_lock(_lock_for(stream) if stream is not None else threading.Lock())
 
@@ -205,6 +207,7 @@ class _Target:
     ) -> None:
         self.failures += 1
         if self.failures == 1:
+            self.first_error = str(exc) or repr(exc)
             _report(
                 f"corral.capture: cannot write to {self.name}: {exc!r}; "
                 f"{consequence} (reported once)"
@@ -625,12 +628,24 @@ class to:
     if needed. ``__enter__`` returns the destination stream.
     """
 
-    __slots__ = ("_spec", "_target", "_token")
+    __slots__ = ("_error", "_spec", "_target", "_token")
 
     def __init__(self, target: str | os.PathLike[str] | IO[str]) -> None:
         self._spec = target
         self._target: _Target | None = None
         self._token: contextvars.Token[_Target | None] | None = None
+        self._error: str | None = None
+
+    @property
+    def error(self) -> str | None:
+        """The first failure of this destination (a full disk, a closed stream), or None.
+
+        Writes that fail are dropped and reported once on the original stderr; this lets the
+        route's owner (a job) tell its user that its log is incomplete, and why. Readable during
+        the block and after it.
+        """
+        t = self._target
+        return t.first_error if t is not None else self._error
 
     def __enter__(self) -> IO[str]:
         install()
@@ -658,6 +673,7 @@ class to:
                 _current.set(token.old_value if token.old_value is not token.MISSING else None)
         if t is not None:
             t.end()
+            self._error = t.first_error
 
 
 def current() -> IO[str] | None:

@@ -29,7 +29,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ __all__ = [
     "Cancelled",
     "CommandFailed",
     "Job",
+    "JobLogError",
     "JobPool",
     "JobState",
     "checkpoint",
@@ -65,6 +65,14 @@ _FINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 class Cancelled(Exception):
     """Raised inside a job at a cancellation point once the job was asked to stop."""
+
+
+class JobLogError(OSError):
+    """The job's log could not be opened, so the job did not run (see ``log_required``).
+
+    Its message names the file and the reason, because it ends up as the failure a user reads
+    in ``corral status`` (a bare ``OSError(30, 'Read-only file system')`` names neither).
+    """
 
 
 class CommandFailed(Exception):
@@ -96,11 +104,16 @@ class Job:
         name: str,
         kind: str,
         log_path: Path | None,
+        log_required: bool = True,
     ) -> None:
         self.id = next(_ids)
         self.name = name
         self.kind = kind
         self.log_path = log_path
+        self.log_required = log_required
+        # Why the job's log lost output (could not be opened, or writes failed: a full disk),
+        # None while it is intact. Set by the worker before the job is done.
+        self.log_error: str | None = None
         self._fn = fn
         self._args = args
         self._kwargs = kwargs
@@ -222,6 +235,7 @@ class Job:
                 "started_at": self.started_at,
                 "ended_at": self.ended_at,
                 "error": repr(self._exception) if self._exception else None,
+                "log_error": self.log_error,
             }
 
     # -- used by the pool and by run_command -------------------------------------------------
@@ -274,30 +288,53 @@ class Job:
             return list(self._pgids)
 
     def _run(self) -> None:
-        """Body of a worker: runs in a fresh context, inside the job's own log route."""
+        """Body of a worker: runs in a fresh context, inside the job's own log route.
+
+        A log that cannot be opened (read-only or missing directory) fails the job with a
+        :class:`JobLogError` naming the file, unless ``log_required`` is False: then the job
+        runs with its output in the daemon's own log, because its work matters more than its
+        output (a teardown must not leave a replica running for want of a log file). Writes
+        that fail later (a full disk) never reach the job (:mod:`corral.capture` drops and
+        reports them); either way the reason is kept in ``log_error``.
+        """
         _current_job.set(self)
-        route = capture.to(self.log_path) if self.log_path is not None else nullcontext()
-        state, result, error = JobState.FAILED, None, None
+        route: capture.to | None = None
+        if self.log_path is not None:
+            route = capture.to(self.log_path)
+            try:
+                route.__enter__()
+            except Exception as exc:
+                route = None
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+                self.log_error = f"cannot open its log {self.log_path}: {reason}"
+                if self.log_required:
+                    # The worker (maybe the lane's only one) lives on; the job fails, clearly.
+                    log.error("job %s: %s; not run", self.name, self.log_error)
+                    self._set_outcome(JobState.FAILED, None, JobLogError(self.log_error))
+                    return
+                log.error("job %s: %s; its output goes here instead", self.name, self.log_error)
         try:
-            with route:
-                try:
-                    checkpoint()
-                    result = self._fn(*self._args, **self._kwargs)
-                    state = JobState.SUCCEEDED
-                except Cancelled:
-                    state = JobState.CANCELLED
-                    print(f"[corral] job {self.name} cancelled", flush=True)
-                except BaseException as exc:
-                    error = exc
-                    # Into THIS job's log, before the route is reset.
-                    traceback.print_exc()
-                    print(f"[corral] job {self.name} failed: {exc!r}", flush=True)
-        except BaseException as exc:
-            # The log could not be opened: the job fails, and the worker (maybe the lane's only
-            # one) lives on instead of dying with the job stuck in RUNNING forever.
-            state, result, error = JobState.FAILED, None, exc
-            log.error("job %s: cannot open its log %s: %r", self.name, self.log_path, exc)
+            state, result, error = self._call()
+        finally:
+            if route is not None:
+                route.__exit__(None, None, None)
+                if route.error is not None:
+                    self.log_error = f"writing its log {self.log_path} failed: {route.error}"
         self._set_outcome(state, result, error)
+
+    def _call(self) -> tuple[JobState, Any, BaseException | None]:
+        try:
+            checkpoint()
+            result = self._fn(*self._args, **self._kwargs)
+        except Cancelled:
+            print(f"[corral] job {self.name} cancelled", flush=True)
+            return JobState.CANCELLED, None, None
+        except BaseException as exc:
+            # Into THIS job's log, before the route is reset.
+            traceback.print_exc()
+            print(f"[corral] job {self.name} failed: {exc!r}", flush=True)
+            return JobState.FAILED, None, exc
+        return JobState.SUCCEEDED, result, None
 
 
 def _call(fn: Callable[[Job], object], job: Job) -> None:
@@ -527,9 +564,14 @@ class JobPool:
         log: str | os.PathLike[str] | None = None,
         name: str | None = None,
         kind: str = "default",
+        log_required: bool = True,
         **kwargs: Any,
     ) -> Job:
-        """Queue ``fn(*args, **kwargs)``; its output goes to ``log`` (a path) when given."""
+        """Queue ``fn(*args, **kwargs)``; its output goes to ``log`` (a path) when given.
+
+        ``log_required=False``: run the job even when ``log`` cannot be opened (its output then
+        goes to the process's own stderr); by default such a job fails (see :meth:`Job._run`).
+        """
         job = Job(
             fn,
             args,
@@ -537,6 +579,7 @@ class JobPool:
             name=name or str(getattr(fn, "__name__", "job")),
             kind=kind,
             log_path=Path(log) if log is not None else None,
+            log_required=log_required,
         )
         job.add_done_callback(self._forget)
         # Queued (and its worker started) under the pool lock: a shutdown() running meanwhile
