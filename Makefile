@@ -46,5 +46,9 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) bench/jobs_vs_processes.py --quick
 
+# 30 minutes of load and churn against one daemon: do its memory and fds stay flat?
+soak: $(STAMP)
+	$(PY) bench/soak.py
+
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
