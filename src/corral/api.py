@@ -21,6 +21,7 @@ from aiohttp import web
 from corral import __version__
 from corral.balancer import CONTENT_TYPE_LATEST, render
 from corral.daemon import Daemon, RequestError
+from corral.state import StateError
 
 log = logging.getLogger("corral.api")
 
@@ -65,6 +66,11 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
             return await handler(request)
         except RequestError as exc:
             return _error(exc.status, exc.message, **exc.details)
+        except StateError as exc:
+            # The state file is locked by another process or unwritable: nothing was changed,
+            # the daemon and its balancers keep running, and the client may retry (not a 500).
+            log.warning("API %s %s: %s", request.method, request.path, exc)
+            return _error(503, str(exc))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

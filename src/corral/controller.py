@@ -39,7 +39,7 @@ from corral.replicas import (
     service_status,
 )
 from corral.spec import ServiceSpec, parse_spec
-from corral.state import ReplicaRow, Store
+from corral.state import ReplicaRow, StateError, Store
 
 log = logging.getLogger("corral.controller")
 
@@ -334,6 +334,37 @@ class ServiceController:
                     self._mark_failed(r, app_failed=1, failure="process gone after daemon restart")
         self._publish_ready()
 
+    def _outcome_lost(self, r: ReplicaRow) -> bool:
+        """A row mid-launch or mid-teardown that no job or drain of this controller works on.
+
+        Every step records its outcome with a write on the loop; when that write fails (the
+        state file locked by another process for longer than the loop may wait), the job is
+        already forgotten and nothing would ever finish the row. The reconcile loop resumes it
+        instead, as :meth:`_adopt` does after a restart.
+        """
+        rid = r.id
+        if r.launch_state == "running" and rid not in self._rt.launches:
+            return True
+        return (
+            r.teardown_state in ("pending", "running")
+            and rid not in self._rt.teardowns
+            and rid not in self._rt.draining
+        )
+
+    def _resume(self, r: ReplicaRow) -> None:
+        """Finish a step whose outcome was not recorded (see :meth:`_outcome_lost`)."""
+        if r.teardown_state in ("pending", "running"):
+            # _retire starts over from the drain (it writes teardown_state itself).
+            self._retire(r, "teardown resumed (its progress was not recorded)")
+            return
+        handle = handle_from_row(r)
+        if handle is not None and self._infra_for(r).check(handle) is Liveness.ALIVE:
+            self.store.update_replica(r.id, launch_state="succeeded")
+            self._event(r.id, "replica.adopt", "launch outcome not recorded; process running")
+        else:
+            self.store.update_replica(r.id, launch_state="pending", handle=None, endpoint=None)
+            self._event(r.id, "replica.relaunch", "launch outcome not recorded; process gone")
+
     def _event(self, replica_id: int, action: str, reason: str | None) -> None:
         self.store.event(self.name, action, reason, replica_id=replica_id)
 
@@ -349,6 +380,11 @@ class ServiceController:
         while not self._stopping:
             try:
                 done = self._reconcile()
+            except StateError as exc:
+                # The state file is locked by another process (or unwritable): nothing of this
+                # step was acted on past its last write; the next step picks it up again.
+                log.warning("service %s: reconcile step postponed: %s", self.name, exc)
+                done = False
             except Exception:
                 log.exception("service %s: reconcile step failed", self.name)
                 done = False
@@ -411,6 +447,9 @@ class ServiceController:
         now = time.time()
 
         for r in replicas:
+            if self._outcome_lost(r):
+                self._resume(r)
+                continue
             failure = failure_status(r)
             if failure is not None and r.teardown_state is None:
                 self._retire(r, f"replica {failure}")
@@ -632,7 +671,22 @@ class ServiceController:
 
     def _from_thread(self, fn: Callable[[int, Job], None], replica_id: int, job: Job) -> None:
         """A job's done-callback runs on the job's thread: hand the result to the loop."""
-        self._loop.call_soon_threadsafe(fn, replica_id, job)
+        self._loop.call_soon_threadsafe(self._job_done, fn, replica_id, job)
+
+    def _job_done(self, fn: Callable[[int, Job], None], replica_id: int, job: Job) -> None:
+        """Record a job's outcome; if the state file refuses the write (locked by another
+        process), say so and let the reconcile loop resume the row (see _outcome_lost)."""
+        try:
+            fn(replica_id, job)
+        except StateError as exc:
+            log.warning(
+                "service %s: replica %d: outcome of job %s not recorded yet: %s",
+                self.name,
+                replica_id,
+                job.name,
+                exc,
+            )
+            self._wake.set()
 
     def _record_handle(self, replica_id: int, handle: ReplicaHandle) -> None:
         """Called from the launch thread the moment something exists: stored before use."""
@@ -651,6 +705,11 @@ class ServiceController:
         if job.state is JobState.SUCCEEDED:
             self.store.update_replica(replica_id, launch_state="succeeded")
             self.store.event(self.name, "replica.launched", r.endpoint, replica_id=replica_id)
+            if job.log_error:
+                # Running, but its launch output was lost (a full disk): say so where users look.
+                self.store.event(
+                    self.name, "replica.log_error", job.log_error, replica_id=replica_id
+                )
         elif job.state is JobState.CANCELLED:
             self.store.update_replica(replica_id, launch_state="cancelled")
             self.store.event(self.name, "replica.launch_cancelled", None, replica_id=replica_id)
@@ -709,7 +768,12 @@ class ServiceController:
         finally:
             self._rt.draining.discard(r.id)
         infra = self._infra_for(r)
-        self.store.update_replica(r.id, teardown_state="running")
+        try:
+            self.store.update_replica(r.id, teardown_state="running")
+        except StateError as exc:
+            # Nothing started yet: the reconcile loop resumes this teardown (_outcome_lost).
+            log.warning("service %s: replica %d: teardown postponed: %s", self.name, r.id, exc)
+            return
         job = self.deps.pool.submit(
             infra.terminate,
             handle,
@@ -717,6 +781,7 @@ class ServiceController:
             log=self.launch_log(r.id),
             name=f"{self.name}-teardown-{r.id}",
             kind="teardown",
+            log_required=False,  # an unwritable log must not keep a replica running
         )
         self._rt.teardowns[r.id] = job
         job.add_done_callback(functools.partial(self._from_thread, self._teardown_done, r.id))
