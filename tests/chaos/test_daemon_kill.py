@@ -22,6 +22,9 @@ names the seed and the round). Each round:
      leak sweep can stop that sleep in time, and the relaunch must not duplicate it);
    * ``teardown``: a flag file makes replicas ignore SIGTERM, so a teardown sits in its
      TERM-to-KILL grace; the kill lands while a replica is SHUTTING_DOWN;
+   * ``write``: the daemon dies (``os._exit``, as abruptly as SIGKILL) right after its Nth
+     write to the state file, N random: exactly between two steps of whatever it was doing,
+     even inside the API request that carries the operation (see :data:`ARMED_DAEMON`);
 
 3. SIGKILLs the daemon by pid (every third round the restarted daemon too, at a random point
    of its own start: imports, leak sweep, re-adoption), takes a picture of the state file while
@@ -84,17 +87,68 @@ sys.argv = ["app.py"]
 runpy.run_path("app.py", run_name="__main__")
 '''
 
+# The daemon every round runs: the real one (corral.daemon.serve over the real local backend),
+# with one addition that stays inert until armed: once HOME/die-after-writes holds N, the Nth
+# write to the state file after that is the daemon's last (os._exit right after it: no cleanup,
+# no flush, as SIGKILL). Every write is a state transition, so this lands kills exactly between
+# two steps of a launch, a teardown or an update, where a timed kill rarely falls.
+ARMED_DAEMON = '''\
+"""corral's daemon, dying right after the Nth state write once armed (a chaos test's daemon)."""
+import asyncio
+import functools
+import os
+import sys
+import threading
+from pathlib import Path
+
+from corral import state
+from corral.daemon import serve
+
+HOME = Path(sys.argv[1])
+ARM = HOME / "die-after-writes"
+WRITES = ("create_service", "update_service", "delete_service", "add_version",
+          "mark_version_ready", "add_replica", "update_replica", "delete_replica", "event")
+lock = threading.Lock()
+left = [None]
+
+
+def armed(name, method):
+    @functools.wraps(method)
+    def write(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        with lock:
+            if left[0] is None:
+                try:
+                    left[0] = int(ARM.read_text())
+                except (OSError, ValueError):
+                    return result
+            left[0] -= 1
+            if left[0] <= 0:
+                shown = [repr(a)[:60] for a in args]
+                shown += [f"{k}={v!r}"[:60] for k, v in kwargs.items()]
+                (HOME / "died-at").write_text(f"{name}({', '.join(shown)})")
+                os._exit(137)
+        return result
+    return write
+
+
+for name in WRITES:
+    setattr(state.Store, name, armed(name, getattr(state.Store, name)))
+asyncio.run(serve(HOME))
+'''
+
 OPS = ("up", "update-rolling", "update-blue_green", "scale-down", "scale-up", "crash", "down")
 # Where a kill may land, per operation ("delay": after a random delay in the given range).
 KILL_POINTS = {
-    "up": ("setup", "delay"),
-    "update-rolling": ("setup", "teardown", "delay"),
-    "update-blue_green": ("setup", "teardown", "delay"),
-    "scale-down": ("teardown", "delay"),
-    "scale-up": ("setup", "delay"),
-    "crash": ("delay",),  # a replica SIGKILLed just before the daemon: noticed or not yet
-    "down": ("teardown", "delay"),
+    "up": ("setup", "write", "delay"),
+    "update-rolling": ("setup", "teardown", "write", "delay"),
+    "update-blue_green": ("setup", "teardown", "write", "delay"),
+    "scale-down": ("teardown", "write", "delay"),
+    "scale-up": ("setup", "write", "delay"),
+    "crash": ("write", "delay"),  # a replica SIGKILLed just before the daemon: noticed or not yet
+    "down": ("teardown", "write", "delay"),
 }
+MAX_WRITES = 30  # "write": the daemon dies after write 1..MAX_WRITES (an update makes ~20-40)
 DELAYS = {"up": 2.5, "update-rolling": 3.0, "update-blue_green": 3.0, "crash": 1.5}
 
 
@@ -115,11 +169,17 @@ class Chaos:
     trap: Path  # exists: every setup sleeps 60 s
     stubborn: Path  # exists: replicas ignore SIGTERM
     wrapper: Path
+    daemon_script: Path
     services: dict[str, Service] = field(default_factory=dict)
     removed: set[str] = field(default_factory=set)
     ops: Counter[str] = field(default_factory=Counter)
     points: Counter[str] = field(default_factory=Counter)
     counts: Counter[str] = field(default_factory=Counter)
+    died_in: Counter[str] = field(default_factory=Counter)  # "write" kills: after which write
+
+    @property
+    def arm(self) -> Path:
+        return self.home.path / "die-after-writes"
 
     def intended(self) -> dict[str, Intent | None]:
         wanted: dict[str, Intent | None] = {name: None for name in self.removed}
@@ -147,36 +207,49 @@ class Chaos:
 
     # -- operations (each returns once the API accepted it: the intent is durable) ------------
 
+    # Each returns once the request is answered, so the intent is durable. With a "write" kill
+    # the daemon may die inside the request, after the write that records the intent (it is
+    # then durable, unanswered) or before it: the state file says which.
+
+    def _request(self, method: str, path: str, body: object, status: int) -> bool:
+        """Send one API request; False when the daemon died before answering it."""
+        try:
+            answer = self.home.api(method, path, body=body)
+        except OSError:  # reset, refused: the daemon is gone
+            if self.home.daemon_info() is not None and pid_alive(self.home.daemon_pid()):
+                raise
+            self.counts["requests cut"] += 1
+            return False
+        assert answer.status == status, (answer.status, answer.body)
+        return True
+
     def up(self, name: str, replicas: int) -> None:
         svc = Service(replicas)
-        answer = self.home.api(
-            "POST",
-            "/v1/services",
-            body={
-                "spec": self.spec(name, svc),
-                "source": f"{name}.yaml",
-                "base_dir": str(self.tmp),
-            },
-        )
-        assert answer.status == 201, (answer.status, answer.body)
-        self.services[name] = svc
+        body = {"spec": self.spec(name, svc), "source": f"{name}.yaml", "base_dir": str(self.tmp)}
+        if (
+            self._request("POST", "/v1/services", body, 201)
+            or name in read_state(self.home).services
+        ):
+            self.services[name] = svc
+        else:
+            self.removed.add(name)  # never created: it must not exist either
 
     def update(self, name: str, mode: str, *, replicas: int, relaunch: bool) -> None:
         old = self.services[name]
         new = Service(replicas, old.version + 1, old.app_version + (1 if relaunch else 0))
         new.failed = old.failed
-        answer = self.home.api(
-            "POST",
-            f"/v1/services/{name}/versions",
-            body={
-                "spec": self.spec(name, new),
-                "mode": mode,
-                "source": f"{name}.yaml",
-                "base_dir": str(self.tmp),
-            },
-        )
-        assert answer.status == 201, (answer.status, answer.body)
-        self.services[name] = new
+        body = {
+            "spec": self.spec(name, new),
+            "mode": mode,
+            "source": f"{name}.yaml",
+            "base_dir": str(self.tmp),
+        }
+        path = f"/v1/services/{name}/versions"
+        if (
+            self._request("POST", path, body, 201)
+            or read_state(self.home).services[name]["current_version"] == new.version
+        ):
+            self.services[name] = new
 
     def crash(self, name: str, r: Random) -> int:
         """SIGKILL the process group of a random READY replica of ``name``; its id."""
@@ -192,10 +265,12 @@ class Chaos:
         return int(victim["id"])
 
     def down(self, name: str) -> None:
-        answer = self.home.api("DELETE", f"/v1/services/{name}")
-        assert answer.status == 202, (answer.status, answer.body)
-        del self.services[name]
-        self.removed.add(name)
+        if (
+            self._request("DELETE", f"/v1/services/{name}", None, 202)
+            or read_state(self.home).services[name]["intent"] == "shutting_down"
+        ):
+            del self.services[name]
+            self.removed.add(name)
 
 
 # -- choosing ---------------------------------------------------------------------------------
@@ -272,13 +347,15 @@ def kill_daemon(home: CorralHome) -> None:
     home._reap()
 
 
-def start_daemon_nowait(home: CorralHome) -> int:
-    """``corral daemon run`` in the background, as ``CorralHome.start_daemon`` starts it, but
-    without waiting for it to answer: it is about to be killed while it starts."""
+def start_daemon(chaos: Chaos, *, wait: bool = True) -> int:
+    """Start the armed daemon (:data:`ARMED_DAEMON`) detached, as ``corral up`` starts one;
+    with ``wait``, until it answers. Its pid."""
+    home = chaos.home
+    home.path.mkdir(parents=True, exist_ok=True)
     log = open(home.path / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
     with log:
         proc = subprocess.Popen(
-            home.cli("daemon", "run"),
+            [sys.executable, str(chaos.daemon_script), str(home.path)],
             env=home.env,
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -287,6 +364,18 @@ def start_daemon_nowait(home: CorralHome) -> int:
         )
     home.popens.append(proc)
     home.daemon_pids.add(proc.pid)
+    if not wait:
+        return proc.pid
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"daemon exited with {proc.returncode}:\n{home.tail('daemon.log')}"
+            )
+        info = home.daemon_info()
+        return info is not None and info["pid"] == proc.pid and home.healthy()
+
+    wait_for(up, 60, "the daemon to answer", interval=0.05)
     return proc.pid
 
 
@@ -304,6 +393,10 @@ def run_round(chaos: Chaos, round_no: int) -> None:
         chaos.trap.touch()
     if point == "teardown":
         chaos.stubborn.touch()
+    writes = r.randint(1, MAX_WRITES)
+    if point == "write":
+        chaos.arm.write_text(str(writes))
+    daemon = home.daemon_pid()
 
     name = ""
     if op == "up":
@@ -334,9 +427,28 @@ def run_round(chaos: Chaos, round_no: int) -> None:
     elif point == "teardown":
         wait_teardown(chaos, name)
         time.sleep(r.uniform(0.0, 1.0))  # somewhere inside the 5 s grace: a chosen kill time
+    elif point == "write":
+        wanted = chaos.intended()
+        wait_for(
+            lambda: not pid_alive(daemon) or settled(home, wanted),
+            OBSERVE_TIMEOUT,
+            f"the daemon to die after {writes} writes",
+        )
     else:
         time.sleep(r.uniform(0.0, DELAYS.get(op, 0.6)))  # a chosen kill time, not a wait
-    kill_daemon(home)
+    died_at = ""
+    if point == "write":
+        if pid_alive(daemon):
+            died_at = f"none: the operation settled before write {writes}"
+            chaos.counts["writes past the operation"] += 1
+        else:
+            died_at = (home.path / "died-at").read_text()
+            chaos.died_in[died_at.split("(", 1)[0]] += 1
+        chaos.arm.unlink(missing_ok=True)
+        (home.path / "died-at").unlink(missing_ok=True)
+    if pid_alive(daemon):
+        kill_daemon(home)
+    home._reap()
     asleep = [p for p in asleep if pid_alive(p)]
     chaos.counts["setups caught"] += len(asleep)
 
@@ -345,7 +457,7 @@ def run_round(chaos: Chaos, round_no: int) -> None:
     double = round_no % 3 == 1
     if double:
         chaos.counts["double kills"] += 1
-        pid = start_daemon_nowait(home)
+        pid = start_daemon(chaos, wait=False)
         time.sleep(r.uniform(0.0, 2.0))  # a chosen kill time, not a wait
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not pid_alive(pid), 15, f"daemon pid {pid} to die")
@@ -354,9 +466,10 @@ def run_round(chaos: Chaos, round_no: int) -> None:
     before = read_state(home)
     chaos.trap.unlink(missing_ok=True)
     chaos.stubborn.unlink(missing_ok=True)
-    home.start_daemon()
+    start_daemon(chaos)
 
     where = f"seed {BASE_SEED} round {round_no}: {op} of {name}, kill at {point}"
+    where += f" {writes}, after {died_at}" if point == "write" else ""
     where += ", and again while restarting" if double else ""
     intended = chaos.intended()
     try:
@@ -418,18 +531,25 @@ def check_serving(chaos: Chaos, where: str) -> None:
 # -- the test -------------------------------------------------------------------------------------
 
 
-def test_daemon_sigkill_at_random_points(corral_home: CorralHome, tmp_path: Path) -> None:
+def make_chaos(home: CorralHome, tmp_path: Path) -> Chaos:
     wrapper = tmp_path / "slow_to_stop.py"
     wrapper.write_text(WRAPPER)
-    chaos = Chaos(
-        home=corral_home,
+    script = tmp_path / "armed_daemon.py"
+    script.write_text(ARMED_DAEMON)
+    return Chaos(
+        home=home,
         tmp=tmp_path,
         trap=tmp_path / "setup-trap",
         stubborn=tmp_path / "ignore-sigterm",
         wrapper=wrapper,
+        daemon_script=script,
     )
+
+
+def test_daemon_sigkill_at_random_points(corral_home: CorralHome, tmp_path: Path) -> None:
+    chaos = make_chaos(corral_home, tmp_path)
     total = rounds(7, 40)
-    corral_home.start_daemon()
+    start_daemon(chaos)
     done = 0
     try:
         for round_no in range(total):
@@ -445,19 +565,18 @@ def test_daemon_sigkill_at_random_points(corral_home: CorralHome, tmp_path: Path
             lost=lost if done == total else max(lost, 1),
             operations=dict(chaos.ops),
             kill_points=dict(chaos.points),
+            died_after_write=dict(chaos.died_in),
             **{k.replace(" ", "_"): v for k, v in chaos.counts.items()},
         )
-    # Even the short run covers every operation and both observable kill points.
+    # Even the short run covers every operation and every observable kill point.
     assert set(chaos.ops) == set(OPS), chaos.ops
-    assert chaos.points["setup"] and chaos.points["teardown"], chaos.points
+    assert all(chaos.points[p] for p in ("setup", "teardown", "write")), chaos.points
 
 
 def test_invariants_see_what_is_wrong(corral_home: CorralHome, tmp_path: Path) -> None:
     """The checker the rounds rely on is not blind: each kind of breakage, made by hand, is
     reported under its invariant (a checker that always says "consistent" would pass too)."""
-    wrapper = tmp_path / "slow_to_stop.py"
-    wrapper.write_text(WRAPPER)
-    chaos = Chaos(corral_home, tmp_path, tmp_path / "trap", tmp_path / "stubborn", wrapper)
+    chaos = make_chaos(corral_home, tmp_path)
     corral_home.start_daemon()
     chaos.up("lone", 1)
     intended = chaos.intended()
@@ -530,9 +649,7 @@ def test_kill_between_the_two_writes_of_a_cancelled_launch(
     size. Staged here: the replica's process stopped (as the cancel stops it) and its row
     cancelled, while the daemon is dead.
     """
-    wrapper = tmp_path / "slow_to_stop.py"
-    wrapper.write_text(WRAPPER)
-    chaos = Chaos(corral_home, tmp_path, tmp_path / "trap", tmp_path / "stubborn", wrapper)
+    chaos = make_chaos(corral_home, tmp_path)
     corral_home.start_daemon()
     chaos.up("halted", 2)
     intended = chaos.intended()
