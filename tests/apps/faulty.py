@@ -7,7 +7,9 @@ Standard library only. Serves ``GET /`` (who it is, as JSON) and ``GET /health``
 ``--mode crash-start``  say why on stderr and exit 3 before binding anything.
 ``--mode crash-after``  serve, then die with ``os._exit(4)`` while handling request number
                         ``--requests + --step * (replica id % 3)`` (probes not counted): the
-                        request in hand is never answered, as in a real crash.
+                        request in hand is never answered, as in a real crash. With
+                        ``--crash-budget FILE:N`` at most N replicas sharing FILE crash (the
+                        others keep serving), so a service is never left without a replica.
 ``--mode hang``         after ``--after`` seconds (0: from the start) keep accepting
                         connections but never answer anything, probes included.
 ``--mode slow-start``   sleep ``--delay`` seconds before binding the port, then serve.
@@ -28,6 +30,7 @@ Every line it prints names the replica, so a test can tell whose log it reads.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import signal
@@ -49,6 +52,7 @@ class Faults:
 
     mode = "ok"
     crash_at = 0
+    budget = ""
     served = 0
     lock = threading.Lock()
     hang_at = float("inf")
@@ -56,6 +60,24 @@ class Faults:
     down = 1.0
     started = time.monotonic()
     never = threading.Event()  # never set: what a hung handler waits on
+
+
+def take_crash_budget() -> bool:
+    """True when this replica may crash: no budget, or one of its N crashes is left."""
+    if not Faults.budget:
+        return True
+    path, _, limit = Faults.budget.rpartition(":")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        used = int(os.read(fd, 32) or b"0")
+        if used >= int(limit):
+            return False
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, str(used + 1).encode())
+        return True
+    finally:
+        os.close(fd)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -70,8 +92,8 @@ class Handler(BaseHTTPRequestHandler):
         if Faults.mode == "crash-after":
             with Faults.lock:
                 Faults.served += 1
-                crash = Faults.served >= Faults.crash_at
-            if crash:
+                crash = Faults.served == Faults.crash_at
+            if crash and take_crash_budget():
                 say(f"crashing on request {Faults.served} (simulated)", err=True)
                 os._exit(4)
         body = json.dumps(
@@ -170,6 +192,7 @@ def main() -> None:
     parser.add_argument("--mode", default="ok")
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--step", type=int, default=0)
+    parser.add_argument("--crash-budget", default="")
     parser.add_argument("--after", type=float, default=0.0)
     parser.add_argument("--delay", type=float, default=5.0)
     parser.add_argument("--up", type=float, default=1.0)
@@ -194,6 +217,7 @@ def main() -> None:
     if args.mode == "crash-after":
         rid = int(REPLICA) if REPLICA.isdigit() else 0
         Faults.crash_at = args.requests + args.step * (rid % 3)
+        Faults.budget = args.crash_budget
     if args.mode == "flap":
         Faults.up, Faults.down = args.up, args.down
         Faults.started = time.monotonic()

@@ -28,6 +28,8 @@ import os
 import sys
 import threading
 import time
+import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,7 +59,11 @@ def spec_text(
     period: float = 0.2,
     timeout: float = 1,
     failure_timeout: float = 5,
+    first_byte_timeout: float | None = None,
 ) -> str:
+    lb = ""
+    if first_byte_timeout is not None:
+        lb = f"  load_balancer:\n    first_byte_timeout_seconds: {first_byte_timeout}\n"
     return (
         f"workdir: {workdir}\n"
         f"run: {json.dumps(run)}\n"
@@ -69,6 +75,7 @@ def spec_text(
         f"    timeout_seconds: {timeout}\n"
         f"    failure_timeout_seconds: {failure_timeout}\n"
         f"  replicas: {replicas}\n"
+        f"{lb}"
     )
 
 
@@ -221,7 +228,15 @@ def until(
 
 
 def wait_gave_up(home: CorralHome, name: str) -> dict[str, Any]:
-    return until(home, name, lambda s: s["status"] == "FAILED", GAVE_UP_WITHIN, "FAILED (gave up)")
+    """The service is FAILED (given up) and every failed replica's teardown is over (a replica
+    shows SHUTTING_DOWN until then, its failure status after)."""
+    return until(
+        home,
+        name,
+        lambda s: s["status"] == "FAILED" and "SHUTTING_DOWN" not in statuses(s),
+        GAVE_UP_WITHIN,
+        "FAILED (gave up), teardowns done",
+    )
 
 
 def wait_torn_down(home: CorralHome, name: str, svc: dict[str, Any]) -> None:
@@ -302,15 +317,18 @@ def test_never_ready_faults_stop_relaunching(corral_home: CorralHome) -> None:
 # -- 2. crash under load; flapping readiness ------------------------------------------------------
 
 
-def test_crash_under_load_and_flapping_readiness(corral_home: CorralHome) -> None:
-    """A version that was READY and then crashes or flaps is replaced, never given up; a
-    replica whose readiness flaps briefly goes NOT_READY and back without being replaced."""
+def test_crash_under_load_hang_and_flapping_readiness(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A version that was READY and then crashes, hangs or flaps is replaced, never given up;
+    a replica whose readiness flaps briefly goes NOT_READY and back without being replaced."""
     home = corral_home
     home.start_daemon()
     steady = start_steady(home)
     n_rounds = rounds(1, 3)
     load_seconds = seconds(8, 25)
     crash_load: list[dict[str, Any]] = []
+    hang_load: list[dict[str, Any]] = []
     with Traffic(steady, threads=2) as traffic:
         for round_no in range(n_rounds):
             r = rng("crash_flap", round_no)
@@ -319,7 +337,16 @@ def test_crash_under_load_and_flapping_readiness(corral_home: CorralHome) -> Non
             create(
                 home,
                 crashy,
-                spec_text(faulty("--mode crash-after --requests", requests, "--step 40"), 3),
+                # 2 of its 3 replicas crash (a budget shared through a file), so one always
+                # serves: then a request lost to a crash is lost by corral, not by capacity.
+                spec_text(
+                    faulty(
+                        "--mode crash-after --requests",
+                        requests,
+                        f"--step 40 --crash-budget {tmp_path}/budget{round_no}:2",
+                    ),
+                    3,
+                ),
             )
             # Down for 4 s, failure timeout 1 s: FAILED_PROBING, replaced.
             create(
@@ -333,6 +360,19 @@ def test_crash_under_load_and_flapping_readiness(corral_home: CorralHome) -> Non
                 soft,
                 spec_text(faulty("--mode flap --up 1 --down 1"), 1, failure_timeout=30),
             )
+            # Serves for 3 s, then accepts and never answers: probes time out (1 s), so
+            # FAILED_PROBING after 2 s of that; the balancer answers what it sent there with a
+            # 504 after its first-byte timeout (4 s), never leaves a client waiting.
+            hung = f"hung{round_no}"
+            create(
+                home,
+                hung,
+                spec_text(
+                    faulty("--mode hang --after 3"), 2, failure_timeout=2, first_byte_timeout=4
+                ),
+            )
+            hung_url = home.wait_replicas(hung, 2, timeout=READY_WITHIN, exact=False)["endpoint"]
+            hang_traffic = Traffic(hung_url, threads=2, pace=0.1, timeout=30).__enter__()
             svc = home.wait_replicas(crashy, 3, timeout=READY_WITHIN)
             with Traffic(svc["endpoint"], threads=3, pace=0.05, max_seconds=load_seconds) as load:
                 until(
@@ -343,23 +383,41 @@ def test_crash_under_load_and_flapping_readiness(corral_home: CorralHome) -> Non
                     "2 replicas to crash under load",
                 )
                 load.join(load_seconds + 30)
-            # A request in flight to a replica that crashed is retried on another replica (a
-            # GET is idempotent): lost, never. While every replica happens to be down at once
-            # the balancer answers 503 "no ready replicas" (capacity, counted apart).
-            unavailable = [f for f in load.failures if "no ready replicas" in f]
-            lost = [f for f in load.failures if "no ready replicas" not in f]
-            crash_load.append(
-                {"sent": load.sent, "lost": len(lost), "unavailable": len(unavailable)}
-            )
+            # A request in flight to a replica that crashed, or sent to one whose death the
+            # prober has not seen yet, is retried on another (a GET is idempotent): never lost.
+            lost = load.failures
+            crash_load.append({"sent": load.sent, "lost": len(lost)})
             assert not lost, f"{len(lost)}/{load.sent} requests lost to crashes: {lost[:5]}"
 
             # Replaced, not given up: the version had READY replicas.
             svc = home.wait_replicas(crashy, 3, timeout=READY_WITHIN, exact=False)
             assert svc["status"] == "READY", svc
             crashed = [x for x in svc["replicas"] if x["status"] == "FAILED"]
-            assert crashed and all(x["exit_code"] == 4 for x in crashed), svc["replicas"]
+            assert len(crashed) == 2, svc["replicas"]  # the budget: exactly 2 crash
+            assert all(x["exit_code"] == 4 for x in crashed), svc["replicas"]
             assert all("process exited (code 4)" in x["failure"] for x in crashed), crashed
             assert len(svc["replicas"]) > 3, "no replacement was launched"
+
+            # The hung one: FAILED_PROBING (probes time out), replaced, never given up; every
+            # request sent to it was answered by the balancer (a 504 at worst), none hung.
+            svc = until(
+                home,
+                hung,
+                lambda s: statuses(s).count("FAILED_PROBING") >= 2,
+                60,
+                "hung replicas to be FAILED_PROBING",
+            )
+            hang_traffic.stop()
+            probing = [x for x in svc["replicas"] if x["status"] == "FAILED_PROBING"]
+            assert all("no answer within 1s" in x["failure"] for x in probing), probing
+            assert svc["failure"] is None, svc
+            unanswered = [f for f in hang_traffic.failures if not f.startswith("HTTP 5")]
+            assert not unanswered, f"requests left without an answer: {unanswered[:5]}"
+            kinds = Counter(
+                " ".join(f.split()[:2]) + (" no ready replicas" if "no ready" in f else "")
+                for f in hang_traffic.failures
+            )
+            hang_load.append({"sent": hang_traffic.sent, "failures": kinds})
 
             # The hard flapper: READY, then FAILED_PROBING and replaced (a new replica READY).
             svc = until(
@@ -384,7 +442,7 @@ def test_crash_under_load_and_flapping_readiness(corral_home: CorralHome) -> Non
             assert len({e["replica_id"] for e in evs if e["action"] == "replica.ready"}) == 1, evs
             assert not [e for e in evs if e["action"] == "replica.failed"], evs
             assert service(home, soft)["failure"] is None
-            down(home, crashy, hard, soft)
+            down(home, crashy, hard, soft, hung)
 
     assert_steady_served(traffic, "crash under load and flapping")
     record(
@@ -394,7 +452,15 @@ def test_crash_under_load_and_flapping_readiness(corral_home: CorralHome) -> Non
         healthy_requests=traffic.sent,
         crashing_service_requests=sum(c["sent"] for c in crash_load),
         crashing_service_lost=sum(c["lost"] for c in crash_load),
-        crashing_service_503_no_replica=sum(c["unavailable"] for c in crash_load),
+    )
+    record(
+        "replica hang after READY",
+        rounds=n_rounds,
+        lost=len(traffic.failures),
+        healthy_requests=traffic.sent,
+        hung_service_requests=sum(h["sent"] for h in hang_load),
+        hung_service_answers=dict(sum((h["failures"] for h in hang_load), Counter())),
+        hung_service_unanswered=0,
     )
     record(
         "replica flapping readiness",
@@ -405,6 +471,33 @@ def test_crash_under_load_and_flapping_readiness(corral_home: CorralHome) -> Non
 
 
 # -- 3. output flood ------------------------------------------------------------------------------
+
+
+def stream_length(url: str, token: str) -> int:
+    """GET ``url`` (127.0.0.1) and count the bytes of its body, reading in chunks."""
+    assert url.startswith("http://127.0.0.1:"), url
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    total = 0
+    with urllib.request.urlopen(request, timeout=30) as response:
+        while chunk := response.read(1 << 20):
+            total += len(chunk)
+    return total
+
+
+def stream_while_polling(url: str, token: str, poll: Callable[[], None], timeout: float) -> int:
+    """Stream ``url`` on a thread, calling ``poll`` every 0.1 s until it is done; its length."""
+    streamed: list[int] = []
+    reader = threading.Thread(target=lambda: streamed.append(stream_length(url, token)))
+    reader.daemon = True
+    reader.start()
+
+    def done() -> bool:
+        poll()
+        return not reader.is_alive()
+
+    wait_for(done, timeout, f"{url} to stream", interval=0.1)
+    assert streamed, f"streaming {url} failed (see the thread's traceback above)"
+    return streamed[0]
 
 
 def log_tail(path: Path, size: int = 4096) -> str:
@@ -433,8 +526,8 @@ def test_output_flood(corral_home: CorralHome) -> None:
             rid = svc["replicas"][0]["id"]
             log = home.path / "services" / name / "logs" / f"replica_{rid}.log"
 
-            def flooded(log: Path = log) -> bool:
-                # The daemon's API must answer every poll within its deadline meanwhile.
+            def poll_api() -> None:
+                """The daemon's API must answer every poll within its deadline (10 s)."""
                 started = time.monotonic()
                 try:
                     answer = home.api("GET", "/v1/services/steady", timeout=10)
@@ -443,6 +536,9 @@ def test_output_flood(corral_home: CorralHome) -> None:
                 except OSError as exc:
                     api_failures.append(repr(exc))
                 api_latencies.append(time.monotonic() - started)
+
+            def flooded(log: Path = log) -> bool:
+                poll_api()
                 return log.exists() and "FLOOD DONE" in log_tail(log)
 
             wait_for(flooded, 180, f"{name} to write {mib} MiB", interval=0.2)
@@ -461,6 +557,12 @@ def test_output_flood(corral_home: CorralHome) -> None:
             )
             assert answer.status == 200 and b"FLOOD DONE" in answer.body, answer.body[-300:]
             assert http(svc["endpoint"] + "/", timeout=15).status == 200
+
+            # The whole log streamed through the API (what `corral logs NAME ID` does) while
+            # the API is polled: the daemon reads it in chunks off its loop, and keeps answering.
+            url = f"{home.api_url}/v1/services/{name}/logs?replica={rid}"
+            streamed = stream_while_polling(url, home.token, poll_api, 180)
+            assert streamed == size, (streamed, size)
             down(home, name)
             log.unlink()  # hundreds of MB: do not keep them in pytest's kept tmp dirs
 
@@ -504,6 +606,7 @@ def test_child_trees_are_killed(corral_home: CorralHome, tmp_path: Path) -> None
     steady = start_steady(home)
     n_rounds = rounds(1, 3)
     children = 2 if not LONG else 3
+    tree_replicas = 1 if not LONG else 2
     size = tree_size(children, 2)
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -513,17 +616,21 @@ def test_child_trees_are_killed(corral_home: CorralHome, tmp_path: Path) -> None
             tree, orphaner = f"tree{round_no}", f"orphaner{round_no}"
             pidfile = f"{pid_dir}/{{name}}-$CORRAL_REPLICA_ID.pids"
             base = f"--mode tree --children {children} --depth 2 --respawn"
-            create(home, tree, spec_text(faulty(base, "--pidfile", pidfile.format(name=tree)), 2))
-            # Its leader exits after 3 s, leaving its tree: FAILED (code 5), then replaced.
+            create(
+                home,
+                tree,
+                spec_text(faulty(base, "--pidfile", pidfile.format(name=tree)), tree_replicas),
+            )
+            # Its leader exits after 2 s, leaving its tree: FAILED (code 5), then replaced.
             create(
                 home,
                 orphaner,
                 spec_text(
-                    faulty(base, "--leader-exit-after 3 --pidfile", pidfile.format(name=orphaner)),
+                    faulty(base, "--leader-exit-after 2 --pidfile", pidfile.format(name=orphaner)),
                     1,
                 ),
             )
-            svc = home.wait_replicas(tree, 2, timeout=READY_WITHIN)
+            svc = home.wait_replicas(tree, tree_replicas, timeout=READY_WITHIN)
             files = [pid_dir / f"{tree}-{r['id']}.pids" for r in svc["replicas"]]
             for f in files:
                 wait_for(lambda f=f: len(pids_in(f)) >= size, 60, f"the tree of {f.name}")
@@ -599,7 +706,7 @@ def test_port_taken_before_the_replica_binds_is_not_ready(corral_home: CorralHom
     conflicts = 0
     for round_no in range(n_rounds):
         name = f"late{round_no}"
-        create(home, name, spec_text(faulty("--mode slow-start --delay 5"), 1))
+        create(home, name, spec_text(faulty("--mode slow-start --delay 3"), 1))
         svc = until(
             home, name, lambda s: bool(s["replicas"] and s["replicas"][0]["endpoint"]), 30, "port"
         )
@@ -608,7 +715,7 @@ def test_port_taken_before_the_replica_binds_is_not_ready(corral_home: CorralHom
         _Foreign.hits = []
         try:
             foreign = ThreadingHTTPServer(("127.0.0.1", port), _Foreign)
-        except OSError as exc:  # the app bound first: it sleeps 5 s, so this is not expected
+        except OSError as exc:  # the app bound first: it sleeps 3 s, so this is not expected
             raise AssertionError(f"could not take port {port} before the replica: {exc}") from None
         thread = threading.Thread(target=foreign.serve_forever, daemon=True)
         thread.start()
