@@ -28,6 +28,7 @@ import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from typing import Any
 
 import pytest
 from chaos_support import LONG, record, rng, rounds
-from conftest import CorralHome, LineReader, http, wait_for, write_spec
+from conftest import CorralHome, LineReader, http, pid_alive, wait_for, write_spec
 from invariants import check_home, read_state
 
 pytestmark = pytest.mark.timeout(600 if LONG else 240)
@@ -174,11 +175,13 @@ class Mounts:
 
 @pytest.fixture
 def mounts() -> Iterator[Mounts]:
+    """Mounts undone at teardown. Ask for it BEFORE ``corral_home``: fixtures are torn down in
+    reverse, so the home's teardown (``down --all``, stopping the daemon) runs first and the
+    mounts are free to go."""
     problem = _mount_problem()
     if problem is not None:
         pytest.skip(problem)
     made = Mounts()
-    paths: list[Path] = []
     try:
         yield made
     finally:
@@ -366,7 +369,7 @@ def _fill(directory: Path) -> Path:
     return filler
 
 
-def test_log_dir_full(corral_home: CorralHome, tmp_path: Path, mounts: Mounts) -> None:
+def test_log_dir_full(mounts: Mounts, corral_home: CorralHome, tmp_path: Path) -> None:
     """A full log disk: launches and teardowns still work (their output is dropped, and said
     so in the events and the daemon log), running replicas keep serving, and once space is
     freed the logs fill again."""
@@ -451,7 +454,7 @@ def failed_launch(home: CorralHome, version: int) -> dict[str, Any] | None:
     return failed[-1] if failed else None
 
 
-def test_log_dir_read_only(corral_home: CorralHome, tmp_path: Path, mounts: Mounts) -> None:
+def test_log_dir_read_only(mounts: Mounts, corral_home: CorralHome, tmp_path: Path) -> None:
     """A read-only log directory: a launch fails with an error naming the log and the reason
     (in status and events), a teardown still stops its replica, running replicas keep
     serving, and once the directory is writable again the service gets back to its target."""
@@ -630,3 +633,74 @@ def _while_locked(home: CorralHome, tmp_path: Path, app_dir: Path, round_no: int
     assert update.status == 503 and "retry" in update.json()["error"], update.body[:300]
     assert time.monotonic() - started < 30, "refusals took too long"
     return 3
+
+
+# -- 4. the home's disk full: state file and logs ----------------------------------------------
+
+
+def test_home_disk_full(mounts: Mounts, corral_home: CorralHome, tmp_path: Path) -> None:
+    """The whole home on a full disk: SQLite refuses every write ("database or disk is full",
+    not a lock: no waiting helps). API writes get a 503 saying so, a replica that exits
+    meanwhile cannot be recorded yet but the controller keeps trying (it never dies), traffic
+    goes on, and once space is freed the failure is recorded, the replica replaced and writes
+    accepted again."""
+    n = rounds(1, 3)
+    home = corral_home.path
+    mounts.tmpfs(home, "32m")
+    corral_home.start_daemon()
+    endpoint, app_dir = start_service(corral_home, tmp_path)
+    version = 1
+    refused = 0
+    with traffic(endpoint) as load:
+        for round_no in range(n):
+            gen = rng("home_disk_full", round_no)
+            filler = _fill(home)
+            try:
+                answer = corral_home.api("GET", f"/v1/services/{SERVICE}", timeout=30)
+                assert answer.status == 200, (answer.status, answer.body[:300])
+                body = {"spec": spec_text(app_dir, 3), "base_dir": str(tmp_path.resolve())}
+                update = corral_home.api(
+                    "POST", f"/v1/services/{SERVICE}/versions", body=body, timeout=30
+                )
+                assert update.status == 503, (update.status, update.body[:300])
+                assert "disk is full" in update.json()["error"], update.json()
+                spec = write_spec(tmp_path / f"extra-{round_no}.yaml", spec_text(app_dir, 1))
+                up = corral_home.run("up", str(spec), "-n", f"extra-{round_no}", check=False)
+                assert up.returncode != 0 and "disk is full" in up.stderr, up
+                assert "Traceback" not in up.stderr, up.stderr
+                refused += 2
+                # A replica exits (SIGTERM: it finishes, then goes) while nothing can be written.
+                svc = corral_home.service(SERVICE)
+                assert svc is not None
+                victim = gen.choice([r for r in svc["replicas"] if r["status"] == "READY"])
+                os.kill(int(victim["pid"]), signal.SIGTERM)
+                wait_for(
+                    lambda pid=int(victim["pid"]): not pid_alive(pid),
+                    SETTLE,
+                    f"replica pid {victim['pid']} to exit",
+                )
+                time.sleep(gen.uniform(1.0, 3.0))  # the fault's duration, not a wait for news
+                assert corral_home.healthy(), "the daemon stopped answering on a full disk"
+            finally:
+                filler.unlink()
+            wait_intended(corral_home, 2, version, f"round {round_no}: space freed")
+            after = corral_home.service(SERVICE)
+            assert after is not None
+            dead = [r for r in after["replicas"] if r["id"] == victim["id"]]
+            assert dead and dead[0]["status"] == "FAILED", dead
+    version = scale(corral_home, app_dir, 3)
+    wait_intended(corral_home, 3, version, "a write after the disk had space again")
+    assert corral_home.api("GET", f"/v1/services/extra-{n - 1}").status == 404
+    assert_no_crash(corral_home)
+    failed = len(load.failed)
+    record(
+        "disk: home (state file and logs) full",
+        rounds=n,
+        lost=failed,
+        served=load.ok,
+        refused_writes=refused,
+    )
+    assert not load.failed, f"{failed} requests failed: {load.failed[:5]}"
+    corral_home.run("down", SERVICE, "--purge")
+    wait_for(lambda: corral_home.service(SERVICE) is None, SETTLE, "the service to be removed")
+    corral_home.stop_daemon()  # it holds files on the mount: stopped, the mount can go cleanly
