@@ -373,13 +373,31 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def _key_holders(key: str, *, outside_pgid: int | None = None) -> list[psutil.Process]:
+def _not_older(proc: psutil.Process, ident: _Ident) -> bool:
+    """``proc`` started no earlier than the process ``ident`` names, by the clock-proof start
+    ticks when both are known, else by ``create_time`` with its 1 s of slack (on Linux it reads
+    up to 1 s early, see LocalInfra._stop_strays)."""
+    if ident.start_ticks is not None:
+        ticks = _start_ticks(proc.pid)
+        if ticks is not None:
+            return ticks >= ident.start_ticks
+    try:
+        return proc.create_time() >= ident.create_time - 1.1
+    except psutil.Error:
+        return False
+
+
+def _key_holders(
+    key: str, leader: _Ident, *, outside_pgid: int | None = None
+) -> list[psutil.Process]:
     """Running processes (but this one) whose environment carries replica key ``key``; with
-    ``outside_pgid``, only those not in that process group. One full process scan."""
+    ``outside_pgid``, only those not in that process group. One scan of the process table;
+    only processes not older than the replica's ``leader`` (its descendants all are younger)
+    have their environment read."""
     me = os.getpid()
     found = []
     for proc in psutil.process_iter():
-        if proc.pid == me:
+        if proc.pid == me or not _not_older(proc, leader):
             continue
         env = _environ(proc)
         if env is None or env.get(ENV_REPLICA_KEY) != key or not _running(proc):
@@ -394,7 +412,9 @@ def _key_holders(key: str, *, outside_pgid: int | None = None) -> list[psutil.Pr
     return found
 
 
-def _stop_key_holders(key: str, termed: list[psutil.Process], grace: float) -> list[int]:
+def _stop_key_holders(
+    key: str, leader: _Ident, termed: list[psutil.Process], grace: float
+) -> list[int]:
     """Make sure no process carrying replica key ``key`` runs any more; return survivors' pids.
 
     ``termed`` already got SIGTERM: they get what is left of ``grace``. Then every holder of the
@@ -406,7 +426,7 @@ def _stop_key_holders(key: str, termed: list[psutil.Process], grace: float) -> l
     while any(_running(p) for p in termed) and time.monotonic() < deadline:
         time.sleep(0.05)
     deadline = time.monotonic() + 5.0
-    holders = _key_holders(key)
+    holders = _key_holders(key, leader)
     while holders and time.monotonic() < deadline:
         for sig in (signal.SIGSTOP, signal.SIGKILL):
             for proc in holders:
@@ -415,7 +435,7 @@ def _stop_key_holders(key: str, termed: list[psutil.Process], grace: float) -> l
         settle = time.monotonic() + 1.0
         while any(_running(p) for p in holders) and time.monotonic() < settle:
             time.sleep(0.01)
-        holders = _key_holders(key)
+        holders = _key_holders(key, leader)
     return [p.pid for p in holders]
 
 
@@ -676,7 +696,8 @@ class LocalInfra:
         # Processes of this replica that left its group (``setsid``, a daemonizing child) are
         # out of reach of killpg: without this they outlived every teardown. The replica key in
         # their environment (inherited by every descendant) is what finds them.
-        escaped = [] if info.key is None else _key_holders(info.key, outside_pgid=info.pgid)
+        key, ident = info.key, info.ident
+        escaped = [] if key is None else _key_holders(key, ident, outside_pgid=info.pgid)
         if not group_alive and not escaped:
             return
         if group_alive and not _safe_group(info.pgid):
@@ -692,13 +713,20 @@ class LocalInfra:
             gone = jobs.terminate_process_group(info.pgid, grace, reap)
         if child is not None:
             child.popen.poll()
-        left = _stop_key_holders(info.key, escaped, grace) if info.key is not None else []
-        if not gone or left:
-            raise RuntimeError(
+        left = [] if key is None else _stop_key_holders(key, ident, escaped, grace)
+        problems = []
+        if not gone:
+            problems.append(
                 f"replica process group {info.pgid} (pid {info.ident.pid}) is still alive "
                 f"after SIGTERM, {grace:g} s and SIGKILL"
-                + (f"; processes that left the group survived too: {left}" if left else "")
             )
+        if left:
+            problems.append(
+                f"processes of replica pid {info.ident.pid} that left its process group are "
+                f"still alive after SIGKILL: pids {left}"
+            )
+        if problems:
+            raise RuntimeError("; ".join(problems))
 
     @staticmethod
     def _survivors(info: _HandleInfo) -> list[psutil.Process]:
