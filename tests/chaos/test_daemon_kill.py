@@ -34,8 +34,13 @@ names the seed and the round). Each round:
    intended state, the events written since the restart), that setups caught by the kill were
    swept, and that the endpoint answers from the intended version.
 
-Everything is real: the daemon, examples/app.py replicas (behind a small wrapper that can
-ignore SIGTERM on cue), SQLite, HTTP on 127.0.0.1.
+Everything is real: the daemon (``corral.daemon.serve``, from a small script that adds only the
+"die after write N" cue), examples/app.py replicas (behind a small wrapper that can ignore
+SIGTERM on cue), SQLite, HTTP on 127.0.0.1.
+
+Two smaller tests keep the rounds honest: one breaks the home by hand in each way the checker
+must see (so a blind checker fails), and one stages in the state file a kill window too narrow to
+hit by timing (between the two writes of a cancelled launch).
 """
 
 from __future__ import annotations
@@ -431,7 +436,7 @@ def run_round(chaos: Chaos, round_no: int) -> None:
         wanted = chaos.intended()
         wait_for(
             lambda: not pid_alive(daemon) or settled(home, wanted),
-            OBSERVE_TIMEOUT,
+            SETTLE_TIMEOUT,
             f"the daemon to die after {writes} writes",
         )
     else:
