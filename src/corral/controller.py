@@ -150,7 +150,7 @@ class ServiceController:
         with capture.to(self.logs / "controller.log"):
             try:
                 await self._start_balancer()
-                self._adopt()
+                await self._adopt_when_writable(started)
             except Exception as exc:
                 self.failed = f"controller failed to start: {exc!r}"
                 log.exception("service %s: controller failed to start", self.name)
@@ -169,6 +169,24 @@ class ServiceController:
                 probe_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await probe_task
+
+    async def _adopt_when_writable(self, started: asyncio.Event) -> None:
+        """:meth:`_adopt`, retried while the state file refuses writes (another process holds
+        its lock as the daemon starts): giving up would leave the service CONTROLLER_FAILED,
+        unmanaged until the next restart. Meanwhile the daemon comes up (``started``) and
+        answers; the service's balancer serves once its replicas are adopted."""
+        delay = 0.5
+        while True:
+            try:
+                self._adopt()
+                return
+            except StateError as exc:
+                if self._stopping:
+                    raise
+                log.warning("service %s: adopting replicas postponed: %s", self.name, exc)
+            started.set()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
     async def stop(self) -> None:
         """Stop controlling (daemon shutdown). Replicas keep running; a restart re-adopts them."""
@@ -870,6 +888,8 @@ class ServiceController:
         while not self._stopping:
             try:
                 await self._probe_round()
+            except StateError as exc:  # locked or full: the next round probes and writes again
+                log.warning("service %s: probe results not recorded: %s", self.name, exc)
             except Exception:
                 log.exception("service %s: probe round failed", self.name)
             await asyncio.sleep(self._tick())

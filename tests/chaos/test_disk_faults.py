@@ -593,6 +593,25 @@ def test_state_db_locked(corral_home: CorralHome, tmp_path: Path) -> None:
                 wait_intended(corral_home, replicas, version, f"round {round_no}: after the lock")
                 extra = f"extra-{round_no}"
                 assert corral_home.api("GET", f"/v1/services/{extra}").status == 404
+        # The daemon restarted while the file is locked (no traffic: its balancer restarts
+        # too): it comes up, and adopts the running replicas once it can write, not relaunching
+        # them and never giving the service up as CONTROLLER_FAILED.
+        before = corral_home.service(SERVICE)
+        assert before is not None
+        pids = sorted(r["pid"] for r in before["replicas"] if r["status"] == "READY")
+        corral_home.stop_daemon()
+        locker.lock()
+        try:
+            corral_home.start_daemon()
+            time.sleep(rng("state_db_locked", n).uniform(1.0, 3.0))  # the lock goes on a while
+            during = corral_home.service(SERVICE)
+            assert during is not None and during["status"] != "CONTROLLER_FAILED", during
+        finally:
+            locker.unlock()
+        wait_intended(corral_home, replicas, version, "a daemon started on a locked file")
+        after = corral_home.service(SERVICE)
+        assert after is not None
+        assert sorted(r["pid"] for r in after["replicas"] if r["status"] == "READY") == pids
     finally:
         locker.close()
     assert_no_crash(corral_home)
