@@ -612,6 +612,10 @@ def test_state_db_locked(corral_home: CorralHome, tmp_path: Path) -> None:
         after = corral_home.service(SERVICE)
         assert after is not None
         assert sorted(r["pid"] for r in after["replicas"] if r["status"] == "READY") == pids
+        # Adopted means served again: the restarted balancer has them in its ready set.
+        wait_for(lambda: http(f"{endpoint}/adopted", timeout=10).status == 200, SETTLE, "serving")
+        statuses = [http(f"{endpoint}/adopted/{i}", timeout=30).status for i in range(20)]
+        assert statuses == [200] * 20, statuses
     finally:
         locker.close()
     assert_no_crash(corral_home)
@@ -655,6 +659,12 @@ def _while_locked(home: CorralHome, tmp_path: Path, app_dir: Path, round_no: int
 
 
 # -- 4. the home's disk full: state file and logs ----------------------------------------------
+
+
+def replica_status_is(home: CorralHome, replica_id: int, status: str) -> bool:
+    svc = home.service(SERVICE)
+    assert svc is not None
+    return any(r["id"] == replica_id and r["status"] == status for r in svc["replicas"])
 
 
 def test_home_disk_full(mounts: Mounts, corral_home: CorralHome, tmp_path: Path) -> None:
@@ -702,11 +712,14 @@ def test_home_disk_full(mounts: Mounts, corral_home: CorralHome, tmp_path: Path)
                 assert corral_home.healthy(), "the daemon stopped answering on a full disk"
             finally:
                 filler.unlink()
+            # Space again: the exit is recorded (the picture until now still shows it READY),
+            # the replica replaced.
+            wait_for(
+                functools.partial(replica_status_is, corral_home, int(victim["id"]), "FAILED"),
+                SETTLE,
+                f"replica {victim['id']} recorded FAILED once space was freed",
+            )
             wait_intended(corral_home, 2, version, f"round {round_no}: space freed")
-            after = corral_home.service(SERVICE)
-            assert after is not None
-            dead = [r for r in after["replicas"] if r["id"] == victim["id"]]
-            assert dead and dead[0]["status"] == "FAILED", dead
     version = scale(corral_home, app_dir, 3)
     wait_intended(corral_home, 3, version, "a write after the disk had space again")
     assert corral_home.api("GET", f"/v1/services/extra-{n - 1}").status == 404
