@@ -89,6 +89,9 @@ _UPSTREAM_KEEPALIVE: Final = 4.0
 _DEFAULT_HEADER_BYTES: Final = 8190
 # Most header fields in one request (aiohttp's default, stated so the 431 message can say it).
 _MAX_HEADERS: Final = 128
+# Seconds a client has to send a whole request head (and longest idle keep-alive); above the
+# 15 s an aiohttp client keeps a pooled connection, so such a client closes an idle one first.
+DEFAULT_HEADER_TIMEOUT: Final = 30.0
 
 # Failure reasons that are the client's doing: they do not count against the replica.
 _CLIENT_FAULTS: Final = frozenset({"body_too_large", "bad_request"})
@@ -250,6 +253,7 @@ class LoadBalancer:
         max_buffered_body: int = 1 << 20,
         max_body_bytes: int | None = None,
         max_header_bytes: int = _DEFAULT_HEADER_BYTES,
+        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         metrics: BalancerMetrics | None = None,
     ) -> None:
         """Configure; nothing binds until :meth:`start`.
@@ -272,6 +276,10 @@ class LoadBalancer:
         by Content-Length or streamed chunked; None = no limit: bodies above
         ``max_buffered_body`` are streamed, not held in memory, so the limit is a policy of the
         service, not a memory guard).
+
+        ``header_timeout``: a client connection that has not sent a whole request line and
+        headers this long after connecting, or after its previous response, is closed (a
+        slowloris client trickling header bytes, or an idle keep-alive connection).
         """
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
@@ -290,6 +298,9 @@ class LoadBalancer:
             raise ValueError("max_body_bytes must be >= 0 or None")
         if max_header_bytes < 256:
             raise ValueError("max_header_bytes must be >= 256")
+        if header_timeout <= 0:
+            raise ValueError("header_timeout must be > 0")
+        self._header_timeout = header_timeout
         self._name = name
         self._host = host
         self._requested_port = port
@@ -383,6 +394,11 @@ class LoadBalancer:
             max_line_size=self._max_header_bytes,
             max_field_size=self._max_header_bytes,
             max_headers=_MAX_HEADERS,
+            # aiohttp's keep-alive timer is its only header timeout: it closes a connection
+            # still waiting for a complete request this long after the connection opened or
+            # the last response went out. Its default is an hour: a few hundred slowloris
+            # clients would hold that many sockets (and file descriptors) for that long.
+            keepalive_timeout=self._header_timeout,
             # The body must reach the replica as the client encoded it: with the server's
             # default, a gzip-encoded request body would be inflated here and forwarded still
             # labelled Content-Encoding: gzip.
