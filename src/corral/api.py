@@ -29,6 +29,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MAX_SPEC_BYTES = 1 << 20
 LOG_CHUNK = 1 << 16
+# The largest id, version or offset accepted: SQLite's INTEGER is 64-bit signed.
+MAX_INT = (1 << 63) - 1
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -52,6 +54,30 @@ def authorized(header: str, expected: bytes) -> bool:
     not a 500.
     """
     return hmac.compare_digest(header.encode("utf-8", "surrogateescape"), expected)
+
+
+# A client has this long to send a whole request head; the API's only clients are the CLI and
+# tools on this machine, which send theirs at once. ``CORRAL_API_HEADER_TIMEOUT`` (seconds) in
+# the daemon's environment overrides it (tests).
+HEADER_TIMEOUT_SECONDS = 10.0
+
+
+def make_runner(daemon: Daemon, token: str) -> web.AppRunner:
+    """The API's runner: the app, no access log, and a header timeout.
+
+    aiohttp's keep-alive timer is the only header timeout it has (it closes a connection still
+    waiting for a complete request that long after it opened or after the previous response);
+    its default is an hour, so slowloris clients trickling header bytes could hold sockets,
+    and the daemon's file descriptors, that long. A streamed answer (``logs --follow``) is not
+    affected: the timer only runs while no request is being handled.
+    """
+    try:
+        timeout = float(os.environ.get("CORRAL_API_HEADER_TIMEOUT", HEADER_TIMEOUT_SECONDS))
+    except ValueError:
+        timeout = HEADER_TIMEOUT_SECONDS
+    if not timeout > 0:
+        timeout = HEADER_TIMEOUT_SECONDS
+    return web.AppRunner(make_app(daemon, token), access_log=None, keepalive_timeout=timeout)
 
 
 def make_app(daemon: Daemon, token: str) -> web.Application:
@@ -128,7 +154,9 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         mode = _optional_str(body, "mode") or "rolling"
         from_version = body.get("from_version")
         if from_version is not None and (
-            not isinstance(from_version, int) or isinstance(from_version, bool) or from_version < 1
+            not isinstance(from_version, int)
+            or isinstance(from_version, bool)
+            or not 1 <= from_version <= MAX_INT
         ):
             raise RequestError(400, "field 'from_version' must be a version number (>= 1)")
         service = daemon.update(
@@ -216,6 +244,10 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
 def _read_from(path: Any, position: int) -> bytes:
     try:
         with open(path, "rb") as f:
+            # Past the end there is nothing yet; seek itself fails on offsets beyond what the
+            # file system allows (EINVAL), after the 200 went out (found by fuzzing).
+            if position >= os.fstat(f.fileno()).st_size:
+                return b""
             f.seek(position)
             return f.read(LOG_CHUNK)
     except FileNotFoundError:
@@ -244,11 +276,23 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 def _optional_str(body: dict[str, Any], key: str) -> str | None:
+    """A text field of a request body, or None.
+
+    The text must be storable and usable as a path: JSON's ``"\\ud800"`` decodes to a lone
+    surrogate that SQLite cannot encode (a 500, found by fuzzing), and a NUL cannot be in a
+    path or an argument.
+    """
     value = body.get(key)
     if value is None:
         return None
     if not isinstance(value, str):
         raise RequestError(400, f"field {key!r} must be a string")
+    if "\0" in value:
+        raise RequestError(400, f"field {key!r} must not contain a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(400, f"field {key!r} is not valid Unicode text") from None
     return value
 
 
@@ -262,21 +306,27 @@ def _flag(request: web.Request, key: str) -> bool:
 
 
 def _int_param(request: web.Request, key: str, default: int) -> int:
+    """A non-negative integer query parameter that SQLite and ``seek`` can take.
+
+    ASCII digits only: ``int()`` also reads "\\u0661" (an Arabic-Indic one), "1_0" and " 1 ", which
+    no client means. At most 2**63 - 1: ids and offsets beyond it made SQLite raise
+    OverflowError, a 500 (found by fuzzing).
+    """
     value = request.query.get(key)
     if value is None:
         return default
-    try:
-        number = int(value)
-    except ValueError:
+    if not (value.isascii() and value.isdigit()):
+        shown = value if len(value) <= 40 else value[:37] + "..."
         raise RequestError(
-            400, f"query parameter {key!r} must be an integer, got {value!r}"
-        ) from None
-    if number < 0:
-        raise RequestError(400, f"query parameter {key!r} must be >= 0")
-    return number
+            400, f"query parameter {key!r} must be a whole number >= 0, got {shown!r}"
+        )
+    if len(value) > 19 or int(value) > MAX_INT:
+        raise RequestError(400, f"query parameter {key!r} must be at most {MAX_INT}")
+    return int(value)
 
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
+_COUNT = {"type": "integer", "minimum": 0, "maximum": MAX_INT}
 _SERVICE = {"$ref": "#/components/schemas/Service"}
 _NAME = {
     "name": "name",
@@ -287,8 +337,10 @@ _NAME = {
 
 
 def _answers(ok: dict[str, Any], *errors: int) -> dict[str, Any]:
+    """``ok`` plus the JSON errors a route may answer: 401 (no or wrong token) and 503 (the
+    state file is locked or unwritable) on every route behind the token, and ``errors``."""
     out: dict[str, Any] = dict(ok)
-    for status in (401, *errors):
+    for status in (401, *errors, 503):
         out[str(status)] = {
             "description": "refused",
             "content": {"application/json": {"schema": _ERROR}},
@@ -358,6 +410,7 @@ OPENAPI: dict[str, Any] = {
             }
         },
         "/v1/daemon": {"get": {"responses": _answers(_ok(200, {"type": "object"}))}},
+        "/v1/openapi.json": {"get": {"responses": _answers(_ok(200, {"type": "object"}))}},
         "/metrics": {
             "get": {
                 "responses": _answers(
@@ -401,7 +454,7 @@ OPENAPI: dict[str, Any] = {
                         }
                     },
                 },
-                "responses": _answers(_ok(201, _SERVICE, "created"), 400, 409),
+                "responses": _answers(_ok(201, _SERVICE, "created"), 400, 409, 413),
             },
         },
         "/v1/services/{name}": {
@@ -426,7 +479,11 @@ OPENAPI: dict[str, Any] = {
                                 "properties": {
                                     "spec": {"type": "string", "description": "service YAML"},
                                     "mode": {"type": "string", "enum": ["rolling", "blue_green"]},
-                                    "from_version": {"type": "integer", "minimum": 1},
+                                    "from_version": {
+                                        "type": "integer",
+                                        "minimum": 1,
+                                        "maximum": MAX_INT,
+                                    },
                                     "source": {"type": "string"},
                                     "base_dir": {"type": "string"},
                                 },
@@ -434,14 +491,16 @@ OPENAPI: dict[str, Any] = {
                         }
                     },
                 },
-                "responses": _answers(_ok(201, _SERVICE, "new version rolling out"), 400, 404, 409),
+                "responses": _answers(
+                    _ok(201, _SERVICE, "new version rolling out"), 400, 404, 409, 413
+                ),
             }
         },
         "/v1/services/{name}/events": {
             "get": {
                 "parameters": [
                     _NAME,
-                    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "after", "in": "query", "schema": _COUNT},
                 ],
                 "responses": _answers(_ok(200, {"type": "object"}), 400, 404),
             }
@@ -455,8 +514,8 @@ OPENAPI: dict[str, Any] = {
                         "in": "query",
                         "schema": {"type": "string", "enum": ["replica", "launch", "controller"]},
                     },
-                    {"name": "replica", "in": "query", "schema": {"type": "integer", "minimum": 0}},
-                    {"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "replica", "in": "query", "schema": _COUNT},
+                    {"name": "offset", "in": "query", "schema": _COUNT},
                     {"name": "follow", "in": "query", "schema": {"type": "boolean"}},
                 ],
                 "responses": _answers(

@@ -263,6 +263,7 @@ class ServiceController:
                 idle_timeout=lb.stream_timeout_seconds,
                 max_body_bytes=lb.max_body_bytes,
                 max_header_bytes=lb.max_header_bytes,
+                header_timeout=lb.header_timeout_seconds,
                 metrics=self.deps.metrics,
             )
 

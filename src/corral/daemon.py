@@ -396,9 +396,9 @@ async def serve(
         await daemon.start_controllers()
         from aiohttp import web
 
-        from corral.api import make_app  # the API layer sits above the daemon
+        from corral.api import make_runner  # the API layer sits above the daemon
 
-        runner = web.AppRunner(make_app(daemon, token), access_log=None)
+        runner = make_runner(daemon, token)
         await runner.setup()
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()

@@ -76,6 +76,7 @@ from yaml.reader import ReaderError
 __all__ = [
     "DEFAULT_DOWNSCALE_DELAY_SECONDS",
     "DEFAULT_FAILURE_TIMEOUT_SECONDS",
+    "DEFAULT_HEADER_TIMEOUT_SECONDS",
     "DEFAULT_INITIAL_DELAY_SECONDS",
     "DEFAULT_LOAD_BALANCING_POLICY",
     "DEFAULT_PERIOD_SECONDS",
@@ -111,6 +112,7 @@ DEFAULT_FAILURE_TIMEOUT_SECONDS = 180.0
 DEFAULT_UPSCALE_DELAY_SECONDS = 300.0
 DEFAULT_DOWNSCALE_DELAY_SECONDS = 1200.0
 DEFAULT_STREAM_TIMEOUT_SECONDS = 120.0
+DEFAULT_HEADER_TIMEOUT_SECONDS = 30.0
 
 MAX_SECONDS = 7 * 24 * 3600
 MAX_REPLICAS = 10_000
@@ -659,7 +661,8 @@ class LoadBalancerSettings(_Section):
     ``stream_timeout_seconds`` is SkyServe's: the longest a replica may stay silent, before its
     response headers (unless ``first_byte_timeout_seconds`` says otherwise) and between chunks.
     The rest are corral extensions: connecting to a replica, the largest request body and
-    header line accepted, and how long a leaving replica may finish its in-flight requests.
+    header line accepted, how long a client may take to send a request's headers, and how long a
+    leaving replica may finish its in-flight requests.
     """
 
     stream_timeout_seconds: float = Field(DEFAULT_STREAM_TIMEOUT_SECONDS, gt=0, le=MAX_SECONDS)
@@ -667,6 +670,9 @@ class LoadBalancerSettings(_Section):
     first_byte_timeout_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     max_body_bytes: int | None = Field(None, gt=0)
     max_header_bytes: int = Field(8190, ge=1024, le=1 << 20)
+    # A client has this long to send a request's line and headers (and a keep-alive connection
+    # may idle this long): slowloris clients are cut off instead of holding sockets for hours.
+    header_timeout_seconds: float = Field(DEFAULT_HEADER_TIMEOUT_SECONDS, gt=0, le=3600)
     drain_timeout_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
 
 
