@@ -197,7 +197,7 @@ def faults_cleared_on_exit(home: CorralHome) -> Any:
 def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
     home = corral_home
     start_faulty_daemon(home)
-    n_rounds = rounds(2, 8)
+    n_rounds = rounds(1, 8)
     lost = 0
     healthy_requests = 0
     with faults_cleared_on_exit(home):
@@ -233,12 +233,19 @@ def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
 
         for round_no in range(n_rounds):
             r = rng("launch_raising", round_no)
-            mode = r.choice(["before", "after"])
+            # Round 0 raises after the start (the harder case: a process to tear down, whose
+            # teardown fails too); "broken" above covered raising before it.
+            mode = "after" if round_no == 0 else r.choice(["before", "after"])
             failures = r.randint(1, 2)
             flaky = home.wait_replicas("flaky", 1, timeout=60)
             (victim,) = by_status(flaky, "READY")
             mark = last_event_id(home, "flaky")
-            set_faults(home, {"flaky": {"launch_raise": mode}})
+            cue = {"launch_raise": mode}
+            if mode == "after":
+                # The started process must be torn down, and that fails too until the fault
+                # clears: FAILED_CLEANUP first, then back to the replica's own failure.
+                cue["terminate_raise"] = "after"
+            set_faults(home, {"flaky": cue})
             os.kill(int(victim["pid"]), signal.SIGKILL)  # a replica our daemon started
 
             def launch_failures(mark: int = mark) -> list[dict[str, Any]]:
@@ -268,7 +275,16 @@ def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
                 return found[0] if found and found[0]["status"] == "FAILED_PROVISION" else None
 
             failed = wait_for(shown, 30, f"replica {newest} shown FAILED_PROVISION")
-            assert "InjectedFault" in (failed["failure"] or ""), failed
+            assert (failed["failure"] or "").startswith("InjectedFault('injected launch"), failed
+            if mode == "after":
+                # Teardowns of failed replicas failed too (the killed one's first, before any
+                # relaunch): below, each must end showing its own failure again.
+                cleanup = [
+                    e
+                    for e in events(home, "flaky", mark)
+                    if e["action"] == "replica.teardown_failed"
+                ]
+                assert cleanup and all("InjectedFault" in str(e["reason"]) for e in cleanup)
             # Replaced per policy once the backend works again: one READY replica, nothing else
             # live, and the process a raising launch had started ("after") torn down.
             flaky = home.wait_replicas("flaky", 1, timeout=90)
@@ -287,6 +303,19 @@ def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
                 )
             if len(by_status(flaky, "READY")) != 1:
                 lost += 1
+
+            # Once every teardown went through, each failed replica shows its own failure again
+            # (not the teardown error that was in front of it meanwhile).
+            def settled() -> dict[str, Any] | None:
+                svc = home.service("flaky")
+                assert svc is not None
+                return None if by_status(svc, "FAILED_CLEANUP", "SHUTTING_DOWN") else svc
+
+            flaky = wait_for(settled, 60, "flaky's failed replicas cleaned up")
+            for x in by_status(flaky, "FAILED_PROVISION"):
+                assert x["failure"].startswith("InjectedFault('injected launch"), x
+            for x in by_status(flaky, "FAILED"):
+                assert x["failure"].startswith("process exited"), x
         assert home.healthy()
         # The broken service was never relaunched past its 3 attempts.
         assert len(ops(home, "broken", "launch_enter")) == 3, journal(home, "broken")
@@ -308,10 +337,12 @@ def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
 def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
     home = corral_home
     start_faulty_daemon(home)
-    n_rounds = rounds(1, 4)
-    # How many failed attempts before the fault clears: in long mode past 5, where the
-    # controller used to stop retrying and left the replica (and its process) behind for good.
-    attempts_needed = 7 if LONG else 3
+    n_rounds = rounds(1, 3)
+    # Failed attempts per replica before the fault clears. For `down`, in long mode, past 5:
+    # where the controller used to stop retrying and left the replica's process behind for good
+    # (1 + 2 + 4 + 8 + 16 + 30 s of backoff: too slow for the short run).
+    attempts_needed = 3
+    down_attempts_needed = 7 if LONG else 3
     lost = 0
     with faults_cleared_on_exit(home):
         home.run("up", str(app_spec(tmp_path, "healthy", 1)))
@@ -393,7 +424,9 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
                 for e in events(home, "td")
                 if e["action"] == "replica.teardown_failed"
             ]
-            return all(failed.count(r["id"]) >= attempts_needed for r in by_status(final, "READY"))
+            return all(
+                failed.count(r["id"]) >= down_attempts_needed for r in by_status(final, "READY")
+            )
 
         wait_for(down_retried, 120, "failed teardowns of `down` retried")
         set_faults(home, {})
@@ -406,6 +439,7 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
         rounds=n_rounds + 1,
         lost=lost,
         failed_attempts_before_clearing=attempts_needed,
+        failed_attempts_before_clearing_down=down_attempts_needed,
     )
     assert lost == 0
 
