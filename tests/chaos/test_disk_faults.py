@@ -13,7 +13,10 @@ How each fault is made, for real (the tests run as root, so ``chmod`` would not 
   keep writing, as they would after a real remount. Undoing it is unmounting the bind.
 * **state file locked**: a python process the test starts opens ``state.db`` and holds
   ``BEGIN EXCLUSIVE`` (in WAL mode: the write lock; readers go on) on command, for a bounded
-  time, while the test drives the API and the controller through changes.
+  time, while the test drives the API and the controller through changes (and restarts the
+  daemon under the lock); the last test checks the store's waiting rules on their own.
+* **the home's disk full**: the whole home (``state.db``, its WAL, every log) on a small tmpfs
+  that a filler file fills: SQLite answers "database or disk is full", which no waiting cures.
 
 Every mount is undone in ``finally`` (lazily if a file on it is still open, so nothing is ever
 left in the mount table). Traffic is a bounded stream of requests to the balancer on 127.0.0.1
@@ -22,6 +25,7 @@ that must see no failure at all. ``CORRAL_CHAOS=long`` runs more rounds and long
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -43,6 +47,8 @@ import pytest
 from chaos_support import LONG, record, rng, rounds
 from conftest import CorralHome, LineReader, http, pid_alive, wait_for, write_spec
 from invariants import check_home, read_state
+
+from corral.state import StateBusy, Store
 
 pytestmark = pytest.mark.timeout(600 if LONG else 240)
 
@@ -736,3 +742,42 @@ def test_home_disk_full(mounts: Mounts, corral_home: CorralHome, tmp_path: Path)
     corral_home.run("down", SERVICE, "--purge")
     wait_for(lambda: corral_home.service(SERVICE) is None, SETTLE, "the service to be removed")
     corral_home.stop_daemon()  # it holds files on the mount: stopped, the mount can go cleanly
+
+
+# -- 5. the store under a lock, up close ---------------------------------------------------------
+
+
+def test_store_waits_outside_its_lock_and_briefly_on_the_event_loop(tmp_path: Path) -> None:
+    """What the daemon-level test relies on, measured on the store itself with a real second
+    process holding the lock: the event loop's thread gives up fast with StateBusy (nothing
+    written), a job thread waits and gets through once the lock goes, and while it waits the
+    store's own lock is free (reads from other threads are not queued behind the wait)."""
+    store = Store(tmp_path / "state.db", busy_timeout=30.0, loop_busy_timeout=0.25)
+    store.create_service("svc", "run: x", source=None, base_dir=None, lb_port=None)
+    locker = Locker(tmp_path / "state.db")
+    try:
+        locker.lock()
+
+        async def on_the_loop() -> float:
+            started = time.monotonic()
+            with pytest.raises(StateBusy, match="locked by another process"):
+                store.event("svc", "refused")
+            return time.monotonic() - started
+
+        waited = asyncio.run(on_the_loop())
+        assert waited < 10, f"the event loop's thread waited {waited:.1f}s"  # bounded, not timed
+        written = threading.Event()
+        worker = threading.Thread(target=lambda: (store.event("svc", "waited"), written.set()))
+        worker.start()
+        # The worker is waiting for the file: the store's own lock is free for readers.
+        assert not written.wait(0.5), "a write went through a locked state file"
+        assert store.service("svc") is not None
+        assert not written.is_set()
+    finally:
+        locker.unlock()
+        locker.close()
+    assert written.wait(30), "the job thread's write never got through after the lock went"
+    worker.join(10)
+    actions = [e.action for e in store.events("svc")]
+    assert "waited" in actions and "refused" not in actions, actions
+    store.close()
