@@ -56,10 +56,18 @@ def authorized(header: str, expected: bytes) -> bool:
     return hmac.compare_digest(header.encode("utf-8", "surrogateescape"), expected)
 
 
-# A client has this long to send a whole request head; the API's only clients are the CLI and
-# tools on this machine, which send theirs at once. ``CORRAL_API_HEADER_TIMEOUT`` (seconds) in
-# the daemon's environment overrides it (tests).
+# A client has this long to send a whole request head, and again to send its body; the API's
+# only clients are the CLI and tools on this machine, which send theirs at once.
+# ``CORRAL_API_HEADER_TIMEOUT`` (seconds) in the daemon's environment overrides it (tests).
 HEADER_TIMEOUT_SECONDS = 10.0
+
+
+def _client_timeout() -> float:
+    try:
+        timeout = float(os.environ.get("CORRAL_API_HEADER_TIMEOUT", HEADER_TIMEOUT_SECONDS))
+    except ValueError:
+        return HEADER_TIMEOUT_SECONDS
+    return timeout if 0 < timeout < 3600 else HEADER_TIMEOUT_SECONDS
 
 
 def make_runner(daemon: Daemon, token: str) -> web.AppRunner:
@@ -71,13 +79,9 @@ def make_runner(daemon: Daemon, token: str) -> web.AppRunner:
     and the daemon's file descriptors, that long. A streamed answer (``logs --follow``) is not
     affected: the timer only runs while no request is being handled.
     """
-    try:
-        timeout = float(os.environ.get("CORRAL_API_HEADER_TIMEOUT", HEADER_TIMEOUT_SECONDS))
-    except ValueError:
-        timeout = HEADER_TIMEOUT_SECONDS
-    if not timeout > 0:
-        timeout = HEADER_TIMEOUT_SECONDS
-    return web.AppRunner(make_app(daemon, token), access_log=None, keepalive_timeout=timeout)
+    return web.AppRunner(
+        make_app(daemon, token), access_log=None, keepalive_timeout=_client_timeout()
+    )
 
 
 def make_app(daemon: Daemon, token: str) -> web.Application:
@@ -266,8 +270,16 @@ def _finished(daemon: Daemon, name: str, kind: str, replica_id: int | None) -> b
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
+    """The JSON object of a request body, read within the client timeout.
+
+    aiohttp has no timeout of its own for a body: a client announcing a length and then
+    trickling (or never sending) the bytes would hold its handler forever.
+    """
     try:
-        body = await request.json()
+        async with asyncio.timeout(_client_timeout()):
+            body = await request.json()
+    except TimeoutError:
+        raise RequestError(408, "timed out reading the request body") from None
     except (ValueError, UnicodeDecodeError):
         raise RequestError(400, "request body must be a JSON object") from None
     if not isinstance(body, dict):
@@ -454,7 +466,7 @@ OPENAPI: dict[str, Any] = {
                         }
                     },
                 },
-                "responses": _answers(_ok(201, _SERVICE, "created"), 400, 409, 413),
+                "responses": _answers(_ok(201, _SERVICE, "created"), 400, 408, 409, 413),
             },
         },
         "/v1/services/{name}": {
@@ -492,7 +504,7 @@ OPENAPI: dict[str, Any] = {
                     },
                 },
                 "responses": _answers(
-                    _ok(201, _SERVICE, "new version rolling out"), 400, 404, 409, 413
+                    _ok(201, _SERVICE, "new version rolling out"), 400, 404, 408, 409, 413
                 ),
             }
         },

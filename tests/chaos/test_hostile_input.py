@@ -222,6 +222,24 @@ def test_replica_ids_and_log_paths(corral_home: CorralHome, tmp_path: Path) -> N
     answer = corral_home.api("GET", f"/v1/services/web/logs?kind=controller&offset={2**62}")
     assert answer.status == 200 and answer.body == b""
 
+    # Bodies the API refuses: over its 1 MB limit (413), a spec over the spec limit (400 naming
+    # the line where it went over), and a body announced but never sent (408, bounded).
+    answer = corral_home.api("POST", "/v1/services", raw=b"{" + b" " * (2 << 20) + b"}")
+    assert answer.status == 413 and "error" in answer.json(), answer.status
+    answer = corral_home.api("POST", "/v1/services", body={"spec": "run: x\n" + "#" * 300_000})
+    assert answer.status == 400, answer.body[:300]
+    (issue,) = answer.json()["issues"]
+    assert "characters long" in issue["message"] and issue["line"] == 2, issue
+    port = int(corral_home.api_url.rsplit(":", 1)[1])
+    status, _ = raw_request(
+        port,
+        b"POST /v1/services HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {token}\r\nContent-Length: 1000\r\n\r\n{{".encode(),
+        timeout=30,
+    )
+    assert status == 408, status
+    checked += 3
+
     # Through the CLI: click refuses what is not a number; a number SQLite cannot hold is a 400.
     result = corral_home.run("logs", "web", "abc", "--no-follow", check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result
