@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -39,8 +40,11 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from chaos_support import LONG, record, rng, seconds
+from aiohttp import web
+from chaos_support import LONG, record, rng, rounds, seconds
 from conftest import ENV_HOME_MARKER, EXAMPLES, CorralHome, pid_alive, wait_for, write_spec
+
+from corral.balancer import LoadBalancer
 
 pytestmark = pytest.mark.timeout(900 if LONG else 240)
 
@@ -48,7 +52,7 @@ RATE = 200.0  # requests per second, open loop
 REQUEST_DEADLINE = 10.0  # s, total per request (connect + answer)
 MAX_CONCURRENT = 128  # open requests at most; a stall beyond this delays sends (seen as latency)
 KILL_EVERY = (3.0, 5.0)  # s between two kills, drawn per kill
-LIVE = {"PENDING", "PROVISIONING", "STARTING", "NOT_READY", "READY"}
+SLOW = 0.5  # s: answers slower than this are listed (when they were sent), never asserted
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -64,6 +68,7 @@ class LoadResult:
     errors: Counter[str] = field(default_factory=Counter)  # failure kind -> count
     examples: list[str] = field(default_factory=list)  # the first few failures, verbatim
     pids: Counter[int] = field(default_factory=Counter)  # replica pid -> answers
+    slow: list[tuple[float, float]] = field(default_factory=list)  # (sent at, took) > SLOW
     elapsed: float = 0.0
 
     @property
@@ -85,6 +90,7 @@ class LoadResult:
             "p99_ms": round(self.quantile_ms(0.99), 1),
             "max_ms": round(1000.0 * max(self.latencies, default=0.0), 1),
             "replicas_answering": len(self.pids),
+            "slow": [f"{at:.1f}s:{took * 1000:.0f}ms" for at, took in self.slow[:10]],
         }
 
 
@@ -104,6 +110,7 @@ class PacedLoad:
         self._thread = threading.Thread(target=self._main, name="paced-load", daemon=True)
         self._crash: BaseException | None = None
         self._halt = threading.Event()
+        self.started = 0.0  # loop time of the first request
 
     def start(self) -> None:
         self._thread.start()
@@ -132,7 +139,7 @@ class PacedLoad:
         timeout = aiohttp.ClientTimeout(total=REQUEST_DEADLINE)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             loop = asyncio.get_running_loop()
-            start = loop.time()
+            start = self.started = loop.time()
             tasks = []
             for n in range(total):
                 if self._halt.is_set():
@@ -152,14 +159,17 @@ class PacedLoad:
         try:
             async with session.get(f"{self.url}/churn/{n}") as response:
                 body = await response.read()
+                took = time.monotonic() - t0
+                if took > SLOW and len(result.slow) < 50:
+                    result.slow.append((t0 - self.started, took))
                 if 200 <= response.status < 300:
                     result.ok += 1
-                    result.latencies.append(time.monotonic() - t0)
+                    result.latencies.append(took)
                     result.pids[int(json.loads(body)["pid"])] += 1
                     return
                 kind = f"HTTP {response.status}"
                 detail = body[:300].decode(errors="replace")
-                result.latencies.append(time.monotonic() - t0)
+                result.latencies.append(took)
         except TimeoutError:
             kind, detail = "deadline", f"no answer within {REQUEST_DEADLINE:g}s"
         except (aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
@@ -168,7 +178,7 @@ class PacedLoad:
             limit.release()
         result.errors[kind] += 1
         if len(result.examples) < 10:
-            result.examples.append(f"t={t0 % 1000:.3f} #{n} {kind}: {detail}")
+            result.examples.append(f"t={t0 - self.started:.2f}s #{n} {kind}: {detail}")
 
 
 # -- the service ----------------------------------------------------------------------------------
@@ -227,6 +237,27 @@ def kill_replica_group(home: CorralHome, pid: int) -> bool:
         return False
     wait_for(lambda: not pid_alive(pid), 10.0, f"killed replica pid {pid} to die")
     return True
+
+
+def balancer_counters(home: CorralHome, name: str) -> dict[str, float]:
+    """The service's retry and error counters from the daemon's /metrics.
+
+    Retries > 0 is the evidence that the kills really hit requests in flight (or pooled
+    connections) and the balancer's retry path, not luck, is what kept the client whole.
+    """
+    answer = home.api("GET", "/metrics")
+    assert answer.status == 200, answer
+    out: dict[str, float] = {"retries": 0.0}
+    for line in answer.body.decode().splitlines():
+        if f'service="{name}"' not in line or line.startswith("#"):
+            continue
+        metric, _, value = line.rpartition(" ")
+        if metric.startswith("corral_lb_retries_total"):
+            out["retries"] += float(value)
+        elif metric.startswith("corral_lb_errors_total"):
+            reason = metric.split('reason="', 1)[1].split('"', 1)[0]
+            out[f"lb_error:{reason}"] = out.get(f"lb_error:{reason}", 0.0) + float(value)
+    return out
 
 
 def report(label: str, result: LoadResult, **extra: Any) -> str:
@@ -290,7 +321,16 @@ def test_replica_kills_under_load_lose_no_request(corral_home: CorralHome, tmp_p
     ready_ids = {r["id"] for r in svc["replicas"] if r["status"] == "READY"}
     assert not killed_ids & ready_ids, f"a killed replica is READY again: {killed_ids & ready_ids}"
 
-    line = report("kills", result, kills=len(kills), skipped_kills=skipped, seed=seed)
+    counters = balancer_counters(corral_home, name)
+    line = report(
+        "kills",
+        result,
+        kills=len(kills),
+        kill_times=[k["at_s"] for k in kills],
+        skipped_kills=skipped,
+        seed=seed,
+        balancer=counters,
+    )
     record(
         "balancer: replica SIGKILL under load",
         rounds=len(kills),
@@ -299,6 +339,7 @@ def test_replica_kills_under_load_lose_no_request(corral_home: CorralHome, tmp_p
         p99_ms=result.summary()["p99_ms"],
         rate=RATE,
         seconds=duration,
+        retries=counters["retries"],
     )
     assert len(kills) >= max(2, int(duration / KILL_EVERY[1]) - 1), f"too few kills ran: {kills}"
     assert_nothing_lost(result, line, seed)
@@ -340,6 +381,7 @@ def test_rolling_update_and_scale_down_under_load_lose_no_request(
     line = report(
         "rolling+scale-down",
         result,
+        balancer=balancer_counters(corral_home, name),
         rolled_at_s=round(rolled_at, 1),
         scaled_at_s=round(scaled_at, 1),
         seed=seed,
@@ -354,3 +396,125 @@ def test_rolling_update_and_scale_down_under_load_lose_no_request(
         seconds=duration,
     )
     assert_nothing_lost(result, line, seed)
+
+
+def test_all_but_one_replica_killed_at_once_loses_no_request(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A correlated failure: 3 of 4 READY replicas SIGKILLed in the same instant under load.
+
+    The dead replicas have no request in flight, so least_load prefers them until each has
+    refused a connection (and been ejected) or the controller has dropped it; one request may
+    meet several of them in a row. It must still end on the survivor.
+    """
+    name = "burst"
+    replicas = 4
+    n_rounds = rounds(2, 6)
+    seed = f"CORRAL_CHAOS_SEED={os.environ.get('CORRAL_CHAOS_SEED', '1')}"
+    url = start_service(corral_home, tmp_path, name, replicas)
+
+    load = PacedLoad(url, RATE, 600.0)  # stopped below, after the last round
+    load.start()
+    started = time.monotonic()
+    kill_times: list[float] = []
+    try:
+        for round_no in range(n_rounds):
+            random = rng("balancer_churn.burst", round_no)
+            time.sleep(1.0 + random.random())  # steady traffic on the full set first
+            ready = ready_replicas(corral_home, name)
+            assert len(ready) == replicas, f"round {round_no}: {len(ready)} READY"
+            survivor = random.choice(ready)
+            victims = [r for r in ready if r["id"] != survivor["id"]]
+            kill_times.append(round(time.monotonic() - started, 2))
+            for victim in victims:
+                os.killpg(int(victim["pid"]), signal.SIGKILL)
+            for victim in victims:
+                pid = int(victim["pid"])
+                wait_for(lambda pid=pid: not pid_alive(pid), 10.0, f"pid {pid} to die")
+            dead = {r["id"] for r in victims}
+            # the controller saw the deaths (a status read right after the kill is stale) ...
+            wait_for(
+                lambda dead=dead: not dead & {r["id"] for r in ready_replicas(corral_home, name)},
+                30.0,
+                f"killed replicas {sorted(dead)} to leave READY",
+            )
+            # ... and replaced them
+            corral_home.wait_replicas(name, replicas, timeout=60.0)
+        time.sleep(1.0)
+    finally:
+        load.stop()
+    result = load.join()
+
+    counters = balancer_counters(corral_home, name)
+    line = report(
+        "burst kills", result, rounds=n_rounds, kill_times=kill_times, seed=seed, balancer=counters
+    )
+    record(
+        "balancer: 3 of 4 replicas SIGKILLed at once under load",
+        rounds=n_rounds,
+        lost=result.failed,
+        requests=result.sent,
+        p99_ms=result.summary()["p99_ms"],
+        rate=RATE,
+        retries=counters["retries"],
+    )
+    assert_nothing_lost(result, line, seed)
+
+
+def test_request_skips_every_refusing_replica_to_the_live_one() -> None:
+    """The race behind the burst test, made deterministic, in-process (a real LoadBalancer, a
+    real aiohttp replica, real refused ports on 127.0.0.1).
+
+    Three replicas in the ready set refuse connections (dead, not yet noticed) and the one live
+    replica is busy (one request in flight), so least_load tries all three dead ones first. With
+    the balancer's 3 attempts spent on refusals, the request got a 502 while a live replica was
+    ready. A refusal proves the request reached nobody, so it must not use up an attempt.
+    """
+
+    async def scenario() -> tuple[int, str]:
+        release = asyncio.Event()
+        holding = asyncio.Event()
+
+        async def handle(request: web.Request) -> web.Response:
+            if request.path == "/hold":
+                holding.set()
+                await release.wait()
+            return web.Response(text="live")
+
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        live = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        dead = []
+        for _ in range(3):
+            with socket.socket() as sock:  # bound then released: nothing listens there
+                sock.bind(("127.0.0.1", 0))
+                dead.append(f"http://127.0.0.1:{sock.getsockname()[1]}")
+        lb = LoadBalancer(name="refusals", policy="least_load", max_attempts=3)
+        port = await lb.start()
+        try:
+            lb.set_ready({4: live})
+            async with aiohttp.ClientSession() as session:
+                busy = asyncio.ensure_future(session.get(f"http://127.0.0.1:{port}/hold"))
+                await asyncio.wait_for(holding.wait(), 10.0)
+                # the three dead replicas join the set (died after the controller last looked)
+                lb.set_ready({1: dead[0], 2: dead[1], 3: dead[2], 4: live})
+                async with session.get(f"http://127.0.0.1:{port}/x") as response:
+                    answer = (response.status, await response.text())
+                release.set()
+                async with await asyncio.wait_for(busy, 10.0) as held:
+                    assert held.status == 200
+            return answer
+        finally:
+            release.set()
+            await lb.stop()
+            await runner.cleanup()
+
+    async def bounded() -> tuple[int, str]:
+        return await asyncio.wait_for(scenario(), 30.0)
+
+    status, text = asyncio.run(bounded())
+    assert (status, text) == (200, "live"), f"HTTP {status}: {text}"

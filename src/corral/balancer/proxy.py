@@ -13,6 +13,13 @@ Design points, each answering a failure seen in SkyServe (see skyserve-facts.md)
   body that an earlier attempt consumed. Bigger bodies are streamed and retried only while not a
   byte of them has been read from the client.
 * A retry never goes to a replica this request already tried.
+* A refused connection does not use up one of ``max_attempts``: the request provably reached no
+  replica, so it may go on to every other ready replica. When several replicas die at once
+  (a host lost, a bad deploy), least_load prefers exactly those dead ones (nothing is in flight
+  on them) until each has refused once; with the refusals counted, one request could meet three
+  dead replicas in a row and get a 502 while a live one was ready (seen in
+  tests/chaos/test_balancer_churn.py). A connect *timeout* still counts: it costs
+  ``connect_timeout`` per replica, and the client should not wait that long times N.
 * The in-flight count of a replica is incremented right before the request is sent and
   decremented in a ``finally`` around the whole exchange, response streaming included, so every
   exit (error, timeout, client gone, cancellation) gives it back exactly once.
@@ -140,6 +147,9 @@ class _Failure:
     message: str
     retryable: bool
     reason: str  # a metrics.ERROR_REASONS key
+    # the connection was refused: the request reached no replica, and trying another ready
+    # replica does not count against max_attempts (see the module docstring)
+    refused: bool = False
 
 
 class _BodyTooLarge(Exception):
@@ -262,6 +272,10 @@ class LoadBalancer:
 
         * ``connect_timeout``: to open a connection to a replica. A replica that cannot be
           reached is retried on another one (the request never reached it).
+
+        ``max_attempts`` bounds the attempts that may have reached a replica (sent on a
+        connection that then broke, or timed out connecting); refused connections are not
+        counted, so a request is never failed while an untried ready replica is left.
         * ``first_byte_timeout``: from the request (body included) being sent to the replica's
           response headers; 504, not retried (the replica may be working on it).
         * ``idle_timeout``: longest silence between two chunks of a response once its headers
@@ -873,9 +887,10 @@ class LoadBalancer:
             keep_content_length=body.streamed,
         )
         tried: list[int] = []
+        counted = 0  # attempts against max_attempts: every one but a refused connection
         failures: list[str] = []
         last: _Failure | None = None
-        while len(tried) < self._max_attempts:
+        while counted < self._max_attempts:
             rid = await self._pick(tried)
             if rid is None:
                 break
@@ -894,6 +909,8 @@ class LoadBalancer:
                 self._release(rid)
             if not isinstance(outcome, _Failure):
                 return outcome
+            if not outcome.refused:
+                counted += 1
             if outcome.reason in _UNREACHABLE_REASONS:
                 self._ejected[rid] = time.monotonic() + self.EJECT_SECONDS
             if outcome.reason == "body_too_large":
@@ -975,7 +992,13 @@ class LoadBalancer:
             message = _describe(exc)
             if not body.replayable:
                 message += " (request body already streamed, not retried)"
-            return _Failure(502, message, retryable=body.replayable, reason="upstream_unreachable")
+            return _Failure(
+                502,
+                message,
+                retryable=body.replayable,
+                reason="upstream_unreachable",
+                refused=isinstance(exc, aiohttp.ClientConnectorError),
+            )
         if isinstance(exc, (TimeoutError, aiohttp.ClientError)):
             return _Failure(502, _describe(exc), retryable=False, reason="upstream_error")
         raise exc
@@ -1061,8 +1084,9 @@ class LoadBalancer:
             if p.strip()
         )
         tried: list[int] = []
+        counted = 0  # as in _proxy_http: a refused connection does not count
         failures: list[str] = []
-        while len(tried) < self._max_attempts:
+        while counted < self._max_attempts:
             rid = await self._pick(tried)
             if rid is None:
                 break
@@ -1082,6 +1106,8 @@ class LoadBalancer:
                 except (*_UNREACHABLE, aiohttp.ConnectionTimeoutError) as exc:
                     self._failed[rid] = self._failed.get(rid, 0) + 1
                     failures.append(f"replica {rid}: {_describe(exc)}")
+                    if not isinstance(exc, aiohttp.ClientConnectorError):
+                        counted += 1
                     continue
                 except aiohttp.WSServerHandshakeError as exc:
                     self._failed[rid] = self._failed.get(rid, 0) + 1
