@@ -1364,10 +1364,17 @@ def _read_yaml(text: str, source: str) -> tuple[Any, Node, list[SpecIssue]]:
         raise fail(f"not valid YAML: {exc}") from None
     except RecursionError:
         raise fail("not valid YAML: nested too deeply") from None
-    except (ValueError, TypeError, OverflowError) as exc:
-        # PyYAML's constructors let a few of these through (e.g. a date like 2024-13-01).
+    except Exception as exc:
+        # PyYAML's constructors let plain exceptions through for values that do not fit their
+        # tag: ValueError for a date like 2024-13-01, and (found by fuzzing) AttributeError for
+        # `!!timestamp null`, IndexError for an empty `!!int`.
         loc, bad_line = ("", None) if root is None else _unreadable_scalar(root)
-        message = f"a value cannot be read: {exc}; quote it if it is text"
+        if bad_line is None and root is not None:
+            bad_line = root.start_mark.line + 1
+        detail = (
+            str(exc) if isinstance(exc, ValueError | OverflowError) else "it does not fit its tag"
+        )
+        message = f"a value cannot be read: {detail}; quote it if it is text"
         raise SpecError([SpecIssue(loc, message, bad_line)], source) from None
     finally:
         if loader is not None:

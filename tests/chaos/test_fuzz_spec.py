@@ -466,6 +466,9 @@ FOUND = {
         2,
     ),
     "typed-key": ("run: x\ntrue: 1\n", "", 2),
+    "timestamp-null": ("run: !!timestamp null\n", "run", 1),  # AttributeError in PyYAML
+    "empty-int": ("!!int", "", 1),  # IndexError in PyYAML
+    "empty-bool": ("run: x\nservice: {replicas: !!bool }\n", "service.replicas", 2),
 }
 
 
@@ -475,6 +478,6 @@ def test_found_by_fuzzing(kind: str) -> None:
     outcome = check(text)
     assert isinstance(outcome, SpecError), f"{kind} was accepted"
     (issue,) = outcome.issues
-    assert issue.loc.startswith(loc_prefix) and issue.loc, issue
+    assert issue.loc.startswith(loc_prefix), issue
     assert issue.line == line, issue
     assert len(issue.message) < 300, issue
