@@ -235,6 +235,10 @@ class LoadBalancer:
     # stays bounded (~10 MB) at any rate; the autoscaler can measure up to this/60 req/s over a
     # 60 s window, above what one balancer can serve.
     TIMESTAMP_CAPACITY: Final = 1 << 18
+    # ... and only for this many seconds (10x the autoscaler's 60 s window). Without it the
+    # deque filled up to its capacity at any rate: at 20 req/s that is 3.6 h of timestamps
+    # nobody reads, ~8 MB per service, which bench/soak.py saw as RSS creeping for hours.
+    TIMESTAMP_HORIZON: Final = 600.0
     # How long a replica that refused a connection is passed over (unless all are).
     EJECT_SECONDS: Final = 2.0
     # Retry-After on a 503: scale-from-zero or a replacement is expected within seconds.
@@ -532,7 +536,7 @@ class LoadBalancer:
 
     def request_timestamps(self, window: float = 60.0) -> list[float]:
         """``time.monotonic()`` of the requests accepted in the last ``window`` seconds, oldest
-        first."""
+        first (at most TIMESTAMP_HORIZON seconds are kept)."""
         start = self._window_start(window)
         return list(itertools.islice(self._timestamps, start, None))
 
@@ -631,7 +635,11 @@ class LoadBalancer:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t0 = time.monotonic()
         self._requests += 1
-        self._timestamps.append(t0)
+        stamps = self._timestamps
+        stamps.append(t0)
+        horizon = t0 - self.TIMESTAMP_HORIZON
+        while stamps[0] < horizon:  # amortized O(1): each timestamp leaves once
+            stamps.popleft()
         m = self._m
         try:
             if request.method == "CONNECT":
