@@ -329,10 +329,14 @@ class ServiceController:
                         self.name, "replica.relaunch", "launch interrupted", replica_id=r.id
                     )
                     continue
-                if self._infra_for(r).check(handle) is Liveness.ALIVE:
+                liveness = self._liveness(r, handle)
+                if liveness is Liveness.ALIVE:
                     # Started and recorded: only the job's return was lost.
                     self.store.update_replica(r.id, launch_state="succeeded")
                     self._event(r.id, "replica.adopt", "launch interrupted; process running")
+                elif liveness is Liveness.UNKNOWN:
+                    # Relaunching could run it twice: the reconcile loop asks again later.
+                    self._event(r.id, "replica.unknown", self._unknown_reason(r))
                 else:
                     # Interrupted before it could finish (a cancelled launch kills what it
                     # started): launch again, it is not a failure of the app.
@@ -342,13 +346,19 @@ class ServiceController:
                     self._event(r.id, "replica.relaunch", "launch interrupted; process gone")
                 continue
             if r.launch_state == "succeeded" and handle is not None and failure_status(r) is None:
-                if self._infra_for(r).check(handle) is Liveness.ALIVE:
+                liveness = self._liveness(r, handle)
+                if liveness is Liveness.ALIVE:
                     if r.ready:
                         self._rt.ready[r.id] = handle.endpoint
                         self._rt.versions[r.id] = r.version
                     self.store.event(
                         self.name, "replica.adopt", "running after restart", replica_id=r.id
                     )
+                elif liveness is Liveness.UNKNOWN:
+                    # Not failed on a question nobody could answer (a cluster down while the
+                    # daemon restarted): kept, out of the ready set until a probe passes.
+                    self.store.update_replica(r.id, ready=0)
+                    self._event(r.id, "replica.unknown", self._unknown_reason(r))
                 else:
                     self._mark_failed(r, app_failed=1, failure="process gone after daemon restart")
         self._publish_ready()
@@ -377,7 +387,10 @@ class ServiceController:
             self._retire(r, "teardown resumed (its progress was not recorded)")
             return
         handle = handle_from_row(r)
-        if handle is not None and self._infra_for(r).check(handle) is Liveness.ALIVE:
+        liveness = Liveness.EXITED if handle is None else self._liveness(r, handle)
+        if liveness is Liveness.UNKNOWN:
+            return  # asked again on the next reconcile; a relaunch now could run it twice
+        if liveness is Liveness.ALIVE:
             self.store.update_replica(r.id, launch_state="succeeded")
             self._event(r.id, "replica.adopt", "launch outcome not recorded; process running")
         else:
@@ -386,6 +399,27 @@ class ServiceController:
 
     def _event(self, replica_id: int, action: str, reason: str | None) -> None:
         self.store.event(self.name, action, reason, replica_id=replica_id)
+
+    def _liveness(self, r: ReplicaRow, handle: ReplicaHandle) -> Liveness:
+        """The backend's answer, or UNKNOWN when nobody can answer.
+
+        A backend this daemon was started without (``RAY_ADDRESS`` unset, or the cluster down
+        at start) or one whose check raises is not evidence that the replica died: failing or
+        relaunching it on that would double-run or kill capacity the user still pays for.
+        """
+        infra = self.deps.infras.get(r.infra)
+        if infra is None:
+            return Liveness.UNKNOWN
+        try:
+            return infra.check(handle)
+        except Exception as exc:
+            log.warning("service %s: replica %d: backend check failed: %s", self.name, r.id, exc)
+            return Liveness.UNKNOWN
+
+    def _unknown_reason(self, r: ReplicaRow) -> str:
+        if r.infra not in self.deps.infras:
+            return f"backend {r.infra!r} is not available in this daemon; left as it is"
+        return f"backend {r.infra!r} does not answer; checked again later"
 
     def _infra_for(self, r: ReplicaRow) -> Infra:
         infra = self.deps.infras.get(r.infra)
@@ -918,7 +952,9 @@ class ServiceController:
         handle = handle_from_row(r)
         if handle is None:
             return
-        infra = self._infra_for(r)
+        infra = self.deps.infras.get(r.infra)
+        if infra is None:
+            return  # no backend to ask (see _liveness): the row keeps what adopt recorded
         liveness = await asyncio.to_thread(infra.check, handle)
         if liveness is Liveness.EXITED:
             code = infra.exit_code(handle)

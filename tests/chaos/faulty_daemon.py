@@ -11,7 +11,9 @@ The only difference is :class:`FaultyInfra` in front of LocalInfra, which reads 
                  "launch_hold": true,                  # launches wait (cancellably) ...
                  "release": [3, 5],                    # ... except these replica ids
                  "terminate_raise": "before" | "after", # raise instead of / after terminating
-                 "terminate_hang": true}}              # terminate blocks, ignoring cancellation
+                 "terminate_hang": true,               # terminate blocks, ignoring cancellation
+                 "check_unknown": true}}               # liveness checks answer UNKNOWN (a
+                                                       # cluster that does not answer)
 
 A missing file, service or key means "no fault". Every call is also written, one JSON line per
 event, to ``HOME/faults.log`` (``op``, ``service``, ``replica``, ``fault``, monotonic ``t``), so
@@ -125,6 +127,9 @@ class FaultyInfra:
         self._note("terminate_exit", service, rid)
 
     def check(self, handle: ReplicaHandle) -> Liveness:
+        service, _ = self._who(handle)
+        if self._faults(service).get("check_unknown"):
+            return Liveness.UNKNOWN
         return self.inner.check(handle)
 
     def exit_code(self, handle: ReplicaHandle) -> int | None:

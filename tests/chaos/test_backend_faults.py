@@ -61,12 +61,15 @@ TEARDOWN_TIMEOUT = 3.0
 # -- the faulty daemon ----------------------------------------------------------------------------
 
 
-def start_faulty_daemon(home: CorralHome, **env: str) -> int:
-    """Start faulty_daemon.py as the home's daemon (detached, like ``corral daemon run``) and
-    wait until it answers. Mirrors :meth:`CorralHome.start_daemon`, so the fixture's teardown
-    (``down --all --purge``, stop by pid, leak check) treats it like any daemon."""
+def start_faulty_daemon(
+    home: CorralHome, faults: dict[str, dict[str, Any]] | None = None, **env: str
+) -> int:
+    """Start faulty_daemon.py as the home's daemon (detached, like ``corral daemon run``) with
+    the cue ``faults`` (none by default) and wait until it answers. Mirrors
+    :meth:`CorralHome.start_daemon`, so the fixture's teardown (``down --all --purge``, stop by
+    pid, leak check) treats it like any daemon."""
     home.path.mkdir(parents=True, exist_ok=True)
-    set_faults(home, {})
+    set_faults(home, faults or {})
     log = open(home.path / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
     with log:
         proc = subprocess.Popen(
@@ -637,3 +640,43 @@ def test_abandoned_job_frees_its_lane_slot() -> None:
     finally:
         release.set()
         assert pool.shutdown(timeout=10)
+
+
+# -- 6. the backend cannot answer across a daemon restart -----------------------------------------
+
+
+def test_backend_unknown_across_restart(corral_home: CorralHome, tmp_path: Path) -> None:
+    """A daemon restarted while its backend cannot say whether the replicas live (a cluster that
+    does not answer) must neither fail nor relaunch them: that would kill capacity or run it
+    twice. The event log says why they were kept; probes, which still reach the apps, make them
+    READY again on the same processes."""
+    home = corral_home
+    name = "unknown0"
+    lost = 0
+    with faults_cleared_on_exit(home):
+        pid = start_faulty_daemon(home)
+        home.run("up", str(app_spec(tmp_path, name, 2)))
+        before = home.wait_replicas(name, 2, timeout=60)
+        pids = {r["id"]: int(r["pid"]) for r in before["replicas"]}
+        mark = last_event_id(home, name)
+
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(pid), 10, "the killed daemon to be gone")
+        launches_before = len(ops(home, name, "launch_enter"))
+        start_faulty_daemon(home, {name: {"check_unknown": True}})
+
+        def kept() -> list[dict[str, Any]] | None:
+            evs = [e for e in events(home, name, mark) if e["action"] == "replica.unknown"]
+            return evs if {e["replica_id"] for e in evs} == set(pids) else None
+
+        noted = wait_for(kept, 30, "a replica.unknown event for each replica")
+        assert all("does not answer" in (e["reason"] or "") for e in noted), noted
+        after = home.wait_replicas(name, 2, timeout=60)
+        assert {r["id"]: int(r["pid"]) for r in after["replicas"]} == pids, after
+        assert len(ops(home, name, "launch_enter")) == launches_before, journal(home, name)
+        failed = [e for e in events(home, name, mark) if e["action"] == "replica.failed"]
+        assert not failed, failed
+        assert serves(after["endpoint"])
+        lost = sum(1 for p in pids.values() if not pid_alive(p))
+    record("backend: no answer across a restart", rounds=1, lost=lost, replicas=len(pids))
+    assert lost == 0
