@@ -349,32 +349,41 @@ def test_replica_kills_under_load_lose_no_request(corral_home: CorralHome, tmp_p
 def test_rolling_update_and_scale_down_under_load_lose_no_request(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:
-    """Graceful churn while ~200 req/s flow: a rolling update that relaunches every replica, then
-    a scale-down from 4 to 3. Replicas leave the ready set, drain and stop: zero failed requests.
+    """Graceful churn while ~200 req/s flow: per round, a rolling update that relaunches every
+    replica, then a scale-down 4 -> 3 (or back up 3 -> 4). Replicas leave the ready set, drain
+    and stop: zero failed requests.
     """
     name = "roll"
+    n_rounds = rounds(1, 3)
     duration = seconds(15.0, 45.0)  # at least; the load goes on until the churn is over
     seed = f"CORRAL_CHAOS_SEED={os.environ.get('CORRAL_CHAOS_SEED', '1')}"
-    url = start_service(corral_home, tmp_path, name, 4)
-    before = {r["id"] for r in ready_replicas(corral_home, name)}
+    size = 4
+    url = start_service(corral_home, tmp_path, name, size)
 
-    load = PacedLoad(url, RATE, duration + 120.0)  # stopped below, once the churn is over
+    load = PacedLoad(url, RATE, duration + 130.0 * n_rounds)  # stopped below, after the churn
     load.start()
     started = time.monotonic()
+    steps: list[str] = []
     time.sleep(2.0)  # some steady traffic first
-    corral_home.run("update", name, str(churn_spec(tmp_path, name, 4, version="2")), "--detach")
+    for round_no in range(n_rounds):
+        version = str(round_no + 2)
+        before = {r["id"] for r in ready_replicas(corral_home, name)}
+        spec = churn_spec(tmp_path, name, size, version=version)
+        corral_home.run("update", name, str(spec), "--detach")
 
-    def rolled() -> bool:
-        ready = ready_replicas(corral_home, name)
-        return len(ready) == 4 and not before & {r["id"] for r in ready}
+        def rolled(before: set[int] = before, size: int = size) -> bool:
+            ready = ready_replicas(corral_home, name)
+            return len(ready) == size and not before & {r["id"] for r in ready}
 
-    wait_for(rolled, max(duration, 60.0), "the rolling update to replace every replica")
-    rolled_at = time.monotonic() - started
-    corral_home.run("update", name, str(churn_spec(tmp_path, name, 3, version="2")), "--detach")
-    corral_home.wait_replicas(name, 3, timeout=60.0)
-    scaled_at = time.monotonic() - started
+        wait_for(rolled, 60.0, f"round {round_no}: the rolling update to replace every replica")
+        steps.append(f"rolled v{version} at {time.monotonic() - started:.1f}s")
+        size = 3 if size == 4 else 4
+        spec = churn_spec(tmp_path, name, size, version=version)
+        corral_home.run("update", name, str(spec), "--detach")
+        corral_home.wait_replicas(name, size, timeout=60.0)
+        steps.append(f"scaled to {size} at {time.monotonic() - started:.1f}s")
     # traffic on the final set for a while, and at least `duration` in all
-    time.sleep(max(2.0, duration - scaled_at))
+    time.sleep(max(2.0, duration - (time.monotonic() - started)))
     load.stop()
     result = load.join()
 
@@ -382,13 +391,12 @@ def test_rolling_update_and_scale_down_under_load_lose_no_request(
         "rolling+scale-down",
         result,
         balancer=balancer_counters(corral_home, name),
-        rolled_at_s=round(rolled_at, 1),
-        scaled_at_s=round(scaled_at, 1),
+        steps=steps,
         seed=seed,
     )
     record(
         "balancer: rolling update + scale-down under load",
-        rounds=1,
+        rounds=n_rounds,
         lost=result.failed,
         requests=result.sent,
         p99_ms=result.summary()["p99_ms"],
