@@ -64,6 +64,8 @@ ACTIONS = ("kill", "kill", "rolling", "scale", "updown")  # kills twice as often
 # at most this much. RSS gets a relative and an absolute allowance: CPython's allocator keeps
 # arenas, so RSS creeps a little before it plateaus; a leak keeps going and shows in the slope.
 LIMITS = {"rss_mb": 8.0, "rss_pct": 10.0, "fds": 5, "threads": 4}
+# Judged and shown; fds_adjusted is fds minus the live replicas' share (see judge()).
+METRICS = ("rss_mb", "uss_mb", "fds", "fds_adjusted", "threads", "replica_procs")
 
 
 @dataclass
@@ -220,11 +222,28 @@ def judge(samples: list[Sample], warmup_s: float, window_s: float) -> dict[str, 
         "samples_last": len(last),
     }
     reasons: list[str] = []
-    for metric in ("rss_mb", "uss_mb", "fds", "threads", "replica_procs"):
-        a = [getattr(s, metric) for s in first if getattr(s, metric) is not None]
-        b = [getattr(s, metric) for s in last if getattr(s, metric) is not None]
-        xs = [s.t_s for s in after if getattr(s, metric) is not None]
-        ys = [float(getattr(s, metric)) for s in after if getattr(s, metric) is not None]
+    # Open fds follow the live replicas (each holds its log and a pidfd or pipe in the daemon),
+    # and churn makes that number swing: judge the fds *beyond* that share, so a window that
+    # happened to sample more live replicas is not read as a leak.
+    per_replica = 0.0
+    if len({s.live_replicas for s in after}) > 1:
+        fit = statistics.linear_regression(
+            [float(s.live_replicas) for s in after], [float(s.fds) for s in after]
+        )
+        per_replica = max(0.0, fit.slope)
+    out["fds_per_live_replica"] = round(per_replica, 2)
+
+    def value(s: Sample, metric: str) -> float | None:
+        if metric == "fds_adjusted":
+            return s.fds - per_replica * s.live_replicas
+        v = getattr(s, metric)
+        return None if v is None else float(v)
+
+    for metric in METRICS:
+        a = [v for s in first if (v := value(s, metric)) is not None]
+        b = [v for s in last if (v := value(s, metric)) is not None]
+        xs = [s.t_s for s in after if value(s, metric) is not None]
+        ys = [v for s in after if (v := value(s, metric)) is not None]
         if not a or not b or len(xs) < 2:
             continue
         first_med, last_med = statistics.median(a), statistics.median(b)
@@ -242,9 +261,9 @@ def judge(samples: list[Sample], warmup_s: float, window_s: float) -> dict[str, 
         allowed = max(LIMITS["rss_mb"], rss["first_median"] * LIMITS["rss_pct"] / 100.0)
         if rss["delta"] > allowed:
             reasons.append(f"RSS median grew {rss['delta']:.1f} MB (> {allowed:.1f} MB allowed)")
-    for metric in ("fds", "threads"):
+    for metric, limit in (("fds_adjusted", "fds"), ("threads", "threads")):
         m = out.get(metric)
-        if m is not None and m["delta"] > LIMITS[metric]:
+        if m is not None and m["delta"] > LIMITS[limit]:
             reasons.append(f"{metric} median grew by {m['delta']:g} (> {LIMITS[metric]})")
     out["flat"] = not reasons
     out["why"] = "; ".join(reasons) if reasons else "within limits"
@@ -348,7 +367,7 @@ def render(samples: list[Sample], verdict: dict[str, Any], end: dict[str, Any]) 
     v = Table(box=box.MARKDOWN, show_edge=True)
     for col in ("metric", "first window median", "last window median", "delta", "slope / hour"):
         v.add_column(col, justify="right")
-    for metric in ("rss_mb", "uss_mb", "fds", "threads", "replica_procs"):
+    for metric in METRICS:
         m = verdict.get(metric)
         if m:
             v.add_row(
@@ -390,6 +409,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    p.add_argument(
+        "--judge",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="run nothing: judge the samples of an earlier run again (rewrites its verdict)",
+    )
     args = p.parse_args(argv)
     # Short trial runs scale the windows down so the verdict still has something to compare.
     if args.warmup is None:
@@ -399,8 +425,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def rejudge(path: Path) -> int:
+    """Judge a saved run again (after the verdict's rules changed) without running it again."""
+    data = json.loads(path.read_text())
+    samples = [Sample(**s) for s in data["samples"]]
+    run_args = data["args"]
+    verdict = judge(samples, run_args["warmup"] * 60.0, run_args["window"] * 60.0)
+    sys.stdout.write(render(samples, verdict, data.get("after_churn", {})))
+    data["verdict"] = verdict
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return 0 if verdict.get("flat") and not data.get("problems") else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.judge is not None:
+        return rejudge(args.judge)
     duration = args.minutes * 60.0
     machine = machine_info()
     progress(f"corral soak: {vars(args)}, nproc {machine['nproc']}, load {machine['loadavg']}")
