@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from corral import __version__
+from corral import __version__, logfiles
 from corral.balancer import CONTENT_TYPE_LATEST, render
 from corral.daemon import Daemon, RequestError
 from corral.state import StateError
@@ -210,12 +210,28 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
         await response.prepare(request)
         position = offset
+        reached = 0  # where this follower got to by reading (0: nowhere yet)
+        last = b""  # the last byte sent
+        mark = await asyncio.to_thread(logfiles.rotation_mark, path) if follow else None
         while True:
             # Decided before reading: what the writer wrote before it finished is still sent.
             done = not follow or _finished(daemon, name, kind, replica_id)
             chunk = await asyncio.to_thread(_read_from, path, position)
+            if follow:
+                rotated, mark = await asyncio.to_thread(_rotated, path, mark, reached)
+                if rotated:
+                    # The log was emptied (corral.logfiles moved it to .1) and its writer goes
+                    # on at 0: so does the follower. A chunk read across that may belong to
+                    # either generation, so it is dropped (it is in .1 if it was old). A line
+                    # cut short by that is ended, so the next one starts on a line of its own.
+                    if last not in (b"", b"\n"):
+                        await response.write(b"\n")
+                        last = b"\n"
+                    position = reached = 0
+                    continue
             if chunk:
                 position += len(chunk)
+                reached, last = position, chunk[-1:]
                 await response.write(chunk)
                 continue
             if done:
@@ -256,6 +272,20 @@ def _read_from(path: Any, position: int) -> bytes:
             return f.read(LOG_CHUNK)
     except FileNotFoundError:
         return b""
+
+
+def _rotated(
+    path: Any, mark: logfiles.RotationMark, reached: int
+) -> tuple[bool, logfiles.RotationMark]:
+    """Was the followed log rotated since ``mark`` (a new ``.1``), or emptied some other way
+    (now shorter than what the follower read)? And the mark to compare with next time."""
+    now = logfiles.rotation_mark(path)
+    if now != mark:
+        return True, now
+    try:
+        return os.stat(path).st_size < reached, now
+    except OSError:
+        return False, now
 
 
 def _finished(daemon: Daemon, name: str, kind: str, replica_id: int | None) -> bool:

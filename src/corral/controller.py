@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from corral import capture
+from corral import capture, logfiles
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
 from corral.balancer import BalancerMetrics, LoadBalancer
 from corral.infra.base import EndpointOwner, Infra, LaunchRequest, Liveness, ReplicaHandle
@@ -48,6 +48,8 @@ MAX_FAILURES_BEFORE_READY = 3
 # Failed replica rows kept visible per service (older ones are pruned).
 KEEP_FAILED = 10
 BACKOFF_CAP = 30.0
+# How often replica logs are checked against ControllerDeps.log_max_bytes.
+LOG_CAP_PERIOD = 2.0
 
 
 @dataclass
@@ -68,6 +70,8 @@ class ControllerDeps:
     decision_interval: float = 5.0  # autoscaler decisions (SkyServe: 20 s)
     qps_window: float = 60.0  # the autoscaler's load signal: requests over this window
     metrics: BalancerMetrics | None = None  # one Prometheus registry for every service
+    # Replica logs over this are rotated (corral.logfiles: copy to .1, truncate); 0: no cap.
+    log_max_bytes: int = logfiles.DEFAULT_MAX_BYTES
 
 
 @dataclass
@@ -163,12 +167,14 @@ class ServiceController:
             started.set()
             log.info("service %s: controller started", self.name)
             probe_task = asyncio.create_task(self._probe_loop(), name=f"corral-probe-{self.name}")
+            cap_task = asyncio.create_task(self._log_cap_loop(), name=f"corral-logs-{self.name}")
             try:
                 await self._reconcile_loop()
             finally:
-                probe_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await probe_task
+                for task in (probe_task, cap_task):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     async def _adopt_when_writable(self, started: asyncio.Event) -> None:
         """:meth:`_adopt`, retried while the state file refuses writes (another process holds
@@ -916,6 +922,42 @@ class ServiceController:
             self.store.event(self.name, "replica.teardown_failed", detail, replica_id=replica_id)
             log.error("service %s: replica %d %s", self.name, replica_id, detail)
         self._wake.set()
+
+    # -- log size cap -------------------------------------------------------------------------
+
+    async def _log_cap_loop(self) -> None:
+        """Every ~2 s, rotate the logs of this service's replicas that passed the cap
+        (``deps.log_max_bytes``): an app flooding its output must not fill the disk. The copy
+        runs on a thread; a replica's log is written by the replica itself, so only
+        copy-and-truncate works (see corral.logfiles for what that may lose)."""
+        cap = self.deps.log_max_bytes
+        if cap <= 0:
+            return
+        while not self._stopping:
+            await asyncio.sleep(LOG_CAP_PERIOD)
+            try:
+                paths = [
+                    path
+                    for r in self.store.replicas(self.name)
+                    if r.teardown_state != "succeeded"
+                    for path in (self.replica_log(r.id), self.launch_log(r.id))
+                ]
+                done = await asyncio.to_thread(logfiles.rotate_all, paths, cap)
+            except StateError as exc:
+                log.warning("service %s: log size check postponed: %s", self.name, exc)
+                continue
+            except Exception:
+                log.exception("service %s: log size check failed", self.name)
+                continue
+            for item in done:
+                if isinstance(item, str):
+                    log.warning("service %s: log over the cap not rotated: %s", self.name, item)
+                elif item.error is not None:
+                    what = f"{item.path.name} over {cap} bytes emptied, old content dropped"
+                    log.warning("service %s: %s: %s", self.name, what, item.error)
+                else:
+                    what = f"{item.path.name} over {cap} bytes: {item.kept} bytes moved"
+                    log.info("service %s: %s to %s", self.name, what, item.backup.name)
 
     # -- probing ------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from typing import IO, Any
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from corral import capture
+from corral import capture, logfiles
 from corral.balancer import BalancerMetrics
 from corral.controller import ControllerDeps, ServiceController, handle_from_row
 from corral.home import ensure_token, is_loopback, read_info
@@ -283,6 +283,15 @@ def _env_float(name: str, default: float) -> float:
     return number
 
 
+def _env_bytes(name: str) -> int:
+    """A size cap from the environment (``CORRAL_LOG_MAX_BYTES``: bytes, or 64M / 1G; 0 turns
+    the cap off); a bad value stops the daemon with a message rather than run uncapped."""
+    try:
+        return logfiles.parse_max_bytes(os.environ.get(name))
+    except ValueError as exc:
+        raise DaemonError(f"${name}: {exc}") from None
+
+
 def _cluster_backends() -> dict[str, Infra]:
     """Backends for clusters the user pointed corral at (optional dependencies).
 
@@ -387,6 +396,7 @@ async def serve(
             decision_interval=_env_float("CORRAL_DECISION_INTERVAL", 5.0),
             qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
             teardown_timeout=_env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
+            log_max_bytes=_env_bytes("CORRAL_LOG_MAX_BYTES"),
             metrics=BalancerMetrics(CollectorRegistry()),
         )
         daemon = Daemon(home, store, deps)

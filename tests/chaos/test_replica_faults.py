@@ -511,6 +511,9 @@ def test_output_flood(corral_home: CorralHome) -> None:
     (the daemon never reads it), the daemon's API keeps answering, the other service keeps
     serving, and the flooding replica itself stays READY."""
     home = corral_home
+    # The whole flood on disk, unrotated: what this test measures is the daemon and the API
+    # under it. The size cap (CORRAL_LOG_MAX_BYTES) is tested in tests/test_logfiles.py.
+    home.env["CORRAL_LOG_MAX_BYTES"] = "0"
     home.start_daemon()
     steady = start_steady(home)
     n_rounds = rounds(1, 2)
@@ -577,7 +580,7 @@ def test_output_flood(corral_home: CorralHome) -> None:
         log_bytes_on_disk=max(sizes),
         api_polls=len(api_latencies),
         api_slowest_seconds=round(max(api_latencies), 3),
-        rotation="none: the log grows without bound",
+        rotation="off here (CORRAL_LOG_MAX_BYTES=0); the cap: tests/test_logfiles.py",
     )
 
 
