@@ -163,7 +163,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
             or not 1 <= from_version <= MAX_INT
         ):
             raise RequestError(400, "field 'from_version' must be a version number (>= 1)")
-        service = daemon.update(
+        service = await daemon.update(
             request.match_info["name"],
             spec,
             mode=mode,

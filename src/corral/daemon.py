@@ -137,7 +137,7 @@ class Daemon:
     async def create(
         self, spec_text: str, *, name: str | None, source: str | None, base_dir: str | None
     ) -> dict[str, Any]:
-        spec = self._check(spec_text, source=source, name=name)
+        spec = await self._check_off_loop(spec_text, source=source, name=name)
         assert spec.name is not None
         if spec.name in self.controllers or self.store.service(spec.name) is not None:
             raise RequestError(409, f"service {spec.name!r} already exists")
@@ -150,7 +150,7 @@ class Daemon:
         controller = await self._start_controller(spec.name)
         return controller.snapshot()
 
-    def update(
+    async def update(
         self,
         name: str,
         spec_text: str | None,
@@ -180,7 +180,11 @@ class Daemon:
             spec_text, source, base_dir = old.spec_yaml, old.source, old.base_dir
         if spec_text is None:
             raise RequestError(400, "field 'spec' (the service YAML) or 'from_version' is required")
-        spec = self._check(spec_text, source=source, name=name)
+        spec = await self._check_off_loop(spec_text, source=source, name=name)
+        # The service may have been taken down or updated while the spec was being checked.
+        svc = self.store.service(name)
+        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
+            raise RequestError(409, f"service {name!r} is shutting down")
         current = controller.spec(svc.current_version)
         if spec.infra != current.infra:
             raise RequestError(
@@ -200,6 +204,13 @@ class Daemon:
         )
         controller.updated()
         return controller.snapshot()
+
+    async def _check_off_loop(
+        self, spec_text: str, *, source: str | None, name: str | None
+    ) -> ServiceSpec:
+        """:meth:`_check` on a thread: the largest spec the parser accepts takes up to a second
+        to read, and the event loop it would block also carries every balancer's traffic."""
+        return await asyncio.to_thread(self._check, spec_text, source=source, name=name)
 
     def _check(self, spec_text: str, *, source: str | None, name: str | None) -> ServiceSpec:
         """Validate a spec as this daemon will run it (the API is the trust boundary)."""
