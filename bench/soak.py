@@ -402,7 +402,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--churn-every", type=float, default=10.0, help="s between churn actions")
     p.add_argument("--sample-every", type=float, default=10.0, help="s between samples")
     p.add_argument(
-        "--warmup", type=float, default=None, help="minutes ignored by the verdict (default 3)"
+        "--warmup", type=float, default=None, help="minutes ignored by the verdict (default 10)"
     )
     p.add_argument(
         "--window", type=float, default=None, help="minutes of each compared window (default 5)"
@@ -417,20 +417,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run nothing: judge the samples of an earlier run again (rewrites its verdict)",
     )
     args = p.parse_args(argv)
-    # Short trial runs scale the windows down so the verdict still has something to compare.
-    if args.warmup is None:
-        args.warmup = min(3.0, args.minutes / 4)
-    if args.window is None:
-        args.window = min(5.0, (args.minutes - args.warmup) / 3)
+    if args.judge is not None:  # the windows come from the saved run unless given here
+        args.minutes = json.loads(args.judge.read_text())["args"]["minutes"]
+    default_windows(args)
     return args
 
 
-def rejudge(path: Path) -> int:
-    """Judge a saved run again (after the verdict's rules changed) without running it again."""
+def default_windows(args: argparse.Namespace) -> None:
+    """Short trial runs scale the windows down so the verdict still has something to compare."""
+    if args.warmup is None:
+        # 10 min: the balancer keeps that long of request timestamps (TIMESTAMP_HORIZON), so
+        # the daemon's memory only reaches its steady state after it
+        args.warmup = min(10.0, args.minutes / 3)
+    if args.window is None:
+        args.window = min(5.0, (args.minutes - args.warmup) / 3)
+
+
+def rejudge(path: Path, warmup: float, window: float) -> int:
+    """Judge a saved run again (after the verdict's rules changed) without running it again;
+    ``warmup`` and ``window`` in minutes."""
     data = json.loads(path.read_text())
     samples = [Sample(**s) for s in data["samples"]]
-    run_args = data["args"]
-    verdict = judge(samples, run_args["warmup"] * 60.0, run_args["window"] * 60.0)
+    data["args"].update(warmup=warmup, window=window)
+    verdict = judge(samples, warmup * 60.0, window * 60.0)
     sys.stdout.write(render(samples, verdict, data.get("after_churn", {})))
     data["verdict"] = verdict
     path.write_text(json.dumps(data, indent=2) + "\n")
@@ -440,7 +449,7 @@ def rejudge(path: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.judge is not None:
-        return rejudge(args.judge)
+        return rejudge(args.judge, args.warmup, args.window)
     duration = args.minutes * 60.0
     machine = machine_info()
     progress(f"corral soak: {vars(args)}, nproc {machine['nproc']}, load {machine['loadavg']}")
