@@ -341,15 +341,26 @@ class CorralHome:
         assert pid is not None, f"no daemon.json in {self.path}"
         return pid
 
-    def start_daemon(self, timeout: float = DAEMON_START_TIMEOUT) -> int:
-        """Start ``corral daemon run`` in the background (detached, like ``corral up`` does)
-        and wait until it answers; return its pid."""
+    def start_daemon(
+        self,
+        timeout: float = DAEMON_START_TIMEOUT,
+        *,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        answers: bool = True,
+    ) -> int:
+        """Start a daemon in the background (detached, like ``corral up`` does), its output in
+        the home's daemon.log, and return its pid. ``corral daemon run`` unless ``argv`` names
+        another command (the chaos tests' scripts over ``corral.daemon.serve``); ``env``
+        replaces the home's environment. With ``wait``, until ``daemon.json`` names it and,
+        with ``answers``, its API answers plain HTTP (a TLS daemon does not)."""
         self.path.mkdir(parents=True, exist_ok=True)
         log = open(self.path / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
         with log:
             proc = subprocess.Popen(
-                self.cli("daemon", "run"),
-                env=self.env,
+                argv or self.cli("daemon", "run"),
+                env=env or self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -357,6 +368,8 @@ class CorralHome:
             )
         self.popens.append(proc)
         self.daemon_pids.add(proc.pid)
+        if not wait:
+            return proc.pid
 
         def up() -> bool:
             if proc.poll() is not None:
@@ -364,7 +377,8 @@ class CorralHome:
                     f"daemon exited with {proc.returncode}:\n{self.tail('daemon.log')}"
                 )
             info = self.daemon_info()
-            return info is not None and info["pid"] == proc.pid and self.healthy()
+            named = info is not None and info["pid"] == proc.pid
+            return named and (not answers or self.healthy())
 
         try:
             wait_for(up, timeout, "the daemon to answer", interval=0.05)

@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -39,7 +38,6 @@ from typing import Any
 import pytest
 from chaos_support import BASE_SEED, LONG, record, rng, rounds
 from conftest import (
-    DAEMON_START_TIMEOUT,
     EXAMPLES,
     CorralHome,
     http,
@@ -65,37 +63,13 @@ def start_faulty_daemon(
     home: CorralHome, faults: dict[str, dict[str, Any]] | None = None, **env: str
 ) -> int:
     """Start faulty_daemon.py as the home's daemon (detached, like ``corral daemon run``) with
-    the cue ``faults`` (none by default) and wait until it answers. Mirrors
+    the cue ``faults`` (none by default) and wait until it answers. Started through
     :meth:`CorralHome.start_daemon`, so the fixture's teardown (``down --all --purge``, stop by
     pid, leak check) treats it like any daemon."""
     home.path.mkdir(parents=True, exist_ok=True)
     set_faults(home, faults or {})
-    log = open(home.path / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
-    with log:
-        proc = subprocess.Popen(
-            [sys.executable, str(FAULTY_DAEMON), str(home.path)],
-            env={**home.env, **env},
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-    home.popens.append(proc)
-    home.daemon_pids.add(proc.pid)
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"faulty daemon exited {proc.returncode}:\n{home.tail('daemon.log')}"
-            )
-        info = home.daemon_info()
-        return info is not None and info["pid"] == proc.pid and home.healthy()
-
-    try:
-        wait_for(up, DAEMON_START_TIMEOUT, "the faulty daemon to answer", interval=0.05)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{home.tail('daemon.log')}") from None
-    return proc.pid
+    argv = [sys.executable, str(FAULTY_DAEMON), str(home.path)]
+    return home.start_daemon(argv=argv, env={**home.env, **env})
 
 
 def set_faults(home: CorralHome, cue: dict[str, dict[str, Any]]) -> None:

@@ -356,32 +356,8 @@ def start_daemon(chaos: Chaos, *, wait: bool = True) -> int:
     """Start the armed daemon (:data:`ARMED_DAEMON`) detached, as ``corral up`` starts one;
     with ``wait``, until it answers. Its pid."""
     home = chaos.home
-    home.path.mkdir(parents=True, exist_ok=True)
-    log = open(home.path / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
-    with log:
-        proc = subprocess.Popen(
-            [sys.executable, str(chaos.daemon_script), str(home.path)],
-            env=home.env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-    home.popens.append(proc)
-    home.daemon_pids.add(proc.pid)
-    if not wait:
-        return proc.pid
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"daemon exited with {proc.returncode}:\n{home.tail('daemon.log')}"
-            )
-        info = home.daemon_info()
-        return info is not None and info["pid"] == proc.pid and home.healthy()
-
-    wait_for(up, 60, "the daemon to answer", interval=0.05)
-    return proc.pid
+    argv = [sys.executable, str(chaos.daemon_script), str(home.path)]
+    return home.start_daemon(60, argv=argv, wait=wait)
 
 
 # -- the round ----------------------------------------------------------------------------------

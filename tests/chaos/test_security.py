@@ -205,32 +205,10 @@ def mode(path: Path) -> int:
 
 
 def start_daemon_with(home: CorralHome, *args: str, env: dict[str, str] | None = None) -> int:
-    """``corral daemon run ARGS`` in the background (output to the home's daemon.log); waits
-    until ``daemon.json`` names it (it is written once the API listens) and returns its pid."""
-    home.path.mkdir(parents=True, exist_ok=True)
-    with open(home.path / "daemon.log", "ab") as log:
-        proc = subprocess.Popen(
-            home.cli("daemon", "run", *args),
-            env=env or home.env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-    home.popens.append(proc)
-    home.daemon_pids.add(proc.pid)
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"daemon exited {proc.returncode}:\n{home.tail('daemon.log')}")
-        info = home.daemon_info()
-        return info is not None and info["pid"] == proc.pid
-
-    try:
-        wait_for(up, 40, "the daemon to listen", interval=0.05)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{home.tail('daemon.log')}") from None
-    return proc.pid
+    """``corral daemon run ARGS`` in the background; waits until ``daemon.json`` names it (it
+    is written once the API listens: over TLS, the fixture's plain-HTTP health check cannot
+    tell) and returns its pid."""
+    return home.start_daemon(40, argv=home.cli("daemon", "run", *args), env=env, answers=False)
 
 
 def app_spec(directory: Path, name: str) -> Path:
