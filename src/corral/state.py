@@ -276,10 +276,19 @@ class Store:
         delay = 0.005
         while True:
             with self._lock:
+                if self._db.in_transaction:
+                    # A ROLLBACK that failed earlier left a transaction open: later autocommit
+                    # writes would join it and hold the write lock for good.
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error as exc:
+                        raise StateError(f"state file {self.path}: {exc}") from exc
                 try:
                     return work(self._db)
-                except sqlite3.OperationalError as exc:
-                    if not _is_busy(exc):
+                except sqlite3.Error as exc:
+                    # Corrupt or not a database (DatabaseError), a broken constraint
+                    # (IntegrityError), disk full or read-only: all a StateError naming the file.
+                    if not (isinstance(exc, sqlite3.OperationalError) and _is_busy(exc)):
                         raise StateError(f"state file {self.path}: {exc}") from exc
                     busy = exc
             now = time.monotonic()
