@@ -84,6 +84,28 @@ def make_runner(daemon: Daemon, token: str) -> web.AppRunner:
     )
 
 
+# Set on a request once its answer has started streaming (see ``guard``).
+STREAMING = "corral.streaming"
+
+
+def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
+    """The answer to a request whose handler raised ``exc``: 4xx/503 with a message, and a 500
+    (details in the daemon log, never in the answer) only for what nobody foresaw."""
+    if isinstance(exc, RequestError):
+        return _error(exc.status, exc.message, **exc.details)
+    if isinstance(exc, StateError):
+        # The state file is locked by another process or unwritable: nothing was changed,
+        # the daemon and its balancers keep running, and the client may retry (not a 500).
+        log.warning("API %s %s: %s", request.method, request.path, exc)
+        return _error(503, str(exc))
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        return _error(exc.status, exc.reason)
+    log.error("API %s %s failed", request.method, request.path, exc_info=exc)
+    return _error(500, "internal error; the daemon log has the details")
+
+
 def make_app(daemon: Daemon, token: str) -> web.Application:
     expected = f"Bearer {token}".encode()
 
@@ -94,22 +116,17 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
             return _error(401, "missing or wrong API token (see $CORRAL_HOME/token)")
         try:
             return await handler(request)
-        except RequestError as exc:
-            return _error(exc.status, exc.message, **exc.details)
-        except StateError as exc:
-            # The state file is locked by another process or unwritable: nothing was changed,
-            # the daemon and its balancers keep running, and the client may retry (not a 500).
-            log.warning("API %s %s: %s", request.method, request.path, exc)
-            return _error(503, str(exc))
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return _error(exc.status, exc.reason)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except ConnectionResetError:
             raise
-        except Exception:
-            log.exception("API %s %s failed", request.method, request.path)
-            return _error(500, "internal error; the daemon log has the details")
+        except Exception as exc:
+            if request.get(STREAMING):
+                # The answer's status and part of its body are sent: a second response would
+                # be written into that body. Dropping the connection is the only honest end.
+                log.warning(
+                    "API %s %s failed while streaming: %r", request.method, request.path, exc
+                )
+                raise
+            return _error_answer(request, exc)
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_SPEC_BYTES)
     routes = web.RouteTableDef()
@@ -208,6 +225,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
                 + (f" replica {replica_id}" if replica_id is not None else ""),
             )
         response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
+        request[STREAMING] = True
         await response.prepare(request)
         position = offset
         reached = 0  # where this follower got to by reading (0: nowhere yet)
@@ -215,7 +233,10 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         mark = await asyncio.to_thread(logfiles.rotation_mark, path) if follow else None
         while True:
             # Decided before reading: what the writer wrote before it finished is still sent.
-            done = not follow or _finished(daemon, name, kind, replica_id)
+            try:
+                done = not follow or _finished(daemon, name, kind, replica_id)
+            except StateError:
+                done = False  # the state file is busy: keep following, ask again next time
             chunk = await asyncio.to_thread(_read_from, path, position)
             if follow:
                 rotated, mark = await asyncio.to_thread(_rotated, path, mark, reached)
