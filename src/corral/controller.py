@@ -93,6 +93,10 @@ class _Runtime:
     probes: dict[int, _ProbeState] = field(default_factory=dict)
     # Teardowns given up on (timed out) whose backend call has not returned yet.
     hung: dict[int, Job] = field(default_factory=dict)
+    # Rows whose unrecorded launch outcome is being asked of the backend (off the loop).
+    resuming: set[int] = field(default_factory=set)
+    # Rows to retire whose backend this daemon lacks (told once in the events, then left).
+    no_backend: set[int] = field(default_factory=set)
 
 
 def handle_to_json(handle: ReplicaHandle) -> dict[str, Any]:
@@ -314,7 +318,8 @@ class ServiceController:
     # -- restart recovery ---------------------------------------------------------------------
 
     def _adopt(self) -> None:
-        """Bring rows left by a previous daemon back under control (called once at start)."""
+        """Bring rows left by a previous daemon back under control (at start; run again while
+        the state file refuses writes, so every step must be safe to repeat)."""
         for r in self.store.replicas(self.name):
             handle = handle_from_row(r)
             if r.teardown_state in ("pending", "running"):
@@ -392,16 +397,45 @@ class ServiceController:
             # _retire starts over from the drain (it writes teardown_state itself).
             self._retire(r, "teardown resumed (its progress was not recorded)")
             return
-        handle = handle_from_row(r)
-        liveness = Liveness.EXITED if handle is None else self._liveness(r, handle)
-        if liveness is Liveness.UNKNOWN:
-            return  # asked again on the next reconcile; a relaunch now could run it twice
-        if liveness is Liveness.ALIVE:
-            self.store.update_replica(r.id, launch_state="succeeded")
-            self._event(r.id, "replica.adopt", "launch outcome not recorded; process running")
-        else:
+        if handle_from_row(r) is None:
             self.store.update_replica(r.id, launch_state="pending", handle=None, endpoint=None)
-            self._event(r.id, "replica.relaunch", "launch outcome not recorded; process gone")
+            self._event(r.id, "replica.relaunch", "launch outcome not recorded; nothing started")
+        elif r.id not in self._rt.resuming:
+            # The backend is asked on a thread: a cluster that does not answer can take
+            # seconds per question, and this loop carries every balancer.
+            self._rt.resuming.add(r.id)
+            self._spawn(self._resume_launch(r.id), name=f"corral-resume-{self.name}-{r.id}")
+
+    async def _resume_launch(self, replica_id: int) -> None:
+        """Adopt or relaunch a started replica whose launch outcome was not recorded."""
+        try:
+            r = self.store.replica(replica_id)
+            handle = handle_from_row(r) if r is not None else None
+            if r is None or handle is None or not self._outcome_lost(r):
+                return
+            liveness = await asyncio.to_thread(self._liveness, r, handle)
+            now = self.store.replica(replica_id)
+            if now is None or not self._outcome_lost(now) or now.handle_json != r.handle_json:
+                return  # something else finished it meanwhile
+            if liveness is Liveness.UNKNOWN:
+                return  # asked again on a later reconcile; a relaunch now could run it twice
+            if liveness is Liveness.ALIVE:
+                self.store.update_replica(replica_id, launch_state="succeeded")
+                self._event(
+                    replica_id, "replica.adopt", "launch outcome not recorded; process running"
+                )
+            else:
+                self.store.update_replica(
+                    replica_id, launch_state="pending", handle=None, endpoint=None
+                )
+                self._event(
+                    replica_id, "replica.relaunch", "launch outcome not recorded; process gone"
+                )
+            self._wake.set()
+        except StateError as exc:
+            log.warning("service %s: replica %d not resumed yet: %s", self.name, replica_id, exc)
+        finally:
+            self._rt.resuming.discard(replica_id)
 
     def _event(self, replica_id: int, action: str, reason: str | None) -> None:
         self.store.event(self.name, action, reason, replica_id=replica_id)
@@ -772,6 +806,19 @@ class ServiceController:
         elif job.state is JobState.CANCELLED:
             self.store.update_replica(replica_id, launch_state="cancelled")
             self.store.event(self.name, "replica.launch_cancelled", None, replica_id=replica_id)
+        elif isinstance(job.exception(), StateError):
+            # The state file refused one of the launch's own writes (locked for longer than a
+            # job waits): not the app's failure, so not counted against the version. Whatever
+            # started and was not recorded was stopped by the backend; the reconcile loop
+            # resumes the row as after a restart (_outcome_lost): adopt or launch again.
+            self.store.event(
+                self.name,
+                "replica.relaunch",
+                f"launch not recorded: {job.exception()}",
+                replica_id=replica_id,
+            )
+            self._wake.set()
+            return
         else:
             detail = f"{job.exception()!r}; see {self.launch_log(replica_id)}"
             self.store.update_replica(replica_id, launch_state="failed", failure=detail)
@@ -807,6 +854,13 @@ class ServiceController:
                 self.store.event(self.name, "replica.removed", reason, replica_id=r.id)
                 self.store.delete_replica(r.id)
             self._wake.set()
+            return
+        if r.infra not in self.deps.infras:
+            # Nothing here can stop it (the daemon runs without that backend): say so once and
+            # leave the row as it is, rather than retry a teardown that cannot start.
+            if r.id not in self._rt.no_backend:
+                self._rt.no_backend.add(r.id)
+                self._event(r.id, "replica.unknown", self._unknown_reason(r))
             return
         self.store.update_replica(r.id, teardown_state="pending", ready=0)
         self.store.event(self.name, "replica.teardown", reason, replica_id=r.id)
@@ -937,10 +991,13 @@ class ServiceController:
             await asyncio.sleep(LOG_CAP_PERIOD)
             try:
                 paths = [
-                    path
-                    for r in self.store.replicas(self.name)
-                    if r.teardown_state != "succeeded"
-                    for path in (self.replica_log(r.id), self.launch_log(r.id))
+                    self.logs / "controller.log",  # opened for append too (corral.capture)
+                    *(
+                        path
+                        for r in self.store.replicas(self.name)
+                        if r.teardown_state != "succeeded"
+                        for path in (self.replica_log(r.id), self.launch_log(r.id))
+                    ),
                 ]
                 done = await asyncio.to_thread(logfiles.rotate_all, paths, cap)
             except StateError as exc:
