@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gzip
 import hashlib
 import logging
@@ -25,9 +26,11 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.client_reqrep import ConnectionKey
 
 from corral.balancer import LoadBalancer, make_policy
 from corral.balancer.policies import LeastLoad, PowerOfTwo, RoundRobin
+from corral.balancer.proxy import _refused
 
 T = TypeVar("T")
 
@@ -889,3 +892,18 @@ def test_unreachable_replica_is_passed_over_by_least_load() -> None:
             assert stats[1]["served"] + stats[2]["served"] == 30
 
     run(main())
+
+
+def test_only_a_refused_connection_is_free_of_the_attempt_budget() -> None:
+    """ECONNREFUSED answers at once and reached no app: it costs no attempt. A host that is
+    unreachable (or a name that does not resolve) is also a connector error but may take
+    seconds each: it must count, or one request could wait on every replica of a dead host."""
+    key = ConnectionKey("127.0.0.1", 1, False, True, None, None, None)
+
+    def connector_error(code: int) -> aiohttp.ClientConnectorError:
+        return aiohttp.ClientConnectorError(key, OSError(code, "x"))
+
+    assert _refused(connector_error(errno.ECONNREFUSED))
+    assert not _refused(connector_error(errno.EHOSTUNREACH))
+    assert not _refused(connector_error(errno.ENETUNREACH))
+    assert not _refused(aiohttp.ServerDisconnectedError())

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -1005,7 +1006,7 @@ class LoadBalancer:
                 message,
                 retryable=body.replayable,
                 reason="upstream_unreachable",
-                refused=isinstance(exc, aiohttp.ClientConnectorError),
+                refused=_refused(exc),
             )
         if isinstance(exc, (TimeoutError, aiohttp.ClientError)):
             return _Failure(502, _describe(exc), retryable=False, reason="upstream_error")
@@ -1114,7 +1115,7 @@ class LoadBalancer:
                 except (*_UNREACHABLE, aiohttp.ConnectionTimeoutError) as exc:
                     self._failed[rid] = self._failed.get(rid, 0) + 1
                     failures.append(f"replica {rid}: {_describe(exc)}")
-                    if not isinstance(exc, aiohttp.ClientConnectorError):
+                    if not _refused(exc):
                         counted += 1
                     continue
                 except aiohttp.WSServerHandshakeError as exc:
@@ -1209,6 +1210,15 @@ def _close_client(request: web.BaseRequest) -> None:
     transport = request.transport
     if transport is not None:
         transport.close()
+
+
+def _refused(exc: BaseException) -> bool:
+    """The replica's host answered "nothing listens here" (ECONNREFUSED): the request reached
+    no app, and the answer came at once. An unreachable host or a failed DNS lookup is also a
+    connector error, but can take seconds each, so those still count against the attempts."""
+    if not isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    return getattr(exc.os_error, "errno", None) == errno.ECONNREFUSED
 
 
 def _describe(exc: BaseException) -> str:
