@@ -129,8 +129,17 @@ class Replica:
             await resp.write(b"second")
             await resp.write_eof()
             return resp
-        if path == "/cut":
-            resp = web.StreamResponse(headers={"Content-Length": "1000"})
+        if path == "/cut-small" and self.rid == 1:  # replica 1 dies mid-answer; others answer
+            resp = web.StreamResponse(headers={"Content-Length": "100"})
+            await resp.prepare(request)
+            await resp.write(b"x" * 10)
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        if path == "/cut-small":
+            return web.Response(body=b"y" * 100)
+        if path == "/cut":  # larger than the balancer buffers: relayed as it comes, then cut
+            resp = web.StreamResponse(headers={"Content-Length": str(1 << 20)})
             await resp.prepare(request)
             await resp.write(b"x" * 10)
             assert request.transport is not None
@@ -711,6 +720,43 @@ def test_timeout_before_headers_is_504_and_not_retried() -> None:
                 # a replica's own 5xx is passed through, not retried
                 assert (resp.status, await resp.text()) == (500, "replica error")
             assert sum(len(r.requests) for r in reps) == 2
+
+    run(main())
+
+
+def test_small_answer_cut_mid_body_is_retried_on_another_replica() -> None:
+    """A replica killed between its headers and its body: for an idempotent request with a
+    small answer nothing was sent yet, so the client gets the whole answer of another replica;
+    a POST (not idempotent) is never repeated and gets a 502 instead."""
+
+    async def main() -> None:
+        async with (
+            cluster(2, policy="round_robin") as (lb, reps, _),
+            aiohttp.ClientSession() as s,
+        ):
+            first = next(r for r in reps if r.rid == 1)
+
+            def hits(rep: Any, method: str) -> int:
+                return sum(
+                    1
+                    for q in rep.requests
+                    if q["path_qs"] == "/cut-small" and q["method"] == method
+                )
+
+            for _ in range(4):  # round robin: replica 1 gets its turn at least twice
+                async with s.get(lb.url + "/cut-small") as resp:
+                    assert (resp.status, await resp.read()) == (200, b"y" * 100)
+            assert hits(first, "GET") >= 2
+            truncated = 0
+            for _ in range(2):  # one POST meets replica 1: cut for the client, never repeated
+                try:
+                    async with s.post(lb.url + "/cut-small", data=b"z") as resp:
+                        await resp.read()
+                except aiohttp.ClientPayloadError:
+                    truncated += 1
+            assert truncated == 1
+            assert [hits(r, "POST") for r in reps] == [1, 1]
+            assert await lb.wait_drained(1, 5) and await lb.wait_drained(2, 5)
 
     run(main())
 

@@ -13,6 +13,11 @@ Design points, each answering a failure seen in SkyServe (see skyserve-facts.md)
   body that an earlier attempt consumed. Bigger bodies are streamed and retried only while not a
   byte of them has been read from the client.
 * A retry never goes to a replica this request already tried.
+* An answer of at most ``BUFFER_RESPONSE_BYTES`` with a Content-Length, to an idempotent request,
+  is read whole before anything goes to the client: a replica killed between writing its headers
+  and its body (seen under SIGKILL churn) is then retried like a refused connection instead of
+  leaving the client a cut-off answer. Larger or unframed answers (streams, SSE) are relayed as
+  they come, and a failure mid-way can only cut the client's connection.
 * A refused connection does not use up one of ``max_attempts``: the request provably reached no
   replica, so it may go on to every other ready replica. When several replicas die at once
   (a host lost, a bad deploy), least_load prefers exactly those dead ones (nothing is in flight
@@ -969,6 +974,8 @@ class LoadBalancer:
             return self._classify(exc, body)
         self._served[rid] = self._served.get(rid, 0) + 1
         try:
+            if _bufferable(request, upstream, body):
+                return await self._relay_whole(upstream)
             return await self._relay(request, rid, upstream, t0)
         finally:
             # Returns the connection to the pool only if the body was read to the end;
@@ -1011,6 +1018,40 @@ class LoadBalancer:
         if isinstance(exc, (TimeoutError, aiohttp.ClientError)):
             return _Failure(502, _describe(exc), retryable=False, reason="upstream_error")
         raise exc
+
+    async def _relay_whole(self, upstream: aiohttp.ClientResponse) -> web.Response | _Failure:
+        """Read a small answer to an idempotent request whole, then send it.
+
+        A replica killed between writing its headers and its body would otherwise leave the
+        client with a cut-off answer that nothing can retry (the headers are out). Read first,
+        a broken body is a _Failure like a refused connection, and the request goes to another
+        replica: safe, because repeating an idempotent request is harmless by definition. Costs
+        one body's time to first byte, which for a body of at most BUFFER_RESPONSE_BYTES on
+        loopback is noise; streams (no Content-Length, or larger) are relayed as they come.
+        """
+        try:
+            data = await upstream.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            upstream.close()
+            if isinstance(exc, TimeoutError):
+                return _Failure(
+                    504,
+                    f"no whole answer within {self._idle_timeout:g}s",
+                    retryable=False,
+                    reason="idle_timeout",
+                )
+            return _Failure(
+                502,
+                f"failed mid-response: {_describe(exc)}",
+                retryable=True,
+                reason="upstream_aborted",
+            )
+        headers = response_headers(upstream.headers)
+        headers.popall("Content-Length", None)
+        # Not prepared yet: _handle counts it in the metrics as it goes out.
+        return web.Response(
+            status=upstream.status, reason=upstream.reason, headers=headers, body=data
+        )
 
     async def _relay(
         self, request: web.BaseRequest, rid: int, upstream: aiohttp.ClientResponse, t0: float
@@ -1210,6 +1251,23 @@ def _close_client(request: web.BaseRequest) -> None:
     transport = request.transport
     if transport is not None:
         transport.close()
+
+
+# Answers up to this size to idempotent requests are read whole before they are sent, so a
+# replica dying mid-answer is retried on another one (see LoadBalancer._relay_whole).
+BUFFER_RESPONSE_BYTES = 256 * 1024
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+
+
+def _bufferable(request: web.BaseRequest, upstream: aiohttp.ClientResponse, body: _Body) -> bool:
+    length = upstream.content_length
+    return (
+        request.method in _IDEMPOTENT
+        and body.replayable
+        and length is not None
+        and 0 < length <= BUFFER_RESPONSE_BYTES
+        and request.method != "HEAD"
+    )
 
 
 def _refused(exc: BaseException) -> bool:
