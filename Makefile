@@ -28,8 +28,8 @@ test: $(STAMP)
 CHAOS_REPORT ?= $(CURDIR)/chaos-report.jsonl
 chaos: $(STAMP)
 	rm -f $(CHAOS_REPORT)
-	CORRAL_CHAOS=long CORRAL_CHAOS_REPORT=$(CHAOS_REPORT) $(PY) -m pytest -n 2 tests/chaos
-	$(PY) tests/chaos/summarize.py $(CHAOS_REPORT)
+	CORRAL_CHAOS=long CORRAL_CHAOS_REPORT=$(CHAOS_REPORT) $(PY) -m pytest -n 2 tests/chaos; \
+	  status=$$?; $(PY) tests/chaos/summarize.py $(CHAOS_REPORT) && exit $$status
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples
