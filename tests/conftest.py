@@ -136,6 +136,38 @@ def http(
             return HttpAnswer(exc.code, exc.read(), dict(exc.headers))
 
 
+def spec_text(
+    name: str,
+    replicas: int,
+    *,
+    run: str | None = None,
+    setup: str | None = None,
+    workdir: Path | str = EXAMPLES,
+    envs: dict[str, str] | None = None,
+    extra: str = "",
+    period: float = 0.2,
+    initial_delay: float = 60,
+) -> str:
+    """The YAML of a service running examples/app.py (or ``run`` in ``workdir``) with fast
+    probes: what most tests bring up. ``extra`` is inserted as top-level lines (e.g. infra)."""
+    run = run or f"exec {sys.executable} app.py"
+    lines = [f"name: {name}", f"workdir: {workdir}", f"run: {json.dumps(run)}"]
+    if setup:
+        lines.append(f"setup: {json.dumps(setup)}")
+    if envs:
+        lines.append("envs:")
+        lines += [f"  {key}: {json.dumps(value)}" for key, value in envs.items()]
+    return (
+        "\n".join(lines) + "\n" + extra + "service:\n"
+        "  readiness_probe:\n"
+        "    path: /health\n"
+        f"    initial_delay_seconds: {initial_delay}\n"
+        f"    period_seconds: {period}\n"
+        "    timeout_seconds: 2\n"
+        f"  replicas: {replicas}\n"
+    )
+
+
 def write_spec(path: Path, text: str) -> Path:
     """Write a spec file (dedented by the caller) and return its path."""
     path.parent.mkdir(parents=True, exist_ok=True)

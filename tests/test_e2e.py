@@ -30,6 +30,7 @@ from conftest import (
     LineReader,
     http,
     pid_alive,
+    spec_text,
     wait_for,
     write_spec,
 )
@@ -55,20 +56,14 @@ def app_spec(
     initial_delay: float = 30,
 ) -> Path:
     """A spec running examples/app.py (or ``run`` in ``workdir``) with fast probes."""
-    run = run or f"exec {sys.executable} app.py"
-    setup_line = f"setup: {json.dumps(setup)}\n" if setup else ""
-    text = (
-        f"name: {name}\n"
-        f"workdir: {workdir}\n"
-        f"run: {json.dumps(run)}\n"
-        f"{setup_line}"
-        "service:\n"
-        "  readiness_probe:\n"
-        "    path: /health\n"
-        f"    initial_delay_seconds: {initial_delay}\n"
-        f"    period_seconds: {period}\n"
-        "    timeout_seconds: 2\n"
-        f"  replicas: {replicas}\n"
+    text = spec_text(
+        name,
+        replicas,
+        run=run,
+        setup=setup,
+        workdir=workdir,
+        period=period,
+        initial_delay=initial_delay,
     )
     return write_spec(directory / f"{name}.yaml", text)
 

@@ -19,7 +19,6 @@ import re
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -34,7 +33,7 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # see test_infra_ray.py
 pytest.importorskip("ray")
 
-from conftest import EXAMPLES, CorralHome, LineReader, http, pid_alive, wait_for, write_spec
+from conftest import CorralHome, LineReader, http, pid_alive, spec_text, wait_for, write_spec
 from ray_support import cluster_dir, guard_topology, topology
 
 from corral.infra._ray_cluster import LocalRayCluster
@@ -160,23 +159,7 @@ def ray_spec(
     run: str | None = None,
     resources: str = "",
 ) -> Path:
-    run = run or f"exec {sys.executable} app.py"
-    setup_line = f"setup: {json.dumps(setup)}\n" if setup else ""
-    text = (
-        f"name: {name}\n"
-        "infra: ray\n"
-        f"workdir: {EXAMPLES}\n"
-        f"run: {json.dumps(run)}\n"
-        f"{setup_line}"
-        f"{resources}"
-        "service:\n"
-        "  readiness_probe:\n"
-        "    path: /health\n"
-        "    initial_delay_seconds: 60\n"
-        "    period_seconds: 0.2\n"
-        "    timeout_seconds: 2\n"
-        f"  replicas: {replicas}\n"
-    )
+    text = spec_text(name, replicas, run=run, setup=setup, extra="infra: ray\n" + resources)
     return write_spec(directory / f"{name}.yaml", text)
 
 

@@ -38,10 +38,10 @@ from typing import Any
 import pytest
 from chaos_support import BASE_SEED, LONG, record, rng, rounds
 from conftest import (
-    EXAMPLES,
     CorralHome,
     http,
     pid_alive,
+    spec_text,
     wait_for,
     write_spec,
 )
@@ -103,20 +103,7 @@ def ops(home: CorralHome, service: str, op: str, replica: int | None = None) -> 
 def app_spec(directory: Path, name: str, replicas: int, *, marker: str = "0") -> Path:
     """examples/app.py with fast probes; ``marker`` goes into the envs (changing it makes an
     update that relaunches replicas, not just relabels them)."""
-    text = (
-        f"name: {name}\n"
-        f"workdir: {EXAMPLES}\n"
-        f"run: exec {sys.executable} app.py\n"
-        "envs:\n"
-        f"  ROUND: '{marker}'\n"
-        "service:\n"
-        "  readiness_probe:\n"
-        "    path: /health\n"
-        "    initial_delay_seconds: 60\n"
-        "    period_seconds: 0.2\n"
-        "    timeout_seconds: 2\n"
-        f"  replicas: {replicas}\n"
-    )
+    text = spec_text(name, replicas, envs={"ROUND": marker})
     return write_spec(directory / f"{name}.yaml", text)
 
 

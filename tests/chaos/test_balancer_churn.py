@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections import Counter
@@ -42,7 +41,14 @@ import psutil
 import pytest
 from aiohttp import web
 from chaos_support import LONG, record, rng, rounds, seconds
-from conftest import ENV_HOME_MARKER, EXAMPLES, CorralHome, pid_alive, wait_for, write_spec
+from conftest import (
+    ENV_HOME_MARKER,
+    CorralHome,
+    pid_alive,
+    spec_text,
+    wait_for,
+    write_spec,
+)
 
 from corral.balancer import LoadBalancer
 
@@ -186,21 +192,7 @@ class PacedLoad:
 
 def churn_spec(directory: Path, name: str, replicas: int, version: str = "1") -> Path:
     """examples/app.py with fast probes; APP_VERSION changes the launch (a rolling relaunch)."""
-    run = f"exec {sys.executable} app.py"
-    text = (
-        f"name: {name}\n"
-        f"workdir: {EXAMPLES}\n"
-        f"run: {json.dumps(run)}\n"
-        "envs:\n"
-        f"  APP_VERSION: {json.dumps(version)}\n"
-        "service:\n"
-        "  readiness_probe:\n"
-        "    path: /health\n"
-        "    initial_delay_seconds: 60\n"
-        "    period_seconds: 0.2\n"
-        "    timeout_seconds: 2\n"
-        f"  replicas: {replicas}\n"
-    )
+    text = spec_text(name, replicas, envs={"APP_VERSION": version})
     return write_spec(directory / f"{name}-v{version}-{replicas}.yaml", text)
 
 

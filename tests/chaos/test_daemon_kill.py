@@ -59,7 +59,7 @@ from random import Random
 
 import pytest
 from chaos_support import BASE_SEED, LONG, record, rng, rounds
-from conftest import EXAMPLES, CorralHome, http, pid_alive, wait_for
+from conftest import CorralHome, http, pid_alive, spec_text, wait_for
 from invariants import HomeState, Intent, check_home, marked_processes, read_state, settled
 
 pytestmark = pytest.mark.timeout(1200 if LONG else 300)
@@ -195,19 +195,8 @@ class Chaos:
     def spec(self, name: str, svc: Service) -> str:
         setup = f"if [ -e {self.trap} ]; then sleep 60; fi"
         run = f"exec {sys.executable} {self.wrapper} {self.stubborn}"
-        return (
-            f"name: {name}\n"
-            f"workdir: {EXAMPLES}\n"
-            f"setup: {json.dumps(setup)}\n"
-            f"run: {json.dumps(run)}\n"
-            f'envs: {{APP_VERSION: "{svc.app_version}"}}\n'
-            "service:\n"
-            "  readiness_probe:\n"
-            "    path: /health\n"
-            "    initial_delay_seconds: 60\n"
-            "    period_seconds: 0.2\n"
-            "    timeout_seconds: 2\n"
-            f"  replicas: {svc.replicas}\n"
+        return spec_text(
+            name, svc.replicas, run=run, setup=setup, envs={"APP_VERSION": svc.app_version}
         )
 
     # -- operations (each returns once the API accepted it: the intent is durable) ------------

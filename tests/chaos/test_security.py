@@ -47,7 +47,7 @@ from typing import Any
 import psutil
 import pytest
 from chaos_support import record, rng, rounds
-from conftest import EXAMPLES, REPO, CorralHome, wait_for, write_spec
+from conftest import EXAMPLES, REPO, CorralHome, spec_text, wait_for, write_spec
 
 from corral import api
 from corral.client import _names_loopback
@@ -221,19 +221,7 @@ def app_spec(directory: Path, name: str) -> Path:
         "tr '\\0' '\\n' < /proc/$$/environ > setup.env; "
         "{ readlink /proc/$$/fd/* || true; } > setup.fds"
     )
-    text = (
-        f"name: {name}\n"
-        f"workdir: {work}\n"
-        f"setup: {json.dumps(setup)}\n"
-        f"run: {json.dumps(run)}\n"
-        "service:\n"
-        "  readiness_probe:\n"
-        "    path: /health\n"
-        "    initial_delay_seconds: 60\n"
-        "    period_seconds: 0.2\n"
-        "    timeout_seconds: 2\n"
-        "  replicas: 1\n"
-    )
+    text = spec_text(name, 1, run=run, setup=setup, workdir=work)
     return write_spec(directory / f"{name}.yaml", text)
 
 
