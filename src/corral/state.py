@@ -15,7 +15,10 @@ whole wait. So the connection never waits itself (``busy_timeout`` 0): :meth:`St
 with the store's lock RELEASED between attempts, for a bounded time that depends on the caller.
 The event loop's thread waits at most ``loop_busy_timeout`` (a fraction of a second: it serves
 traffic), any other thread (launch jobs, ``asyncio.to_thread``) up to ``busy_timeout``. A caller
-that runs out of time gets :class:`StateBusy` and nothing was written: the API answers 503
+that runs out of time gets :class:`StateBusy` and nothing was written. Once the loop's thread
+has run out of time, its calls for the next ``LOOP_BUSY_COOLDOWN`` seconds try once and do not
+wait: with several services writing during a long outside lock, 0.25 s per call would add up to
+a loop that is blocked most of the time. The API answers 503
 ("locked, retry") and the controller retries on its next reconcile step. Any other SQLite
 failure (disk I/O error, read-only or full disk) is a :class:`StateError` with the file named.
 """
@@ -204,6 +207,11 @@ def _row(cls: type[Any], row: sqlite3.Row) -> Any:
     return cls(**{k: row[k] for k in row.keys()})  # noqa: SIM118 - sqlite3.Row has no __iter__ of keys
 
 
+# After the event loop's thread found the file locked for its whole wait, how long its later
+# calls try once without waiting (see the module docstring).
+LOOP_BUSY_COOLDOWN = 1.0
+
+
 class Store:
     """Typed queries over the state file. Safe to share between threads.
 
@@ -222,6 +230,7 @@ class Store:
         self.path = Path(path)
         self.busy_timeout = busy_timeout
         self.loop_busy_timeout = loop_busy_timeout
+        self._loop_busy_until = 0.0  # monotonic; see LOOP_BUSY_COOLDOWN
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         try:
@@ -292,10 +301,16 @@ class Store:
                         raise StateError(f"state file {self.path}: {exc}") from exc
                     busy = exc
             now = time.monotonic()
+            on_loop = _on_event_loop()
             if deadline is None:
-                wait = self.loop_busy_timeout if _on_event_loop() else self.busy_timeout
-                deadline = now + wait
+                if on_loop:
+                    cooling = now < self._loop_busy_until
+                    deadline = now + (0.0 if cooling else self.loop_busy_timeout)
+                else:
+                    deadline = now + self.busy_timeout
             if now >= deadline:
+                if on_loop:
+                    self._loop_busy_until = now + LOOP_BUSY_COOLDOWN
                 raise StateBusy(
                     f"state database {self.path} is locked by another process ({busy}); "
                     "nothing was changed, retry"
