@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,15 +80,33 @@ def up(
     _wait_ready(client, svc_name, timeout)
 
 
-def _wait_ready(client: Client, name: str, timeout: float | None) -> None:
+def _polled(
+    client: Client, name: str, timeout: float | None, late: Callable[[dict[str, Any]], str]
+) -> Iterator[dict[str, Any]]:
+    """Service ``name`` as the daemon shows it, every 0.25 s, until the caller stops asking.
+    A client error, or the deadline passing (``late`` says what was still awaited), ends the
+    command with an error; the service itself keeps going either way."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    seen: dict[int, str] = {}
     while True:
         try:
             service = client.service(name)
         except ClientError as exc:
             _fail(_client_error_text(exc))
             return
+        yield service
+        if deadline is not None and time.monotonic() > deadline:
+            _fail(late(service))
+        time.sleep(0.25)
+
+
+def _wait_ready(client: Client, name: str, timeout: float | None) -> None:
+    seen: dict[int, str] = {}
+
+    def late(service: dict[str, Any]) -> str:
+        status = service["status"]
+        return f"service {name} not READY after {timeout:g}s (status {status}); it keeps trying"
+
+    for service in _polled(client, name, timeout, late):
         for r in service["replicas"]:
             if seen.get(r["id"]) != r["status"]:
                 seen[r["id"]] = r["status"]
@@ -106,9 +125,6 @@ def _wait_ready(client: Client, name: str, timeout: float | None) -> None:
                 launch = " --launch" if last["status"] == "FAILED_PROVISION" else ""
                 hint = f"; see `corral logs {name} {last['id']}{launch}`"
             _fail(f"service {name} is {status}: {service.get('failure') or ''}{hint}")
-        if deadline is not None and time.monotonic() > deadline:
-            _fail(f"service {name} not READY after {timeout:g}s (status {status}); it keeps trying")
-        time.sleep(0.25)
 
 
 @main.command()
@@ -161,13 +177,11 @@ def update(
 
 def _wait_rollout(client: Client, name: str, version: int, timeout: float | None) -> None:
     """Wait until only the new version runs, at its target, or it is refused."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        try:
-            service = client.service(name)
-        except ClientError as exc:
-            _fail(_client_error_text(exc))
-            return
+
+    def late(service: dict[str, Any]) -> str:
+        return f"version {version} not fully rolled out after {timeout:g}s; it keeps going"
+
+    for service in _polled(client, name, timeout, late):
         live = [r for r in service["replicas"] if r["status"] in LIVE]
         ready_new = [r for r in live if r["version"] == version and r["status"] == "READY"]
         others = [r for r in live if r["version"] != version]
@@ -180,9 +194,6 @@ def _wait_rollout(client: Client, name: str, version: int, timeout: float | None
         if target is not None and not others and len(ready_new) >= target:
             out.print(f"[green]service {name}: version {version} serves all traffic[/green]")
             return
-        if deadline is not None and time.monotonic() > deadline:
-            _fail(f"version {version} not fully rolled out after {timeout:g}s; it keeps going")
-        time.sleep(0.25)
 
 
 @main.command()
