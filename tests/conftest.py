@@ -26,6 +26,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -166,6 +167,58 @@ def spec_text(
         "    timeout_seconds: 2\n"
         f"  replicas: {replicas}\n"
     )
+
+
+OPENSSL = shutil.which("openssl")
+needs_openssl = pytest.mark.skipif(OPENSSL is None, reason="the openssl command is missing")
+
+
+def make_cert(directory: Path, stem: str, names: str) -> tuple[Path, Path]:
+    """A self-signed EC certificate with ``names`` as subjectAltName (openssl syntax)."""
+    assert OPENSSL is not None
+    cert, key = directory / f"{stem}.pem", directory / f"{stem}.key"
+    subprocess.run(
+        [
+            OPENSSL,
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={stem}",
+            "-addext",
+            f"subjectAltName={names}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key
+
+
+READY_LINE = re.compile(r"service (\S+) is READY at (http://127\.0\.0\.1:\d+)")
+
+
+def endpoint_of(up_output: str) -> str:
+    """The endpoint `corral up` printed."""
+    match = READY_LINE.search(up_output)
+    assert match, f"`corral up` did not print the endpoint:\n{up_output}"
+    return match.group(2)
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    answer = http(url, timeout=timeout)
+    assert answer.status == 200, (url, answer.status, answer.body[:500])
+    return answer.json()
 
 
 def write_spec(path: Path, text: str) -> Path:

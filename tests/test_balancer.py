@@ -14,10 +14,8 @@ import gzip
 import hashlib
 import logging
 import random
-import shutil
 import socket
 import ssl
-import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from pathlib import Path
@@ -27,6 +25,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.client_reqrep import ConnectionKey
+from conftest import make_cert, needs_openssl
 
 from corral.balancer import LoadBalancer, make_policy
 from corral.balancer.policies import LeastLoad, PowerOfTwo, RoundRobin
@@ -454,32 +453,9 @@ def test_http10_client() -> None:
     run(main())
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@needs_openssl
 def test_https_listener(tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
+    cert, key = make_cert(tmp_path, "127.0.0.1", "IP:127.0.0.1")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
 

@@ -28,6 +28,8 @@ from conftest import (
     EXAMPLES,
     CorralHome,
     LineReader,
+    endpoint_of,
+    get_json,
     http,
     pid_alive,
     spec_text,
@@ -37,7 +39,6 @@ from conftest import (
 
 pytestmark = pytest.mark.timeout(150)
 
-READY_LINE = re.compile(r"service (\S+) is READY at (http://127\.0\.0\.1:\d+)")
 LIVE = {"PENDING", "PROVISIONING", "STARTING", "NOT_READY", "READY"}
 
 
@@ -66,18 +67,6 @@ def app_spec(
         initial_delay=initial_delay,
     )
     return write_spec(directory / f"{name}.yaml", text)
-
-
-def endpoint_of(up_output: str) -> str:
-    match = READY_LINE.search(up_output)
-    assert match, f"`corral up` did not print the endpoint:\n{up_output}"
-    return match.group(2)
-
-
-def get_json(url: str, timeout: float = 10.0) -> Any:
-    answer = http(url, timeout=timeout)
-    assert answer.status == 200, (url, answer.status, answer.body[:500])
-    return answer.json()
 
 
 def ready(service: dict[str, Any]) -> list[dict[str, Any]]:

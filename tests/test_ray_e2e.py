@@ -33,7 +33,17 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # see test_infra_ray.py
 pytest.importorskip("ray")
 
-from conftest import CorralHome, LineReader, http, pid_alive, spec_text, wait_for, write_spec
+from conftest import (
+    CorralHome,
+    LineReader,
+    endpoint_of,
+    get_json,
+    http,
+    pid_alive,
+    spec_text,
+    wait_for,
+    write_spec,
+)
 from ray_support import cluster_dir, guard_topology, topology
 
 from corral.infra._ray_cluster import LocalRayCluster
@@ -47,22 +57,9 @@ NODES: list[dict[str, Any]] = [
 ]
 CHANGES_TOPOLOGY = {"test_removed_node_replicas_are_replaced_elsewhere"}
 LIVE = {"PENDING", "PROVISIONING", "STARTING", "NOT_READY", "READY"}
-READY_LINE = re.compile(r"service (\S+) is READY at (http://127\.0\.0\.1:\d+)")
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def endpoint_of(up_output: str) -> str:
-    match = READY_LINE.search(up_output)
-    assert match, f"`corral up` did not print the endpoint:\n{up_output}"
-    return match.group(2)
-
-
-def get_json(url: str, timeout: float = 10.0) -> Any:
-    answer = http(url, timeout=timeout)
-    assert answer.status == 200, (url, answer.status, answer.body[:500])
-    return answer.json()
 
 
 @pytest.fixture(autouse=True)

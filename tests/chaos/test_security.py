@@ -33,7 +33,6 @@ import http.client
 import inspect
 import json
 import os
-import shutil
 import socket
 import ssl
 import stat
@@ -47,7 +46,16 @@ from typing import Any
 import psutil
 import pytest
 from chaos_support import record, rng, rounds
-from conftest import EXAMPLES, REPO, CorralHome, spec_text, wait_for, write_spec
+from conftest import (
+    EXAMPLES,
+    REPO,
+    CorralHome,
+    make_cert,
+    needs_openssl,
+    spec_text,
+    wait_for,
+    write_spec,
+)
 
 from corral import api
 from corral.client import _names_loopback
@@ -56,8 +64,6 @@ from corral.daemon import DaemonError, serve
 pytestmark = pytest.mark.timeout(240)
 
 SRC = REPO / "src" / "corral"
-OPENSSL = shutil.which("openssl")
-needs_openssl = pytest.mark.skipif(OPENSSL is None, reason="the openssl command is missing")
 
 # How many checks each test ran, and which tests finished: one report line per worker at the end.
 _CHECKS: dict[str, int] = {}
@@ -95,38 +101,6 @@ class Checks:
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def make_cert(directory: Path, stem: str, names: str) -> tuple[Path, Path]:
-    """A self-signed EC certificate with ``names`` as subjectAltName (openssl syntax)."""
-    assert OPENSSL is not None
-    cert, key = directory / f"{stem}.pem", directory / f"{stem}.key"
-    subprocess.run(
-        [
-            OPENSSL,
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            f"/CN={stem}",
-            "-addext",
-            f"subjectAltName={names}",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return cert, key
 
 
 def request(
