@@ -547,10 +547,7 @@ class ServiceController:
             if failure is not None and r.teardown_state is None:
                 self._retire(r, f"replica {failure}")
             elif r.teardown_state == "failed":
-                # Retried for as long as it fails (backoff capped at BACKOFF_CAP): a replica
-                # whose teardown failed may still run, and giving up after a few attempts
-                # left it running for good once a backend outage outlasted them.
-                if now - r.updated_at >= _backoff(r.teardown_attempts):
+                if _teardown_retry_due(r, now):
                     self._retire(r, f"retrying teardown (attempt {r.teardown_attempts + 1})")
             elif r.scale_down and r.teardown_state is None:
                 self._retire(r, "scaled down")
@@ -657,7 +654,7 @@ class ServiceController:
                 continue
             remaining += 1
             if r.teardown_state == "failed":
-                if time.time() - r.updated_at >= _backoff(r.teardown_attempts):
+                if _teardown_retry_due(r, time.time()):
                     self._retire(r, "service down (retry)")
             else:
                 self._retire(r, "service down")
@@ -1222,6 +1219,13 @@ def _replica_failure(text: str | None) -> str | None:
         return text
     _, sep, original = text.partition(_BEFORE)
     return original if sep else None
+
+
+def _teardown_retry_due(r: ReplicaRow, now: float) -> bool:
+    """A failed teardown is retried for as long as it fails (backoff capped at BACKOFF_CAP): a
+    replica whose teardown failed may still run, and giving up after a few attempts left it
+    running for good once a backend outage outlasted them."""
+    return now - r.updated_at >= _backoff(r.teardown_attempts)
 
 
 def _backoff(failures: int) -> float:
