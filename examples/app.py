@@ -36,6 +36,19 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self) -> None:
+        """Echo what arrived: the tests check that a POST reaches exactly one replica, once."""
+        length = int(self.headers.get("Content-Length") or 0)
+        received = self.rfile.read(length) if length else b""
+        body = json.dumps(
+            {"replica": REPLICA, "pid": os.getpid(), "path": self.path, "received": len(received)}
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, format: str, *args: object) -> None:
         print(f"replica {REPLICA}: {format % args}", flush=True)
 

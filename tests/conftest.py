@@ -11,7 +11,8 @@ behind, because a leak is a bug:
 1. ``corral down --all --purge`` (best effort; a daemon is started for it when the test left
    services but no daemon),
 2. the daemon is stopped by pid (SIGTERM, then SIGKILL after a deadline: needing SIGKILL fails
-   the test),
+   the test), then its balancer workers (they outlive a daemon on purpose) by their recorded
+   pids,
 3. every replica pid seen in a status during the test, and every process whose environment
    carries this home's ``CORRAL_HOME_MARKER``, must be gone: survivors are killed by pid and
    reported as a failure.
@@ -615,6 +616,23 @@ class CorralHome:
                 f"daemon pid(s) {stuck} still alive {DAEMON_STOP_TIMEOUT:g}s after SIGTERM"
             )
             kill_pids(stuck)
+        self.stop_workers()
+
+    def worker_pids(self) -> list[int]:
+        """Live balancer workers recorded in the home's state file."""
+        if not (self.path / "state.db").exists():
+            return []
+        try:
+            rows = self.db_rows("SELECT pid FROM balancer_workers ORDER BY slot")
+        except sqlite3.Error:
+            return []
+        return [int(pid) for (pid,) in rows if pid_alive(int(pid))]
+
+    def stop_workers(self) -> list[int]:
+        """Stop the home's balancer workers (no daemon may run: it would restart them)."""
+        from corral.dataplane.plane import stop_recorded_workers
+
+        return stop_recorded_workers(self.path, timeout=KILL_TIMEOUT)
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:
@@ -637,6 +655,9 @@ def corral_home(tmp_path: Path) -> Iterator[CorralHome]:
             del env[key]
     env["CORRAL_HOME"] = str(path)
     env["PYTHONUNBUFFERED"] = "1"
+    # Tests kill and restart daemons themselves; the workers' restart of a crashed daemon is
+    # turned on by the tests of it.
+    env["CORRAL_DAEMON_RESPAWN"] = "0"
     home = CorralHome(path=path, env=env)
     yield home
     problems = home.teardown()

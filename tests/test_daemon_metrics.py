@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import EXAMPLES, CorralHome, http, write_spec
+from conftest import EXAMPLES, CorralHome, http, wait_for, write_spec
 
 
 def test_metrics_count_requests_per_service(corral_home: CorralHome, tmp_path: Path) -> None:
@@ -19,11 +19,16 @@ def test_metrics_count_requests_per_service(corral_home: CorralHome, tmp_path: P
     for _ in range(7):
         assert http(svc["endpoint"] + "/x").status == 200
     assert home.api("GET", "/metrics", token=None).status == 401
-    answer = home.api("GET", "/metrics")
-    assert answer.status == 200
-    assert answer.headers["Content-Type"].startswith("text/plain")
-    text = answer.body.decode()
-    assert 'corral_lb_requests_total{code="200",service="m"} 7.0' in text
+
+    def scraped() -> str | None:
+        # The balancer workers report every 0.25 s: the counts are that much behind at most.
+        answer = home.api("GET", "/metrics")
+        assert answer.status == 200
+        assert answer.headers["Content-Type"].startswith("text/plain")
+        text = answer.body.decode()
+        return text if 'corral_lb_requests_total{code="200",service="m"} 7.0' in text else None
+
+    text = wait_for(scraped, 10, "7 requests in /metrics")
     assert 'corral_lb_request_seconds_count{service="m"} 7.0' in text
     replica = svc["replicas"][0]["id"]
     assert f'corral_lb_in_flight{{replica="{replica}",service="m"}} 0.0' in text

@@ -144,13 +144,23 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
                 "started_at": daemon.started_at,
                 "services": len(daemon.controllers),
                 "jobs": daemon.deps.pool.stats(),
+                "balancer_workers": daemon.deps.dataplane.workers(),
             }
         )
 
     @routes.post("/v1/daemon/stop")
     async def stop(request: web.Request) -> web.Response:
+        # ?all=1: the balancer workers stop too; without it they keep serving every service.
+        everything = request.query.get("all", "") in ("1", "true", "yes")
+        daemon.stop_workers = daemon.stop_workers or everything
         daemon.stop_requested.set()
-        return _json({"stopping": True}, status=202)
+        return _json({"stopping": True, "balancer_workers_stop": daemon.stop_workers}, status=202)
+
+    @routes.post("/v1/daemon/restart-workers")
+    async def restart_workers(request: web.Request) -> web.Response:
+        # Each balancer worker replaced by a new process, new one first (an upgrade of corral
+        # reaches the data plane this way, with no moment where a port has no listener).
+        return _json({"restarted": await daemon.deps.dataplane.restart_workers()})
 
     @routes.get("/v1/services")
     async def list_services(request: web.Request) -> web.Response:
@@ -264,9 +274,8 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
     @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:
         """Prometheus exposition of every service's balancer (requests, errors, latency,
-        in-flight per replica, retries)."""
-        registry = daemon.deps.metrics
-        body = render(registry.registry) if registry is not None else b""
+        in-flight per replica, retries), summed over the balancer workers' latest reports."""
+        body = render(daemon.deps.dataplane.stats())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @routes.get("/v1/openapi.json")
@@ -486,7 +495,22 @@ OPENAPI: dict[str, Any] = {
                 )
             }
         },
-        "/v1/daemon/stop": {"post": {"responses": _answers(_ok(202, {"type": "object"}))}},
+        "/v1/daemon/stop": {
+            "post": {
+                "parameters": [
+                    {
+                        "name": "all",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["0", "1"]},
+                    }
+                ],
+                "responses": _answers(_ok(202, {"type": "object"})),
+            }
+        },
+        "/v1/daemon/restart-workers": {
+            "post": {"responses": _answers(_ok(200, {"type": "object"}))}
+        },
         "/v1/services": {
             "get": {
                 "responses": _answers(

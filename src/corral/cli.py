@@ -249,6 +249,9 @@ def status(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
     for s in services:
         if s.get("failure"):
             out.print(f"[red]{s['name']}:[/red] {s['failure']}", soft_wrap=True)
+        for problem in s.get("balancer_errors") or ():
+            # The endpoint is kept, not moved: whoever holds the port must let it go.
+            out.print(f"[red]{s['name']}: endpoint not served:[/red] {problem}", soft_wrap=True)
 
 
 @main.command()
@@ -420,21 +423,68 @@ def daemon_run(
         _fail(str(exc))
 
 
-@daemon.command("stop")
+@daemon.command("start")
 @click.pass_context
-def daemon_stop(ctx: click.Context) -> None:
-    """Stop the daemon; replicas keep running and are re-adopted by the next daemon."""
-    client = Client(_home(ctx))
+def daemon_start(ctx: click.Context) -> None:
+    """Start the daemon in the background (if none runs) and wait until it answers."""
+    client = _client(ctx, start=True)
+    info = client.request("GET", "/v1/daemon")
+    out.print(f"daemon pid {info.get('pid')} serving {_home(ctx)}")
+
+
+@daemon.command("stop")
+@click.option(
+    "--all",
+    "everything",
+    is_flag=True,
+    help="Stop the balancer workers too: every service's endpoint stops answering.",
+)
+@click.pass_context
+def daemon_stop(ctx: click.Context, everything: bool) -> None:
+    """Stop the control plane. Services keep serving: the balancer workers and the replicas
+    keep running, and the next daemon (any corral command starts one) adopts them."""
+    home = _home(ctx)
+    client = Client(home)
     if not client.health():
         if isinstance(client.last_error, UntrustedDaemon):
             _fail(str(client.last_error))
         out.print("no daemon running")
+        if everything:
+            _stop_orphan_workers(home)
         return
-    client.stop_daemon()
+    client.stop_daemon(workers=everything)
     deadline = time.monotonic() + 30
     while client.health() and time.monotonic() < deadline:
         time.sleep(0.1)
-    out.print("daemon stopped")
+    if everything:
+        _stop_orphan_workers(home)  # any the daemon could not reach
+        out.print("daemon and balancer workers stopped: service endpoints no longer answer")
+    else:
+        out.print(
+            "daemon stopped; services keep serving (balancer workers and replicas still run). "
+            "`corral daemon start` brings the control plane back; "
+            "`corral daemon stop --all` stops the balancer workers too."
+        )
+
+
+@daemon.command("restart-workers")
+@click.pass_context
+def daemon_restart_workers(ctx: click.Context) -> None:
+    """Replace each balancer worker by a new process (new one first, so every port keeps a
+    listener): after upgrading corral, this moves traffic to the new code."""
+    client = _client(ctx, start=True)
+    client.timeout = 120.0  # one slot at a time, each up to 15 s
+    answer = client.request("POST", "/v1/daemon/restart-workers")
+    for item in answer.get("restarted", []):
+        out.print(f"worker {item['slot']}: pid {item['old_pid']} -> {item['new_pid']}")
+
+
+def _stop_orphan_workers(home: Path) -> None:
+    from corral.dataplane.plane import stop_recorded_workers
+
+    stopped = stop_recorded_workers(home)
+    if stopped:
+        out.print(f"stopped {len(stopped)} balancer worker(s): pid {', '.join(map(str, stopped))}")
 
 
 @daemon.command("status")

@@ -316,8 +316,9 @@ class Client:
             params["replica"] = replica
         return self.stream(f"/v1/services/{quote(name, safe='')}/logs", params)
 
-    def stop_daemon(self) -> None:
-        self.request("POST", "/v1/daemon/stop")
+    def stop_daemon(self, *, workers: bool = False) -> None:
+        """Stop the control plane; with ``workers`` the balancer workers too."""
+        self.request("POST", "/v1/daemon/stop", params={"all": "1"} if workers else None)
 
 
 def ensure_daemon(home: Path, timeout: float = 20.0) -> Client:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -26,7 +27,8 @@ import aiohttp
 
 from corral import capture, logfiles
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
-from corral.balancer import BalancerMetrics, LoadBalancer
+from corral.dataplane.plane import DataPlane, ServiceRoute
+from corral.dataplane.protocol import Route
 from corral.infra.base import EndpointOwner, Infra, LaunchRequest, Liveness, ReplicaHandle
 from corral.jobs import Job, JobPool, JobState
 from corral.probe import ProbeResult, probe
@@ -62,6 +64,7 @@ class ControllerDeps:
     home: Path
     home_marker: str
     http: aiohttp.ClientSession
+    dataplane: DataPlane  # the balancer workers: every service's traffic, out of this process
     drain_timeout: float = 30.0
     teardown_grace: float = 5.0
     # A teardown job running longer than this is abandoned and reported (FAILED_CLEANUP): a
@@ -69,7 +72,6 @@ class ControllerDeps:
     teardown_timeout: float = 120.0
     decision_interval: float = 5.0  # autoscaler decisions (SkyServe: 20 s)
     qps_window: float = 60.0  # the autoscaler's load signal: requests over this window
-    metrics: BalancerMetrics | None = None  # one Prometheus registry for every service
     # Replica logs over this are rotated (corral.logfiles: copy to .1, truncate); 0: no cap.
     log_max_bytes: int = logfiles.DEFAULT_MAX_BYTES
 
@@ -126,7 +128,8 @@ class ServiceController:
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
-        self.balancer: LoadBalancer | None = None
+        self.balancer: ServiceRoute | None = None
+        self._route_version = 0  # the version whose `service:` settings the route carries
         self.failed: str | None = None  # the controller itself crashed
         self.last_decision: str = ""
         self._autoscaler: Autoscaler | None = None
@@ -199,7 +202,8 @@ class ServiceController:
             delay = min(delay * 2, 5.0)
 
     async def stop(self) -> None:
-        """Stop controlling (daemon shutdown). Replicas keep running; a restart re-adopts them."""
+        """Stop controlling (daemon shutdown). Replicas keep running, and the balancer workers
+        keep serving them; a restart re-adopts both."""
         self._stopping = True
         self._wake.set()
         tasks = list(self._tasks)
@@ -208,8 +212,6 @@ class ServiceController:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.balancer is not None:
-            await self.balancer.stop()
 
     async def _wait_for_down(self) -> None:
         """Return once the service is asked to shut down (or is gone, or the daemon stops)."""
@@ -246,51 +248,39 @@ class ServiceController:
     # -- balancer -----------------------------------------------------------------------------
 
     async def _start_balancer(self) -> None:
+        """Put the service in the data plane's table (its port was chosen at create and is
+        kept for the service's life: the workers may already serve it from before a restart)."""
         row = self.store.service(self.name)
         if row is None:
             raise KeyError(self.name)
-        spec = self.spec(row.current_version)
-        ssl_context = None
-        tls = spec.service.tls
-        if tls is not None:
-            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(tls.certfile, tls.keyfile)
-        policy = spec.service.replica_policy
-        wait = 60.0 if policy.min_replicas == 0 else 0.0
-        port = row.lb_port or 0
+        port = row.lb_port
+        if port is None:
+            port = free_port()
+            self.store.update_service(self.name, lb_port=port)
+        self._route_version = row.current_version
+        route = self._route(row.current_version, port)
+        check_tls(route)  # a missing or bad file fails the service here, not in every worker
+        self.balancer = self.deps.dataplane.route(self.name, route)
 
-        lb = spec.service.load_balancer
-
-        def make(port: int) -> LoadBalancer:
-            return LoadBalancer(
-                name=self.name,
-                port=port,
-                policy=spec.service.load_balancing_policy,
-                ssl_context=ssl_context,
-                no_replica_wait=wait,
-                connect_timeout=lb.connect_timeout_seconds,
-                first_byte_timeout=lb.first_byte_timeout_seconds or lb.stream_timeout_seconds,
-                idle_timeout=lb.stream_timeout_seconds,
-                max_body_bytes=lb.max_body_bytes,
-                max_header_bytes=lb.max_header_bytes,
-                header_timeout=lb.header_timeout_seconds,
-                metrics=self.deps.metrics,
-            )
-
-        balancer = make(port)
+    def _follow_version(self, version: int) -> None:
+        """An update may change the balancer's settings (policy, timeouts, TLS): the workers
+        get the new ones with the next table (a new listener on the same port)."""
+        if self.balancer is None or version == self._route_version:
+            return
+        self._route_version = version
+        route = self._route(version, self.balancer.port)
         try:
-            actual = await balancer.start()
-        except OSError as exc:
-            if port == 0:
-                raise
-            log.warning(
-                "service %s: port %d unavailable (%s), picking another", self.name, port, exc
-            )
-            balancer = make(0)
-            actual = await balancer.start()
-        if actual != row.lb_port:
-            self.store.update_service(self.name, lb_port=actual)
-        self.balancer = balancer
+            check_tls(route)
+        except (OSError, ssl.SSLError) as exc:
+            text = f"balancer settings of version {version} not applied (TLS): {exc}"
+            log.error("service %s: %s", self.name, text)
+            self.store.event(self.name, "balancer.tls_failed", text)
+            return
+        self.balancer.configure(route)
+
+    def _route(self, version: int, port: int) -> Route:
+        row = self.store.version(self.name, version)
+        return route_of(self.spec(version), port, row.base_dir if row is not None else None)
 
     def _publish_ready(self) -> None:
         if self.balancer is not None:
@@ -300,7 +290,8 @@ class ServiceController:
                     rid: endpoint
                     for rid, endpoint in self._rt.ready.items()
                     if held is None or self._rt.versions.get(rid) != held
-                }
+                },
+                self._rt.versions,
             )
 
     def _set_ready(self, replica_id: int, endpoint: str | None, version: int = 0) -> None:
@@ -481,13 +472,7 @@ class ServiceController:
             except Exception:
                 log.exception("service %s: reconcile step failed", self.name)
                 done = False
-            if done:
-                # Forget the service before the (slow) balancer stop: its row is gone, so
-                # the API must answer 404 for it from now on, and a new `up` may reuse the name.
-                if self._on_removed is not None:
-                    self._on_removed(self.name)
-                if self.balancer is not None:
-                    await self.balancer.stop()
+            if done and await self._remove():
                 return
             interval = 2.0
             if self._autoscaler is not None:
@@ -495,6 +480,24 @@ class ServiceController:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=interval)
             self._wake.clear()
+
+    async def _remove(self) -> bool:
+        """The last step of `down`: close the endpoint (the workers confirm, bounded), then
+        delete the service, so that once the API answers 404 its port is closed too and the
+        name is free again. False if the state file refused the delete (retried next step)."""
+        if self.balancer is not None and not await self.balancer.close():
+            log.warning("service %s: a balancer worker did not confirm the close", self.name)
+        try:
+            if self.store.service(self.name) is not None:
+                self.store.event(self.name, "service.removed", "all replicas torn down")
+                self.store.delete_service(self.name)
+                log.info("service %s: removed", self.name)
+        except StateError as exc:
+            log.warning("service %s: removal postponed: %s", self.name, exc)
+            return False
+        if self._on_removed is not None:
+            self._on_removed(self.name)
+        return True
 
     def _decide(self, version: int, spec: ServiceSpec) -> Decision:
         """The autoscaler's target, re-decided every decision interval from the balancer's
@@ -537,6 +540,7 @@ class ServiceController:
         if svc.intent == "shutting_down":
             return self._reconcile_down(replicas, purge=bool(svc.purge))
         spec = self.spec(svc.current_version)
+        self._follow_version(svc.current_version)
         now = time.time()
 
         for r in replicas:
@@ -658,12 +662,8 @@ class ServiceController:
                     self._retire(r, "service down (retry)")
             else:
                 self._retire(r, "service down")
-        if remaining == 0 and not self._rt.launches and not self._rt.teardowns:
-            self.store.event(self.name, "service.removed", "all replicas torn down")
-            self.store.delete_service(self.name)
-            log.info("service %s: removed", self.name)
-            return True
-        return False
+        # Nothing left: the service may go (the loop closes its endpoint, then deletes it).
+        return remaining == 0 and not self._rt.launches and not self._rt.teardowns
 
     def _gave_up(self, version: int, current: list[ReplicaRow]) -> str | None:
         """SkyServe's rule, with a count: a version that never became ready and keeps failing
@@ -1188,6 +1188,7 @@ class ServiceController:
             "policy": policy,
             "versions": versions,
             "traffic_held_for_version": self._held_version,
+            "balancer_errors": self.balancer.bind_errors() if self.balancer is not None else [],
             "failure": self.failed or svc.failure,
             "last_decision": self.last_decision,
             "created_at": svc.created_at,
@@ -1206,6 +1207,53 @@ class ServiceController:
                 for r, status_ in zip(rows, statuses, strict=True)
             ],
         }
+
+
+def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route:
+    """The data plane's route of a service (everything but the ready set) from its spec.
+
+    Relative TLS file paths are taken from the spec file's directory (``base_dir``), as
+    ``workdir`` is: the workers run elsewhere, and the path must mean the same file to them."""
+    lb = spec.service.load_balancer
+    tls = spec.service.tls
+
+    def path(value: str) -> str:
+        file = Path(value).expanduser()
+        if not file.is_absolute() and base_dir:
+            file = Path(base_dir) / file
+        return str(file)
+
+    return Route(
+        port=port,
+        tls_cert=path(tls.certfile) if tls is not None else None,
+        tls_key=path(tls.keyfile) if tls is not None else None,
+        config={
+            "policy": spec.service.load_balancing_policy,
+            # At zero replicas a request waits for the first one instead of a 503.
+            "no_replica_wait": 60.0 if spec.service.replica_policy.min_replicas == 0 else 0.0,
+            "connect_timeout": lb.connect_timeout_seconds,
+            "first_byte_timeout": lb.first_byte_timeout_seconds or lb.stream_timeout_seconds,
+            "idle_timeout": lb.stream_timeout_seconds,
+            "max_body_bytes": lb.max_body_bytes,
+            "max_header_bytes": lb.max_header_bytes,
+            "header_timeout": lb.header_timeout_seconds,
+        },
+    )
+
+
+def check_tls(route: Route) -> None:
+    """Load a route's certificate and key as a worker will (same user, same machine), so a
+    missing or unreadable file is an error the user sees in `status`, not a log line in each
+    balancer worker. Raises OSError or ssl.SSLError."""
+    if route.tls_cert and route.tls_key:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(route.tls_cert, route.tls_key)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 _TEARDOWN_FAILED = "teardown failed: "

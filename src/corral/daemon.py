@@ -1,8 +1,10 @@
-"""The daemon: one process per corral home that hosts every service.
+"""The daemon: the control plane of one corral home, hosting every service's controller.
 
-Why one process: a service costs a controller task, a balancer listener and a few rows, not two
-processes and a worker per launch. The daemon owns the event loop (API, controllers, balancers,
-probes), the JobPool (launch/teardown threads) and the state file. Its files in the home:
+Why one process: a service costs a controller task and a few rows, not two processes and a
+worker per launch. The daemon owns the event loop (API, controllers, probes), the JobPool
+(launch/teardown threads) and the state file. Traffic does not run here: the balancer workers
+(:mod:`corral.dataplane`) are processes of their own that outlive the daemon; the daemon starts
+or adopts them and pushes them the routing table. Its files in the home:
 
 * ``daemon.lock``: an ``flock`` held for the daemon's life: two daemons on one home are impossible.
 * ``daemon.json``: pid, API host, port and scheme (and the TLS certificate's path, which a local
@@ -10,7 +12,10 @@ probes), the JobPool (launch/teardown threads) and the state file. Its files in 
 * ``token``: the API's bearer token, mode 0600; never passed to replicas.
 * ``home_id``: a stable random id put in every replica's environment so a crashed daemon's
   half-recorded launches can be found and killed (the leak sweep at start).
-* ``state.db``: services, versions, replicas, events.
+* ``state.db``: services, versions, replicas, events, balancer workers.
+* ``dataplane.sock`` (0600): the channel to the balancer workers; ``dataplane/worker-N.log``.
+* ``daemon.stopped``: written when the daemon stops on purpose, so the workers do not start it
+  again (they do, within seconds, after a crash or a SIGKILL).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import ssl
 import sys
 import time
@@ -32,11 +36,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
-from prometheus_client import CollectorRegistry
 
 from corral import capture, logfiles
-from corral.balancer import BalancerMetrics
-from corral.controller import ControllerDeps, ServiceController, handle_from_row
+from corral.controller import ControllerDeps, ServiceController, free_port, handle_from_row
+from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
+from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
 from corral.infra.base import Infra, ReplicaHandle
 from corral.infra.local import LocalInfra
@@ -98,12 +102,6 @@ def _lock(home: Path) -> IO[str]:
     return f
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class Daemon:
     """The services of one home, and the operations the API offers on them."""
 
@@ -114,6 +112,8 @@ class Daemon:
         self.controllers: dict[str, ServiceController] = {}
         self.started_at = time.time()
         self.stop_requested = asyncio.Event()
+        # `corral daemon stop --all`: the balancer workers stop too (else they keep serving).
+        self.stop_workers = False
 
     async def start_controllers(self) -> None:
         for svc in self.store.services():
@@ -148,6 +148,8 @@ class Daemon:
         except KeyError:
             raise RequestError(409, f"service {spec.name!r} already exists") from None
         controller = await self._start_controller(spec.name)
+        if controller.balancer is not None and not await controller.balancer.wait_serving():
+            log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
 
     async def update(
@@ -303,6 +305,29 @@ def _env_bytes(name: str) -> int:
         raise DaemonError(f"${name}: {exc}") from None
 
 
+def _env_workers() -> int:
+    value = os.environ.get("CORRAL_BALANCER_WORKERS")
+    if not value:
+        return DEFAULT_WORKERS
+    try:
+        number = int(value)
+    except ValueError:
+        raise DaemonError(
+            f"$CORRAL_BALANCER_WORKERS must be a whole number, not {value!r}"
+        ) from None
+    if not 1 <= number <= 64:
+        raise DaemonError(f"$CORRAL_BALANCER_WORKERS must be between 1 and 64, not {number}")
+    return number
+
+
+def _respawn_command() -> dict[str, Any] | None:
+    """How the balancer workers start this daemon again after a crash: this very command
+    (``CORRAL_DAEMON_RESPAWN=0`` turns that off, e.g. under a supervisor of one's own)."""
+    if os.environ.get("CORRAL_DAEMON_RESPAWN", "1") == "0":
+        return None
+    return {"argv": [sys.executable, *sys.orig_argv[1:]], "cwd": os.getcwd()}
+
+
 def _cluster_backends() -> dict[str, Infra]:
     """Backends for clusters the user pointed corral at (optional dependencies).
 
@@ -389,12 +414,23 @@ async def serve(
     for note in notes:
         log.warning("API token: %s", note)
     home_marker = _home_id(home)
+    with contextlib.suppress(FileNotFoundError):
+        (home / STOPPED_MARKER).unlink()
     store = Store(home / "state.db")
     pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
     if infras is None:
         infras = {"local": LocalInfra(), **_cluster_backends()}
     infras = dict(infras)
     _sweep(home_marker, infras, store)
+    dataplane = DataPlane(home, store, workers=_env_workers(), respawn=_respawn_command())
+
+    def bind_failed(name: str, text: str) -> None:
+        log.error("service %s: %s", name, text)
+        with contextlib.suppress(Exception):
+            store.event(name, "balancer.bind_failed", text)
+
+    dataplane.on_bind_error = bind_failed
+    await dataplane.start()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         deps = ControllerDeps(
@@ -404,17 +440,18 @@ async def serve(
             home=home,
             home_marker=home_marker,
             http=http,
+            dataplane=dataplane,
             decision_interval=_env_float("CORRAL_DECISION_INTERVAL", 5.0),
             qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
             teardown_timeout=_env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
             log_max_bytes=_env_bytes("CORRAL_LOG_MAX_BYTES"),
-            metrics=BalancerMetrics(CollectorRegistry()),
         )
         daemon = Daemon(home, store, deps)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop_requested.set)
         await daemon.start_controllers()
+        dataplane.open()  # the re-adopted ready sets go to the workers in one table
         from aiohttp import web
 
         from corral.api import make_runner  # the API layer sits above the daemon
@@ -445,12 +482,22 @@ async def serve(
         )
         try:
             await daemon.stop_requested.wait()
+            # On purpose (a signal or `corral daemon stop`): the workers must not restart it.
+            with contextlib.suppress(OSError):
+                (home / STOPPED_MARKER).write_text(f"{time.time()}\n")
         finally:
-            log.info("corral daemon stopping (replicas keep running; a restart re-adopts them)")
+            if daemon.stop_workers:
+                log.info("corral daemon stopping, balancer workers too")
+            else:
+                log.info(
+                    "corral daemon stopping: balancer workers keep serving, replicas keep "
+                    "running; the next daemon adopts both"
+                )
             with contextlib.suppress(FileNotFoundError):
                 (home / "daemon.json").unlink()
             await runner.cleanup()
             await daemon.stop_controllers()
+            await dataplane.stop(workers=daemon.stop_workers)
             await asyncio.to_thread(pool.shutdown, timeout=15.0)
             store.close()
             lock.close()

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Each entry migrates from version i to i+1; a new schema change appends one entry.
 _MIGRATIONS: list[str] = [
@@ -101,6 +101,16 @@ _MIGRATIONS: list[str] = [
     # 2: updates. How a version replaces the one before it.
     """
     ALTER TABLE versions ADD COLUMN mode TEXT NOT NULL DEFAULT 'rolling'
+    """,
+    # 3: the data plane. Balancer worker processes outlive the daemon; the next daemon adopts
+    # them by (pid, process creation time) instead of starting a second set.
+    """
+    CREATE TABLE balancer_workers (
+        slot INTEGER PRIMARY KEY,
+        pid INTEGER NOT NULL,
+        created REAL NOT NULL,
+        started_at REAL NOT NULL
+    )
     """,
 ]
 
@@ -198,6 +208,17 @@ class EventRow:
     actor: str
     action: str
     reason: str | None
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """A balancer worker process (see corral.dataplane): ``created`` is its creation time as
+    psutil reports it, so a recycled pid is never taken for the worker."""
+
+    slot: int
+    pid: int
+    created: float
+    started_at: float
 
 
 _REPLICA_FACTS = frozenset(f.name for f in fields(ReplicaRow)) - {"id", "service", "created_at"}
@@ -560,6 +581,23 @@ class Store:
             (service, after, limit),
         )
         return [_row(EventRow, r) for r in rows]
+
+    # -- balancer workers ---------------------------------------------------------------------
+
+    def workers(self) -> list[WorkerRow]:
+        return [
+            _row(WorkerRow, r) for r in self._query("SELECT * FROM balancer_workers ORDER BY slot")
+        ]
+
+    def set_worker(self, slot: int, pid: int, created: float) -> None:
+        self._execute(
+            "INSERT OR REPLACE INTO balancer_workers (slot, pid, created, started_at)"
+            " VALUES (?, ?, ?, ?)",
+            (slot, pid, created, time.time()),
+        )
+
+    def delete_worker(self, slot: int) -> None:
+        self._execute("DELETE FROM balancer_workers WHERE slot = ?", (slot,))
 
 
 def _split(script: str) -> list[str]:

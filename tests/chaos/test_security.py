@@ -706,8 +706,10 @@ def test_balancer_and_replicas_stay_inside_their_service(
     assert info is not None
     api_port = int(info["port"])
 
-    # Every socket the daemon listens on (API and balancers) is on loopback.
+    # Every socket the daemon (API) and its balancer workers listen on is on loopback.
     sockets = listening(daemon_pid)
+    for worker in corral_home.worker_pids():
+        sockets += listening(worker)
     check({port_a, port_b, api_port} <= {p for _, p in sockets}, sockets)
     check(all(addr == "127.0.0.1" for addr, _ in sockets), sockets)
 

@@ -1,0 +1,662 @@
+"""The daemon's side of the data plane: workers kept alive, tables pushed, reports gathered.
+
+:class:`DataPlane` listens on the home's Unix socket, starts the balancer workers or adopts the
+ones a previous daemon left (by pid and creation time, recorded in SQLite, so a restart never
+starts a second set), restarts a worker that died, pushes the routing table to every worker the
+moment it changes, and keeps what the workers report. :class:`ServiceRoute` is one service's view
+of all that, with the methods the controller used on an in-process balancer (``set_ready``,
+``wait_drained``, ``request_timestamps``), so the controller does not know where traffic runs.
+
+Nothing is pushed before :meth:`DataPlane.open`: a restarted daemon first lets its controllers
+re-adopt their replicas, and until then the workers keep serving the table they had (a route
+whose ready set is not known yet is sent as "keep yours", see ``protocol.Route``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Final
+
+import psutil
+
+from corral.balancer.metrics import merge_stats
+from corral.dataplane.protocol import (
+    HISTORY_SECONDS,
+    MAX_MESSAGE,
+    TIME_BUCKET,
+    Route,
+    decode,
+    encode,
+    socket_path,
+)
+from corral.state import StateError, Store
+
+log = logging.getLogger("corral.dataplane")
+
+DEFAULT_WORKERS: Final = min(os.cpu_count() or 1, 4)
+# How often worker processes are checked (a dead one is restarted within about this long).
+CHECK_INTERVAL: Final = 0.25
+# A worker dying sooner than this after its start is a crash loop: restarts back off.
+CRASH_WINDOW: Final = 5.0
+SPAWN_BACKOFF_CAP: Final = 30.0
+# `stop(workers=True)`: how long workers get to finish in-flight requests before SIGKILL.
+WORKER_STOP_TIMEOUT: Final = 10.0
+
+
+@dataclass
+class _Conn:
+    """One connected worker and its latest report."""
+
+    slot: int
+    pid: int
+    writer: asyncio.StreamWriter
+    seq: int = 0
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class ServiceRoute:
+    """One service in the data plane; see the module docstring."""
+
+    def __init__(self, plane: DataPlane, name: str, route: Route) -> None:
+        self._plane = plane
+        self.name = name
+        self.route = route
+        self._left: dict[int, int] = {}  # replica id -> seq of the first table without it
+
+    @property
+    def port(self) -> int:
+        return self.route.port
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.route.tls_cert else "http"
+        return f"{scheme}://127.0.0.1:{self.route.port}"
+
+    def configure(self, route: Route) -> None:
+        """New listener settings (an update changed the policy, timeouts or TLS)."""
+        ready, versions = self.route.ready, self.route.versions
+        self.route = Route(
+            port=route.port,
+            host=route.host,
+            tls_cert=route.tls_cert,
+            tls_key=route.tls_key,
+            config=route.config,
+            ready=ready,
+            versions=versions,
+        )
+        self._plane.changed()
+
+    def set_ready(
+        self, replicas: Mapping[int, str], versions: Mapping[int, int] | None = None
+    ) -> None:
+        seq = self._plane.changed()
+        before = set(self.route.ready or ())
+        for rid in before - set(replicas):
+            self._left[rid] = seq
+        for rid in replicas:
+            self._left.pop(rid, None)
+        self.route = Route(
+            port=self.route.port,
+            host=self.route.host,
+            tls_cert=self.route.tls_cert,
+            tls_key=self.route.tls_key,
+            config=self.route.config,
+            ready=dict(replicas),
+            versions=dict(versions or {}),
+        )
+
+    async def wait_drained(self, replica_id: int, timeout: float) -> bool:
+        """Wait until every connected worker has applied a table without the replica and has
+        no request in flight to it; False if ``timeout`` passes first."""
+        seq = self._left.get(replica_id, 0)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._plane.wait_until(
+                    lambda: self._plane.drained(self.name, replica_id, seq)
+                )
+        except TimeoutError:
+            return False
+        self._left.pop(replica_id, None)
+        return True
+
+    def request_timestamps(self, window: float = 60.0) -> list[float]:
+        return self._plane.request_times(self.name, window)
+
+    def in_flight(self, replica_id: int | None = None) -> int:
+        stats = self._plane.stats().get(self.name) or {}
+        if replica_id is None:
+            return int(stats.get("in_flight", 0))
+        replica = (stats.get("replicas") or {}).get(str(replica_id)) or {}
+        return int(replica.get("in_flight", 0))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._plane.stats().get(self.name) or {})
+
+    def bind_errors(self) -> list[str]:
+        return self._plane.bind_errors(self.name)
+
+    async def wait_serving(self, timeout: float = 10.0) -> bool:
+        """Wait (bounded) until every balancer worker is connected and has applied the table
+        with this service: a new service's endpoint answers once `corral up` returns, even
+        on a daemon whose workers are still starting. False if the wait timed out."""
+        seq = self._plane.current_seq()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._plane.wait_until(lambda: self._plane.all_applied(seq))
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self, timeout: float = 2.0) -> bool:
+        """The service is gone: take it out of the table and wait (bounded) until every
+        connected worker has applied that table, i.e. closed the service's listener, so that
+        `corral down` returning means the endpoint is closed. False if the wait timed out."""
+        seq = self._plane.remove(self.name)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._plane.wait_until(lambda: self._plane.applied(seq))
+        except TimeoutError:
+            return False
+        return True
+
+
+class DataPlane:
+    """Balancer workers of one home, seen from the daemon; see the module docstring."""
+
+    def __init__(
+        self,
+        home: Path,
+        store: Store,
+        *,
+        workers: int = DEFAULT_WORKERS,
+        respawn: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.home = home
+        self.store = store
+        self.size = workers
+        self.respawn = respawn
+        self._env = dict(env if env is not None else os.environ)
+        self.routes: dict[str, ServiceRoute] = {}
+        self._conns: dict[int, _Conn] = {}  # by pid
+        self._times: dict[str, dict[int, int]] = defaultdict(dict)  # service -> bucket -> n
+        self._known_pids: set[int] = set()  # workers already heard from (history sent once)
+        self._seq = int(time.time() * 1000)
+        self._sent_seq = 0
+        self._open = False
+        self._push_scheduled = False
+        self._changed = asyncio.Condition()
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._notifies: set[asyncio.Future[None]] = set()
+        self._bind_errors: dict[str, dict[int, str]] = defaultdict(dict)
+        self.on_bind_error: Callable[[str, str], None] | None = None
+        self._spawned_at: dict[int, float] = {}  # slot -> monotonic time of the last spawn
+        self._next_spawn: dict[int, float] = {}
+        self._delay: dict[int, float] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        path = socket_path(self.home)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._server = await asyncio.start_unix_server(self._serve, path=path, limit=MAX_MESSAGE)
+        os.chmod(path, 0o600)
+        with contextlib.suppress(OSError):
+            (self.home / "dataplane").mkdir(exist_ok=True)
+        self._ensure_workers()
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="corral-dataplane")
+
+    def open(self) -> None:
+        """Start pushing tables (after the controllers re-adopted their replicas)."""
+        self._open = True
+        self.changed()
+
+    async def stop(self, *, workers: bool = False) -> None:
+        """Stop talking to the workers; with ``workers``, stop them too (they finish in-flight
+        requests first). Without it they keep serving their last table."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        if workers:
+            await self._stop_workers()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns.values()):
+            conn.writer.close()
+        # Closing the connections ends their handlers (EOF); cancelling them instead would
+        # make asyncio's stream machinery log each cancellation as an error.
+        handlers = list(self._handlers)
+        if handlers:
+            await asyncio.wait(handlers, timeout=2.0)
+
+    async def _stop_workers(self) -> None:
+        rows = self._rows()
+        for conn in list(self._conns.values()):
+            with contextlib.suppress(OSError):
+                conn.writer.write(encode({"t": "exit"}))
+        procs: list[psutil.Process] = []
+        for row in rows.values():
+            proc = _process(row.pid, row.created)
+            if proc is not None:
+                procs.append(proc)
+                if row.pid not in self._conns:
+                    with contextlib.suppress(psutil.Error):
+                        proc.terminate()
+        deadline = time.monotonic() + WORKER_STOP_TIMEOUT
+        while time.monotonic() < deadline and any(_running(p) for p in procs):
+            self._reap()
+            await asyncio.sleep(0.05)
+        for proc in procs:
+            if _running(proc):
+                log.warning("balancer worker pid %d did not stop; killing it", proc.pid)
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+        self._reap()
+        for slot in rows:
+            with contextlib.suppress(StateError):
+                self.store.delete_worker(slot)
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _rows(self) -> dict[int, Any]:
+        try:
+            return {row.slot: row for row in self.store.workers()}
+        except StateError as exc:
+            log.warning("balancer workers not checked: %s", exc)
+            return {}
+
+    def _ensure_workers(self) -> None:
+        """Adopt live recorded workers, start the missing ones, stop the extra ones."""
+        self._reap()
+        rows = self._rows()
+        for slot, row in rows.items():
+            if slot >= self.size:
+                proc = _process(row.pid, row.created)
+                if proc is not None:
+                    with contextlib.suppress(psutil.Error):
+                        proc.terminate()
+                with contextlib.suppress(StateError):
+                    self.store.delete_worker(slot)
+        now = time.monotonic()
+        for slot in range(self.size):
+            row = rows.get(slot)
+            if row is not None and _process(row.pid, row.created) is not None:
+                continue
+            if now < self._next_spawn.get(slot, 0.0):
+                continue  # it keeps dying at once: do not start one 4 times a second
+            if row is not None:
+                log.warning("balancer worker %d (pid %d) is gone; starting another", slot, row.pid)
+            # A worker that dies within CRASH_WINDOW of its start doubles the wait before the
+            # next one (up to SPAWN_BACKOFF_CAP); one that lived longer is replaced at once.
+            started = self._spawned_at.get(slot)
+            quick = started is not None and now - started < CRASH_WINDOW
+            delay = min(SPAWN_BACKOFF_CAP, self._delay.get(slot, 0.5) * 2) if quick else 0.0
+            self._delay[slot] = delay or 0.5
+            self._next_spawn[slot] = now + delay
+            self._spawned_at[slot] = now
+            self._spawn(slot)
+
+    def _spawn(self, slot: int) -> int | None:
+        logfile = self.home / "dataplane" / f"worker-{slot}.log"
+        try:
+            out: IO[bytes] | int = open(logfile, "ab")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            # A full or read-only disk must not cost the traffic: run it without its log.
+            log.error("balancer worker %d runs without its log %s: %s", slot, logfile, exc)
+            out = subprocess.DEVNULL
+        try:
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "corral.dataplane.worker",
+                    "--home",
+                    str(self.home),
+                    "--slot",
+                    str(slot),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=self._env,
+                cwd="/",
+                start_new_session=True,
+            )
+        except OSError as exc:
+            log.error("cannot start balancer worker %d: %s", slot, exc)
+            return None
+        finally:
+            if not isinstance(out, int):
+                out.close()
+        self._children[child.pid] = child
+        try:
+            created = psutil.Process(child.pid).create_time()
+            self.store.set_worker(slot, child.pid, created)
+        except (psutil.Error, StateError) as exc:
+            # Not recorded: it will say hello with its slot, and the next check adopts it.
+            log.warning("balancer worker %d (pid %d) not recorded yet: %s", slot, child.pid, exc)
+        log.info("started balancer worker %d (pid %d)", slot, child.pid)
+        return child.pid
+
+    def _reap(self) -> None:
+        for pid, child in list(self._children.items()):
+            if child.poll() is not None:
+                del self._children[pid]
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL)
+            try:
+                self._ensure_workers()
+            except Exception:
+                log.exception("checking balancer workers failed")
+
+    async def restart_workers(self, timeout: float = 15.0) -> list[dict[str, int]]:
+        """Replace every worker with a new process, one slot at a time, new one first: it binds
+        every port (SO_REUSEPORT) and applies the table before the old one is told to exit
+        (which finishes its in-flight requests). How an upgrade of corral reaches the data
+        plane without a moment where a port has no listener."""
+        done: list[dict[str, int]] = []
+        for slot, old in sorted(self._rows().items()):
+            new = self._spawn(slot)
+            if new is None:
+                continue
+
+            def ready(pid: int = new, seq: int = self._seq) -> bool:
+                conn = self._conns.get(pid)
+                return conn is not None and conn.seq >= seq
+
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.wait_until(ready)
+            except TimeoutError:
+                log.warning("new balancer worker %d (pid %d) did not take over in time", slot, new)
+            conn = self._conns.get(old.pid)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.writer.write(encode({"t": "exit"}))
+            else:
+                proc = _process(old.pid, old.created)
+                if proc is not None:
+                    with contextlib.suppress(psutil.Error):
+                        proc.terminate()
+            done.append({"slot": slot, "old_pid": old.pid, "new_pid": new})
+        return done
+
+    # -- the channel --------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        conn: _Conn | None = None
+        try:
+            hello = decode(await reader.readuntil(b"\n"))
+            if hello["t"] != "hello":
+                return
+            conn = self._adopt(hello, writer)
+            if conn is None:
+                writer.write(encode({"t": "exit"}))
+                return
+            history = conn.pid not in self._known_pids
+            self._known_pids.add(conn.pid)
+            writer.write(encode({"t": "hello", "history": history, "respawn": self._respawn()}))
+            if self._open:
+                writer.write(encode(self._table()))
+            while True:
+                self._on_report(conn, decode(await reader.readuntil(b"\n")))
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+        ):
+            pass
+        finally:
+            if conn is not None and self._conns.get(conn.pid) is conn:
+                del self._conns[conn.pid]
+                await self._notify()
+            writer.close()
+            if task is not None:
+                self._handlers.discard(task)
+
+    def _adopt(self, hello: Mapping[str, Any], writer: asyncio.StreamWriter) -> _Conn | None:
+        """A worker said hello: accept it if its slot's record names it, or if the slot's
+        recorded worker is gone (a worker started but never recorded); else it is a second
+        worker for a slot, and is told to exit."""
+        slot, pid, created = int(hello["slot"]), int(hello["pid"]), float(hello["created"])
+        row = self._rows().get(slot)
+        if slot >= self.size:
+            return None
+        if row is None or (row.pid, row.created) != (pid, created):
+            if row is not None and _process(row.pid, row.created) is not None:
+                log.warning(
+                    "balancer worker pid %d claims slot %d, held by pid %d", pid, slot, row.pid
+                )
+                return None
+            with contextlib.suppress(StateError):
+                self.store.set_worker(slot, pid, created)
+        conn = _Conn(slot=slot, pid=pid, writer=writer, seq=int(hello.get("seq") or 0))
+        self._conns[pid] = conn
+        return conn
+
+    def _respawn(self) -> dict[str, Any] | None:
+        if self.respawn is None:
+            return None
+        return {**self.respawn, "env": self._env}
+
+    def _on_report(self, conn: _Conn, message: Mapping[str, Any]) -> None:
+        if message["t"] != "report":
+            return
+        conn.seq = int(message.get("seq") or 0)
+        services = message.get("services") or {}
+        reports: dict[str, dict[str, Any]] = {}
+        for name, report in services.items():
+            if not isinstance(report, Mapping):
+                continue
+            reports[str(name)] = dict(report)
+            times = self._times[str(name)]
+            for bucket, count in report.get("times") or ():
+                times[int(bucket)] = times.get(int(bucket), 0) + int(count)
+            self._note_bind(str(name), conn.slot, report.get("error"))
+        conn.reports = reports
+        self._schedule_notify()
+
+    def _note_bind(self, name: str, slot: int, error: Any) -> None:
+        errors = self._bind_errors[name]
+        if error is None:
+            errors.pop(slot, None)
+            return
+        if errors.get(slot) != error:
+            errors[slot] = str(error)
+            if self.on_bind_error is not None:
+                self.on_bind_error(name, f"balancer worker {slot}: {error}")
+
+    def _schedule_notify(self) -> None:
+        task = asyncio.ensure_future(self._notify())
+        self._notifies.add(task)
+        task.add_done_callback(self._notifies.discard)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        async with self._changed:
+            await self._changed.wait_for(predicate)
+
+    # -- the table ----------------------------------------------------------------------------
+
+    def route(self, name: str, route: Route) -> ServiceRoute:
+        existing = self.routes.get(name)
+        if existing is not None:
+            existing.configure(route)
+            return existing
+        service = self.routes[name] = ServiceRoute(self, name, route)
+        self.changed()
+        return service
+
+    def remove(self, name: str) -> int:
+        """Take a service out of the table; the seq of the table without it."""
+        if self.routes.pop(name, None) is None:
+            return 0
+        self._times.pop(name, None)
+        self._bind_errors.pop(name, None)
+        return self.changed()
+
+    def current_seq(self) -> int:
+        return self._seq
+
+    def all_applied(self, seq: int) -> bool:
+        """Every worker slot is connected and has applied table ``seq``."""
+        return len(self._conns) >= self.size and self.applied(seq)
+
+    def applied(self, seq: int) -> bool:
+        """Every connected worker has applied table ``seq`` (or a later one)."""
+        return all(conn.seq >= seq for conn in self._conns.values())
+
+    def changed(self) -> int:
+        """Something in the table changed: push it soon (once per loop turn however many
+        changes), and return the seq that table will carry."""
+        if not self._push_scheduled:
+            self._seq = max(self._seq + 1, int(time.time() * 1000))
+            self._push_scheduled = True
+            asyncio.get_running_loop().call_soon(self._push)
+        return self._seq
+
+    def _table(self) -> dict[str, Any]:
+        return {
+            "t": "table",
+            "seq": self._seq,
+            "services": {name: r.route.to_json() for name, r in self.routes.items()},
+        }
+
+    def _push(self) -> None:
+        self._push_scheduled = False
+        if not self._open:
+            return
+        data = encode(self._table())
+        self._sent_seq = self._seq
+        for conn in list(self._conns.values()):
+            try:
+                conn.writer.write(data)
+            except OSError:
+                conn.writer.close()
+
+    # -- what the workers report --------------------------------------------------------------
+
+    def drained(self, name: str, replica_id: int, seq: int) -> bool:
+        key = str(replica_id)
+        if not self.applied(seq):
+            return False
+        for conn in self._conns.values():
+            stats = (conn.reports.get(name) or {}).get("stats") or {}
+            replica = (stats.get("replicas") or {}).get(key) or {}
+            if int(replica.get("in_flight", 0)) > 0:
+                return False
+        return True
+
+    def request_times(self, name: str, window: float) -> list[float]:
+        times = self._times.get(name)
+        if not times:
+            return []
+        now = time.monotonic()
+        horizon = int((now - HISTORY_SECONDS) / TIME_BUCKET)
+        for bucket in [b for b in times if b < horizon]:
+            del times[bucket]
+        first = int((now - window) / TIME_BUCKET)
+        out: list[float] = []
+        for bucket in sorted(b for b in times if b >= first):
+            out.extend([(bucket + 0.5) * TIME_BUCKET] * times[bucket])
+        return out
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Every service's counters, summed over the connected workers."""
+        per: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+        for conn in self._conns.values():
+            for name, report in conn.reports.items():
+                if report.get("stats"):
+                    per[name].append(report["stats"])
+        return {name: merge_stats(stats) for name, stats in per.items() if name in self.routes}
+
+    def bind_errors(self, name: str) -> list[str]:
+        return [
+            f"worker {slot}: {e}" for slot, e in sorted(self._bind_errors.get(name, {}).items())
+        ]
+
+    def workers(self) -> list[dict[str, Any]]:
+        out = []
+        for slot, row in sorted(self._rows().items()):
+            conn = self._conns.get(row.pid)
+            out.append(
+                {
+                    "slot": slot,
+                    "pid": row.pid,
+                    "alive": _process(row.pid, row.created) is not None,
+                    "connected": conn is not None,
+                    "table_seq": conn.seq if conn else None,
+                    "started_at": row.started_at,
+                }
+            )
+        return out
+
+
+def _process(pid: int, created: float) -> psutil.Process | None:
+    """The live process with this pid and creation time, or None (gone, recycled pid, zombie)."""
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - created) > 0.05 or not _running(proc):
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop_recorded_workers(home: Path, timeout: float = WORKER_STOP_TIMEOUT) -> list[int]:
+    """Stop the balancer workers recorded in the home's state file, with no daemon running
+    (``corral daemon stop --all``): SIGTERM (they finish in-flight requests), then SIGKILL.
+    Only processes whose pid and creation time match a record are touched."""
+    db_path = home / "state.db"
+    if not db_path.exists():
+        return []
+    try:
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = db.execute("SELECT pid, created FROM balancer_workers").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return []
+    procs = [p for pid, created in rows if (p := _process(int(pid), float(created))) is not None]
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return [p.pid for p in procs]

@@ -1,0 +1,411 @@
+"""A balancer worker: one OS process that serves every service's port from its last table.
+
+Run by the daemon as ``python -m corral.dataplane.worker --home HOME --slot N``, in a session of
+its own, so that a daemon SIGKILL, stop or upgrade leaves it serving. Several workers bind each
+service's port with SO_REUSEPORT and the kernel spreads connections between them; a worker that
+dies takes only its own connections with it while the others keep the port.
+
+What it does, and why each part is here rather than in the daemon:
+
+* Keeps one :class:`corral.balancer.LoadBalancer` per service. A table that changes only the
+  ready set is applied in place (the very next request sees it); one that changes the listener's
+  settings (policy, timeouts, TLS) starts a new listener on the same port first, then retires
+  the old one, which finishes its in-flight requests: no moment without a listener.
+* With no daemon it keeps serving its last table: replicas that refuse connections are passed
+  over by the engine (a refusal does not use up an attempt), and it reconnects every
+  ``RECONNECT_INTERVAL`` until a daemon answers.
+* Reports every ``REPORT_INTERVAL`` (and at once when a replica that left the ready set has
+  drained) what the control plane needs: request times, in-flight counts, counters, bind errors.
+* Brings a crashed daemon back: when no daemon holds the home's lock for ``RESPAWN_AFTER``
+  seconds (plus a stagger per slot, so two workers rarely race; the daemon's lock settles any
+  race) and the last daemon did not stop on purpose (``daemon.stopped``), it starts the command
+  the daemon last said it was started with. A replica that dies while the daemon is down is
+  then still replaced within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import inspect
+import logging
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from corral.balancer import LoadBalancer
+from corral.balancer.metrics import merge_stats
+from corral.dataplane.protocol import (
+    HISTORY_SECONDS,
+    MAX_MESSAGE,
+    STOPPED_MARKER,
+    Route,
+    bucket_times,
+    decode,
+    encode,
+    socket_path,
+)
+
+log = logging.getLogger("corral.worker")
+
+REPORT_INTERVAL: Final = 0.25
+RECONNECT_INTERVAL: Final = 0.2
+RESPAWN_AFTER: Final = 1.0
+RESPAWN_STAGGER: Final = 0.5
+# After starting a daemon, wait this long before starting another (it may be slow to come up).
+RESPAWN_BACKOFF: Final = 10.0
+SEND_TIMEOUT: Final = 5.0
+BIND_RETRY: Final = 1.0
+
+
+@dataclass
+class _Service:
+    key: str
+    lb: LoadBalancer
+    ready: dict[int, str] = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, home: Path, slot: int) -> None:
+        self.home = home
+        self.slot = slot
+        self.services: dict[str, _Service] = {}
+        self.retiring: list[tuple[str, LoadBalancer]] = []
+        self.errors: dict[str, str] = {}
+        # Routes whose listener could not be set up (port taken, TLS files unreadable): tried
+        # again every BIND_RETRY seconds, so a port freed later is taken without a daemon.
+        self.unbound: dict[str, Route] = {}
+        self.seq = 0
+        self.respawn: Mapping[str, Any] | None = None
+        self.stop = asyncio.Event()
+        self._writer: asyncio.StreamWriter | None = None
+        self._cursor: dict[int, float] = {}  # id(lb) -> last request time reported
+        self._history = False
+        self._report_soon = False
+        self._disconnected_since = time.monotonic()
+        self._last_spawn = -RESPAWN_BACKOFF
+        self._children: list[subprocess.Popen[bytes]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        tasks = [
+            asyncio.create_task(self._connect_loop()),
+            asyncio.create_task(self._report_loop()),
+            asyncio.create_task(self._supervise_loop()),
+        ]
+        log.info("balancer worker %d (pid %d) started", self.slot, os.getpid())
+        await self.stop.wait()
+        log.info("balancer worker %d stopping", self.slot)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(
+            *(svc.lb.stop() for svc in self.services.values()),
+            *(lb.stop() for _, lb in self.retiring),
+            return_exceptions=True,
+        )
+
+    # -- the channel --------------------------------------------------------------------------
+
+    async def _connect_loop(self) -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(
+                    socket_path(self.home), limit=MAX_MESSAGE
+                )
+            except OSError:
+                await asyncio.sleep(RECONNECT_INTERVAL)
+                continue
+            try:
+                writer.write(
+                    encode(
+                        {
+                            "t": "hello",
+                            "slot": self.slot,
+                            "pid": os.getpid(),
+                            "created": _created(),
+                            "seq": self.seq,
+                        }
+                    )
+                )
+                self._writer = writer
+                log.info("connected to the daemon")
+                while True:
+                    line = await reader.readuntil(b"\n")
+                    await self._handle(decode(line))
+            except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                pass
+            finally:
+                if self._writer is writer:
+                    self._writer = None
+                    self._disconnected_since = time.monotonic()
+                    log.info("lost the daemon; serving the last table")
+                writer.close()
+            await asyncio.sleep(RECONNECT_INTERVAL)
+
+    async def _handle(self, message: dict[str, Any]) -> None:
+        kind = message["t"]
+        if kind == "hello":
+            respawn = message.get("respawn")
+            self.respawn = respawn if isinstance(respawn, Mapping) else None
+            self._history = bool(message.get("history"))
+        elif kind == "table":
+            services = message.get("services")
+            if isinstance(services, Mapping):
+                await self._apply(services)
+                self.seq = int(message.get("seq") or 0)
+            await self._report()
+        elif kind == "exit":
+            log.info("asked to exit by the daemon")
+            self.stop.set()
+
+    async def _send(self, message: Mapping[str, Any]) -> None:
+        writer = self._writer
+        if writer is None:
+            return
+        writer.write(encode(message))
+        try:
+            async with asyncio.timeout(SEND_TIMEOUT):
+                await writer.drain()
+        except (TimeoutError, OSError):
+            writer.close()  # the read loop sees it and reconnects
+
+    # -- applying a table ---------------------------------------------------------------------
+
+    async def _apply(self, table: Mapping[str, Any]) -> None:
+        for name, data in table.items():
+            try:
+                route = Route.from_json(data)
+            except (KeyError, TypeError, ValueError) as exc:
+                self.errors[name] = f"unreadable route: {exc}"
+                continue
+            await self._apply_route(str(name), route)
+        for name in [n for n in self.unbound if n not in table]:
+            del self.unbound[name]
+            self.errors.pop(name, None)
+        for name in [n for n in self.services if n not in table]:
+            self._retire(name, self.services.pop(name).lb)
+            self.errors.pop(name, None)
+        # Let the retiring listeners close before the report that says this table is applied
+        # (a `corral down` waits for that report to mean "the port is closed").
+        await asyncio.sleep(0)
+
+    async def _apply_route(self, name: str, route: Route) -> None:
+        svc = self.services.get(name)
+        key = route.listener_key()
+        if svc is None or svc.key != key:
+            try:
+                lb = _make_balancer(name, route, self._drained)
+                await lb.start()
+            except (OSError, ssl.SSLError, ValueError, TypeError) as exc:
+                error = f"cannot listen on {route.host}:{route.port}: {exc}"
+                if self.errors.get(name) != error:
+                    log.error("service %s: %s (retrying every %gs)", name, error, BIND_RETRY)
+                self.errors[name] = error
+                self.unbound[name] = route
+                return
+            if self.unbound.pop(name, None) is not None:
+                log.info("service %s: listening on %s:%d now", name, route.host, route.port)
+            self.errors.pop(name, None)
+            old = svc
+            svc = self.services[name] = _Service(key=key, lb=lb)
+            if old is not None:
+                svc.ready = old.ready
+                self._retire(name, old.lb)
+        if route.ready is not None:
+            svc.ready = dict(route.ready)
+        svc.lb.set_ready(svc.ready)
+
+    def _retire(self, name: str, lb: LoadBalancer) -> None:
+        """Stop a listener in the background; its in-flight requests finish (and stay counted
+        in the reports, so drains wait for them)."""
+        entry = (name, lb)
+        self.retiring.append(entry)
+
+        async def retire() -> None:
+            try:
+                await lb.stop()
+            finally:
+                self.retiring.remove(entry)
+                self._cursor.pop(id(lb), None)
+
+        task = asyncio.create_task(retire())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- reports ------------------------------------------------------------------------------
+
+    def _drained(self, replica_id: int) -> None:
+        self._report_soon = True
+
+    async def _report_loop(self) -> None:
+        next_at = 0.0
+        while True:
+            await asyncio.sleep(0.01 if self._report_soon else REPORT_INTERVAL / 5)
+            now = time.monotonic()
+            if self._report_soon or now >= next_at:
+                self._report_soon = False
+                next_at = now + REPORT_INTERVAL
+                await self._report()
+
+    async def _report(self) -> None:
+        if self._writer is None:
+            return
+        history, self._history = self._history, False
+        services: dict[str, Any] = {}
+        names = set(self.services) | {name for name, _ in self.retiring} | set(self.errors)
+        for name in names:
+            lbs = [lb for n, lb in self.retiring if n == name]
+            svc = self.services.get(name)
+            if svc is not None:
+                lbs.append(svc.lb)
+            times: list[float] = []
+            for lb in lbs:
+                got = (
+                    lb.request_timestamps(HISTORY_SECONDS)
+                    if history
+                    else lb.timestamps_after(self._cursor.get(id(lb), 0.0))
+                )
+                if got:
+                    self._cursor[id(lb)] = got[-1]
+                    times.extend(got)
+            times.sort()
+            services[name] = {
+                "stats": merge_stats([lb.stats() for lb in lbs]) if lbs else None,
+                "times": bucket_times(times),
+                "port": svc.lb.port if svc is not None else None,
+                "error": self.errors.get(name),
+            }
+        await self._send({"t": "report", "seq": self.seq, "services": services})
+
+    # -- bringing a crashed daemon back -------------------------------------------------------
+
+    async def _supervise_loop(self) -> None:
+        next_bind = 0.0
+        while True:
+            await asyncio.sleep(0.25)
+            if self.unbound and time.monotonic() >= next_bind:
+                next_bind = time.monotonic() + BIND_RETRY
+                for name, route in list(self.unbound.items()):
+                    await self._apply_route(name, route)
+                if not self.unbound:
+                    self._report_soon = True
+            self._children = [c for c in self._children if c.poll() is None]
+            if self._writer is not None or self.respawn is None:
+                continue
+            now = time.monotonic()
+            quiet = now - self._disconnected_since
+            if quiet < RESPAWN_AFTER + RESPAWN_STAGGER * self.slot:
+                continue
+            if now - self._last_spawn < RESPAWN_BACKOFF:
+                continue
+            if (self.home / STOPPED_MARKER).exists() or _daemon_holds_lock(self.home):
+                continue
+            self._last_spawn = now
+            try:
+                argv = [str(a) for a in self.respawn["argv"]]
+                env = {str(k): str(v) for k, v in dict(self.respawn.get("env") or {}).items()}
+                cwd = str(self.respawn.get("cwd") or "/")
+            except (KeyError, TypeError, ValueError) as exc:
+                log.error("cannot restart the daemon: bad command from it: %s", exc)
+                continue
+            self._spawn_daemon(argv, env or dict(os.environ), cwd)
+
+    def _spawn_daemon(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        """Start the daemon's own command line again (never through a shell): ``argv`` is
+        what the daemon said it was started with, over the home's 0600 socket."""
+        try:
+            with open(self.home / "daemon.log", "ab") as out:
+                child = subprocess.Popen(
+                    argv,
+                    cwd=cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,
+                )
+        except (OSError, ValueError) as exc:
+            log.error("could not restart the daemon: %s", exc)
+            return
+        self._children.append(child)
+        log.warning("no daemon for %.1fs: started one (pid %d)", RESPAWN_AFTER, child.pid)
+
+
+def _make_balancer(name: str, route: Route, on_drained: Callable[[int], None]) -> LoadBalancer:
+    context = None
+    if route.tls_cert and route.tls_key:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(route.tls_cert, route.tls_key)
+    # A setting this worker's engine does not know (a newer daemon, during an upgrade) is left
+    # out rather than refusing the whole service.
+    known = inspect.signature(LoadBalancer).parameters
+    config = {k: v for k, v in route.config.items() if k in known}
+    for key in sorted(set(route.config) - set(config)):
+        log.warning("service %s: setting %r unknown to this worker, ignored", name, key)
+    return LoadBalancer(
+        name=name,
+        host=route.host,
+        port=route.port,
+        ssl_context=context,
+        reuse_port=True,
+        on_drained=on_drained,
+        **config,
+    )
+
+
+def _daemon_holds_lock(home: Path) -> bool:
+    """True while a daemon holds the home's lock (a live daemon, or one starting)."""
+    try:
+        with open(home / "daemon.lock", "a+") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            return False
+    except OSError:
+        return True  # cannot tell: do not start a second daemon on a guess
+
+
+def _created() -> float:
+    import psutil
+
+    return float(psutil.Process().create_time())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="corral-balancer-worker", description=__doc__)
+    parser.add_argument("--home", required=True, type=Path)
+    parser.add_argument("--slot", required=True, type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s worker-{args.slot} %(name)s: %(message)s",
+    )
+    worker = Worker(args.home.resolve(), args.slot)
+    try:
+        import uvloop
+    except ImportError:  # still correct on the stock loop, only slower
+        asyncio.run(worker.run())
+    else:
+        uvloop.run(worker.run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The data plane outlives the control plane: balancer workers on real processes.
+
+Each test brings a service up through the CLI (real daemon, real balancer workers, real
+examples/app.py replicas, traffic on 127.0.0.1 only), then does to the daemon what a crash, an
+operator or an upgrade does: SIGKILL, `corral daemon stop`, a restart. What must hold: traffic
+never notices; a restarted daemon adopts the running workers (same pids, same port) instead of
+starting a second set; a dead worker is replaced while the others keep the port; with no daemon
+a dead replica is passed over; `corral daemon stop --all` stops traffic for real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import CorralHome, get_json, http, pid_alive, spec_text, wait_for, write_spec
+from load import PacedLoad
+
+from corral.dataplane.worker import RESPAWN_AFTER, RESPAWN_STAGGER
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def up(home: CorralHome, tmp_path: Path, name: str, replicas: int) -> str:
+    spec = write_spec(tmp_path / f"{name}.yaml", spec_text(name, replicas))
+    home.run("up", str(spec), timeout=90)
+    svc = home.wait_replicas(name, replicas, timeout=60)
+    assert svc["endpoint"], svc
+    return str(svc["endpoint"])
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def answers(url: str) -> bool:
+    try:
+        return http(url + "/x", timeout=2.0).status == 200
+    except OSError:
+        return False
+
+
+def refuses(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(2.0)
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def replica_pids(svc: dict[str, Any]) -> list[int]:
+    return [int(r["pid"]) for r in svc["replicas"] if r["status"] == "READY" and r["pid"]]
+
+
+def kill_group(pid: int) -> None:
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), 10, f"replica pid {pid} to die")
+
+
+def test_traffic_never_notices_daemon_kills_and_stops(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    url = up(corral_home, tmp_path, "steady", 2)
+    workers = corral_home.worker_pids()
+    assert len(workers) >= 1
+    load = PacedLoad(url, rate=100.0, duration=14.0, post_every=3)
+    load.start()
+    try:
+        for _ in range(2):
+            wait_for(lambda: load.result.sent > 150, 10, "load to flow")
+            corral_home.stop_daemon(signal.SIGKILL)
+            assert answers(url), "the endpoint went dark with the daemon"
+            corral_home.start_daemon()
+        stopped = corral_home.run("daemon", "stop")
+        assert "keep serving" in stopped.stdout
+        assert answers(url)
+        corral_home.run("daemon", "start")
+    finally:
+        result = load.join()
+    assert result.failed == 0, (result.summary(), result.errors, result.examples)
+    assert result.sent >= 1000
+    # Adopted, never doubled: the same worker processes, on the same port.
+    assert corral_home.worker_pids() == workers
+    svc = corral_home.status("steady")
+    assert port_of(svc["endpoint"]) == port_of(url)
+    info = corral_home.api("GET", "/v1/daemon").json()
+    assert [w["pid"] for w in info["balancer_workers"]] == workers
+    assert all(w["connected"] for w in info["balancer_workers"])
+
+
+def test_stop_all_stops_traffic_and_start_brings_the_same_port_back(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    url = up(corral_home, tmp_path, "whole", 1)
+    workers = corral_home.worker_pids()
+    result = corral_home.run("daemon", "stop", "--all")
+    assert "no longer answer" in result.stdout
+    assert refuses(port_of(url))
+    assert not any(pid_alive(pid) for pid in workers)
+    corral_home.run("daemon", "start")
+    wait_for(lambda: answers(url), 30, "the service to answer on its old port")
+    assert set(corral_home.worker_pids()).isdisjoint(workers)
+
+
+def test_dead_worker_is_replaced_while_the_others_keep_the_port(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "2"
+    url = up(corral_home, tmp_path, "pair", 1)
+    first, second = corral_home.worker_pids()
+    os.kill(first, signal.SIGKILL)
+    # Connections queued on the dead worker's socket die with it (a limit of SO_REUSEPORT);
+    # once it is gone, the other worker holds the port alone: every new connection is served.
+    wait_for(lambda: not pid_alive(first), 10, "the worker to die")
+    for _ in range(20):
+        assert answers(url)
+    replaced = wait_for(
+        lambda: (pids := corral_home.worker_pids()) and len(pids) == 2 and first not in pids,
+        10,
+        "the dead worker to be replaced",
+    )
+    assert replaced
+    assert second in corral_home.worker_pids()
+    wait_for(
+        lambda: all(
+            w["connected"] for w in corral_home.api("GET", "/v1/daemon").json()["balancer_workers"]
+        ),
+        10,
+        "the new worker to connect",
+    )
+
+
+def test_without_a_daemon_a_dead_replica_is_passed_over(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    url = up(corral_home, tmp_path, "alone", 2)
+    svc = corral_home.status("alone")
+    victim, survivor = replica_pids(svc)
+    corral_home.run("daemon", "stop")
+    kill_group(victim)
+    load = PacedLoad(url, rate=50.0, duration=3.0, post_every=2)
+    load.start()
+    result = load.join()
+    assert result.failed == 0, (result.summary(), result.examples)
+    assert set(result.pids) == {survivor}
+    # The next daemon finds the replica gone and replaces it.
+    corral_home.run("daemon", "start")
+    svc = corral_home.wait_replicas("alone", 2, timeout=60)
+    assert victim not in replica_pids(svc)
+
+
+def test_a_crashed_daemon_is_brought_back_and_replaces_a_dead_replica(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    corral_home.env["CORRAL_DAEMON_RESPAWN"] = "1"
+    url = up(corral_home, tmp_path, "phoenix", 2)
+    old = corral_home.daemon_pid()
+    victim = replica_pids(corral_home.status("phoenix"))[0]
+    os.kill(old, signal.SIGKILL)
+    kill_group(victim)
+
+    def new_daemon() -> int | None:
+        info = corral_home.daemon_info()
+        pid = int(info["pid"]) if info else None
+        return pid if pid and pid != old and corral_home.healthy() else None
+
+    new = wait_for(new_daemon, 30, "a worker to start a new daemon")
+    corral_home.daemon_pids.add(new)
+    svc = corral_home.wait_replicas("phoenix", 2, timeout=60)
+    assert victim not in replica_pids(svc)
+    assert answers(url)
+    # A daemon stopped on purpose stays stopped: watched for twice the time a worker waits
+    # before it starts one.
+    corral_home.run("daemon", "stop")
+    assert (corral_home.path / "daemon.stopped").exists()
+    deadline = time.monotonic() + 2 * (RESPAWN_AFTER + RESPAWN_STAGGER * 4)
+    while time.monotonic() < deadline:
+        assert corral_home.daemon_info() is None, "a daemon stopped on purpose came back"
+        time.sleep(0.1)
+    assert answers(url)
+
+
+def test_metrics_come_from_the_workers(corral_home: CorralHome, tmp_path: Path) -> None:
+    url = up(corral_home, tmp_path, "counted", 1)
+    for _ in range(7):
+        assert answers(url)
+
+    def counted() -> bool:
+        text = http(
+            corral_home.api_url + "/metrics",
+            headers={"Authorization": f"Bearer {corral_home.token}"},
+        ).body.decode()
+        lines = [
+            line
+            for line in text.splitlines()
+            if line.startswith("corral_lb_requests_total{") and 'service="counted"' in line
+        ]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines) >= 7
+
+    wait_for(counted, 10, "the requests to show in /metrics")
+    svc = get_json(corral_home.api_url + "/v1/health")
+    assert svc["ok"]
