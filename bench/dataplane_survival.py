@@ -128,6 +128,7 @@ def run(cycles: int) -> dict[str, Any]:
             return _run(home, Path(tmp), cycles)
         finally:
             try:
+                home.cli("daemon", "start")
                 home.cli("down", "--all", "--purge", "--timeout", "60")
             finally:
                 home.cli("daemon", "stop", "--all")
@@ -167,8 +168,6 @@ def _run(home: Home, tmp: Path, cycles: int) -> dict[str, Any]:
             home.wait(home.all_ready, 30, "the new daemon to adopt every service")
             log(f"cycle {cycle + 1}/{cycles}: daemon back in {back[-1]:.2f}s")
             time.sleep(1.0)
-        home.cli("daemon", "stop")
-        assert home.info() is None
         victim_service = SERVICES[0]
         victim = next(
             int(r["pid"])
@@ -177,6 +176,8 @@ def _run(home: Home, tmp: Path, cycles: int) -> dict[str, Any]:
             ]
             if r["status"] == "READY"
         )
+        home.cli("daemon", "stop")
+        assert home.info() is None
         kill_at = loads[victim_service].result.sent
         os.killpg(os.getpgid(victim), signal.SIGKILL)
         log(f"daemon stopped; replica pid {victim} of {victim_service} killed")

@@ -203,3 +203,22 @@ def test_metrics_come_from_the_workers(corral_home: CorralHome, tmp_path: Path) 
     wait_for(counted, 10, "the requests to show in /metrics")
     svc = get_json(corral_home.api_url + "/v1/health")
     assert svc["ok"]
+
+
+def test_restart_workers_replaces_every_worker_under_load(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """The upgrade path: each worker replaced by a new process, the new one first."""
+    url = up(corral_home, tmp_path, "upgrade", 2)
+    old = corral_home.worker_pids()
+    load = PacedLoad(url, rate=100.0, duration=6.0, post_every=3)
+    load.start()
+    try:
+        wait_for(lambda: load.result.sent > 100, 10, "load to flow")
+        result = corral_home.run("daemon", "restart-workers")
+    finally:
+        outcome = load.join()
+    new = corral_home.worker_pids()
+    assert len(new) == len(old) and set(new).isdisjoint(old), (old, new, result.stdout)
+    wait_for(lambda: not any(pid_alive(pid) for pid in old), 15, "the old workers to exit")
+    assert outcome.failed == 0, (outcome.summary(), outcome.errors, outcome.examples)

@@ -472,6 +472,8 @@ class DataPlane:
             if not isinstance(report, Mapping):
                 continue
             reports[str(name)] = dict(report)
+            if name not in self.routes:
+                continue  # a listener still retiring after its service left
             times = self._times[str(name)]
             for bucket, count in report.get("times") or ():
                 times[int(bucket)] = times.get(int(bucket), 0) + int(count)

@@ -143,6 +143,9 @@ class Worker:
                     )
                 )
                 self._writer = writer
+                # A daemon answered: the next crash may be answered at once again (the back-off
+                # only guards against a daemon that dies before it ever answers).
+                self._last_spawn = -RESPAWN_BACKOFF
                 log.info("connected to the daemon")
                 while True:
                     line = await reader.readuntil(b"\n")
