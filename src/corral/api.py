@@ -21,6 +21,7 @@ from aiohttp import web
 from corral import __version__, logfiles
 from corral.balancer import CONTENT_TYPE_LATEST, render
 from corral.daemon import Daemon, RequestError
+from corral.limits import open_files
 from corral.state import StateError
 
 log = logging.getLogger("corral.api")
@@ -145,6 +146,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
                 "services": len(daemon.controllers),
                 "jobs": daemon.deps.pool.stats(),
                 "balancer_workers": daemon.deps.dataplane.workers(),
+                "open_files": open_files(),
             }
         )
 

@@ -50,6 +50,8 @@ MAX_FAILURES_BEFORE_READY = 3
 # Failed replica rows kept visible per service (older ones are pruned).
 KEEP_FAILED = 10
 BACKOFF_CAP = 30.0
+# Probes of one service in flight at once (the daemon's probe session itself has no cap).
+PROBES_PER_SERVICE = 16
 # How often replica logs are checked against ControllerDeps.log_max_bytes.
 LOG_CAP_PERIOD = 2.0
 
@@ -125,6 +127,9 @@ class ServiceController:
         self._rt = _Runtime()
         self._specs: dict[int, ServiceSpec] = {}
         self._wake = asyncio.Event()
+        # A fair share of the daemon's probing: a service with many slow probes waits on its
+        # own slots and never holds the connections other services' probes need.
+        self._probe_slots = asyncio.Semaphore(PROBES_PER_SERVICE)
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
@@ -1072,14 +1077,15 @@ class ServiceController:
         if now - state.last_probe < period:
             return
         state.last_probe = now
-        result = await probe(
-            self.deps.http,
-            handle.endpoint,
-            path=rp.path,
-            post_data=rp.post_data,
-            headers=rp.headers,
-            timeout=rp.timeout_seconds,
-        )
+        async with self._probe_slots:
+            result = await probe(
+                self.deps.http,
+                handle.endpoint,
+                path=rp.path,
+                post_data=rp.post_data,
+                headers=rp.headers,
+                timeout=rp.timeout_seconds,
+            )
         current = self.store.replica(r.id)
         if current is None or current.teardown_state is not None or failure_status(current):
             return

@@ -45,6 +45,7 @@ from corral.home import ensure_token, is_loopback, read_info
 from corral.infra.base import Infra, ReplicaHandle
 from corral.infra.local import LocalInfra
 from corral.jobs import JobPool
+from corral.limits import raise_open_files
 from corral.spec import ServiceSpec, SpecError, local_port_problem, parse_spec, validate_name
 from corral.state import Store
 
@@ -404,6 +405,8 @@ async def serve(
     capture.install()
     _configure_logging()
     lock = _lock(home)
+    soft, hard = raise_open_files()
+    log.info("open files: soft limit %d (hard %d)", soft, hard)
     if not is_loopback(host):
         log.warning(
             "API listening on %s (TLS): anyone who can reach it and has the token controls "
@@ -432,7 +435,10 @@ async def serve(
     dataplane.on_bind_error = bind_failed
     await dataplane.start()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # No pool cap: aiohttp's default of 100 connections let one service with 100+ slow probes
+    # starve every other service's; each controller caps its own (PROBES_PER_SERVICE) instead.
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         deps = ControllerDeps(
             store=store,
             pool=pool,

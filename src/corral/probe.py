@@ -4,6 +4,10 @@ Probes are plain HTTP requests made concurrently from the daemon's event loop (o
 aiohttp session), so probing 100 replicas costs 100 small requests, not 100 threads. The probe
 mirrors SkyServe's: GET, or POST with a JSON body when ``post_data`` is set, a per-probe timeout,
 and extra headers (only their names are ever logged: they often carry credentials).
+
+Only the status decides, so a probe reads at most ``READ_LIMIT`` bytes of the answer: a
+`/health` that answers with a huge (or endless) body must neither cost the daemon its size in
+memory nor keep the probe waiting for a body nobody looks at.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+# A framed answer up to this size is read whole (the connection can then be reused); anything
+# else is not read at all: the connection is closed once the status line and headers are in.
+READ_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,11 @@ async def probe(
             else:
                 request = session.get(url, headers=headers)
             async with request as response:
-                await response.read()
+                length = response.content_length
+                if length is not None and length <= READ_LIMIT:
+                    await response.read()
+                else:
+                    response.close()
                 ok = 200 <= response.status < 300
                 return ProbeResult(
                     ok,

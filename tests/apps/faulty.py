@@ -15,6 +15,8 @@ Standard library only. Serves ``GET /`` (who it is, as JSON) and ``GET /health``
 ``--mode slow-start``   sleep ``--delay`` seconds before binding the port, then serve.
 ``--mode flap``         ``/health`` answers 200 for ``--up`` seconds, then 503 for ``--down``
                         seconds, over and over (``/`` always answers).
+``--mode huge-health`` ``/health`` answers 200 announcing a 1 GiB body, sends 64 KiB of it, then
+                        nothing more (``/`` answers as usual).
 ``--mode flood``        serve, and write ``--mb`` MiB of log lines to stdout as fast as it can,
                         then print ``FLOOD DONE <bytes>``.
 ``--mode tree``         serve, after starting ``--children`` children that each start
@@ -102,6 +104,14 @@ class Handler(BaseHTTPRequestHandler):
         self._answer(200, body)
 
     def _health(self) -> None:
+        if Faults.mode == "huge-health":
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 30))
+            self.end_headers()
+            self.wfile.write(b"x" * 65536)
+            self.wfile.flush()
+            Faults.never.wait(60)  # the rest never comes (a probe must not wait for it)
+            return
         if Faults.mode == "flap":
             phase = (time.monotonic() - Faults.started) % (Faults.up + Faults.down)
             if phase >= Faults.up:

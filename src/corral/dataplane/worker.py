@@ -54,6 +54,7 @@ from corral.dataplane.protocol import (
     encode,
     socket_path,
 )
+from corral.limits import raise_open_files
 
 log = logging.getLogger("corral.worker")
 
@@ -401,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s worker-{args.slot} %(name)s: %(message)s",
     )
+    soft, hard = raise_open_files()  # every client connection costs a descriptor here
+    log.info("open files: soft limit %d (hard %d)", soft, hard)
     worker = Worker(args.home.resolve(), args.slot)
     try:
         import uvloop
