@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import APPS, CorralHome, http, wait_for
+from conftest import APPS, CorralHome, http, spec_text, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,3 +78,51 @@ def _rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError(f"no RSS for pid {pid}")
+
+
+# Starts the real daemon with corral.spec.parse_spec wrapped: a call made on a thread that runs
+# an event loop is written to the file named in $PARSE_LOG (one line each).
+_WATCHED_DAEMON = """
+import asyncio, os, sys, traceback
+import corral.spec
+real = corral.spec.parse_spec
+def watched(*args, **kwargs):
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return real(*args, **kwargs)
+    with open(os.environ["PARSE_LOG"], "a") as log:
+        log.write(traceback.format_stack(limit=4)[0].strip().replace("\\n", " ") + "\\n")
+    return real(*args, **kwargs)
+corral.spec.parse_spec = watched
+import corral.controller, corral.daemon
+corral.controller.parse_spec = watched
+corral.daemon.parse_spec = watched
+from corral.cli import main
+sys.argv = ["corral", "daemon", "run"]
+main()
+"""
+
+
+def test_no_spec_is_parsed_on_the_event_loop(corral_home: CorralHome, tmp_path: Path) -> None:
+    """Create, update, rollback and a daemon restart: every spec is parsed off the loop (the
+    largest accepted spec takes up to a second to parse, and the loop carries the API, every
+    controller and prober)."""
+    parse_log = tmp_path / "parsed-on-loop.txt"
+    env = {**corral_home.env, "PARSE_LOG": str(parse_log)}
+    argv = [sys.executable, "-c", _WATCHED_DAEMON]
+    corral_home.start_daemon(argv=argv, env=env)
+    spec = spec_text("parsed", 1)
+    answer = corral_home.api("POST", "/v1/services", body={"spec": spec}, timeout=30)
+    assert answer.status == 201, answer.body
+    corral_home.wait_replicas("parsed", 1)
+    for body in ({"spec": spec_text("parsed", 2)}, {"from_version": 1}):
+        answer = corral_home.api("POST", "/v1/services/parsed/versions", body=body, timeout=30)
+        assert answer.status == 201, answer.body
+    corral_home.wait_replicas("parsed", 1, timeout=60)
+    corral_home.stop_daemon()
+    corral_home.start_daemon(argv=argv, env=env)
+    corral_home.wait_replicas("parsed", 1)
+    assert corral_home.service("parsed") is not None
+    on_loop = parse_log.read_text() if parse_log.exists() else ""
+    assert on_loop == "", f"specs parsed on the event loop:\n{on_loop}"

@@ -165,6 +165,7 @@ class ServiceController:
         # and every task it creates carry the route in their context.
         with capture.to(self.logs / "controller.log"):
             try:
+                await asyncio.to_thread(self._load_specs)
                 await self._start_balancer()
                 await self._adopt_when_writable(started)
             except Exception as exc:
@@ -234,7 +235,25 @@ class ServiceController:
 
     # -- spec and paths -----------------------------------------------------------------------
 
+    def remember(self, version: int, spec: ServiceSpec) -> None:
+        """A version's spec, parsed already (by the API, off the loop)."""
+        self._specs[version] = spec
+
+    def _load_specs(self) -> None:
+        """Parse the specs a restarted controller needs (its current version, and every
+        version a replica still runs), on a thread: the largest spec the parser accepts takes
+        up to a second, and the loop also carries the API, every controller and prober."""
+        row = self.store.service(self.name)
+        if row is None:
+            return
+        versions = {row.current_version} | {r.version for r in self.store.replicas(self.name)}
+        for version in sorted(versions):
+            with contextlib.suppress(KeyError):
+                self.spec(version)
+
     def spec(self, version: int) -> ServiceSpec:
+        """A version's spec: parsed once (off the loop: at create/update by the API, at start
+        by :meth:`_load_specs`), then cached."""
         spec = self._specs.get(version)
         if spec is None:
             row = self.store.version(self.name, version)

@@ -120,8 +120,12 @@ class Daemon:
         for svc in self.store.services():
             await self._start_controller(svc.name)
 
-    async def _start_controller(self, name: str) -> ServiceController:
+    async def _start_controller(
+        self, name: str, spec: ServiceSpec | None = None
+    ) -> ServiceController:
         controller = ServiceController(name, self.deps, on_removed=self._removed)
+        if spec is not None:
+            controller.remember(1, spec)  # parsed off the loop by the API already
         self.controllers[name] = controller
         await controller.start()
         return controller
@@ -148,7 +152,7 @@ class Daemon:
             )
         except KeyError:
             raise RequestError(409, f"service {spec.name!r} already exists") from None
-        controller = await self._start_controller(spec.name)
+        controller = await self._start_controller(spec.name, spec)
         if controller.balancer is not None and not await controller.balancer.wait_serving():
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
@@ -202,9 +206,10 @@ class Daemon:
             and current_row.base_dir == base_dir
             and spec.model_dump(exclude={"service"}) == current.model_dump(exclude={"service"})
         )
-        self.store.add_version(
+        version = self.store.add_version(
             name, spec_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
         )
+        controller.remember(version, spec)
         controller.updated()
         return controller.snapshot()
 
