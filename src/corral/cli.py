@@ -467,6 +467,35 @@ def daemon_stop(ctx: click.Context, everything: bool) -> None:
         )
 
 
+@daemon.command("restore")
+@click.option(
+    "--from",
+    "source",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="A state file to restore (default: the home's latest backup, state.db.backup).",
+)
+@click.pass_context
+def daemon_restore(ctx: click.Context, source: Path | None) -> None:
+    """Put a backup of the state file back (no daemon may run). The file it replaces is kept
+    as state.db.broken-TIME; replicas still running are adopted by the next daemon."""
+    import fcntl
+
+    from corral.backup import StateFileRefused, restore
+
+    home = _home(ctx)
+    with open(home / "daemon.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _fail("a daemon runs on this home: stop it first (`corral daemon stop`)")
+        try:
+            out.print(restore(home, source))
+        except StateFileRefused as exc:
+            _fail(str(exc))
+    out.print("`corral daemon start` brings the services back")
+
+
 @daemon.command("restart-workers")
 @click.pass_context
 def daemon_restart_workers(ctx: click.Context) -> None:

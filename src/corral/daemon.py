@@ -38,16 +38,17 @@ from typing import IO, Any
 import aiohttp
 
 from corral import capture, logfiles
+from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
 from corral.controller import ControllerDeps, ServiceController, free_port, handle_from_row
 from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
 from corral.infra.base import Infra, ReplicaHandle
-from corral.infra.local import LocalInfra
+from corral.infra.local import LocalInfra, replica_key
 from corral.jobs import JobPool
 from corral.limits import raise_open_files
 from corral.spec import ServiceSpec, SpecError, local_port_problem, parse_spec, validate_name
-from corral.state import Store
+from corral.state import StateError, Store
 
 log = logging.getLogger("corral.daemon")
 
@@ -334,6 +335,24 @@ def _respawn_command() -> dict[str, Any] | None:
     return {"argv": [sys.executable, *sys.orig_argv[1:]], "cwd": os.getcwd()}
 
 
+def _backup(store: Store, home: Path) -> None:
+    try:
+        store.backup(home)
+    except StateError as exc:
+        log.warning("%s", exc)
+
+
+async def _backup_loop(store: Store, home: Path) -> None:
+    """The rolling backup: every BACKUP_INTERVAL seconds, when anything changed."""
+    last = store.changes()
+    while True:
+        await asyncio.sleep(BACKUP_INTERVAL)
+        now = store.changes()
+        if now != last:
+            await asyncio.to_thread(_backup, store, home)
+            last = now
+
+
 def _cluster_backends() -> dict[str, Infra]:
     """Backends for clusters the user pointed corral at (optional dependencies).
 
@@ -367,18 +386,23 @@ def _configure_logging() -> None:
 
 def _sweep(home_marker: str, infras: Mapping[str, Infra], store: Store) -> None:
     known: dict[str, list[ReplicaHandle]] = {name: [] for name in infras}
+    recorded: set[str] = set()
     for row in store.replicas():
+        recorded.add(replica_key(home_marker, row.service, row.id))
         handle = handle_from_row(row)
         if handle is not None and handle.backend in known:
             known[handle.backend].append(handle)
     for name, infra in infras.items():
         try:
-            killed = infra.sweep(home_marker, known[name])
+            killed = infra.sweep(home_marker, known[name], recorded)
         except Exception:
             log.exception("leak sweep of backend %s failed", name)
             continue
         for what in killed:
-            log.warning("leak sweep: killed %s (started but never recorded)", what)
+            if what.startswith("spared "):
+                log.warning("leak sweep: %s", what)
+            else:
+                log.warning("leak sweep: killed %s (started but never recorded)", what)
 
 
 async def serve(
@@ -410,6 +434,11 @@ async def serve(
     capture.install()
     _configure_logging()
     lock = _lock(home)
+    try:
+        check_state_file(home)
+    except StateFileRefused as exc:
+        lock.close()
+        raise DaemonError(str(exc)) from None
     soft, hard = raise_open_files()
     log.info("open files: soft limit %d (hard %d)", soft, hard)
     if not is_loopback(host):
@@ -430,6 +459,7 @@ async def serve(
         infras = {"local": LocalInfra(), **_cluster_backends()}
     infras = dict(infras)
     _sweep(home_marker, infras, store)
+    _backup(store, home)
     dataplane = DataPlane(home, store, workers=_env_workers(), respawn=_respawn_command())
 
     def bind_failed(name: str, text: str) -> None:
@@ -462,6 +492,7 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop_requested.set)
         await daemon.start_controllers()
+        backups = asyncio.create_task(_backup_loop(store, home), name="corral-backup")
         dataplane.open()  # the re-adopted ready sets go to the workers in one table
         from aiohttp import web
 
@@ -507,8 +538,10 @@ async def serve(
             with contextlib.suppress(FileNotFoundError):
                 (home / "daemon.json").unlink()
             await runner.cleanup()
+            backups.cancel()
             await daemon.stop_controllers()
             await dataplane.stop(workers=daemon.stop_workers)
+            _backup(store, home)
             await asyncio.to_thread(pool.shutdown, timeout=15.0)
             store.close()
             lock.close()

@@ -36,6 +36,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from corral.backup import take_backup
+
 T = TypeVar("T")
 
 SCHEMA_VERSION = 3
@@ -275,6 +277,20 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    def changes(self) -> int:
+        """Rows changed through this connection so far (to skip backups of nothing new)."""
+        with self._lock:
+            return int(self._db.total_changes)
+
+    def backup(self, home: Path) -> Path:
+        """A consistent copy of the whole file as the home's rolling backup
+        (:func:`corral.backup.take_backup`); StateError if SQLite refuses."""
+        try:
+            with self._lock:
+                return take_backup(self._db, home)
+        except (sqlite3.Error, OSError) as exc:
+            raise StateError(f"backup of {self.path} failed: {exc}") from exc
 
     def _migrate(self) -> None:
         current = int(self._db.execute("PRAGMA user_version").fetchone()[0])

@@ -135,8 +135,13 @@ class FaultyInfra:
     def exit_code(self, handle: ReplicaHandle) -> int | None:
         return self.inner.exit_code(handle)
 
-    def sweep(self, home_marker: str, known: Collection[ReplicaHandle]) -> list[str]:
-        return self.inner.sweep(home_marker, known)
+    def sweep(
+        self,
+        home_marker: str,
+        known: Collection[ReplicaHandle],
+        recorded: Collection[str] | None = None,
+    ) -> list[str]:
+        return self.inner.sweep(home_marker, known, recorded)
 
 
 def main() -> None:

@@ -71,7 +71,16 @@ class Infra(Protocol):
 
     def exit_code(self, handle: ReplicaHandle) -> int | None: ...
 
-    def sweep(self, home_marker: str, known: Collection[ReplicaHandle]) -> list[str]: ...
+    def sweep(
+        self,
+        home_marker: str,
+        known: Collection[ReplicaHandle],
+        recorded: Collection[str] | None = None,
+    ) -> list[str]:
+        """Stop what this home started that no known handle accounts for. ``recorded``: the
+        replica keys of every row of the state file; what belongs to none of them is not
+        provably a leftover and is spared (reported with a line starting "spared ")."""
+        ...
 
 
 @runtime_checkable

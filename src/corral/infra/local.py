@@ -794,9 +794,19 @@ class LocalInfra:
 
     # -- sweep ----------------------------------------------------------------------------------
 
-    def sweep(self, home_marker: str, known: Collection[ReplicaHandle]) -> list[str]:
+    def sweep(
+        self,
+        home_marker: str,
+        known: Collection[ReplicaHandle],
+        recorded: Collection[str] | None = None,
+    ) -> list[str]:
         """Stop processes of this corral home that no known handle accounts for: what a launch
         left behind when the daemon died between starting ``run`` and recording its handle.
+
+        ``recorded``: the replica keys of every row in the state file. When given, only a
+        process whose key names a recorded replica is provably such a leftover (its row was
+        written before its launch); one whose replica the file does not know at all (a state
+        file restored from an older backup) is spared and reported, never killed on a guess.
 
         A process is spared when it is (or is in the group of) a known handle's process, carries
         a known replica's key (the app forked it, even into a session of its own), or belongs
@@ -824,8 +834,15 @@ class LocalInfra:
 
         found, marked = _marked_processes(home_marker)
         victims: dict[int, list[tuple[psutil.Process, str | None]]] = {}
+        spared: list[str] = []
         for proc, key, pgid in found:
             if proc.pid in known_pids or pgid in known_pgids or key in known_keys:
                 continue
+            if recorded is not None and key not in recorded:
+                spared.append(
+                    f"spared pid {proc.pid} (replica key {key}): no replica of the state file "
+                    "is its own, so it is not provably a leftover; stop it yourself if unwanted"
+                )
+                continue
             victims.setdefault(pgid, []).append((proc, key))
-        return _stop(victims, marked, self.sweep_grace)
+        return spared + _stop(victims, marked, self.sweep_grace)

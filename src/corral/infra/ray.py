@@ -916,10 +916,19 @@ class RayInfra:
 
     # -- sweep ----------------------------------------------------------------------------------
 
-    def sweep(self, home_marker: str, known: Collection[ReplicaHandle]) -> list[str]:
+    def sweep(
+        self,
+        home_marker: str,
+        known: Collection[ReplicaHandle],
+        recorded: Collection[str] | None = None,
+    ) -> list[str]:
         """Remove actors of this corral home that no known handle names (a launch interrupted
         between creating the actor and recording it), then, on every live node, processes of
-        this home whose replica key no known handle holds. Returns one line per thing removed."""
+        this home whose replica key no known handle holds. Returns one line per thing removed.
+
+        With ``recorded``, an actor whose replica the state file does not know is spared and
+        reported (not provably a leftover). Processes on the nodes are still judged by the
+        known keys alone (the node-side reaper does not get the recorded ones)."""
         prefix = f"corral-{home_marker}-"
         known_names: set[str] = set()
         known_keys: set[str] = set()
@@ -944,6 +953,10 @@ class RayInfra:
             if item["namespace"] != self.namespace or not name.startswith(prefix):
                 continue
             if name in known_names:
+                continue
+            if recorded is not None and _key_of(name, home_marker) not in recorded:
+                report.append(f"spared Ray actor {name}: no replica of the state file is its own")
+                known_names.add(name)  # its processes are spared too
                 continue
             actor = self._lookup(name)
             if actor is None:
