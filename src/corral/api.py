@@ -21,6 +21,7 @@ from aiohttp import web
 from corral import __version__, logfiles
 from corral.balancer import CONTENT_TYPE_LATEST, render
 from corral.daemon import Daemon, RequestError
+from corral.home import hello_proof, valid_nonce
 from corral.limits import open_files
 from corral.state import StateError
 
@@ -134,7 +135,14 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
 
     @routes.get("/v1/health")
     async def health(request: web.Request) -> web.Response:
-        return _json({"ok": True, "version": __version__})
+        answer: dict[str, Any] = {"ok": True, "version": __version__}
+        nonce = request.query.get("nonce", "")
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        if valid_nonce(nonce) and isinstance(sockname, tuple):
+            # The CLI's question before it sends the token (see home.hello_proof).
+            port = int(sockname[1])
+            answer.update(proof=hello_proof(token, nonce, port), port=port, pid=os.getpid())
+        return _json(answer)
 
     @routes.get("/v1/daemon")
     async def info(request: web.Request) -> web.Response:
@@ -480,6 +488,16 @@ OPENAPI: dict[str, Any] = {
         "/v1/health": {
             "get": {
                 "security": [],
+                "parameters": [
+                    {
+                        "name": "nonce",
+                        "in": "query",
+                        "required": False,
+                        "description": "hex, 16-128 characters: the answer then proves the "
+                        "daemon holds the token (HMAC-SHA256 bound to the port)",
+                        "schema": {"type": "string"},
+                    }
+                ],
                 "responses": _ok(200, {"type": "object"}),
             }
         },

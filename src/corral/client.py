@@ -14,10 +14,12 @@ refused for a host that is not loopback, as the token would travel in clear.
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import ipaddress
 import json
 import os
+import secrets
 import ssl
 import subprocess
 import sys
@@ -28,7 +30,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
-from corral.home import EXIT_DAEMON_RUNNING, WILDCARD_HOSTS, is_loopback, read_info, read_token
+from corral.home import (
+    EXIT_DAEMON_RUNNING,
+    WILDCARD_HOSTS,
+    hello_proof,
+    is_loopback,
+    read_info,
+    read_token,
+)
 
 ENV_API_URL = "CORRAL_API_URL"
 ENV_API_TOKEN = "CORRAL_API_TOKEN"
@@ -48,7 +57,13 @@ class ClientError(Exception):
 
 
 class UntrustedDaemon(ClientError):
-    """Something answers on the daemon's address but fails TLS verification."""
+    """Something answers on the daemon's address but fails TLS verification, or cannot prove
+    it holds the token. ``stale``: the daemon that daemon.json names is not running (another
+    process took its old port), so starting a new daemon is the cure."""
+
+    def __init__(self, message: str, *, stale: bool = False) -> None:
+        super().__init__(message)
+        self.stale = stale
 
 
 @dataclass(frozen=True)
@@ -170,6 +185,8 @@ class Client:
         self.timeout = timeout
         # Why the last health() said no (None: it said yes, or nothing answered at all).
         self.last_error: ClientError | None = None
+        # The endpoint and token that proved to be this home's daemon (see _prove).
+        self._trusted: tuple[Endpoint, str] | None = None
 
     def _connection(
         self, timeout: float | None
@@ -184,7 +201,60 @@ class Client:
                 token = read_token(self.home)
             except OSError as exc:
                 raise ClientError(f"cannot read the API token in {self.home}: {exc}") from None
+        if self._trusted != (ep, token):
+            try:
+                self._prove(ep, token, timeout)
+            except UntrustedDaemon:
+                raise
+            except OSError as exc:
+                raise _unreachable(exc, ep) from None
         return open_connection(ep, timeout), token, ep
+
+    def _prove(self, ep: Endpoint, token: str, timeout: float | None) -> None:
+        """Ask whoever answers at ``ep`` to prove it holds the token, without sending it.
+
+        A daemon killed without a chance to remove daemon.json leaves its port behind, and any
+        local process may listen there: the token (and a spec) must never go to it. The answer
+        to a random nonce is an HMAC with the token, bound to the port (``home.hello_proof``).
+        Raises :class:`UntrustedDaemon` saying what was found; OSError when nothing answers.
+        """
+        nonce = secrets.token_hex(16)
+        conn = open_connection(ep, timeout)
+        try:
+            conn.request("GET", "/v1/health?nonce=" + nonce)
+            response = conn.getresponse()
+            raw = response.read(65536)
+        except ssl.SSLCertVerificationError as exc:
+            raise _unreachable(exc, ep) from None
+        except http.client.HTTPException as exc:
+            raise self._impostor(ep, f"it does not speak HTTP as corral does ({exc!r})") from None
+        finally:
+            conn.close()
+        try:
+            answer = json.loads(raw)
+            proof = str(answer["proof"])
+            port = int(answer["port"]) if ep.remote else ep.port
+        except (ValueError, KeyError, TypeError):
+            raise self._impostor(ep, "it gave no proof that it holds the token") from None
+        if not hmac.compare_digest(proof, hello_proof(token, nonce, port)):
+            raise self._impostor(ep, "its proof does not match this home's token")
+        self._trusted = (ep, token)
+
+    def _impostor(self, ep: Endpoint, why: str) -> UntrustedDaemon:
+        info = read_info(self.home) or {}
+        pid = info.get("pid")
+        alive = isinstance(pid, int) and _pid_alive(pid)
+        if ep.remote:
+            return UntrustedDaemon(
+                f"{ep.url} is not the corral daemon $CORRAL_API_TOKEN is for: {why}"
+            )
+        gone = "" if alive else ", which is not running: its old port is taken by another process"
+        return UntrustedDaemon(
+            f"something answers at {ep.url} but it is not this home's daemon: {why}. Nothing "
+            f"was sent to it (no token). {self.home / 'daemon.json'} names pid {pid}{gone}; "
+            "any corral command that needs a daemon (`corral daemon start`) starts a new one.",
+            stale=not alive,
+        )
 
     def request(
         self,
@@ -244,24 +314,19 @@ class Client:
     # -- operations ---------------------------------------------------------------------------
 
     def health(self) -> bool:
-        """The API answers. A daemon that answers but fails TLS verification is not healthy,
-        and ``last_error`` says so (``ensure_daemon`` must not start another one beside it)."""
+        """This home's daemon answers, and proved it (see :meth:`_prove`). Something that
+        answers but fails TLS verification or the proof is not healthy, and ``last_error``
+        says so (``ensure_daemon`` must not start another one beside a live daemon)."""
         self.last_error = None
+        self._trusted = None
         try:
-            conn, _, ep = self._connection(2.0)
+            self._connection(2.0)
         except ClientError as exc:
             self.last_error = exc
             return False
-        try:
-            conn.request("GET", "/v1/health")
-            return conn.getresponse().status == 200
-        except ssl.SSLCertVerificationError as exc:
-            self.last_error = _unreachable(exc, ep)
-            return False
         except OSError:
             return False
-        finally:
-            conn.close()
+        return True
 
     def services(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/v1/services")["services"])
@@ -330,8 +395,9 @@ def ensure_daemon(home: Path, timeout: float = 20.0) -> Client:
         raise client.last_error or ClientError(
             f"no corral daemon answers at ${ENV_API_URL} ({os.environ[ENV_API_URL]})"
         )
-    if isinstance(client.last_error, UntrustedDaemon):
-        raise client.last_error  # a daemon answers, over TLS we cannot verify: not a new one
+    error = client.last_error
+    if isinstance(error, UntrustedDaemon) and not error.stale:
+        raise error  # a daemon answers that we cannot verify: not a new one beside it
     home.mkdir(mode=0o700, parents=True, exist_ok=True)  # the daemon narrows an old one too
     log_path = home / "daemon.log"
     with open(log_path, "ab") as log:
@@ -368,3 +434,13 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -12,6 +12,8 @@ home's 0700, and the daemon refusing a token too short to be one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
@@ -28,6 +30,19 @@ MIN_TOKEN_CHARS = 16
 
 # Addresses that mean "every interface": a client of a daemon bound to one connects to loopback.
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
+
+def hello_proof(token: str, nonce: str, port: int) -> str:
+    """What only the holder of the token can answer to ``nonce``, bound to the port the
+    question arrived on: a process that took a dead daemon's port cannot compute it, and one
+    that relays the question to the live daemon gets an answer for that daemon's own port,
+    which the client rejects. So the CLI knows whom it talks to before it sends the token."""
+    message = f"corral-hello:{nonce}:{port}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def valid_nonce(nonce: str) -> bool:
+    return 16 <= len(nonce) <= 128 and all(c in "0123456789abcdef" for c in nonce)
 
 
 def default_home() -> Path:
