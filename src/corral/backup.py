@@ -4,7 +4,7 @@
 truncated or foreign file for "no services" would come up with nothing and its leak sweep
 would kill every running replica (reproduced with ``: > state.db``). So before the daemon
 opens the file, :func:`check_state_file` compares it with what the home shows it had: service
-directories (they keep their logs after `down`) or a backup. A home with that evidence and a
+directories with logs (kept after `down`) or a backup. A home with that evidence and a
 state file that is missing, empty, unreadable or not corral's is refused with an error that
 says what was found and how to restore; nothing is changed, nothing is killed.
 
@@ -49,7 +49,11 @@ def _evidence(home: Path) -> list[str]:
     found = []
     services = home / "services"
     if services.is_dir():
-        names = sorted(p.name for p in services.iterdir() if p.is_dir())
+        # A service that ran has logs (controller.log at least); an empty directory, e.g. a
+        # mount point made ready before the first start, is no evidence.
+        names = sorted(
+            p.name for p in services.iterdir() if p.is_dir() and any((p / "logs").glob("*.log"))
+        )
         if names:
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             found.append(f"service directories ({shown})")

@@ -226,6 +226,8 @@ class Client:
             raw = response.read(65536)
         except ssl.SSLCertVerificationError as exc:
             raise _unreachable(exc, ep) from None
+        except OSError:
+            raise  # nothing (or nothing that stays) answers there: "cannot reach"
         except http.client.HTTPException as exc:
             raise self._impostor(ep, f"it does not speak HTTP as corral does ({exc!r})") from None
         finally:
