@@ -458,6 +458,16 @@ async def serve(
     if infras is None:
         infras = {"local": LocalInfra(), **_cluster_backends()}
     infras = dict(infras)
+    local = infras.get("local")
+    if isinstance(local, LocalInfra):
+        weak = local.containment(home_marker)
+        if weak:
+            log.warning(
+                "replicas get no cgroup of their own (%s): teardown stops their process "
+                "groups and every process carrying their replica key, but a process that "
+                "leaves its group and clears its environment would survive it",
+                weak,
+            )
     _sweep(home_marker, infras, store)
     _backup(store, home)
     dataplane = DataPlane(home, store, workers=_env_workers(), respawn=_respawn_command())
@@ -542,6 +552,8 @@ async def serve(
             await daemon.stop_controllers()
             await dataplane.stop(workers=daemon.stop_workers)
             _backup(store, home)
+            if isinstance(local, LocalInfra):
+                local.release(home_marker)
             await asyncio.to_thread(pool.shutdown, timeout=15.0)
             store.close()
             lock.close()

@@ -23,6 +23,8 @@ Standard library only. Serves ``GET /`` (who it is, as JSON) and ``GET /health``
                         ``--children`` grandchildren (``--depth`` levels). Every node ignores
                         SIGTERM; odd-numbered nodes call ``setsid`` (leaving the replica's
                         process group), and with ``--respawn`` a node restarts a child that dies.
+                        With ``--scrub-env`` the odd-numbered nodes also start with an empty
+                        environment (no replica key: only a cgroup can still find them).
                         Each node appends its pid to ``--pidfile``. ``--leader-exit-after S``
                         makes the server itself exit (code 5) after S seconds, leaving the tree.
 
@@ -178,7 +180,12 @@ def start_node(args: argparse.Namespace, depth: int, index: int) -> subprocess.P
     ]
     if args.respawn:
         command.append("--respawn")
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    if args.scrub_env:
+        command.append("--scrub-env")
+    # With --scrub-env, odd-numbered nodes start with an EMPTY environment: no replica key, no
+    # home marker, nothing that could tell whose they are.
+    env = {} if args.scrub_env and index % 2 == 1 else None
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
 
 
 def tree_node(args: argparse.Namespace) -> None:
@@ -212,6 +219,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--respawn", action="store_true")
+    parser.add_argument("--scrub-env", action="store_true")
     parser.add_argument("--pidfile", default=os.devnull)
     parser.add_argument("--leader-exit-after", type=float, default=None)
     args = parser.parse_args()

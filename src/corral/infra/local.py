@@ -44,6 +44,7 @@ from typing import Literal
 import psutil
 
 from corral import jobs
+from corral.infra import cgroups
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
 
 __all__ = ["BACKEND", "ENV_HOME_MARKER", "ENV_REPLICA_KEY", "LocalInfra", "replica_key"]
@@ -585,16 +586,27 @@ class LocalInfra:
 
         log_path.parent.mkdir(parents=True, exist_ok=True)
         print(f"[corral] run: {request.run}", flush=True)
-        with open(log_path, "ab") as log_file:
-            popen = subprocess.Popen(
-                [shell, "-c", request.run],
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env=env,
-            )
+        group = cgroups.replica_cgroup(request.home_marker, request.service, request.replica_id)
+        join, join_fd = cgroups.enter(group) if group is not None else (None, -1)
+        try:
+            with open(log_path, "ab") as log_file:
+                popen = subprocess.Popen(
+                    [shell, "-c", request.run],
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    cwd=cwd,
+                    env=env,
+                    preexec_fn=join,  # into the replica's cgroup before any of its code runs
+                )
+        except BaseException:
+            if group is not None:
+                cgroups.kill(group)  # empty: nothing started; removes the directory
+            raise
+        finally:
+            if join_fd >= 0:
+                os.close(join_fd)
         pid = popen.pid
         pgid = pid  # start_new_session: the child leads a new session and group of its own
         try:
@@ -618,6 +630,7 @@ class LocalInfra:
                 "port": port,
                 "log": str(log_path),
                 "key": key,
+                "cgroup": str(group) if group is not None else None,
             },
         )
         try:
@@ -625,7 +638,7 @@ class LocalInfra:
         except BaseException:
             # Not recorded anywhere: nobody else could ever stop it.
             print(f"[corral] recording pid {pid} failed; stopping it", flush=True)
-            self._abort(popen, pgid)
+            self._abort(popen, pgid, group)
             raise
         print(
             f"[corral] started pid {pid} (process group {pgid}) in {cwd} on port {port}; "
@@ -636,7 +649,7 @@ class LocalInfra:
             jobs.checkpoint()
         except jobs.Cancelled:
             print(f"[corral] launch cancelled; stopping pid {pid}", flush=True)
-            self._abort(popen, pgid)
+            self._abort(popen, pgid, group)
             raise
         return handle
 
@@ -661,12 +674,14 @@ class LocalInfra:
         except Exception as exc:
             return [f"looking for leftovers failed: {exc!r}"]
 
-    def _abort(self, popen: subprocess.Popen[bytes], pgid: int) -> None:
+    def _abort(self, popen: subprocess.Popen[bytes], pgid: int, group: Path | None = None) -> None:
         """Stop a just-started replica whose launch is being abandoned. Never masks the error
         that caused the abort: a failure here is printed, and the caller re-raises its own."""
         try:
             if not jobs.terminate_process_group(pgid, self.abort_grace, popen.poll):
                 print(f"[corral] process group {pgid} survived TERM and KILL", flush=True)
+            if group is not None and cgroups.kill(group):
+                print(f"[corral] processes in {group} survived SIGKILL", flush=True)
         except Exception as exc:
             print(f"[corral] stopping process group {pgid} failed: {exc!r}", flush=True)
         popen.poll()
@@ -698,7 +713,14 @@ class LocalInfra:
         # their environment (inherited by every descendant) is what finds them.
         key, ident = info.key, info.ident
         escaped = [] if key is None else _key_holders(key, ident, outside_pgid=info.pgid)
+        group = handle.data.get("cgroup")
+        cgroup = Path(group) if isinstance(group, str) else None
         if not group_alive and not escaped:
+            # Whatever is left in the cgroup escaped both the group and the key (setsid and a
+            # cleared environment): only the cgroup still knows it.
+            left_in_cgroup = [] if cgroup is None else cgroups.kill(cgroup)
+            if left_in_cgroup:
+                raise RuntimeError(f"processes in {cgroup} survived SIGKILL: {left_in_cgroup}")
             return
         if group_alive and not _safe_group(info.pgid):
             raise RuntimeError(
@@ -714,6 +736,8 @@ class LocalInfra:
         if child is not None:
             child.popen.poll()
         left = [] if key is None else _stop_key_holders(key, ident, escaped, grace)
+        if cgroup is not None:
+            left += cgroups.kill(cgroup)
         problems = []
         if not gone:
             problems.append(
@@ -738,6 +762,14 @@ class LocalInfra:
             if env is not None and env.get(ENV_REPLICA_KEY) == info.key:
                 found.append(proc)
         return found
+
+    def containment(self, home_marker: str) -> str | None:
+        """Why teardown cannot catch everything here (no cgroup for replicas), or None."""
+        return cgroups.unavailable_reason(home_marker)
+
+    def release(self, home_marker: str) -> None:
+        """The daemon stops: remove this home's empty replica cgroups."""
+        cgroups.release_root(home_marker)
 
     def check(self, handle: ReplicaHandle) -> Liveness:
         """ALIVE while the handle's process runs; EXITED once it ended (reaping it if it is our
