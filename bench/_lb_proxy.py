@@ -1,11 +1,12 @@
 """corral's LoadBalancer alone in a process, for bench/balancer.py.
 
 Why a process of its own: the benchmark charges the proxy's CPU (psutil cpu_times of this pid) per
-request, which needs the balancer to be the only thing in its process. It runs on the default
-asyncio loop, as in the daemon.
+request, which needs the balancer to be the only thing in its process. It runs on uvloop, as the
+balancer workers do in production (``--asyncio`` for the stock loop).
 
-Run: ``python bench/_lb_proxy.py --replica http://127.0.0.1:P1 ... [--metrics] [--policy P]``;
-prints ``PORT <n>`` once listening, serves until SIGTERM/SIGINT. Listens on 127.0.0.1 only.
+Run: ``python bench/_lb_proxy.py --replica http://127.0.0.1:P1 ... [--metrics] [--policy P]
+[--port N] [--reuse-port]``; prints ``PORT <n>`` once listening, serves until SIGTERM/SIGINT.
+Listens on 127.0.0.1 only. With ``--reuse-port`` several of these can serve one port.
 """
 
 from __future__ import annotations
@@ -15,21 +16,14 @@ import asyncio
 import logging
 import signal
 
-from prometheus_client import CollectorRegistry
+import uvloop
 
-from corral.balancer import BalancerMetrics, LoadBalancer, render
+from corral.balancer import LoadBalancer, merge_stats, render
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--replica", action="append", required=True)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--policy", default="round_robin")
-    parser.add_argument("--metrics", action="store_true", help="count into a registry")
-    args = parser.parse_args()
+async def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING)
-    metrics = BalancerMetrics(CollectorRegistry()) if args.metrics else None
-    lb = LoadBalancer(name="bench", port=args.port, policy=args.policy, metrics=metrics)
+    lb = LoadBalancer(name="bench", port=args.port, policy=args.policy, reuse_port=args.reuse_port)
     await lb.start()
     lb.set_ready({i + 1: url for i, url in enumerate(args.replica)})
     print(f"PORT {lb.port}", flush=True)
@@ -38,9 +32,9 @@ async def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    if metrics is not None:
+    if args.metrics:
         # one scrape at the end, so a run with metrics also proves they render
-        text = render(metrics.registry).decode()
+        text = render({"bench": merge_stats([lb.stats()])}).decode()
         total = sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
@@ -50,5 +44,20 @@ async def main() -> None:
     await lb.stop()
 
 
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--replica", action="append", required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--metrics", action="store_true", help="render the metrics at the end")
+    parser.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT")
+    parser.add_argument("--asyncio", action="store_true", help="stock asyncio loop, not uvloop")
+    args = parser.parse_args()
+    if args.asyncio:
+        asyncio.run(main(args))
+    else:
+        uvloop.run(main(args))
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    cli()

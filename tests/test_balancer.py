@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.client_reqrep import ConnectionKey
 from conftest import make_cert, needs_openssl
 
 from corral.balancer import LoadBalancer, make_policy
@@ -326,10 +325,11 @@ def test_round_robin_alternates_exactly() -> None:
             assert seen == [1, 2, 3] * 3
             stats = lb.stats()
             assert stats["requests"] == 9
+            # stats() is JSON-serialisable: replica ids are string keys
             assert {rid: st["served"] for rid, st in stats["replicas"].items()} == {
-                1: 3,
-                2: 3,
-                3: 3,
+                "1": 3,
+                "2": 3,
+                "3": 3,
             }
 
     run(main())
@@ -596,8 +596,8 @@ def test_dead_replica_is_retried_elsewhere_once_per_request(
             stats = lb.stats()["replicas"]
             # after its first refused connection it is passed over (EJECT_SECONDS), so it
             # fails once, not once per request (9) and never twice per request (18)
-            assert stats[2]["failed"] == 1
-            assert stats[1]["served"] == 10
+            assert stats["2"]["failed"] == 1
+            assert stats["1"]["served"] == 10
             # the dead replica's failures are logged once, not once per request
             assert len([r for r in caplog.records if "replica 2" in r.getMessage()]) == 1
 
@@ -658,9 +658,17 @@ def test_retry_after_replica_drops_the_connection() -> None:
             async with cluster(1, policy="round_robin") as (lb, reps, ready):
                 lb.set_ready({1: ready[1], 0: f"http://{HOST}:{drop_port}"})
                 async with aiohttp.ClientSession() as s:
-                    status, echo = await get_json(s, lb.url + "/p", method="POST", data=b"once")
+                    # a POST the replica read and dropped may have taken effect: never resent
+                    async with s.post(lb.url + "/p", data=b"once") as resp:
+                        assert resp.status == 502
+                        assert "not retried" in (await resp.json())["error"]
+                    assert accepted == 1 and reps[0].requests == []
+                    # the same for a PUT (idempotent) goes on to the other replica
+                    status, echo = await get_json(s, lb.url + "/p", method="PUT", data=b"once")
+                    assert (status, echo["replica"]) == (200, 1)
+                    status, echo = await get_json(s, lb.url + "/p", method="PUT", data=b"once")
                     assert (status, echo["replica"], echo["body_len"]) == (200, 1, 4)
-                    assert accepted == 1  # not retried on the replica that dropped it
+                    assert accepted == 2  # not retried on the replica that dropped it
             # a body too big to buffer, already partly streamed to the replica that dropped it,
             # cannot be sent again: 502 instead of a retry with a truncated body
             async with cluster(1, policy="round_robin", max_buffered_body=1024) as (
@@ -673,7 +681,7 @@ def test_retry_after_replica_drops_the_connection() -> None:
                     async with s.post(lb.url + "/p", data=b"z" * 100_000) as resp:
                         assert resp.status == 502
                         assert "not retried" in (await resp.json())["error"]
-                    assert accepted == 2 and reps[0].requests == []
+                    assert accepted == 3 and reps[0].requests == []
                     assert lb.in_flight() == 0
         finally:
             dropper.close()
@@ -847,7 +855,7 @@ def test_wait_drained_waits_for_slow_request() -> None:
             assert resp.status == 200
             resp.release()
             assert lb.in_flight(1) == 0 and lb.in_flight() == 0
-            assert 1 not in lb.stats()["replicas"]  # drained and gone: counters forgotten
+            assert "1" not in lb.stats()["replicas"]  # drained and gone: counters forgotten
 
     run(main())
 
@@ -910,8 +918,8 @@ def test_unreachable_replica_is_passed_over_by_least_load() -> None:
                 status, _echo = await get_json(s, lb.url + "/")
                 assert status == 200
             stats = lb.stats()["replicas"]
-            assert stats[3]["failed"] == 1, stats
-            assert stats[1]["served"] + stats[2]["served"] == 30
+            assert stats["3"]["failed"] == 1, stats
+            assert stats["1"]["served"] + stats["2"]["served"] == 30
 
     run(main())
 
@@ -920,12 +928,204 @@ def test_only_a_refused_connection_is_free_of_the_attempt_budget() -> None:
     """ECONNREFUSED answers at once and reached no app: it costs no attempt. A host that is
     unreachable (or a name that does not resolve) is also a connector error but may take
     seconds each: it must count, or one request could wait on every replica of a dead host."""
-    key = ConnectionKey("127.0.0.1", 1, False, True, None, None, None)
 
-    def connector_error(code: int) -> aiohttp.ClientConnectorError:
-        return aiohttp.ClientConnectorError(key, OSError(code, "x"))
+    def connect_error(code: int) -> OSError:
+        return OSError(code, "x")
 
-    assert _refused(connector_error(errno.ECONNREFUSED))
-    assert not _refused(connector_error(errno.EHOSTUNREACH))
-    assert not _refused(connector_error(errno.ENETUNREACH))
-    assert not _refused(aiohttp.ServerDisconnectedError())
+    assert _refused(ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"))
+    assert _refused(connect_error(errno.ECONNREFUSED))
+    assert not _refused(connect_error(errno.EHOSTUNREACH))
+    assert not _refused(connect_error(errno.ENETUNREACH))
+    assert not _refused(socket.gaierror(socket.EAI_NONAME, "name unknown"))
+    assert not _refused(ConnectionResetError(errno.ECONNRESET, "reset"))
+
+
+# ---------------------------------------------------------------------------- new engine
+
+
+@contextlib.asynccontextmanager
+async def swallowing_replica() -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A replica that reads each request whole (head and Content-Length body), then closes the
+    connection without answering; yields its base URL and the request lines it read."""
+    seen: list[bytes] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            seen.append(head.split(b"\r\n", 1)[0])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(swallow, HOST, 0)
+    try:
+        yield f"http://{HOST}:{server.sockets[0].getsockname()[1]}", seen
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_non_idempotent_request_read_then_dropped_is_never_resent() -> None:
+    """The replica read the whole POST and closed without answering: it may have acted on it,
+    so the client gets a 502 and the second replica never sees the request (nginx does the
+    same). A GET in the same situation is retried on the other replica."""
+
+    async def main() -> None:
+        async with swallowing_replica() as (hole, seen):
+            for method, data in ((b"POST", b"charge-card"), (b"PATCH", b"x")):
+                async with cluster(1, policy="round_robin") as (lb, reps, ready):
+                    lb.set_ready({0: hole, 1: ready[1]})  # round robin tries id 0 first
+                    async with aiohttp.ClientSession() as s:
+                        async with s.request(method.decode(), lb.url + "/pay", data=data) as r:
+                            assert r.status == 502
+                            error = (await r.json())["error"]
+                        assert "not retried" in error and "may have reached" in error
+                    assert reps[0].requests == []  # never sent twice
+                    assert seen[-1] == method + b" /pay HTTP/1.1"
+                    assert lb.stats()["retries"] == 0
+                    assert lb.in_flight() == 0
+            async with cluster(1, policy="round_robin") as (lb, reps, ready):
+                lb.set_ready({0: hole, 1: ready[1]})
+                async with aiohttp.ClientSession() as s:
+                    status, echo = await get_json(s, lb.url + "/read")
+                    assert (status, echo["replica"]) == (200, 1)
+                assert seen[-1] == b"GET /read HTTP/1.1"
+                assert [q["path_qs"] for q in reps[0].requests] == ["/read"]
+                assert lb.stats()["retries"] == 1
+
+    run(main())
+
+
+def test_post_gets_a_fresh_connection_when_the_pooled_one_is_idle() -> None:
+    """A pooled connection idle for a while may be closing at the replica just as a request is
+    written; a POST must not take that risk (it could not be resent), a GET may."""
+    from corral.balancer.exchange import NONIDEMPOTENT_MAX_IDLE
+
+    async def main() -> None:
+        async with cluster(1) as (lb, reps, _), aiohttp.ClientSession() as s:
+            loop = asyncio.get_running_loop()
+            original = loop.create_connection
+            opened: list[int] = []  # connections the balancer opens to the replica
+
+            async def counting(*args: Any, **kw: Any) -> Any:
+                if args[2:3] == (reps[0].port,):
+                    opened.append(1)
+                return await original(*args, **kw)
+
+            loop.create_connection = counting  # type: ignore[method-assign]
+            try:
+                for _ in range(3):
+                    assert (await get_json(s, lb.url + "/", method="POST", data=b"a"))[0] == 200
+                assert len(opened) == 1  # back to back: the pooled connection is reused
+                await asyncio.sleep(NONIDEMPOTENT_MAX_IDLE + 0.2)
+                assert (await get_json(s, lb.url + "/", method="POST", data=b"a"))[0] == 200
+                assert len(opened) == 2  # idle too long for a POST: a fresh one
+                await asyncio.sleep(NONIDEMPOTENT_MAX_IDLE + 0.2)
+                assert (await get_json(s, lb.url + "/"))[0] == 200
+                assert len(opened) == 2  # a GET takes the idle one
+            finally:
+                del loop.create_connection
+
+    run(main())
+
+
+def test_on_drained_is_called_when_a_removed_replica_drains() -> None:
+    async def main() -> None:
+        drained: list[int] = []
+        async with (
+            cluster(2, policy="round_robin", on_drained=drained.append) as (lb, reps, ready),
+            aiohttp.ClientSession() as s,
+        ):
+            held = asyncio.ensure_future(s.get(lb.url + "/hold"))
+            await asyncio.wait_for(reps[0].arrived.wait(), 5)
+            lb.set_ready({2: ready[2]})
+            (await get_json(s, lb.url + "/"))  # replica 2 (ready) finishing: no call
+            assert drained == []
+            reps[0].gate.set()
+            resp = await held
+            assert resp.status == 200
+            resp.release()
+            assert await lb.wait_drained(1, 5)
+            assert drained == [1]
+
+    run(main())
+
+
+def test_timestamps_after_is_incremental() -> None:
+    async def main() -> None:
+        async with cluster(1) as (lb, _, _), aiohttp.ClientSession() as s:
+            start = time.monotonic()
+            for _ in range(3):
+                await get_json(s, lb.url + "/")
+            first = lb.timestamps_after(start)
+            assert len(first) == 3 and first == sorted(first)
+            assert lb.timestamps_after(first[-1]) == []  # strictly after
+            await get_json(s, lb.url + "/")
+            assert len(lb.timestamps_after(first[-1])) == 1
+            assert lb.timestamps_after(first[0]) == lb.request_timestamps(60)[1:]
+
+    run(main())
+
+
+def test_reuse_port_lets_two_balancers_share_a_port() -> None:
+    async def main() -> None:
+        replica = await Replica(1).start()
+        a = LoadBalancer(name="svc", reuse_port=True)
+        try:
+            port = await a.start()
+            b = LoadBalancer(name="svc", port=port, reuse_port=True)
+            try:
+                assert await b.start() == port
+                for lb in (a, b):
+                    lb.set_ready({1: replica.url})
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(4):
+                        assert (await get_json(s, a.url + "/"))[0] == 200
+                assert a.stats()["requests"] + b.stats()["requests"] == 4
+            finally:
+                await b.stop()
+            with pytest.raises(OSError):
+                await LoadBalancer(name="svc", port=port).start()  # without: the port is taken
+        finally:
+            await a.stop()
+            await replica.stop()
+
+    run(main())
+
+
+def test_runs_on_uvloop() -> None:
+    """Production hosts the balancer on uvloop: the same exchanges, streams and WebSocket."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        async with cluster(2, policy="round_robin", dead=1, max_buffered_body=1 << 16) as (
+            lb,
+            _,
+            _,
+        ):
+            async with aiohttp.ClientSession() as s:
+                for _ in range(4):
+                    assert (await get_json(s, lb.url + "/"))[0] == 200
+                payload = random.Random(2).randbytes(512 << 10)  # streamed, above the buffer
+                status, echo = await get_json(s, lb.url + "/up", method="POST", data=payload)
+                assert (status, echo["body_len"]) == (200, len(payload))
+                async with s.get(lb.url + "/big") as resp:
+                    assert await resp.read() == bytes(range(256)) * 4096
+                async with s.get(lb.url + "/chunks") as resp:
+                    assert await resp.read() == b"abc"
+                async with s.ws_connect(lb.url + "/ws") as ws:
+                    await ws.send_str("hi")
+                    assert (await ws.receive(timeout=5)).data in ("1:hi", "2:hi")
+            assert await lb.wait_drained(1, 5) and await lb.wait_drained(2, 5)
+
+    async def bounded() -> None:
+        await asyncio.wait_for(main(), 20)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(bounded())

@@ -118,7 +118,7 @@ def test_connect_timeout_retries_on_another_replica_then_504() -> None:
                     assert resp.status == 200  # the request never reached the hole: retried
                     assert (await resp.json())["replica"] == 1
                 assert time.monotonic() - start < 3
-                assert lb.stats()["replicas"][0]["failed"] == 1
+                assert lb.stats()["replicas"]["0"]["failed"] == 1
 
                 lb.set_ready({0: hole})
                 start = time.monotonic()
@@ -195,7 +195,7 @@ def test_idle_timer_is_not_left_running_on_pooled_connections() -> None:
                 await asyncio.sleep(0.7)  # longer than both timeouts, shorter than keep-alive
             stats = lb.stats()
             assert stats["aborted"] == 0 and stats["errors"] == 0
-            assert stats["replicas"][1]["failed"] == 0
+            assert stats["replicas"]["1"]["failed"] == 0
 
     run(main())
 
@@ -307,7 +307,7 @@ def test_max_body_bytes_on_chunked_bodies_buffered_and_streamed() -> None:
                 assert "too large" in (await resp.json())["error"]
             stats = lb.stats()
             assert stats["errors_by_reason"] == {"body_too_large": 1}
-            assert stats["replicas"][1]["failed"] == 0  # the client's fault, not the replica's
+            assert stats["replicas"]["1"]["failed"] == 0  # the client's fault, not the replica's
             assert await lb.wait_drained(1, 5)
 
     run(main())
@@ -379,7 +379,7 @@ def test_malformed_http_is_a_json_4xx_without_traceback(caplog: pytest.LogCaptur
             status, headers, body = parse(raw)
             assert status == 400
             assert "malformed request body" in json.loads(body)["error"]
-            assert lb.stats()["replicas"][1]["failed"] == 0
+            assert lb.stats()["replicas"]["1"]["failed"] == 0
             assert await lb.wait_drained(1, 5)
 
     run(main())

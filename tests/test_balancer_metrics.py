@@ -1,22 +1,25 @@
 """Prometheus metrics and QPS of the load balancer, read back from the exposition text.
 
-Reuses the replicas and helpers of tests/test_balancer.py; everything on 127.0.0.1 and bounded
-by ``run``'s deadline.
+The balancer counts in plain ints (``stats()``); the control plane sums the stats of a service's
+workers (``merge_stats``) and renders them (``render``). These tests go through both, as the
+daemon does. Reuses the replicas and helpers of tests/test_balancer.py; everything on 127.0.0.1
+and bounded by ``run``'s deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
+from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client import CollectorRegistry
 from test_balancer import HOST, Replica, cluster, run
 
-from corral.balancer import CONTENT_TYPE_LATEST, BalancerMetrics, LoadBalancer, render
-from corral.balancer.metrics import ERROR_REASONS
+from corral.balancer import CONTENT_TYPE_LATEST, LoadBalancer, merge_stats, render
+from corral.balancer.metrics import ERROR_REASONS, LATENCY_BUCKETS
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
@@ -33,15 +36,18 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def exposition(metrics: BalancerMetrics) -> str:
-    return render(metrics.registry).decode()
+def exposition(*lbs: LoadBalancer) -> str:
+    """What the daemon serves: each service's workers' stats summed, then rendered."""
+    by_service: dict[str, list[dict[str, Any]]] = {}
+    for lb in lbs:
+        by_service.setdefault(lb.stats()["service"], []).append(lb.stats())
+    return render({name: merge_stats(stats) for name, stats in by_service.items()}).decode()
 
 
 def test_requests_codes_latency_and_retries_are_counted() -> None:
     async def main() -> None:
-        metrics = BalancerMetrics(CollectorRegistry())
         async with (
-            cluster(2, dead=1, policy="round_robin", metrics=metrics) as (lb, _, ready),
+            cluster(2, dead=1, policy="round_robin") as (lb, _, ready),
             aiohttp.ClientSession() as s,
         ):
             for _ in range(7):
@@ -51,13 +57,13 @@ def test_requests_codes_latency_and_retries_are_counted() -> None:
                 async with s.get(lb.url + "/500") as resp:
                     assert resp.status == 500
             # replica 3 is dead: every request that picked it first was retried once
-            failed = lb.stats()["replicas"][3]["failed"]
+            failed = lb.stats()["replicas"]["3"]["failed"]
             assert failed > 0
             lb.set_ready({})
             async with s.get(lb.url + "/") as resp:
                 assert resp.status == 503
             lb.set_ready(ready)
-            text = exposition(metrics)
+            text = exposition(lb)
             assert sample(text, "corral_lb_requests_total", service="svc", code="200") == 7
             assert sample(text, "corral_lb_requests_total", service="svc", code="500") == 3
             assert sample(text, "corral_lb_requests_total", service="svc", code="503") == 1
@@ -78,38 +84,36 @@ def test_requests_codes_latency_and_retries_are_counted() -> None:
             )
             for rid in ("1", "2", "3"):
                 assert sample(text, "corral_lb_in_flight", service="svc", replica=rid) == 0
-        # stop() removed the service's series
-        text = exposition(metrics)
-        assert "service=" not in text
+        # a service that is gone is simply not passed to render: no series left behind
+        assert "service=" not in render({}).decode()
 
     run(main())
 
 
 def test_in_flight_gauge_follows_requests_and_is_removed_after_drain() -> None:
     async def main() -> None:
-        metrics = BalancerMetrics(CollectorRegistry())
         async with (
-            cluster(2, policy="round_robin", metrics=metrics) as (lb, reps, ready),
+            cluster(2, policy="round_robin") as (lb, reps, ready),
             aiohttp.ClientSession() as s,
         ):
             held = asyncio.ensure_future(s.get(lb.url + "/hold"))
             await asyncio.wait_for(reps[0].arrived.wait(), 5)
-            text = exposition(metrics)
+            text = exposition(lb)
             assert sample(text, "corral_lb_in_flight", service="svc", replica="1") == 1
             assert sample(text, "corral_lb_in_flight", service="svc", replica="2") == 0
             lb.set_ready({2: ready[2]})  # replica 1 leaves while busy: kept until drained
-            text = exposition(metrics)
+            text = exposition(lb)
             assert sample(text, "corral_lb_in_flight", service="svc", replica="1") == 1
             reps[0].gate.set()
             resp = await held
             assert resp.status == 200
             resp.release()
             assert await lb.wait_drained(1, 5)
-            text = exposition(metrics)
+            text = exposition(lb)
             assert sample(text, "corral_lb_in_flight", service="svc", replica="1") is None
             assert sample(text, "corral_lb_in_flight", service="svc", replica="2") == 0
             lb.set_ready({})  # an idle replica that leaves goes at once
-            text = exposition(metrics)
+            text = exposition(lb)
             assert sample(text, "corral_lb_in_flight", service="svc", replica="2") is None
 
     run(main())
@@ -117,8 +121,7 @@ def test_in_flight_gauge_follows_requests_and_is_removed_after_drain() -> None:
 
 def test_proxy_errors_client_disconnects_and_malformed_requests() -> None:
     async def main() -> None:
-        metrics = BalancerMetrics(CollectorRegistry())
-        async with cluster(1, metrics=metrics, max_body_bytes=100) as (lb, reps, _):
+        async with cluster(1, max_body_bytes=100) as (lb, reps, _):
             async with aiohttp.ClientSession() as s:
                 async with s.post(lb.url + "/", data=b"x" * 200) as resp:
                     assert resp.status == 413
@@ -134,7 +137,7 @@ def test_proxy_errors_client_disconnects_and_malformed_requests() -> None:
             writer.write(b"\x16\x03\x01garbage\r\n\r\n")
             assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.0 400")
             writer.close()
-            text = exposition(metrics)
+            text = exposition(lb)
 
             def errors(reason: str) -> float | None:
                 return sample(text, "corral_lb_errors_total", service="svc", reason=reason)
@@ -152,59 +155,123 @@ def test_proxy_errors_client_disconnects_and_malformed_requests() -> None:
     run(main())
 
 
-def test_one_registry_for_several_services() -> None:
+def test_several_services_and_workers_in_one_exposition() -> None:
     async def main() -> None:
-        metrics = BalancerMetrics(CollectorRegistry())
         replica = await Replica(1).start()
-        a = LoadBalancer(name="a", metrics=metrics)
-        b = LoadBalancer(name="b", metrics=metrics)
+        a = LoadBalancer(name="a")
+        b1 = LoadBalancer(name="b", reuse_port=True)
+        b2 = LoadBalancer(name="b", reuse_port=True)  # a second worker of service b
         try:
-            for lb in (a, b):
+            for lb in (a, b1, b2):
                 await lb.start()
                 lb.set_ready({1: replica.url})
             async with aiohttp.ClientSession() as s:
-                for lb, n in ((a, 2), (b, 3)):
+                for lb, n in ((a, 2), (b1, 3), (b2, 4)):
                     for _ in range(n):
                         async with s.get(lb.url + "/") as resp:
                             assert resp.status == 200
-            text = exposition(metrics)
+            text = exposition(a, b1, b2)
             assert sample(text, "corral_lb_requests_total", service="a", code="200") == 2
-            assert sample(text, "corral_lb_requests_total", service="b", code="200") == 3
-            await a.stop()
-            text = exposition(metrics)
+            assert sample(text, "corral_lb_requests_total", service="b", code="200") == 7
+            assert sample(text, "corral_lb_request_seconds_count", service="b") == 7
+            assert sample(text, "corral_lb_in_flight", service="b", replica="1") == 0
+            text = exposition(b1, b2)  # a stopped: the daemon no longer passes it
             assert sample(text, "corral_lb_requests_total", service="a", code="200") is None
-            assert sample(text, "corral_lb_requests_total", service="b", code="200") == 3
+            assert sample(text, "corral_lb_requests_total", service="b", code="200") == 7
         finally:
-            await a.stop()
-            await b.stop()
+            for lb in (a, b1, b2):
+                await lb.stop()
             await replica.stop()
 
     run(main())
 
 
-def test_bind_is_counted_per_service() -> None:
-    metrics = BalancerMetrics(CollectorRegistry())
-    first = metrics.bind("svc")
-    second = metrics.bind("svc")  # e.g. a restarted balancer overlapping the old one
-    first.response(200, 0.01)
-    second.response(200, 0.01)
-    first.close()
-    first.close()  # idempotent
-    text = exposition(metrics)
-    assert sample(text, "corral_lb_requests_total", service="svc", code="200") == 2
-    second.close()
-    assert "service=" not in exposition(metrics)
+def _fake_stats(service: str, **kw: Any) -> dict[str, Any]:
+    buckets = [0] * (len(LATENCY_BUCKETS) + 1)
+    for i, n in kw.pop("buckets", {}).items():
+        buckets[i] = n
+    return {
+        "service": service,
+        "policy": "least_load",
+        "url": "http://127.0.0.1:1",
+        "ready": kw.pop("ready", [1]),
+        "requests": kw.pop("requests", 0),
+        "errors": kw.pop("errors", 0),
+        "errors_by_reason": kw.pop("reasons", {}),
+        "codes": kw.pop("codes", {}),
+        "latency": {"buckets": buckets, "sum": kw.pop("sum", 0.0), "count": sum(buckets)},
+        "retries": kw.pop("retries", 0),
+        "bad_requests": 0,
+        "aborted": 0,
+        "client_disconnects": 0,
+        "in_flight": kw.pop("in_flight", 0),
+        "replicas": kw.pop("replicas", {}),
+    }
+
+
+def test_merge_stats_sums_workers_and_render_is_cumulative() -> None:
+    one = _fake_stats(
+        "svc",
+        requests=3,
+        codes={"200": 2, "502": 1},
+        reasons={"upstream_unreachable": 1},
+        buckets={0: 1, 3: 1, len(LATENCY_BUCKETS): 1},
+        sum=200.5,
+        retries=1,
+        in_flight=1,
+        replicas={"1": {"ready": True, "in_flight": 1, "served": 2, "failed": 1}},
+    )
+    two = _fake_stats(
+        "svc",
+        ready=[1, 2],
+        requests=2,
+        codes={"200": 2},
+        buckets={3: 2},
+        sum=0.01,
+        replicas={
+            "1": {"ready": True, "in_flight": 0, "served": 1, "failed": 0},
+            "2": {"ready": True, "in_flight": 0, "served": 1, "failed": 0},
+        },
+    )
+    merged = merge_stats([one, two])
+    assert merged["requests"] == 5 and merged["retries"] == 1 and merged["in_flight"] == 1
+    assert merged["codes"] == {"200": 4, "502": 1}
+    assert merged["errors_by_reason"] == {"upstream_unreachable": 1}
+    assert merged["ready"] == [1, 2]
+    assert merged["replicas"]["1"] == {"ready": True, "in_flight": 1, "served": 3, "failed": 1}
+    assert merged["latency"]["count"] == 5 and merged["latency"]["sum"] == 200.51
+    json.dumps(merged)  # what crosses the process boundary
+    assert merge_stats([])["requests"] == 0
+
+    text = render({"svc": merged}).decode()
+    bucket = "corral_lb_request_seconds_bucket"
+    assert sample(text, bucket, service="svc", le="0.0005") == 1
+    assert sample(text, bucket, service="svc", le="0.001") == 1
+    assert sample(text, bucket, service="svc", le="0.005") == 4  # cumulative
+    assert sample(text, bucket, service="svc", le="120.0") == 4
+    assert sample(text, bucket, service="svc", le="+Inf") == 5
+    assert sample(text, "corral_lb_request_seconds_count", service="svc") == 5
+    assert sample(text, "corral_lb_requests_total", service="svc", code="502") == 1
+    assert sample(text, "corral_lb_retries_total", service="svc") == 1
+    assert sample(text, "corral_lb_in_flight", service="svc", replica="1") == 1
+    assert sample(text, "corral_lb_in_flight", service="svc", replica="2") == 0
     assert CONTENT_TYPE_LATEST.startswith("text/plain")
+    # twice in a row: a throwaway registry each time, nothing global
+    assert render({"svc": merged}) == render({"svc": merged})
 
 
-def test_metrics_off_by_default_and_stats_still_count() -> None:
+def test_stats_count_and_are_json_serialisable() -> None:
     async def main() -> None:
         async with cluster(1) as (lb, _, _), aiohttp.ClientSession() as s:
-            assert lb._m is None
             lb.set_ready({})
             async with s.get(lb.url + "/") as resp:
                 assert resp.status == 503
-            assert lb.stats()["errors_by_reason"] == {"no_replica": 1}
+            stats = lb.stats()
+            assert stats["errors_by_reason"] == {"no_replica": 1}
+            assert stats["codes"] == {"503": 1}
+            assert stats["latency"]["count"] == 1
+            assert len(stats["latency"]["buckets"]) == len(LATENCY_BUCKETS) + 1
+            assert json.loads(json.dumps(stats)) == stats
 
     run(main())
 

@@ -1,21 +1,22 @@
-"""Per-service load balancer: a streaming reverse proxy fed the ready set in-process.
+"""Per-service load balancer: a lean streaming reverse proxy fed the ready set in-process.
 
-Imports nothing else from corral; the controller owns one :class:`LoadBalancer` per service, and
-the daemon may share one :class:`BalancerMetrics` (one Prometheus registry) between all of them.
+Imports nothing else from corral. A host process runs one :class:`LoadBalancer` per service (or
+one per worker process, several sharing a port with ``reuse_port=True``); the control plane sums
+their ``stats()`` with :func:`merge_stats` and serves :func:`render` as Prometheus text.
 """
 
-from corral.balancer.metrics import CONTENT_TYPE_LATEST, BalancerMetrics, render
+from corral.balancer.metrics import CONTENT_TYPE_LATEST, merge_stats, render
 from corral.balancer.policies import LeastLoad, Policy, PowerOfTwo, RoundRobin, make_policy
 from corral.balancer.proxy import LoadBalancer
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
-    "BalancerMetrics",
     "LeastLoad",
     "LoadBalancer",
     "Policy",
     "PowerOfTwo",
     "RoundRobin",
     "make_policy",
+    "merge_stats",
     "render",
 ]

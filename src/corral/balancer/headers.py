@@ -1,106 +1,192 @@
-"""Header rewriting between client, balancer and replica.
+"""Header rewriting between client, balancer and replica, on whole header blocks.
 
 Hop-by-hop headers describe one TCP connection (RFC 9110 section 7.6.1), so they must not cross
 the proxy: forwarding ``Connection: close`` or ``Transfer-Encoding: chunked`` from one side to the
 other would make the other connection lie about its own framing. Everything else passes through
-unchanged, including repeated headers such as ``Set-Cookie``, which is why these functions work on
-multidicts and keep every value.
+unchanged, in order, repeated headers (``Set-Cookie``) included.
+
+Why byte strings instead of a header list: parsing one callback per header costs ~0.23 us per
+header in Python (nginx: ~0.11 us), and building the outgoing block again costs as much. A
+header block is kept as the raw bytes the peer sent (validated by httptools first), and one
+regex scan of its lower-cased copy finds the few lines the proxy must look at or drop (a
+case-insensitive pattern costs 3-5x more than ``bytes.lower`` plus a case-sensitive one);
+everything between them is sliced through untouched. A typical response (no hop-by-hop
+header) leaves the scan with its block unchanged and not copied.
+
+A block here is the bytes between the start line and the blank line, *with* the CRLF in front of
+every header line and the CRLF after the last one: ``b"\\r\\nA: 1\\r\\nB: 2\\r\\n"`` (``b"\\r\\n"``
+when there is no header). Each line then starts with ``\\r\\n``, so a name is matched only at the
+start of a line, and a dropped line is the span from its ``\\r\\n`` to the next one.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable
+from typing import Final
 
-from multidict import CIMultiDict, CIMultiDictProxy
+__all__ = [
+    "HOP_BY_HOP",
+    "HOP_RE",
+    "REQUEST_OTHER_RE",
+    "REQUEST_RE",
+    "RESPONSE_RE",
+    "connection_tokens",
+    "forwarded",
+    "scan_request",
+    "scan_response",
+]
 
-__all__ = ["HOP_BY_HOP", "request_headers", "response_headers"]
-
-HOP_BY_HOP: frozenset[str] = frozenset(
+HOP_BY_HOP: Final = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",  # not standard, but sent by old clients and means the same
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",  # not standard, but sent by old clients and means the same
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
     }
 )
 
 # Request headers the balancer drops on top of the hop-by-hop ones:
-# - host: the client's Host names the balancer; the replica gets its own (aiohttp sets it from
-#   the upstream URL), and the original goes into X-Forwarded-Host.
-# - expect: the balancer has already answered "100 Continue" and holds the body.
+# - host: the client's Host names the balancer; the replica gets its own, and the original goes
+#   into X-Forwarded-Host.
+# - expect: the balancer answers "100 Continue" itself.
 # - x-forwarded-proto / x-forwarded-host: always set by the balancer from what it saw, so a
-#   client cannot claim the request came over https.
-_REQUEST_DROP: frozenset[str] = HOP_BY_HOP | {
-    "host",
-    "expect",
-    "x-forwarded-proto",
-    "x-forwarded-host",
+#   client cannot claim the request came over https; x-forwarded-for is rebuilt, appending
+#   this hop.
+# - content-length: the balancer frames the body it sends itself (length of a buffered body).
+_REQUEST_DROP: Final = HOP_BY_HOP | {
+    b"host",
+    b"expect",
+    b"x-forwarded-for",
+    b"x-forwarded-proto",
+    b"x-forwarded-host",
+    b"content-length",
 }
+# Response headers looked at but kept: the replica's length stays right (bytes pass unchanged).
+_RESPONSE_KEEP: Final = frozenset({b"content-length"})
+
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")
 
 
-def _connection_tokens(values: Iterable[str]) -> frozenset[str]:
-    """Header names listed in Connection values; those are hop-by-hop too."""
-    tokens: set[str] = set()
+def _pattern(names: Iterable[bytes]) -> re.Pattern[bytes]:
+    """A pattern of header lines by (lower-case) name, matched against a lower-cased block."""
+    # Longest names first, so "te" is tried after "transfer-encoding" / "trailer".
+    alternatives = b"|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    return re.compile(rb"\r\n(" + alternatives + rb"):")
+
+
+REQUEST_RE: Final = _pattern(_REQUEST_DROP)
+RESPONSE_RE: Final = _pattern(HOP_BY_HOP | _RESPONSE_KEEP)
+# For the fast path's first look: a request with none of these has at most a Host line to drop
+# (found with bytes.find); a response without hop-by-hop headers passes unchanged.
+REQUEST_OTHER_RE: Final = _pattern(_REQUEST_DROP - {b"host"})
+HOP_RE: Final = _pattern(HOP_BY_HOP)
+_RESPONSE_NAMED: Final = HOP_BY_HOP | _RESPONSE_KEEP
+
+
+@functools.lru_cache(maxsize=64)
+def _named_pattern(names: frozenset[bytes]) -> re.Pattern[bytes]:
+    return _pattern(names)
+
+
+Found = dict[bytes, list[bytes]]
+
+
+def _scan(
+    block: bytes, pattern: re.Pattern[bytes], keep: frozenset[bytes] = frozenset()
+) -> tuple[bytes, Found]:
+    """Cut the lines whose name ``pattern`` matches (except names in ``keep``) out of
+    ``block``; return the rest and the values seen, by lower-case name, in order.
+
+    A loop of ``search`` calls rather than ``finditer``: ~0.3 us per match instead of ~1 us for
+    the iterator, on the hot path of every request and response.
+    """
+    low = block.lower()  # same offsets as block
+    search = pattern.search
+    m = search(low)
+    if m is None:
+        return block, {}
+    found: Found = {}
+    parts: list[bytes] = []
+    pos = 0
+    while m is not None:
+        end = low.find(b"\r\n", m.end())
+        name = m.group(1)
+        value = block[m.end() : end].strip(b" \t")
+        values = found.get(name)
+        if values is None:
+            found[name] = [value]
+        else:
+            values.append(value)
+        if name not in keep:
+            parts.append(block[pos : m.start()])
+            pos = end
+        m = search(low, end)
+    if not parts:
+        return block, found
+    parts.append(block[pos:])
+    return b"".join(parts), found
+
+
+def connection_tokens(values: Iterable[bytes] | None) -> frozenset[bytes]:
+    """Lower-case tokens listed in Connection header values."""
+    if not values:
+        return frozenset()
+    tokens: set[bytes] = set()
     for value in values:
-        for token in value.split(","):
+        for token in value.split(b","):
             token = token.strip().lower()
             if token:
                 tokens.add(token)
     return frozenset(tokens)
 
 
-def request_headers(
-    incoming: CIMultiDictProxy[str],
-    *,
-    peer: str | None,
-    scheme: str,
-    keep_content_length: bool,
-) -> CIMultiDict[str]:
-    """Headers to send to the replica for a client request.
-
-    ``keep_content_length`` is True when the body is streamed: the replica should see the
-    client's length instead of a chunked body. For a buffered body aiohttp computes the length
-    from the bytes, so the client's value is dropped to avoid sending it twice.
-    """
-    named = _connection_tokens(incoming.getall("Connection", ()))
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in incoming.items():
-        lower = key.lower()
-        if lower in _REQUEST_DROP or lower in named:
-            continue
-        if lower == "content-length" and not keep_content_length:
-            continue
-        if lower == "x-forwarded-for":
-            continue  # rebuilt below, appending this hop
-        out.add(key, value)
-    previous = ", ".join(incoming.getall("X-Forwarded-For", ()))
-    if peer:
-        out["X-Forwarded-For"] = f"{previous}, {peer}" if previous else peer
-    elif previous:
-        out["X-Forwarded-For"] = previous
-    out["X-Forwarded-Proto"] = scheme
-    host = incoming.get("Host")
-    if host:
-        out["X-Forwarded-Host"] = host
-    return out
+_PLAIN_CONNECTION: Final = frozenset({b"keep-alive", b"close", b"upgrade"})
 
 
-def response_headers(incoming: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    """Headers to send back to the client for a replica response.
+def _drop_named(block: bytes, values: list[bytes], already: frozenset[bytes]) -> bytes:
+    """Drop the headers a Connection header names (hop-by-hop by declaration)."""
+    if len(values) == 1 and values[0].lower() in _PLAIN_CONNECTION:
+        return block  # the common case: nothing named
+    tokens = connection_tokens(values)
+    extra = frozenset(t for t in tokens if t not in already and _TOKEN.fullmatch(t))
+    extra -= {b"close"}
+    if not extra:
+        return block
+    return _scan(block, _named_pattern(extra))[0]
 
-    Content-Length is kept: with auto-decompression off the bytes pass through unchanged, so the
-    replica's length is still right, and keeping it spares the client chunked framing.
-    """
-    named = _connection_tokens(incoming.getall("Connection", ()))
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in incoming.items():
-        lower = key.lower()
-        if lower in HOP_BY_HOP or lower in named:
-            continue
-        out.add(key, value)
-    return out
+
+def scan_request(block: bytes) -> tuple[bytes, Found]:
+    """The client's header block minus everything the replica must not get, and the values of
+    the dropped headers (Host, Connection, Content-Length, Transfer-Encoding, X-Forwarded-For,
+    Expect, Upgrade ...) for the balancer to act on."""
+    kept, found = _scan(block, REQUEST_RE)
+    tokens = found.get(b"connection")
+    if tokens is not None:
+        kept = _drop_named(kept, tokens, _REQUEST_DROP)
+    return kept, found
+
+
+def scan_response(block: bytes) -> tuple[bytes, Found]:
+    """The replica's header block minus hop-by-hop headers (Content-Length kept), and the
+    values seen of those and of Content-Length."""
+    kept, found = _scan(block, RESPONSE_RE, _RESPONSE_KEEP)
+    tokens = found.get(b"connection")
+    if tokens is not None:
+        kept = _drop_named(kept, tokens, _RESPONSE_NAMED)
+    return kept, found
+
+
+def forwarded(kept: bytes, xff_line: bytes, proto_line: bytes, host: bytes | None) -> bytes:
+    """The header block sent to a replica after its Host line: what the client sent minus the
+    dropped lines, then X-Forwarded-For (``xff_line``, this hop appended), X-Forwarded-Proto,
+    and X-Forwarded-Host when the client sent a Host."""
+    if host is None:
+        return kept + xff_line + proto_line
+    return b"%b%b%bX-Forwarded-Host: %b\r\n" % (kept, xff_line, proto_line, host)

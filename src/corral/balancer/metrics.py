@@ -1,10 +1,13 @@
-"""Prometheus metrics of the load balancers (prometheus_client).
+"""Metrics of the load balancers: plain counters on the hot path, Prometheus text at scrape time.
 
-Why a holder with a registry passed in, instead of module-level metrics on the default registry:
-the daemon hosts the balancers of every service in one process and serves one ``/metrics`` for all
-of them, so every balancer must write into the same :class:`CollectorRegistry`, told apart by the
-``service`` label; and tests (or two daemons' worth of balancers in one test process) must be able
-to use fresh registries without "Duplicated timeseries" errors from the global one.
+Why no prometheus_client on the hot path: a balancer now runs in worker processes (several per
+service with SO_REUSEPORT), and its whole cost per request is ~30 us; a prometheus_client
+observation and increment cost ~4 us and take a lock. So each :class:`~corral.balancer.LoadBalancer`
+counts with plain ints and dicts (one bisect into :data:`LATENCY_BUCKETS` per response) and
+exposes them through ``stats()``, a JSON-serialisable dict. The control plane collects one
+``stats()`` per worker, sums them per service with :func:`merge_stats` and renders the sums with
+:func:`render`, which builds the exposition from custom-collector metric families on a throwaway
+registry: no global state, no series to create or remove as services and replicas come and go.
 
 Series (all labelled with ``service``):
 
@@ -19,35 +22,35 @@ Series (all labelled with ``service``):
 * ``corral_lb_request_seconds{service}``: histogram of the time from accepting a request to sending
   its response headers (for a token stream, the time to first byte; the stream's length is not
   included, so long streams do not drown the latency of everything else).
-* ``corral_lb_in_flight{service, replica}``: requests currently sent to each replica, read from
-  the balancer's own counter at scrape time (``Gauge.set_function``), so it costs nothing per
-  request and can never drift from the count ``least_load`` and ``wait_drained`` use. A
-  replica's series is created when it joins the ready set and removed once it has left it and
-  drained.
+* ``corral_lb_in_flight{service, replica}``: requests currently sent to each replica. A replica is
+  in ``stats()`` (so it has a series, 0 when idle) while it is ready, and until it has drained
+  after leaving the ready set.
 * ``corral_lb_retries_total{service}``: attempts beyond the first one of a request.
 
-Cost per request: the children of one service are resolved once and cached
-(:class:`ServiceMetrics`), so a proxied request costs one histogram observation and one counter
-increment, about 4 us here (~1.5% of the balancer's ~0.25 ms of CPU per request); ``labels()``
-(lock, tuple, dict) runs only the first time a status code or error reason is seen.
+``stats()["latency"]["buckets"]`` holds per-bucket (not cumulative) counts, one per bound of
+:data:`LATENCY_BUCKETS` plus a last one for ``+Inf``; :func:`render` makes them cumulative.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
     "ERROR_REASONS",
     "LATENCY_BUCKETS",
-    "BalancerMetrics",
-    "ServiceMetrics",
+    "merge_stats",
     "render",
 ]
 
@@ -93,155 +96,129 @@ ERROR_REASONS: Final = {
     "internal": "502: a bug in the balancer (logged with a traceback)",
 }
 
+# Top-level integer counters of stats() that merge_stats sums.
+_SUMMED: Final = (
+    "requests",
+    "errors",
+    "bad_requests",
+    "aborted",
+    "client_disconnects",
+    "in_flight",
+    "retries",
+)
+_REPLICA_SUMMED: Final = ("in_flight", "served", "failed")
 
-class BalancerMetrics:
-    """The balancer metrics of one registry; share one instance between all the balancers that
-    should appear in the same exposition (the daemon: one for every service)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self.requests = Counter(
+def _add_counts(into: dict[str, Any], more: Mapping[str, Any] | None) -> None:
+    for key, value in (more or {}).items():
+        into[key] = into.get(key, 0) + value
+
+
+def empty_latency() -> dict[str, Any]:
+    return {"buckets": [0] * (len(LATENCY_BUCKETS) + 1), "sum": 0.0, "count": 0}
+
+
+def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Sum the ``stats()`` of one service's balancers in several worker processes.
+
+    Counters, ``codes``, ``errors_by_reason``, latency buckets and each replica's
+    in_flight/served/failed are summed; a replica is ready if any worker has it ready (they get
+    the same ready set, possibly a moment apart). ``service``, ``policy`` and ``url`` come from
+    the first entry. An empty sequence gives zeroed stats without a service name.
+    """
+    out: dict[str, Any] = {
+        "service": None,
+        "policy": None,
+        "url": None,
+        "ready": [],
+        **dict.fromkeys(_SUMMED, 0),
+        "errors_by_reason": {},
+        "codes": {},
+        "latency": empty_latency(),
+        "replicas": {},
+    }
+    ready: set[int] = set()
+    buckets: list[int] = out["latency"]["buckets"]
+    for one in stats:
+        for key in ("service", "policy", "url"):
+            if out[key] is None:
+                out[key] = one.get(key)
+        ready.update(one.get("ready", ()))
+        for key in _SUMMED:
+            out[key] += one.get(key, 0)
+        _add_counts(out["errors_by_reason"], one.get("errors_by_reason"))
+        _add_counts(out["codes"], one.get("codes"))
+        latency = one.get("latency") or {}
+        for i, n in enumerate(latency.get("buckets", ())[: len(buckets)]):
+            buckets[i] += n
+        out["latency"]["sum"] += latency.get("sum", 0.0)
+        out["latency"]["count"] += latency.get("count", 0)
+        for rid, rep in (one.get("replicas") or {}).items():
+            mine = out["replicas"].setdefault(
+                str(rid), {"ready": False, **dict.fromkeys(_REPLICA_SUMMED, 0)}
+            )
+            mine["ready"] = mine["ready"] or bool(rep.get("ready"))
+            for key in _REPLICA_SUMMED:
+                mine[key] += rep.get(key, 0)
+    out["ready"] = sorted(ready)
+    return out
+
+
+class _Collector(Collector):
+    """Metric families of ``{service: merged stats}``, built at collect time."""
+
+    def __init__(self, services: Mapping[str, Mapping[str, Any]]) -> None:
+        self._services = services
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
             "corral_lb_requests",
             "Requests answered by the load balancer, by HTTP status sent to the client.",
-            ["service", "code"],
-            registry=registry,
+            labels=["service", "code"],
         )
-        self.errors = Counter(
+        errors = CounterMetricFamily(
             "corral_lb_errors",
             "Failures seen or generated by the load balancer, by reason.",
-            ["service", "reason"],
-            registry=registry,
+            labels=["service", "reason"],
         )
-        self.request_seconds = Histogram(
+        seconds = HistogramMetricFamily(
             "corral_lb_request_seconds",
             "Seconds from accepting a request to sending its response headers.",
-            ["service"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+            labels=["service"],
         )
-        self.in_flight = Gauge(
+        in_flight = GaugeMetricFamily(
             "corral_lb_in_flight",
             "Requests in flight to each replica.",
-            ["service", "replica"],
-            registry=registry,
+            labels=["service", "replica"],
         )
-        self.retries = Counter(
+        retries = CounterMetricFamily(
             "corral_lb_retries",
             "Request attempts beyond the first one (sent to another replica).",
-            ["service"],
-            registry=registry,
+            labels=["service"],
         )
-        self._lock = threading.Lock()
-        self._users: dict[str, int] = {}
-
-    def bind(self, service: str) -> ServiceMetrics:
-        """The cached children of one service; pair with :meth:`ServiceMetrics.close`.
-
-        Counted per service: if two balancers of the same service are alive at once (a restart
-        overlapping the old one's stop), the second one's close removes the series, not the
-        first one's.
-        """
-        with self._lock:
-            self._users[service] = self._users.get(service, 0) + 1
-        return ServiceMetrics(self, service)
-
-    def _release(self, service: str, sm: ServiceMetrics) -> None:
-        with self._lock:
-            users = self._users.get(service, 0) - 1
-            if users > 0:
-                self._users[service] = users
-                return
-            self._users.pop(service, None)
-        # The last balancer of this service is gone: drop its series so a daemon whose services
-        # come and go does not keep every dead one in its exposition forever.
-        for code in list(sm.codes):
-            _remove(self.requests, service, code)
-        for reason in list(sm.reasons):
-            _remove(self.errors, service, reason)
-        for rid in list(sm.replicas):
-            _remove(self.in_flight, service, str(rid))
-        _remove(self.request_seconds, service)
-        _remove(self.retries, service)
+        for service, st in self._services.items():
+            for code, n in sorted((st.get("codes") or {}).items()):
+                requests.add_metric([service, str(code)], n)
+            for reason, n in sorted((st.get("errors_by_reason") or {}).items()):
+                errors.add_metric([service, reason], n)
+            latency = st.get("latency") or empty_latency()
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            counts = list(latency.get("buckets", ()))
+            counts += [0] * (len(LATENCY_BUCKETS) + 1 - len(counts))
+            for bound, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=False):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            seconds.add_metric([service], buckets, sum_value=latency.get("sum", 0.0))
+            for rid, rep in sorted((st.get("replicas") or {}).items(), key=lambda kv: str(kv[0])):
+                in_flight.add_metric([service, str(rid)], rep.get("in_flight", 0))
+            retries.add_metric([service], st.get("retries", 0))
+        yield from (requests, errors, seconds, in_flight, retries)
 
 
-def _remove(metric: Counter | Gauge | Histogram, *labels: str) -> None:
-    with contextlib.suppress(KeyError):  # already gone
-        metric.remove(*labels)
-
-
-class ServiceMetrics:
-    """One service's children of :class:`BalancerMetrics`, resolved once for the hot path.
-
-    Called from the balancer's event loop only; the locks inside prometheus_client make the
-    values safe to read from a scrape in another thread.
-    """
-
-    __slots__ = (
-        "_closed",
-        "_errors",
-        "_in_flight",
-        "_latency",
-        "_owner",
-        "_requests",
-        "codes",
-        "reasons",
-        "replicas",
-        "retry",
-        "service",
-    )
-
-    def __init__(self, owner: BalancerMetrics, service: str) -> None:
-        self._owner = owner
-        self.service = service
-        self._requests = owner.requests
-        self._errors = owner.errors
-        self._in_flight = owner.in_flight
-        self._latency = owner.request_seconds.labels(service).observe
-        self.retry = owner.retries.labels(service).inc
-        self.codes: dict[str, Counter] = {}
-        self.reasons: dict[str, Counter] = {}
-        self.replicas: dict[int, Gauge] = {}
-        self._closed = False
-
-    def response(self, code: int, seconds: float | None) -> None:
-        """A response with status ``code`` started; ``seconds`` since the request was accepted
-        (None when the time to headers means nothing, e.g. the client left first)."""
-        key = str(code)
-        child = self.codes.get(key)
-        if child is None:
-            child = self.codes[key] = self._requests.labels(self.service, key)
-        child.inc()
-        if seconds is not None:
-            self._latency(seconds)
-
-    def error(self, reason: str) -> None:
-        child = self.reasons.get(reason)
-        if child is None:
-            child = self.reasons[reason] = self._errors.labels(self.service, reason)
-        child.inc()
-
-    def replica(self, rid: int, read: Callable[[], float]) -> None:
-        """Publish one replica's in-flight count; ``read`` is called at each scrape (from the
-        scraping thread: it must only read, e.g. a ``dict.get``)."""
-        if rid in self.replicas or self._closed:
-            return
-        child = self._in_flight.labels(self.service, str(rid))
-        child.set_function(read)
-        self.replicas[rid] = child
-
-    def forget_replica(self, rid: int) -> None:
-        """Remove a replica's in-flight series (it left the ready set and drained)."""
-        if self.replicas.pop(rid, None) is not None and not self._closed:
-            _remove(self._in_flight, self.service, str(rid))
-
-    def close(self) -> None:
-        """Give the service back to :class:`BalancerMetrics`; safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        self._owner._release(self.service, self)
-
-
-def render(registry: CollectorRegistry) -> bytes:
-    """The registry in Prometheus text format; serve it with ``CONTENT_TYPE_LATEST``."""
+def render(services: Mapping[str, Mapping[str, Any]]) -> bytes:
+    """Prometheus text of ``{service_name: merged stats}``; serve it with
+    ``CONTENT_TYPE_LATEST``. Built on a throwaway registry, so nothing global is touched."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(services))
     return generate_latest(registry)

@@ -1,0 +1,395 @@
+"""The client side: one asyncio Protocol per accepted connection.
+
+A request that arrives whole in one read and needs nothing unusual goes through the fast path
+(:mod:`corral.balancer.fast`, no per-request object); the rest as follows. It finds request
+heads in the byte stream (httptools validates each one; the head itself is
+sliced out whole, see :mod:`corral.balancer.http1`), enforces the header limits, and hands each
+request to an :class:`~corral.balancer.exchange.Exchange`, one at a time: bytes of a pipelined
+request that arrive while one is being answered wait (reading pauses past
+``PIPELINE_LIMIT``), so answers go out in order.
+
+Deadlines are a float on the connection (``deadline``) that the balancer's ticker compares with
+the clock a few times a second: arming one per request costs an attribute store, not a timer
+handle. The deadline means, in turn: the head of the next request (``header_timeout``: a
+slowloris client or an idle keep-alive connection is closed), the request body, the replica's
+first byte and its silence mid-response (set by the exchange), and a lingering close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Final, cast
+
+import httptools
+
+from corral.balancer import fast
+from corral.balancer.exchange import DL_HEAD, DL_LINGER, DL_NONE, Exchange
+from corral.balancer.headers import connection_tokens, forwarded, scan_request
+from corral.balancer.http1 import BadRequest, error_response, origin_form, parse_request_line
+
+if TYPE_CHECKING:
+    from corral.balancer.proxy import LoadBalancer
+    from corral.balancer.upstream import UpstreamConnection
+
+__all__ = ["MAX_HEADERS", "ClientConnection"]
+
+logger = logging.getLogger("corral.balancer")
+
+# Most header fields in one request (aiohttp's default, kept so the limit did not change).
+MAX_HEADERS: Final = 128
+# Bytes of pipelined requests held while one is answered before reading pauses.
+PIPELINE_LIMIT: Final = 256 * 1024
+# After an early answer (413, 400 ...) the rest of what the client sends is read and dropped for
+# at most this long before closing, so the client reads the answer instead of a reset.
+LINGER_SECONDS: Final = 2.0
+
+_PAUSE_UPSTREAM: Final = 1
+_PAUSE_PIPELINE: Final = 2
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection; see the module docstring."""
+
+    # The fast path, as methods (no extra call on the way).
+    fast_response = fast.try_response
+    materialize = fast.materialize
+
+    def __init__(self, lb: LoadBalancer) -> None:
+        self.lb = lb
+        self.transport: asyncio.Transport | None = None
+        self.peer = b""
+        self.xff_line = b""  # X-Forwarded-For of a request that has none
+        self.exchange: Exchange | None = None
+        self.fast: fast.FastState | None = None  # a fast-path request in flight
+        self.deadline = 0.0
+        self.deadline_kind = DL_HEAD
+        self._buf = b""
+        self._fed = 0  # bytes of _buf already given to the parser
+        self._parser: httptools.HttpRequestParser | None = None
+        self._closing = False
+        self._lingering = False
+        self._in_process = False
+        self._eof = False
+        self._paused = 0
+        self._spliced: UpstreamConnection | None = None
+
+    # ------------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.peer = str(peer[0]).encode()
+            self.xff_line = b"X-Forwarded-For: %b\r\n" % self.peer
+        self.lb._clients.add(self)
+        self.set_deadline(DL_HEAD, self.lb._header_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            if (
+                self.exchange is None
+                and self.fast is None
+                and not self._buf
+                and not self._closing
+                and not self._lingering
+                and fast.try_request(self, data)
+            ):
+                return
+            self._received(data)
+        except Exception:
+            self._internal_error()
+
+    def _received(self, data: bytes) -> None:
+        if self._spliced is not None:
+            self._spliced.write(data)
+            return
+        if self._lingering or self._closing:
+            return
+        ex = self.exchange
+        if ex is not None and ex.body_open:
+            data = ex.feed_body(data)
+            if not data or self._lingering or self._closing:
+                return
+        self._buf = self._buf + data if self._buf else data
+        if self.exchange is None and self.fast is None:
+            self._process()
+        elif len(self._buf) > PIPELINE_LIMIT:
+            self._set_paused(_PAUSE_PIPELINE, True)
+
+    def eof_received(self) -> bool | None:
+        # A client that closes its side is treated as gone (as aiohttp and nginx do): the
+        # exchange is cancelled, so a replica does not work for nobody.
+        self._eof = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.fast is not None:
+            self.materialize()
+        self._closing = True
+        self.lb._clients.discard(self)
+        ex, self.exchange = self.exchange, None
+        if ex is not None:
+            ex.client_lost()
+        self._spliced = None
+
+    def pause_writing(self) -> None:
+        if self.fast is not None:
+            self.materialize()
+        if self.exchange is not None:
+            self.exchange.on_client_paused(True)
+
+    def resume_writing(self) -> None:
+        if self.fast is not None:
+            self.materialize()
+        if self.exchange is not None:
+            self.exchange.on_client_paused(False)
+
+    # ------------------------------------------------------------------ request heads
+
+    def _process(self) -> None:
+        if self._in_process:
+            return  # an exchange finished inside _start: the loop below goes on
+        self._in_process = True
+        try:
+            while self.exchange is None and self.fast is None and self._buf and not self._closing:
+                if not self._next_request():
+                    break
+        finally:
+            self._in_process = False
+
+    def _next_request(self) -> bool:
+        """Start the request at the head of the buffer; False when more bytes are needed."""
+        buf = self._buf
+        if not self._fed and buf[:1] in (b"\r", b"\n"):
+            buf = self._buf = buf.lstrip(b"\r\n")  # blank lines between requests (RFC 9112)
+            if not buf:
+                return False
+        lb = self.lb
+        fed = self._fed
+        end = buf.find(b"\r\n\r\n", fed - 3 if fed > 3 else 0)
+        parser = self._parser
+        if parser is None:
+            parser = self._parser = httptools.HttpRequestParser(self)
+        upgrade = False
+        try:
+            if end < 0:  # incomplete: validate what came, for an early 400
+                parser.feed_data(buf[fed:] if fed else buf)
+            else:
+                head_end = end + 4
+                parser.feed_data(buf[fed:head_end] if fed or head_end < len(buf) else buf)
+        except httptools.HttpParserUpgrade:
+            upgrade = True
+        except httptools.HttpParserError as exc:
+            self._reject(400, str(exc))
+            return False
+        if end < 0:
+            self._fed = len(buf)
+            if len(buf) > lb._head_limit or len(buf) - buf.rfind(b"\n") > lb._max_header_bytes:
+                self._reject(431, "")
+            return False
+        head = buf[:head_end] if head_end < len(buf) else buf
+        self._buf = buf[head_end:]
+        self._fed = 0
+        if len(head) > lb._max_header_bytes and (
+            len(head) > lb._head_limit
+            or max(len(line) for line in head.split(b"\r\n")) > lb._max_header_bytes
+        ):
+            self._reject(431, "")
+            return False
+        if head.count(b"\r\n") - 2 > MAX_HEADERS:
+            self._reject(431, "")
+            return False
+        try:
+            method, target, http11, eol = parse_request_line(head)
+        except BadRequest as exc:
+            self._reject(400, str(exc))
+            return False
+        self._start(head, method, target, http11, eol, upgrade)
+        return True
+
+    def _start(
+        self, head: bytes, method: bytes, target: bytes, http11: bool, eol: int, upgrade: bool
+    ) -> None:
+        lb = self.lb
+        kept, found = scan_request(head[eol:-2])
+        tokens = connection_tokens(found.get(b"connection"))
+        keep_alive = b"close" not in tokens if http11 else b"keep-alive" in tokens
+        if self._eof:
+            keep_alive = False
+        ws: bytes | None = None
+        if upgrade and b"upgrade" in tokens:
+            value = found.get(b"upgrade", [b""])[0]
+            if value.lower() == b"websocket":
+                ws = value
+        prev = found.get(b"x-forwarded-for")
+        if prev:
+            chain = b", ".join(prev)
+            xff_line = b"X-Forwarded-For: %b\r\n" % (
+                chain + b", " + self.peer if self.peer else chain
+            )
+        else:
+            xff_line = self.xff_line
+        host = found.get(b"host")
+        fwd = forwarded(kept, xff_line, lb._proto_line, host[0] if host else None)
+        ex = Exchange(lb, self, method, origin_form(target), http11, keep_alive, fwd, ws)
+        expect = found.get(b"expect")
+        ex.expect = expect is not None and expect[0].lower() == b"100-continue"
+        length = found.get(b"content-length")
+        chunked = b"transfer-encoding" in found  # llhttp accepts only chunked as the last coding
+        if chunked or length or upgrade:
+            self._parser = None  # the parser saw no body: a fresh one for the next request
+        self._run(ex, int(length[0]) if length else None, chunked, None)
+
+    def _run(self, ex: Exchange, length: int | None, chunked: bool, picked: int | None) -> None:
+        """Hand the buffer (the body, and any pipelined request) to a new exchange."""
+        self.exchange = ex
+        self.deadline = 0.0
+        rest, self._buf = self._buf, b""
+        rest = ex.begin(length, chunked, rest, picked)
+        if self._lingering or self._closing:
+            return
+        self._buf = rest + self._buf if self._buf else rest
+        if self.exchange is not None and len(self._buf) > PIPELINE_LIMIT:
+            self._set_paused(_PAUSE_PIPELINE, True)
+
+    def _reject(self, status: int, detail: str) -> None:
+        """Answer a request the parser or a limit rejected, and close."""
+        lb = self.lb
+        detail = " ".join(detail.split())[:200]  # one line, bounded
+        reason = "header_too_large" if status == 431 else "bad_request"
+        lb._rejected(self.peer, status, reason, detail)
+        if status == 431:
+            message = (
+                f"request line or header too large (limits: {lb._max_header_bytes} bytes "
+                f"per line, {MAX_HEADERS} header fields)"
+            )
+        else:
+            message = f"malformed HTTP request: {detail}"
+        self.write(error_response(status, message, lb._name, close=True, version=b"HTTP/1.0"))
+        self._linger()
+
+    # ------------------------------------------------------------------ used by the exchange
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not self._closing:
+            transport.write(data)
+
+    def set_deadline(self, kind: int, seconds: float) -> None:
+        self.deadline_kind = kind
+        self.deadline = time.monotonic() + seconds if kind != DL_NONE else 0.0
+
+    def exchange_done(self, ex: Exchange, keep_alive: bool, body_unread: bool) -> None:
+        """The exchange answered; go on with the next request or close."""
+        if self.exchange is not ex:
+            return
+        self.exchange = None
+        self._set_paused(_PAUSE_UPSTREAM, False)
+        if self._closing:
+            return
+        if not keep_alive or self.lb._stopping:
+            if body_unread:
+                self._linger()
+            else:
+                self._close()
+            return
+        self.set_deadline(DL_HEAD, self.lb._header_timeout)
+        self._set_paused(_PAUSE_PIPELINE, False)
+        if self._buf:
+            self._process()
+
+    def pause_for_upstream(self, paused: bool) -> None:
+        self._set_paused(_PAUSE_UPSTREAM, paused)
+
+    def splice(self, conn: UpstreamConnection) -> bytes:
+        """From now on, bytes from the client go to ``conn`` as they are; returns what was
+        received after the upgrade request already."""
+        self._spliced = conn
+        self.deadline = 0.0
+        pending, self._buf = self._buf, b""
+        return pending
+
+    def on_timeout(self) -> None:
+        """The ticker found the deadline passed."""
+        self.deadline = 0.0
+        if self.fast is not None:
+            self.materialize()
+        ex = self.exchange
+        if ex is None or self.deadline_kind == DL_LINGER:
+            self._close()
+        else:
+            ex.on_timeout(self.deadline_kind)
+
+    def abort(self) -> None:
+        """Drop the connection now (the balancer stops)."""
+        if self.fast is not None:
+            self.materialize()
+        ex, self.exchange = self.exchange, None
+        if ex is not None:
+            ex.client_lost()
+        self._closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close_if_idle(self) -> None:
+        if not self.busy:
+            self._close()
+
+    @property
+    def busy(self) -> bool:
+        """A request is being answered."""
+        return self.exchange is not None or self.fast is not None
+
+    # ------------------------------------------------------------------ internals
+
+    def _unpause(self) -> None:
+        self._set_paused(_PAUSE_UPSTREAM | _PAUSE_PIPELINE, False)
+
+    def _set_paused(self, reason: int, paused: bool) -> None:
+        before = self._paused
+        after = before | reason if paused else before & ~reason
+        if bool(before) == bool(after) or self.transport is None or self._closing:
+            self._paused = after
+            return
+        self._paused = after
+        if after:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+
+    def _close(self) -> None:
+        self._closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _linger(self) -> None:
+        """Close after an early answer, reading and dropping what the client still sends."""
+        transport = self.transport
+        self._buf = b""
+        if transport is None or self._closing:
+            return
+        if self._eof or self.lb._ssl_context is not None or not transport.can_write_eof():
+            self._close()
+            return
+        self._lingering = True
+        self._set_paused(_PAUSE_PIPELINE | _PAUSE_UPSTREAM, False)
+        transport.write_eof()
+        self.set_deadline(DL_LINGER, LINGER_SECONDS)
+
+    def _internal_error(self) -> None:
+        """A bug: never a traceback to the client, at most a clean 502 and a closed socket."""
+        logger.exception("balancer %s: unexpected error on a client connection", self.lb._name)
+        if self.fast is not None:
+            self.materialize()
+        ex = self.exchange
+        if ex is not None and not ex.started:
+            ex.internal_error()
+        else:
+            if ex is not None:
+                self.lb._count_reason("internal")
+                ex.client_lost()
+            self.exchange = None
+            self._close()

@@ -1,0 +1,386 @@
+"""The fast path: the common request proxied with no Exchange, task or per-request object.
+
+Why: a proxied request's Python work is what separates this balancer from nginx (the syscalls
+are already at the minimum, one read and one write per side). The general machinery (an
+:class:`~corral.balancer.exchange.Exchange` per request, httptools callbacks per response, a
+dozen small methods) costs several times the work a request needs. Most requests need none of
+it: a GET/HEAD/POST... whose head (and small Content-Length body) came in one read, with only
+Host, Content-Length, ``Connection: keep-alive|close`` and X-Forwarded-For among the headers the
+balancer must rewrite, sent on a pooled keep-alive connection, answered by a response whose head
+and Content-Length body come in one read. That request runs here: two functions, one per side,
+with the request's state kept in one tuple on the client connection (:data:`FastState`).
+
+Anything else, or anything unexpected at any point, goes to the general path, which stays the
+only place where failures are handled:
+
+* Before committing (nothing counted, no replica picked, nothing written), a function returns
+  False and the caller runs the general path on the same bytes. The request parser is reset
+  when it was already fed, so the general path re-validates from a clean state.
+* Once a request is out, anything but a plain complete response (an error, a timeout, the
+  client or the replica going away, a chunked or HEAD or 1xx/204/304 answer, one split over
+  reads) first turns the fast state into the Exchange it stands for (:func:`materialize`), in
+  exactly the state the general path would have reached, and lets that handle it (retries
+  included).
+
+Both sides are still validated by llhttp (the request parser the general path uses; a second,
+callback-free response parser per replica connection), so framing is as strict as before:
+conflicting or duplicate Content-Length and Transfer-Encoding are rejected, absolute-form
+targets never take this path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import TYPE_CHECKING, Final
+
+import httptools
+
+from corral.balancer.exchange import (
+    DL_FIRST_BYTE,
+    DL_HEAD,
+    IDEMPOTENT,
+    NONIDEMPOTENT_MAX_IDLE,
+    Exchange,
+)
+from corral.balancer.headers import HOP_RE, REQUEST_OTHER_RE, REQUEST_RE, forwarded
+from corral.balancer.metrics import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from corral.balancer.client import ClientConnection
+    from corral.balancer.upstream import UpstreamConnection
+
+__all__ = ["FastState", "materialize", "try_request", "try_response"]
+
+# (replica connection, replica id, t0, method, origin-form target, client is HTTP/1.1, keep the
+#  client connection alive, kept header block, X-Forwarded-For line, Host value or None,
+#  Content-Length body or None): one tuple, not an object, per request.
+FastState = tuple[
+    "UpstreamConnection",
+    int,
+    float,
+    bytes,
+    bytes,
+    bool,
+    bool,
+    bytes,
+    bytes,
+    "bytes | None",
+    "bytes | None",
+]
+# What a request head says that the fast path acts on: kept block, Host, Content-Length (-1:
+# none), Connection token, X-Forwarded-For.
+_Scanned = tuple[bytes, "bytes | None", int, "bytes | None", "bytes | None"]
+
+_METHODS: Final = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS"})
+
+# A head this long may hold MAX_HEADERS (128) minimal header lines; shorter ones cannot.
+_COUNT_HEADERS_ABOVE: Final = 500
+_MAX_HEADERS: Final = 128
+_CRLF: Final = b"\r\n"
+_STRIP: Final = b" \t"
+_HOST: Final = b"\r\nhost:"
+_LENGTH: Final = b"\r\ncontent-length:"
+
+
+def try_request(cl: ClientConnection, data: bytes) -> bool:
+    """Proxy ``data`` if it is one whole common request (see the module docstring); False
+    when the general path must handle it, with nothing done yet."""
+    lb = cl.lb
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:
+        return False
+    eol = data.find(_CRLF)
+    line = data[:eol].split(b" ")
+    if len(line) != 3:
+        return False
+    method, target, version = line
+    http11 = version == b"HTTP/1.1"
+    if method not in _METHODS or target[:1] != b"/" or not (http11 or version == b"HTTP/1.0"):
+        return False
+    if end > _COUNT_HEADERS_ABOVE and data.count(_CRLF, 0, end) > _MAX_HEADERS:
+        return False
+    block = data[eol : end + 2]
+    low = block.lower()  # same offsets as block
+    if REQUEST_OTHER_RE.search(low) is None:  # the common case: at most Host to take out
+        i = low.find(_HOST)
+        if i < 0:
+            kept, host = block, None
+        else:
+            j = low.find(_CRLF, i + 7)
+            if low.find(_HOST, j) >= 0:
+                return False
+            kept, host = block[:i] + block[j:], block[i + 7 : j].strip(_STRIP)
+        length, token, xff = -1, None, None
+    else:
+        scanned = _scan(block, low)
+        if scanned is None:
+            return False
+        kept, host, length, token, xff = scanned
+    head_end = end + 4
+    if length < 0:
+        body = None
+        if len(data) != head_end:
+            return False  # pipelined bytes: the general path keeps them in order
+    else:
+        if len(data) != head_end + length or length > lb._max_buffered_body:
+            return False
+        if lb._max_body is not None and length > lb._max_body:
+            return False
+        body = data[head_end:]
+    parser = cl._parser
+    if parser is None:
+        parser = cl._parser = httptools.HttpRequestParser(cl)
+    try:
+        parser.feed_data(data)
+    except httptools.HttpParserError:  # the general path answers it, from a fresh parser
+        cl._parser = None
+        return False
+    keep_alive = (token != b"close" if http11 else token == b"keep-alive") and not cl._eof
+    if xff is None:
+        xff_line = cl.xff_line
+    else:
+        peer = cl.peer
+        xff_line = b"X-Forwarded-For: %b\r\n" % (xff + b", " + peer if peer else xff)
+    return _send(cl, method, target, http11, keep_alive, kept, xff_line, host, body)
+
+
+def _scan(block: bytes, low: bytes) -> _Scanned | None:
+    """The header lines to drop, when there is more than a Host line; None when one of them
+    needs the general path (anything but one Host, one Content-Length, one X-Forwarded-For
+    and ``Connection: keep-alive|close``)."""
+    host: bytes | None = None
+    xff: bytes | None = None
+    token: bytes | None = None
+    length = -1
+    pieces = []
+    pos = 0
+    search = REQUEST_RE.search
+    m = search(low)
+    while m is not None:
+        name = m.group(1)
+        value_end = low.find(_CRLF, m.end())
+        value = block[m.end() : value_end].strip(_STRIP)
+        if name == b"host" and host is None:
+            host = value
+        elif name == b"content-length" and length < 0:
+            if not value.isdigit():
+                return None
+            length = int(value)
+        elif name == b"connection" and token is None:
+            token = value.lower()
+            if token != b"keep-alive" and token != b"close":
+                return None
+        elif name == b"x-forwarded-for" and xff is None:
+            xff = value
+        else:
+            return None
+        pieces.append(block[pos : m.start()])
+        pos = value_end
+        m = search(low, value_end)
+    pieces.append(block[pos:])
+    return b"".join(pieces), host, length, token, xff
+
+
+def _send(
+    cl: ClientConnection,
+    method: bytes,
+    target: bytes,
+    http11: bool,
+    keep_alive: bool,
+    kept: bytes,
+    xff_line: bytes,
+    host: bytes | None,
+    body: bytes | None,
+) -> bool:
+    """Pick a replica and write the request on one of its pooled connections; without one,
+    start an Exchange for it (with the replica already picked, so a policy is asked once)."""
+    lb = cl.lb
+    ids = lb._ready_ids
+    rid: int | None = None
+    conn: UpstreamConnection | None = None
+    now = time.monotonic()
+    if ids:
+        rid = lb._policy.select(lb._healthy(ids) if lb._ejected else ids, lb._in_flight)
+        idle = lb._ready[rid].idle
+        if idle:
+            conn = idle[-1]
+            transport = conn.transport
+            if (
+                conn.closed
+                or transport is None
+                or transport.is_closing()
+                or (method not in IDEMPOTENT and now - conn.idle_since > NONIDEMPOTENT_MAX_IDLE)
+            ):
+                conn = None  # Pool.take, on the general path, sorts these out
+            else:
+                idle.pop()
+    if conn is None or rid is None:
+        fwd = forwarded(kept, xff_line, lb._proto_line, host)
+        ex = Exchange(lb, cl, method, target, http11, keep_alive, fwd, None)
+        cl._buf = body or b""
+        cl._run(ex, None if body is None else len(body), False, rid)
+        return True
+    lb._requests += 1
+    stamps = lb._timestamps  # what lb._count_request does, without the call
+    stamps.append(now)
+    horizon = now - lb.TIMESTAMP_HORIZON
+    while stamps[0] < horizon:
+        stamps.popleft()
+    in_flight = lb._in_flight
+    in_flight[rid] = in_flight.get(rid, 0) + 1
+    lb._total_in_flight += 1
+    tail = b"\r\n" if body is None else b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    dest = conn.target
+    if host is None:
+        parts: tuple[bytes, ...] = (method, b" ", dest.prefix, target, dest.line_tail, kept)
+        parts += (xff_line, lb._proto_line, tail)
+    else:
+        parts = (method, b" ", dest.prefix, target, dest.line_tail, kept, xff_line)
+        parts += (lb._proto_line, b"X-Forwarded-Host: ", host, _CRLF, tail)
+    conn.fast_client = cl
+    transport.write(b"".join(parts))  # type: ignore[union-attr]
+    cl.fast = (conn, rid, now, method, target, http11, keep_alive, kept, xff_line, host, body)
+    cl.deadline_kind = DL_FIRST_BYTE
+    cl.deadline = now + lb._first_byte_timeout
+    return True
+
+
+def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) -> bool:
+    """Relay ``data`` if it is the whole plain answer to the fast request in flight; False
+    when the general path must handle it (nothing done yet)."""
+    fast = cl.fast
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or fast is None or conn._head or data[:9] != b"HTTP/1.1 ":
+        return False
+    _, rid, t0, method, _, http11, keep_alive, _, _, _, _ = fast
+    status = data[9:12]
+    if method == b"HEAD" or status[:1] not in b"23456789" or status in (b"204", b"304"):
+        return False  # 1xx, 204, 304 and HEAD answers: the general path knows their framing
+    low = data[: end + 2].lower()  # same offsets as data
+    head = None
+    if HOP_RE.search(low) is not None:  # the common case has none
+        head = _drop_keep_alive(data, low)
+        if head is None:
+            return False
+    i = low.find(_LENGTH)
+    if i < 0:
+        return False
+    try:
+        length = int(low[i + 17 : low.find(_CRLF, i + 17)])
+    except ValueError:
+        return False
+    if len(data) != end + 4 + length:
+        return False
+    try:
+        conn.check.feed_data(data)  # same checks as the general path's parser
+    except httptools.HttpParserError:
+        conn.check = httptools.HttpResponseParser(None)
+        return False  # the general path reports it (its parser sees the same error)
+    if keep_alive:
+        extra = b"" if http11 else b"Connection: keep-alive\r\n"
+    else:
+        extra = b"Connection: close\r\n"
+    if head is None and not extra:
+        out = data
+    else:
+        out = b"".join((data[: end + 2] if head is None else head, extra, data[end + 2 :]))
+    _done(cl, conn, rid, t0, int(status), out, keep_alive)
+    return True
+
+
+def _drop_keep_alive(data: bytes, low: bytes) -> bytes | None:
+    """The response head (to its last header line) minus ``Connection: keep-alive`` and
+    Keep-Alive; None if it has another hop-by-hop header (the general path's job)."""
+    pieces = []
+    pos = 0
+    m = HOP_RE.search(low)
+    while m is not None:
+        value_end = low.find(_CRLF, m.end())
+        name = m.group(1)
+        if name != b"keep-alive" and (
+            name != b"connection" or low[m.end() : value_end].strip(_STRIP) != b"keep-alive"
+        ):
+            return None
+        pieces.append(data[pos : m.start()])
+        pos = value_end
+        m = HOP_RE.search(low, value_end)
+    pieces.append(data[pos : len(low)])
+    return b"".join(pieces)
+
+
+def _done(
+    cl: ClientConnection,
+    conn: UpstreamConnection,
+    rid: int,
+    t0: float,
+    status: int,
+    out: bytes,
+    keep_alive: bool,
+) -> None:
+    """Commit a fast response: count it, send it, give the replica and its connection back."""
+    cl.fast = None
+    conn.fast_client = None
+    lb = cl.lb
+    served = lb._served
+    served[rid] = served.get(rid, 0) + 1
+    now = time.monotonic()
+    seconds = now - t0
+    codes = lb._codes
+    codes[status] = codes.get(status, 0) + 1
+    lb._latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+    lb._latency_sum += seconds
+    lb._latency_count += 1
+    if not cl._closing:
+        cl.transport.write(out)  # type: ignore[union-attr]
+    in_flight = lb._in_flight
+    count = in_flight.get(rid, 0)
+    if count > 1 and rid in lb._ready:
+        in_flight[rid] = count - 1
+        lb._total_in_flight -= 1
+    else:
+        lb._release(rid)
+    target = conn.target
+    if conn.closed or target.retired or conn.read_paused:
+        lb._pool.put(conn)
+    else:
+        conn.idle_since = now
+        target.idle.append(conn)
+        lb._pool._targets.add(target)
+    if cl._closing:
+        return
+    if not keep_alive or lb._stopping:
+        cl._close()
+        return
+    cl.deadline_kind = DL_HEAD
+    cl.deadline = now + lb._header_timeout
+    if cl._paused:
+        cl._unpause()
+    if cl._buf:
+        cl._process()
+
+
+def materialize(cl: ClientConnection) -> Exchange:
+    """The Exchange a fast request in flight stands for, in the state the general path would
+    have it in after sending the request; it takes over from here."""
+    fast = cl.fast
+    assert fast is not None
+    conn, rid, t0, method, target, http11, keep_alive, kept, xff_line, host, body = fast
+    cl.fast = None
+    conn.fast_client = None
+    lb = cl.lb
+    fwd = forwarded(kept, xff_line, lb._proto_line, host)
+    ex = Exchange(lb, cl, method, target, http11, keep_alive, fwd, None)
+    ex.t0 = t0
+    if body is not None:
+        ex.had_length = True
+        if body:
+            ex.body_kind = 1
+            ex.body = [body]
+            ex.body_size = len(body)
+    ex.tried.append(rid)
+    ex.rid = rid
+    ex.conn = conn
+    conn.begin(ex)
+    cl.exchange = ex
+    return ex

@@ -1,0 +1,242 @@
+"""The response half of an :class:`~corral.balancer.exchange.Exchange`: relaying an answer.
+
+Split from the exchange to keep each module readable; the two halves are one object. What a
+replica's connection reports (head, body, end, upgrade, errors) lands here and is decided
+here: how the answer reaches the client (whole, streamed as is, re-chunked, or spliced after
+a WebSocket upgrade) and which failures may still be retried (an answer nothing of which went
+to the client yet) or must cut the client's connection (one already under way).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from corral.balancer.failures import Failure, describe
+from corral.balancer.headers import scan_response
+from corral.balancer.http1 import LAST_CHUNK
+
+if TYPE_CHECKING:
+    from corral.balancer.client import ClientConnection
+    from corral.balancer.proxy import LoadBalancer
+    from corral.balancer.upstream import UpstreamConnection
+
+__all__ = ["BUFFER_RESPONSE_BYTES", "ResponseRelay"]
+
+# Answers up to this size to idempotent requests are read whole before they are sent, so a
+# replica dying mid-answer is retried on another one.
+BUFFER_RESPONSE_BYTES: Final = 256 * 1024
+
+# Response modes
+_HEAD, _WHOLE, _RAW, _CHUNK, _NONE, _SPLICE = range(6)
+# What the client connection's deadline means: while an exchange runs ...
+DL_NONE, DL_BODY, DL_FIRST_BYTE, DL_IDLE = range(4)
+# ... and between requests: waiting for a request head (header_timeout), lingering after an
+# early answer.
+DL_HEAD: Final = -1
+DL_LINGER: Final = -2
+
+
+class ResponseRelay:
+    """The response side of an exchange (see the module docstring)."""
+
+    # The exchange's state this half reads and writes (set by Exchange.__init__).
+    lb: LoadBalancer
+    client: ClientConnection
+    conn: UpstreamConnection | None
+    streaming_to: UpstreamConnection | None
+    rid: int | None
+    upgrade: bytes | None
+    pending_failure: Failure | None
+    http11: bool
+    keep_alive: bool
+    idempotent: bool
+    head_only: bool
+    streamed: bool
+    body_open: bool
+    close_client: bool
+    eof_ends: bool
+    done: bool
+    status: int
+    mode: int
+    reply_head: bytes
+    out: list[bytes]
+    whole: list[bytes]
+
+    def _failed(self, failure: Failure) -> None:
+        raise NotImplementedError
+
+    def _abort(self, reason: str, message: str) -> None:
+        raise NotImplementedError
+
+    def _finish(self, keep_alive: bool) -> None:
+        raise NotImplementedError
+
+    def _record(self, status: int) -> None:
+        raise NotImplementedError
+
+    def _resendable(self) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def on_response_head(self, status: int, head: bytes, keep_alive: bool) -> bool:
+        """Decide how the answer goes to the client (whole, streamed as is, re-chunked)."""
+        if status == 101 and self.upgrade is not None:
+            return False  # the connection reports the switch next (on_upgraded)
+        if self.upgrade is not None or status == 101:
+            what = "refused the WebSocket upgrade" if self.upgrade else "sent an unasked 101"
+            self.pending_failure = Failure(
+                502, f"{what} (HTTP {status})", "upstream_error", retryable=False
+            )
+            return True
+        self.status = status
+        lb = self.lb
+        if self.rid is not None:
+            lb._served[self.rid] = lb._served.get(self.rid, 0) + 1
+        eol = head.find(b"\r\n")
+        block = head[eol:-2]
+        kept, found = scan_response(block)
+        status_line = head[:eol]
+        if status_line[:9] != b"HTTP/1.1 ":
+            status_line = b"HTTP/1.1 " + status_line[9:]
+        length = found.get(b"content-length")
+        extra = b""
+        if self.head_only or status in (204, 304):
+            mode = _NONE
+        elif length is not None:
+            mode = _RAW
+            if self.idempotent and not self.streamed:
+                size = int(length[0])
+                if 0 < size <= BUFFER_RESPONSE_BYTES:
+                    mode = _WHOLE
+        else:
+            self.eof_ends = b"transfer-encoding" not in found
+            if self.http11:
+                mode = _CHUNK
+                extra = b"Transfer-Encoding: chunked\r\n"
+            else:
+                mode = _RAW
+                self.close_client = True
+        if not self.keep_alive or self.close_client or self.body_open:
+            extra += b"Connection: close\r\n"
+        elif not self.http11:
+            extra += b"Connection: keep-alive\r\n"
+        if kept is block and not extra and status_line is head[:eol]:
+            reply = head
+        else:
+            reply = b"".join((status_line, kept, extra, b"\r\n"))
+        self.mode = mode
+        if mode == _WHOLE:
+            self.reply_head = reply
+        else:
+            self.out.append(reply)
+            self._record(status)
+        return self.head_only
+
+    def on_response_body(self, data: bytes) -> None:
+        mode = self.mode
+        if mode == _RAW:
+            self.out.append(data)
+        elif mode == _CHUNK:
+            self.out += (b"%x\r\n" % len(data), data, b"\r\n")
+        elif mode == _WHOLE:
+            self.whole.append(data)
+
+    def on_upstream_data_done(self, complete: bool) -> None:
+        if self.pending_failure is not None:
+            self._failed(self.pending_failure)
+            return
+        mode = self.mode
+        if mode == _HEAD:
+            return
+        if complete:
+            if mode == _WHOLE:
+                self.client.write(self.reply_head + b"".join(self.whole))
+                self._record(self.status)
+                self.whole = []
+            else:
+                if mode == _CHUNK:
+                    self.out.append(LAST_CHUNK)
+                self._flush()
+            self._response_done()
+            return
+        if mode != _WHOLE:
+            self._flush()
+        self.client.set_deadline(DL_IDLE, self.lb._idle_timeout)
+
+    def _flush(self) -> None:
+        out = self.out
+        if out:
+            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
+    def _response_done(self) -> None:
+        conn, self.conn = self.conn, None
+        self.streaming_to = None
+        if conn is not None:
+            if self.body_open:
+                conn.reusable = False  # the replica answered before the whole body came
+            self.lb._pool.put(conn)
+        self._finish(self.keep_alive and not self.close_client and not self.body_open)
+
+    def on_upgraded(self, status: int, head: bytes, rest: bytes) -> None:
+        """The replica switched protocols: answer the client and relay bytes both ways."""
+        conn = self.conn
+        if self.upgrade is None or status != 101 or conn is None:
+            self._failed(Failure(502, "sent an unasked 101", "upstream_error", retryable=False))
+            return
+        lb = self.lb
+        if self.rid is not None:
+            lb._served[self.rid] = lb._served.get(self.rid, 0) + 1
+        eol = head.find(b"\r\n")
+        kept, found = scan_response(head[eol:-2])
+        upgrade = found.get(b"upgrade", [self.upgrade])[0]
+        self.mode = _SPLICE
+        self.client.set_deadline(DL_NONE, 0.0)
+        self.client.write(
+            b"HTTP/1.1 101 Switching Protocols%b"
+            b"Connection: Upgrade\r\nUpgrade: %b\r\n\r\n%b" % (kept, upgrade, rest)
+        )
+        self._record(101)
+        pending = self.client.splice(conn)
+        if pending:
+            conn.write(pending)
+
+    def on_spliced_data(self, data: bytes) -> None:
+        self.client.write(data)
+
+    def on_upstream_error(self, message: str) -> None:
+        if self.mode in (_HEAD, _WHOLE):
+            self._failed(Failure(502, message, "upstream_error", retryable=False))
+        else:
+            self._abort("upstream_aborted", message)
+
+    def on_upstream_lost(self, exc: Exception | None) -> None:
+        """The replica's connection closed (``exc`` None: cleanly)."""
+        if self.done:
+            return
+        mode = self.mode
+        if mode == _HEAD:
+            ok, why = self._resendable()
+            what = describe(exc) if exc is not None else "connection closed"
+            message = f"{what} before the response{why}"
+            self._failed(Failure(502, message, "upstream_unreachable", retryable=ok))
+        elif mode == _WHOLE:
+            what = describe(exc) if exc is not None else "connection closed"
+            message = f"failed mid-response: {what}"
+            self._failed(Failure(502, message, "upstream_aborted", retryable=True))
+        elif mode == _SPLICE or (exc is None and self.eof_ends):
+            if mode == _CHUNK:
+                self.out.append(LAST_CHUNK)
+            self._flush()
+            self.conn = None
+            self.close_client = mode == _SPLICE or self.close_client
+            self._finish(not self.close_client and self.keep_alive and not self.body_open)
+        else:
+            what = describe(exc) if exc is not None else "connection closed"
+            self._abort("upstream_aborted", f"failed mid-response: {what}")
+
+    def on_upstream_paused(self, paused: bool) -> None:
+        self.client.pause_for_upstream(paused)
+
+    def on_client_paused(self, paused: bool) -> None:
+        if self.conn is not None:
+            self.conn.pause_reading(paused)

@@ -1,0 +1,348 @@
+"""Connections to replicas: one asyncio Protocol per connection, a keep-alive pool per replica.
+
+Why keep-alive: opening a TCP connection per request costs a connect, an accept and a close on
+both sides (and a TIME_WAIT socket); reusing one costs nothing. The pool is LIFO, so the
+connection taken is the one used last: the least likely to have been closed by the replica, and
+under light load the older ones expire (``KEEPALIVE_SECONDS``) instead of being kept warm.
+
+A response is parsed by httptools with three callbacks (headers complete, body, message
+complete) and no per-header callback; the raw head is taken from the bytes received, so it
+passes to the client as one block (see :mod:`corral.balancer.headers`). The connection knows
+nothing of retries or clients: it reports to the :class:`Exchange` using it through the small
+:class:`ResponseSink` interface. While it carries a request of the fast path
+(:mod:`corral.balancer.fast`) it has no sink but a ``fast_client``, which either takes a plain
+answer whole or turns the request into an Exchange that becomes the sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Final, Protocol, cast
+
+import httptools
+
+if TYPE_CHECKING:
+    from corral.balancer.client import ClientConnection
+
+__all__ = ["KEEPALIVE_SECONDS", "Pool", "ResponseSink", "Target", "UpstreamConnection"]
+
+logger = logging.getLogger("corral.balancer")
+
+# Pooled connections are closed after this many idle seconds: below the idle timeout of common
+# Python servers (uvicorn closes after 5 s), so the balancer rarely picks a pooled connection
+# the replica is closing at that moment.
+KEEPALIVE_SECONDS: Final = 4.0
+# Longest response head accepted from a replica (its Set-Cookie headers may be large).
+RESPONSE_HEAD_LIMIT: Final = 64 * 1024
+
+
+class ResponseSink(Protocol):
+    """What a connection reports to the exchange using it."""
+
+    def on_response_head(self, status: int, head: bytes, keep_alive: bool) -> bool:
+        """The response's head (raw, final status); return True when it has no body even
+        though its headers announce one (a HEAD request)."""
+        ...
+
+    def on_response_body(self, data: bytes) -> None: ...
+
+    def on_upstream_data_done(self, complete: bool) -> None:
+        """End of one batch of received bytes; ``complete``: the response ended."""
+        ...
+
+    def on_upgraded(self, status: int, head: bytes, rest: bytes) -> None: ...
+
+    def on_upstream_error(self, message: str) -> None:
+        """The replica sent something that is not HTTP."""
+        ...
+
+    def on_upstream_lost(self, exc: Exception | None) -> None: ...
+
+    def on_upstream_paused(self, paused: bool) -> None:
+        """The connection's write buffer is full (True) or drained (False)."""
+        ...
+
+    def on_spliced_data(self, data: bytes) -> None: ...
+
+
+class _SkipBody(Exception):
+    """Raised from on_headers_complete to stop llhttp reading a body a HEAD response lacks."""
+
+
+class Target:
+    """A ready replica: where to connect, what to put in Host, and its idle connections."""
+
+    __slots__ = (
+        "base",
+        "host",
+        "host_line",
+        "idle",
+        "line_tail",
+        "port",
+        "prefix",
+        "retired",
+        "rid",
+        "ssl",
+    )
+
+    def __init__(
+        self, rid: int, base: str, host: str, port: int, netloc: str, prefix: str, ssl: bool
+    ) -> None:
+        self.rid = rid
+        self.base = base
+        self.host = host
+        self.port = port
+        self.ssl = ssl
+        self.prefix = prefix.encode()
+        self.host_line = b"Host: " + netloc.encode("idna")
+        self.line_tail = b" HTTP/1.1\r\n" + self.host_line  # after a request line's target
+        self.idle: deque[UpstreamConnection] = deque()
+        self.retired = False  # left the ready set: its connections are not kept
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to a replica; carries one request at a time (no pipelining)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.transport: asyncio.Transport | None = None
+        self.sink: ResponseSink | None = None
+        self.fast_client: ClientConnection | None = None  # carrying a fast-path request
+        self.spliced = False
+        self.closed = False
+        self.idle_since = 0.0
+        self.uses = 0
+        self.read_paused = False
+        self._parser = httptools.HttpResponseParser(self)
+        # Validates the whole answers the fast path takes, with no callback at all.
+        self.check = httptools.HttpResponseParser(None)
+        self._head = b""
+        self._last_head = b""
+        self._in_head = True
+        self._interim = False
+        self._complete = False
+        self._skip = False
+        self._keep_alive = False
+        self.reusable = False
+
+    # ------------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        client = self.fast_client
+        if client is not None:
+            try:
+                if client.fast_response(self, data):
+                    return
+            except Exception:
+                logger.exception("balancer: unexpected error on a replica connection")
+                self.check = httptools.HttpResponseParser(None)
+            if self.fast_client is None:  # committed when it failed: nothing left to save
+                self.abort()
+                return
+            client.materialize()  # the general path below takes it from here
+        try:
+            self._received(data)
+        except Exception:
+            # A bug: logged once with its traceback; the exchange answers 502 or cuts.
+            logger.exception("balancer: unexpected error on a replica connection")
+            sink = self.sink
+            self.abort()
+            if sink is not None:
+                sink.on_upstream_error("internal proxy error")
+
+    def _received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is None:  # bytes on an idle connection: the replica is not speaking HTTP
+            self.close()
+            return
+        if self.spliced:
+            sink.on_spliced_data(data)
+            return
+        if self._in_head:
+            self._head = self._head + data if self._head else data
+            head = self._head
+            if (
+                len(head) > RESPONSE_HEAD_LIMIT
+                and head.find(b"\r\n\r\n", 0, RESPONSE_HEAD_LIMIT) < 0
+            ):
+                sink.on_upstream_error("response head too large")
+                return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._upgraded(sink, data[exc.args[0] :])
+            return
+        except httptools.HttpParserCallbackError as exc:
+            if not self._skip:
+                if isinstance(exc.__context__, Exception):
+                    raise exc.__context__ from None
+                raise
+            self._complete = True
+            self._parser = httptools.HttpResponseParser(self)  # it stopped mid-message
+        except httptools.HttpParserError as exc:
+            self.reusable = False
+            sink.on_upstream_error(f"invalid HTTP response: {exc}")
+            return
+        sink.on_upstream_data_done(self._complete)
+
+    def _upgraded(self, sink: ResponseSink, rest: bytes) -> None:
+        self.reusable = False
+        self.spliced = True
+        sink.on_upgraded(self._parser.get_status_code(), self._last_head, rest)
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too; connection_lost reports it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.fast_client is not None:
+            self.fast_client.materialize()
+        self.closed = True
+        self.reusable = False
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.on_upstream_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.fast_client is not None:
+            self.fast_client.materialize()
+        if self.sink is not None:
+            self.sink.on_upstream_paused(True)
+
+    def resume_writing(self) -> None:
+        if self.sink is not None:
+            self.sink.on_upstream_paused(False)
+
+    # ------------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._complete:  # a second message after the answer: not HTTP we can reuse
+            self.reusable = False
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        head = self._head
+        end = head.find(b"\r\n\r\n") + 4
+        if 100 <= status < 200 and status != 101:  # interim (100 Continue, 103): dropped
+            self._head = head[end:]
+            self._interim = True
+            return
+        self._head = b""
+        self._in_head = False
+        self._keep_alive = parser.should_keep_alive()
+        if status == 101:
+            self._last_head = head[:end]
+        if self.sink is not None and self.sink.on_response_head(
+            status, head[:end], self._keep_alive
+        ):
+            self._skip = True
+            self.reusable = self._keep_alive and len(head) == end
+            raise _SkipBody
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            self.sink.on_response_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._complete = True
+        self.reusable = self._keep_alive
+
+    # ------------------------------------------------------------------ used by the exchange
+
+    def begin(self, sink: ResponseSink) -> None:
+        """Start carrying one request for ``sink``."""
+        self.sink = sink
+        self.uses += 1
+        self._in_head = True
+        self._complete = False
+        self._skip = False
+        self.reusable = False
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def pause_reading(self, paused: bool) -> None:
+        if self.transport is None or self.closed or paused == self.read_paused:
+            return
+        self.read_paused = paused
+        if paused:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        """Close without reuse (anything in flight on it is given up)."""
+        self.sink = None
+        self.reusable = False
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping unsent bytes: the replica sees the request cancelled."""
+        self.sink = None
+        self.reusable = False
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Pool:
+    """Idle keep-alive connections of every replica (kept on their :class:`Target`)."""
+
+    def __init__(self) -> None:
+        self._targets: set[Target] = set()
+
+    def take(self, target: Target, max_idle: float) -> UpstreamConnection | None:
+        """The most recently used idle connection, if it has been idle at most ``max_idle``
+        seconds; connections known closed are dropped on the way."""
+        idle = target.idle
+        while idle:
+            conn = idle.pop()
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                continue
+            if time.monotonic() - conn.idle_since > max_idle:
+                idle.append(conn)  # older ones may still serve an idempotent request
+                return None
+            return conn
+        return None
+
+    def put(self, conn: UpstreamConnection) -> None:
+        """Keep a connection whose exchange ended cleanly; close it otherwise."""
+        conn.sink = None
+        if not conn.reusable or conn.closed or conn.target.retired:
+            conn.close()
+            return
+        conn.pause_reading(False)
+        conn.idle_since = time.monotonic()
+        conn.target.idle.append(conn)
+        self._targets.add(conn.target)
+
+    def expire(self, now: float) -> None:
+        """Close connections idle for KEEPALIVE_SECONDS (oldest are at the left)."""
+        for target in list(self._targets):
+            idle = target.idle
+            while idle and (idle[0].closed or now - idle[0].idle_since > KEEPALIVE_SECONDS):
+                idle.popleft().close()
+            if not idle:
+                self._targets.discard(target)
+
+    def close_target(self, target: Target) -> None:
+        while target.idle:
+            target.idle.pop().close()
+        self._targets.discard(target)
+
+    def close_all(self) -> None:
+        for target in list(self._targets):
+            self.close_target(target)

@@ -1,0 +1,238 @@
+"""The balancer's fast path (corral.balancer.fast) against its general path, byte for byte.
+
+Why: the fast path re-implements, for the common request, what the general path does
+(header rewriting, framing, metrics, pooling). Driving both with the same bytes over fake
+transports and comparing what each side receives catches any drift between them, including on
+heads the fast path must leave alone (it has to hand those over untouched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from corral.balancer import LoadBalancer, fast
+from corral.balancer.client import ClientConnection
+from corral.balancer.upstream import UpstreamConnection
+
+
+class FakeTransport:
+    """Records writes; enough of asyncio.Transport for the balancer's protocols."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def take(self) -> bytes:
+        data, self.out = b"".join(self.out), []
+        return data
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("10.1.2.3", 5555) if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def write_eof(self) -> None: ...
+
+
+class Rig:
+    """A balancer with two replicas, one pooled connection each, and one client connection."""
+
+    def __init__(self) -> None:
+        self.lb = LoadBalancer(name="svc", policy="round_robin")
+        self.lb.set_ready({1: "http://127.0.0.1:9001", 2: "http://127.0.0.1:9002/pre"})
+        self.ups: dict[int, tuple[UpstreamConnection, FakeTransport]] = {}
+        for rid, target in self.lb._ready.items():
+            conn = UpstreamConnection(target)
+            transport = FakeTransport()
+            conn.connection_made(transport)  # type: ignore[arg-type]
+            conn.reusable = True
+            self.lb._pool.put(conn)
+            self.ups[rid] = (conn, transport)
+        self.client = ClientConnection(self.lb)
+        self.ct = FakeTransport()
+        self.client.connection_made(self.ct)  # type: ignore[arg-type]
+
+    def exchange(self, request: bytes, responses: list[bytes]) -> tuple[bytes, bytes]:
+        """Send a request, answer it from whichever replica got it; (sent upstream, client
+        got)."""
+        self.client.data_received(request)
+        sent = b""
+        for rid, (conn, transport) in self.ups.items():
+            data = transport.take()
+            if data:
+                sent = b"%d:" % rid + data
+                for response in responses:
+                    conn.data_received(response)
+        return sent, self.ct.take()
+
+
+REQUESTS = [
+    b"GET / HTTP/1.1\r\nHost: a.example:8080\r\nUser-Agent: wrk\r\nAccept: */*\r\n\r\n",
+    b"GET /x?q=1 HTTP/1.1\r\nhOsT:  b.example \r\n\r\n",
+    b"GET /nohost HTTP/1.0\r\nAccept: */*\r\n\r\n",
+    b"GET /ka HTTP/1.0\r\nConnection: Keep-Alive\r\nHost: h\r\n\r\n",
+    b"GET /close HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+    b"GET /xff HTTP/1.1\r\nX-Forwarded-For: 1.1.1.1, 2.2.2.2\r\nHost: h\r\n\r\n",
+    b"GET /xff2 HTTP/1.1\r\nX-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 3.3.3.3\r\n\r\n",
+    b"GET /proto HTTP/1.1\r\nHost: h\r\nX-Forwarded-Proto: https\r\nX-Forwarded-Host: evil\r\n\r\n",
+    b"GET /named HTTP/1.1\r\nHost: h\r\nConnection: keep-alive, X-Secret\r\nX-Secret: 1\r\n\r\n",
+    b"GET /te HTTP/1.1\r\nHost: h\r\nTE: trailers\r\nProxy-Authorization: x\r\n\r\n",
+    b"GET /twohosts HTTP/1.1\r\nHost: h\r\nHost: i\r\n\r\n",
+    b"GET http://other.example/abs?x HTTP/1.1\r\nHost: other.example\r\n\r\n",
+    b"HEAD /head HTTP/1.1\r\nHost: h\r\n\r\n",
+    b"OPTIONS * HTTP/1.1\r\nHost: h\r\n\r\n",
+    b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n"
+    b'{"a":1}',
+    b"POST /zero HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n\r\n",
+    b"PUT /cl HTTP/1.1\r\nContent-Length:  3 \r\nHost: h\r\n\r\nabc",
+    b"POST /chunked HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    b"PATCH /expect HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nhi",
+    b"DELETE /d HTTP/1.1\r\nHost: h\r\nKeep-Alive: 5\r\n\r\n",
+]
+RESPONSES = [
+    [b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"],
+    [b"HTTP/1.1 404 Not Found\r\nContent-length: 0\r\nServer: x\r\n\r\n"],
+    [
+        b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n"
+        b"Content-Length: 1\r\n\r\nz"
+    ],
+    [b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\nz"],
+    [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"],
+    [b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nok", b"ok"],
+    [b"HTTP/1.1 204 No Content\r\n\r\n"],
+    [b"HTTP/1.1 304 Not Modified\r\nContent-Length: 10\r\n\r\n"],
+    [b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 1\r\n\r\nc"],
+    [b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"],
+    [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok"],
+    [b"HTTP/1.1 200 OK\r\nX-Bad : 1\r\nContent-Length: 2\r\n\r\nok"],
+    [b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 3\r\n\r\nerr"],
+]
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+def _run(loop: asyncio.AbstractEventLoop, request: bytes, responses: list[bytes]) -> Any:
+    async def go() -> Any:
+        rig = Rig()
+        sent, got = rig.exchange(request, responses)
+        stats = rig.lb.stats()
+        stats["latency"] = stats["latency"]["count"]  # the buckets depend on timing
+        for conn, _ in rig.ups.values():
+            assert conn.fast_client is None or rig.client.fast is not None
+        idle = sorted(len(t.idle) for t in rig.lb._ready.values())
+        return sent, got, stats, idle, rig.ct.closed, rig.client.fast is None
+
+    return loop.run_until_complete(go())
+
+
+@pytest.mark.parametrize("request_bytes", REQUESTS, ids=lambda r: r.split(b"\r\n")[0].decode())
+@pytest.mark.parametrize("responses", RESPONSES, ids=lambda r: r[0].split(b"\r\n")[1].decode())
+def test_fast_path_sends_what_the_general_path_sends(
+    loop: asyncio.AbstractEventLoop,
+    monkeypatch: pytest.MonkeyPatch,
+    request_bytes: bytes,
+    responses: list[bytes],
+) -> None:
+    fast_result = _run(loop, request_bytes, responses)
+    monkeypatch.setattr(fast, "try_request", lambda cl, data: False)
+    general_result = _run(loop, request_bytes, responses)
+    assert fast_result == general_result
+
+
+def test_common_request_takes_the_fast_path(loop: asyncio.AbstractEventLoop) -> None:
+    async def go() -> None:
+        rig = Rig()
+        rig.client.data_received(REQUESTS[0])
+        assert rig.client.fast is not None and rig.client.exchange is None
+        (conn, transport) = rig.ups[1]
+        assert transport.take().startswith(b"GET / HTTP/1.1\r\nHost: 127.0.0.1:9001\r\n")
+        conn.data_received(RESPONSES[0][0])
+        assert rig.client.fast is None and rig.client.exchange is None
+        assert rig.ct.take() == RESPONSES[0][0]
+        assert rig.lb.in_flight() == 0 and len(rig.lb._ready[1].idle) == 1
+
+    loop.run_until_complete(go())
+
+
+def test_replica_closing_before_answering_retries_a_fast_get(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    async def go() -> None:
+        rig = Rig()
+        rig.client.data_received(REQUESTS[0])
+        conn, _ = rig.ups[1]
+        conn.connection_lost(None)  # the replica closed the pooled connection
+        # retried on replica 2, through its pooled connection
+        assert rig.client.exchange is not None and rig.client.fast is None
+        conn2, transport2 = rig.ups[2]
+        assert transport2.take().startswith(b"GET /pre/ HTTP/1.1\r\n")
+        conn2.data_received(RESPONSES[0][0])
+        assert rig.ct.take() == RESPONSES[0][0]
+        stats = rig.lb.stats()
+        assert stats["retries"] == 1 and stats["in_flight"] == 0
+
+    loop.run_until_complete(go())
+
+
+def test_replica_closing_before_answering_a_fast_post_is_a_502(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    async def go() -> None:
+        rig = Rig()
+        rig.client.data_received(REQUESTS[14])
+        rig.ups[1][0].connection_lost(None)
+        got = rig.ct.take()
+        assert got.startswith(b"HTTP/1.1 502 ") and b"POST not retried" in got
+        assert rig.lb.stats()["in_flight"] == 0
+
+    loop.run_until_complete(go())
+
+
+def test_first_byte_timeout_and_client_loss_on_a_fast_request(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    async def go() -> None:
+        rig = Rig()
+        rig.client.data_received(REQUESTS[0])
+        assert rig.client.deadline > time.monotonic()
+        rig.client.on_timeout()
+        assert rig.ct.take().startswith(b"HTTP/1.1 504 ")
+        assert rig.ups[1][1].closed
+        assert rig.lb.stats()["errors_by_reason"] == {"first_byte_timeout": 1}
+
+        rig.client.data_received(REQUESTS[0])
+        assert rig.client.fast is not None
+        rig.client.connection_lost(None)
+        stats = rig.lb.stats()
+        assert stats["client_disconnects"] == 1 and stats["codes"]["499"] == 1
+        assert stats["in_flight"] == 0
+
+    loop.run_until_complete(go())
