@@ -383,7 +383,7 @@ class Exchange(ResponseRelay):
                 lb._ejected[rid] = time.monotonic() + lb.EJECT_SECONDS
             self.failures.append(f"replica {rid}: {failure.message}")
         self._release()
-        if not failure.refused:
+        if not (failure.refused or failure.free):
             self.counted += 1
         self.last = failure
         if self.streamed and self.sent_body:

@@ -3,7 +3,8 @@
 A :class:`Failure` carries the status the client would get, the metrics reason, and the two
 facts the retry loop needs: may the request go to another replica (``retryable``: nothing of it
 can have taken effect, or it is idempotent), and does the attempt count against
-``max_attempts`` (a refused connection does not: the request provably reached no replica).
+``max_attempts`` (a refused connection does not: the request provably reached no replica; nor
+does an idempotent request whose pooled connection broke before any answer).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ CLIENT_FAULTS: Final = frozenset({"body_too_large", "bad_request", "client_timeo
 class Failure:
     """An attempt that ended before any response was sent to the client."""
 
-    __slots__ = ("connect", "message", "reason", "refused", "retryable", "status")
+    __slots__ = ("connect", "free", "message", "reason", "refused", "retryable", "status")
 
     def __init__(
         self,
@@ -31,6 +32,7 @@ class Failure:
         retryable: bool,
         refused: bool = False,
         connect: bool = False,
+        free: bool = False,
     ) -> None:
         self.status = status
         self.message = message
@@ -38,6 +40,11 @@ class Failure:
         self.retryable = retryable
         self.refused = refused  # nothing listens: does not count against max_attempts
         self.connect = connect  # failed to connect: the replica is passed over a while
+        # An idempotent request on a pooled connection that broke before any answer (a replica
+        # killed, or closing an idle connection): immediate, so it costs the client nothing
+        # and does not count either; several replicas killed at once otherwise used up every
+        # attempt on dead ones while a live one was ready (tests/chaos/test_balancer_churn.py).
+        self.free = free
 
 
 def refused(exc: BaseException) -> bool:

@@ -218,7 +218,16 @@ class ResponseRelay:
             ok, why = self._resendable()
             what = describe(exc) if exc is not None else "connection closed"
             message = f"{what} before the response{why}"
-            self._failed(Failure(502, message, "upstream_unreachable", retryable=ok))
+            conn = self.conn
+            pooled = conn is not None and conn.uses > 1
+            if pooled and conn is not None:
+                # Its other idle connections are likely as dead (a killed replica): the next
+                # attempt there opens a fresh one, which a dead replica refuses at once.
+                self.lb._pool.close_target(conn.target)
+            failure = Failure(
+                502, message, "upstream_unreachable", retryable=ok, free=ok and pooled
+            )
+            self._failed(failure)
         elif mode == _WHOLE:
             what = describe(exc) if exc is not None else "connection closed"
             message = f"failed mid-response: {what}"
