@@ -126,3 +126,53 @@ def test_no_spec_is_parsed_on_the_event_loop(corral_home: CorralHome, tmp_path: 
     assert corral_home.service("parsed") is not None
     on_loop = parse_log.read_text() if parse_log.exists() else ""
     assert on_loop == "", f"specs parsed on the event loop:\n{on_loop}"
+
+
+def _setup_spec(name: str, replicas: int, setup: str, timeout: float | None = None) -> str:
+    text = spec_text(name, replicas, setup=setup)
+    if timeout is not None:
+        text += f"  setup_timeout_seconds: {timeout}\n"
+    return text
+
+
+def test_a_hung_setup_fails_after_its_time_limit(corral_home: CorralHome) -> None:
+    corral_home.start_daemon()
+    spec = _setup_spec("stuck", 1, "exec sleep 3600", timeout=2)
+    answer = corral_home.api("POST", "/v1/services", body={"spec": spec}, timeout=30)
+    assert answer.status == 201, answer.body
+
+    def failed() -> dict[str, object] | None:
+        svc = corral_home.service("stuck")
+        rows = [r for r in (svc or {}).get("replicas", []) if r["status"] == "FAILED_PROVISION"]
+        return rows[0] if rows else None
+
+    row = wait_for(failed, 30, "the launch to fail on its setup time limit")
+    assert "setup did not finish within 2s" in str(row["failure"]), row
+    corral_home.api("DELETE", "/v1/services/stuck?purge=1")
+    wait_for(lambda: corral_home.service("stuck") is None, 60, "the service to go")
+
+
+def test_hung_setups_of_one_service_leave_launch_slots_to_the_others(
+    corral_home: CorralHome,
+) -> None:
+    """16 replicas whose setup hangs (the daemon's whole launch lane) must not keep another
+    service from launching: a service holds at most half the lane."""
+    corral_home.start_daemon()
+    hung = _setup_spec("hung", 16, "exec sleep 3600")
+    answer = corral_home.api("POST", "/v1/services", body={"spec": hung}, timeout=30)
+    assert answer.status == 201, answer.body
+    wait_for(
+        lambda: (
+            sum(r["status"] == "PROVISIONING" for r in corral_home.service("hung")["replicas"]) >= 8
+        ),
+        30,
+        "the hung setups to hold their slots",
+    )
+    answer = corral_home.api(
+        "POST", "/v1/services", body={"spec": spec_text("other", 1)}, timeout=30
+    )
+    assert answer.status == 201, answer.body
+    corral_home.wait_replicas("other", 1, timeout=60)
+    svc = corral_home.service("hung")
+    assert svc is not None
+    assert sum(r["status"] == "PROVISIONING" for r in svc["replicas"]) <= 8, svc["replicas"]

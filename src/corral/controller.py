@@ -50,6 +50,9 @@ MAX_FAILURES_BEFORE_READY = 3
 # Failed replica rows kept visible per service (older ones are pruned).
 KEEP_FAILED = 10
 BACKOFF_CAP = 30.0
+# Launch jobs of one service at once: half the daemon's launch lane (16), so one service whose
+# setups hang cannot hold every slot while the others' launches wait.
+LAUNCHES_PER_SERVICE = 8
 # Probes of one service in flight at once (the daemon's probe session itself has no cap).
 PROBES_PER_SERVICE = 16
 # How often replica logs are checked against ControllerDeps.log_max_bytes.
@@ -580,6 +583,8 @@ class ServiceController:
             elif r.scale_down and r.teardown_state is None:
                 self._retire(r, "scaled down")
             elif r.launch_state == "pending" and r.id not in self._rt.launches:
+                if len(self._rt.launches) >= LAUNCHES_PER_SERVICE:
+                    continue  # a fair share of the launch lane; the next step takes it up
                 self._launch(r, self.spec(r.version))
 
         rows = self.store.replicas(self.name)
@@ -603,7 +608,8 @@ class ServiceController:
                     row = self.store.add_replica(
                         self.name, svc.current_version, spec.infra, f"target {target}"
                     )
-                    self._launch(row, spec)
+                    if len(self._rt.launches) < LAUNCHES_PER_SERVICE:
+                        self._launch(row, spec)  # else PENDING: a later step launches it
                 self.last_decision = f"launching {target - len(live)} toward target {target}"
         elif len(live) > target:
             for r in scale_down_victims(
@@ -763,6 +769,7 @@ class ServiceController:
             resources=spec.resources.model_dump(exclude_none=True),
             home_marker=self.deps.home_marker,
             on_started=functools.partial(self._record_handle, r.id),
+            setup_timeout=spec.service.setup_timeout_seconds,
         )
         job = self.deps.pool.submit(
             self._run_launch,

@@ -676,6 +676,10 @@ class LoadBalancerSettings(_Section):
     drain_timeout_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
 
 
+# Long enough for a model download in `setup`; a hung setup fails the launch after it.
+DEFAULT_SETUP_TIMEOUT = 1800.0
+
+
 class ServiceSection(_Section):
     """The ``service:`` section: probing, sizing and load balancing of the replicas."""
 
@@ -696,6 +700,9 @@ class ServiceSection(_Section):
     https: _LegacyHttps | None = None
     tls: TlsSettings | None = Field(default=None, validate_default=True)
     load_balancer: LoadBalancerSettings = Field(default_factory=LoadBalancerSettings)
+    # corral's own: how long a replica's `setup` may run before its launch fails. A setup that
+    # hangs would otherwise hold a launch slot forever (and, 16 of them, every service's).
+    setup_timeout_seconds: float = Field(default=DEFAULT_SETUP_TIMEOUT, gt=0, le=7 * 24 * 3600)
 
     controller_resources: Any = None
     route53_hosted_zone: Any = None

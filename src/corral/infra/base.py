@@ -58,6 +58,7 @@ class LaunchRequest:
     resources: Mapping[str, Any]
     home_marker: str  # identifies this corral home in what the backend starts (for sweep)
     on_started: Callable[[ReplicaHandle], None]
+    setup_timeout: float | None = None  # seconds `setup` may run (None: no limit)
 
 
 class Infra(Protocol):

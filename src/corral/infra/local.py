@@ -573,7 +573,20 @@ class LocalInfra:
             print(f"[corral] setup: {request.setup}", flush=True)
             since = time.time()
             try:
-                jobs.run_command([shell, "-c", request.setup], shell=False, cwd=cwd, env=env)
+                jobs.run_command(
+                    [shell, "-c", request.setup],
+                    shell=False,
+                    cwd=cwd,
+                    env=env,
+                    timeout=request.setup_timeout,
+                )
+            except subprocess.TimeoutExpired:
+                for line in self._stop_strays(request.home_marker, key, since):
+                    print(f"[corral] setup left a process behind: {line}", flush=True)
+                raise RuntimeError(
+                    f"setup did not finish within {request.setup_timeout:g}s "
+                    "(service.setup_timeout_seconds); it was stopped"
+                ) from None
             except BaseException:
                 # run_command stops setup's own group; this catches what setup started in a
                 # session of its own (``setsid``, daemonizing tools), so a failed or cancelled
