@@ -574,3 +574,31 @@ def test_sweep_spares_a_launch_in_flight(env: Env) -> None:
     job.cancel()
     with pytest.raises(Cancelled):
         job.result(DEADLINE)
+
+
+def test_teardown_in_a_cgroup_scans_no_process_table(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a cgroup per replica, teardown reads the cgroup, not the whole process table: 200
+    teardowns at once each reading every process's environment stalled the daemon for
+    seconds. Counted: calls of psutil.process_iter during the teardowns."""
+    handles = [
+        env.launch(env.request(py_cmd("import time; time.sleep(600)"), replica_id=i))
+        for i in (1, 2, 3)
+    ]
+    if not all(h.data.get("cgroup") for h in handles):
+        pytest.skip("no writable cgroup v2 here: teardown falls back on a scan")
+    pids = [int(h.data["pid"]) for h in handles]
+    scans = 0
+    real = psutil.process_iter
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal scans
+        scans += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(psutil, "process_iter", counting)
+    for handle in handles:
+        env.infra.terminate(handle, 2.0)
+    assert scans == 0, f"{scans} scans of the process table for 3 teardowns"
+    assert all(gone(pid) for pid in pids)

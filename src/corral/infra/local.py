@@ -709,11 +709,17 @@ class LocalInfra:
         members of its group survived (a backgrounded child), they are stopped too, once their
         environment proves they are this replica's. So are processes that left the group
         (``setsid``) but carry the replica's key, found by a scan of the process table; a
-        process that also scrubbed its environment is out of reach (only a cgroup could find
-        it). Raises RuntimeError when something of the replica is still alive afterwards.
+        process that also scrubbed its environment is out of reach. A replica in a cgroup of
+        its own is torn down through it instead (:meth:`_terminate_cgroup`): nothing escapes,
+        and nothing is scanned. Raises RuntimeError when something of the replica is still
+        alive afterwards.
         """
         info = _handle_info(handle)
         child = _REGISTRY.find(info.ident)
+        group = handle.data.get("cgroup")
+        if isinstance(group, str) and Path(group).is_dir():
+            self._terminate_cgroup(Path(group), child, grace)
+            return
         reap = child.popen.poll if child is not None else None
         if child is not None:
             # An unreaped child's pid cannot be reused, so Popen alone says whether it is ours.
@@ -726,14 +732,7 @@ class LocalInfra:
         # their environment (inherited by every descendant) is what finds them.
         key, ident = info.key, info.ident
         escaped = [] if key is None else _key_holders(key, ident, outside_pgid=info.pgid)
-        group = handle.data.get("cgroup")
-        cgroup = Path(group) if isinstance(group, str) else None
         if not group_alive and not escaped:
-            # Whatever is left in the cgroup escaped both the group and the key (setsid and a
-            # cleared environment): only the cgroup still knows it.
-            left_in_cgroup = [] if cgroup is None else cgroups.kill(cgroup)
-            if left_in_cgroup:
-                raise RuntimeError(f"processes in {cgroup} survived SIGKILL: {left_in_cgroup}")
             return
         if group_alive and not _safe_group(info.pgid):
             raise RuntimeError(
@@ -749,8 +748,6 @@ class LocalInfra:
         if child is not None:
             child.popen.poll()
         left = [] if key is None else _stop_key_holders(key, ident, escaped, grace)
-        if cgroup is not None:
-            left += cgroups.kill(cgroup)
         problems = []
         if not gone:
             problems.append(
@@ -764,6 +761,29 @@ class LocalInfra:
             )
         if problems:
             raise RuntimeError("; ".join(problems))
+
+    @staticmethod
+    def _terminate_cgroup(cgroup: Path, child: _Child | None, grace: float) -> None:
+        """Teardown of a replica in a cgroup of its own: everything it started is a member,
+        whatever it did (``setsid``, a cleared environment), so no scan of the process table
+        is needed: TERM every member, give them ``grace``, then ``cgroup.kill`` the rest.
+
+        Proportionate: two small reads per replica, where the key scan read the environment of
+        every process on the machine (200 teardowns at once stalled the daemon for seconds).
+        """
+        for pid in cgroups.members(cgroup):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while cgroups.members(cgroup) and time.monotonic() < deadline:
+            if child is not None:
+                child.popen.poll()  # reap the leader as soon as it exits
+            time.sleep(0.02)
+        left = cgroups.kill(cgroup)
+        if child is not None:
+            child.popen.poll()
+        if left:
+            raise RuntimeError(f"processes of the replica in {cgroup} survived SIGKILL: {left}")
 
     @staticmethod
     def _survivors(info: _HandleInfo) -> list[psutil.Process]:
