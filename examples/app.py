@@ -21,7 +21,7 @@ class Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
 
     def do_GET(self) -> None:
-        body = json.dumps(
+        self._answer(
             {
                 "replica": REPLICA,
                 "version": VERSION,
@@ -29,20 +29,18 @@ class Handler(BaseHTTPRequestHandler):
                 "pid": os.getpid(),
                 "time": time.time(),
             }
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        )
 
     def do_POST(self) -> None:
         """Echo what arrived: the tests check that a POST reaches exactly one replica, once."""
         length = int(self.headers.get("Content-Length") or 0)
         received = self.rfile.read(length) if length else b""
-        body = json.dumps(
+        self._answer(
             {"replica": REPLICA, "pid": os.getpid(), "path": self.path, "received": len(received)}
-        ).encode()
+        )
+
+    def _answer(self, fields: dict[str, object]) -> None:
+        body = json.dumps(fields).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

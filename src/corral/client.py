@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
+import psutil
+
 from corral.home import (
     EXIT_DAEMON_RUNNING,
     WILDCARD_HOSTS,
@@ -245,7 +247,7 @@ class Client:
     def _impostor(self, ep: Endpoint, why: str) -> UntrustedDaemon:
         info = read_info(self.home) or {}
         pid = info.get("pid")
-        alive = isinstance(pid, int) and _pid_alive(pid)
+        alive = isinstance(pid, int) and psutil.pid_exists(pid)
         if ep.remote:
             return UntrustedDaemon(
                 f"{ep.url} is not the corral daemon $CORRAL_API_TOKEN is for: {why}"
@@ -436,13 +438,3 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

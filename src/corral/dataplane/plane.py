@@ -24,7 +24,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -40,6 +40,7 @@ from corral.dataplane.protocol import (
     encode,
     socket_path,
 )
+from corral.procs import running as _running
 from corral.state import StateError, Store
 
 log = logging.getLogger("corral.dataplane")
@@ -85,16 +86,7 @@ class ServiceRoute:
 
     def configure(self, route: Route) -> None:
         """New listener settings (an update changed the policy, timeouts or TLS)."""
-        ready, versions = self.route.ready, self.route.versions
-        self.route = Route(
-            port=route.port,
-            host=route.host,
-            tls_cert=route.tls_cert,
-            tls_key=route.tls_key,
-            config=route.config,
-            ready=ready,
-            versions=versions,
-        )
+        self.route = replace(route, ready=self.route.ready, versions=self.route.versions)
         self._plane.changed()
 
     def set_ready(
@@ -106,26 +98,14 @@ class ServiceRoute:
             self._left[rid] = seq
         for rid in replicas:
             self._left.pop(rid, None)
-        self.route = Route(
-            port=self.route.port,
-            host=self.route.host,
-            tls_cert=self.route.tls_cert,
-            tls_key=self.route.tls_key,
-            config=self.route.config,
-            ready=dict(replicas),
-            versions=dict(versions or {}),
-        )
+        self.route = replace(self.route, ready=dict(replicas), versions=dict(versions or {}))
 
     async def wait_drained(self, replica_id: int, timeout: float) -> bool:
         """Wait until every connected worker has applied a table without the replica and has
         no request in flight to it; False if ``timeout`` passes first."""
         seq = self._left.get(replica_id, 0)
-        try:
-            async with asyncio.timeout(timeout):
-                await self._plane.wait_until(
-                    lambda: self._plane.drained(self.name, replica_id, seq)
-                )
-        except TimeoutError:
+        plane = self._plane
+        if not await plane.wait_until(lambda: plane.drained(self.name, replica_id, seq), timeout):
             return False
         self._left.pop(replica_id, None)
         return True
@@ -151,24 +131,14 @@ class ServiceRoute:
         with this service: a new service's endpoint answers once `corral up` returns, even
         on a daemon whose workers are still starting. False if the wait timed out."""
         seq = self._plane.current_seq()
-        try:
-            async with asyncio.timeout(timeout):
-                await self._plane.wait_until(lambda: self._plane.all_applied(seq))
-        except TimeoutError:
-            return False
-        return True
+        return await self._plane.wait_until(lambda: self._plane.all_applied(seq), timeout)
 
     async def close(self, timeout: float = 2.0) -> bool:
         """The service is gone: take it out of the table and wait (bounded) until every
         connected worker has applied that table, i.e. closed the service's listener, so that
         `corral down` returning means the endpoint is closed. False if the wait timed out."""
         seq = self._plane.remove(self.name)
-        try:
-            async with asyncio.timeout(timeout):
-                await self._plane.wait_until(lambda: self._plane.applied(seq))
-        except TimeoutError:
-            return False
-        return True
+        return await self._plane.wait_until(lambda: self._plane.applied(seq), timeout)
 
 
 class DataPlane:
@@ -302,10 +272,12 @@ class DataPlane:
                 continue  # it keeps dying at once: do not start one 4 times a second
             if row is not None:
                 log.warning("balancer worker %d (pid %d) is gone; starting another", slot, row.pid)
-            # A worker that dies within CRASH_WINDOW of its start doubles the wait before the
-            # next one (up to SPAWN_BACKOFF_CAP); one that lived longer is replaced at once.
+            # A worker that dies within CRASH_WINDOW of its start without ever saying hello
+            # doubles the wait before the next one (up to SPAWN_BACKOFF_CAP); one that served
+            # (or lived longer) is replaced at once.
             started = self._spawned_at.get(slot)
-            quick = started is not None and now - started < CRASH_WINDOW
+            said_hello = row is not None and row.pid in self._known_pids
+            quick = started is not None and now - started < CRASH_WINDOW and not said_hello
             delay = min(SPAWN_BACKOFF_CAP, self._delay.get(slot, 0.5) * 2) if quick else 0.0
             self._delay[slot] = delay or 0.5
             self._next_spawn[slot] = now + delay
@@ -382,10 +354,7 @@ class DataPlane:
                 conn = self._conns.get(pid)
                 return conn is not None and conn.seq >= seq
 
-            try:
-                async with asyncio.timeout(timeout):
-                    await self.wait_until(ready)
-            except TimeoutError:
+            if not await self.wait_until(ready, timeout):
                 log.warning("new balancer worker %d (pid %d) did not take over in time", slot, new)
             conn = self._conns.get(old.pid)
             if conn is not None:
@@ -500,9 +469,16 @@ class DataPlane:
         async with self._changed:
             self._changed.notify_all()
 
-    async def wait_until(self, predicate: Callable[[], bool]) -> None:
-        async with self._changed:
-            await self._changed.wait_for(predicate)
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``predicate`` holds, re-checked on every report and lost worker; False if
+        ``timeout`` passes first."""
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._changed:
+                    await self._changed.wait_for(predicate)
+        except TimeoutError:
+            return False
+        return True
 
     # -- the table ----------------------------------------------------------------------------
 
@@ -629,13 +605,6 @@ def _process(pid: int, created: float) -> psutil.Process | None:
         return proc
     except psutil.Error:
         return None
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def stop_recorded_workers(home: Path, timeout: float = WORKER_STOP_TIMEOUT) -> list[int]:

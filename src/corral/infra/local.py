@@ -46,6 +46,7 @@ import psutil
 from corral import jobs
 from corral.infra import cgroups
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
+from corral.procs import running as _running
 
 __all__ = ["BACKEND", "ENV_HOME_MARKER", "ENV_REPLICA_KEY", "LocalInfra", "replica_key"]
 
@@ -361,17 +362,6 @@ def _belongs_to(pid: int, pgid: int, key: str | None) -> bool:
     except (OSError, psutil.Error):
         return False
     return key is not None and _environ_key(proc) == key
-
-
-def _running(proc: psutil.Process) -> bool:
-    """Still running: not gone and not a zombie (a zombie is dead, whoever has to reap it)."""
-    try:
-        return proc.is_running() and proc.status() not in (
-            psutil.STATUS_ZOMBIE,
-            psutil.STATUS_DEAD,
-        )
-    except psutil.Error:
-        return False
 
 
 def _not_older(proc: psutil.Process, ident: _Ident) -> bool:
