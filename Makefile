@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 demo-down: $(STAMP)
 	CORRAL_HOME=$(CURDIR)/.corral-demo $(PY) -m corral down --all
-	CORRAL_HOME=$(CURDIR)/.corral-demo $(PY) -m corral daemon stop
+	CORRAL_HOME=$(CURDIR)/.corral-demo $(PY) -m corral daemon stop --all
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
