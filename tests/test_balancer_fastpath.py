@@ -236,3 +236,81 @@ def test_first_byte_timeout_and_client_loss_on_a_fast_request(
         assert stats["in_flight"] == 0
 
     loop.run_until_complete(go())
+
+
+def _repeat(loop: asyncio.AbstractEventLoop, pairs: list[tuple[bytes, list[bytes]]]) -> Any:
+    """Every exchange of ``pairs`` on one client connection (and the same two replica
+    connections): what went upstream and back each time, and the counters at the end."""
+
+    async def go() -> Any:
+        rig = Rig()
+        seen = []
+        for request, responses in pairs:
+            sent, got = rig.exchange(request, responses)
+            seen.append((sent[2:], got, rig.ct.closed))  # either replica: same bytes
+            if rig.ct.closed:
+                break
+        stats = rig.lb.stats()
+        stats["latency"] = stats["latency"]["count"]
+        return seen, stats
+
+    return loop.run_until_complete(go())
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        # the same request and answer again and again: remembered heads on both sides
+        [(REQUESTS[0], RESPONSES[0])] * 4,
+        [(REQUESTS[1], RESPONSES[2])] * 3,
+        [(REQUESTS[3], RESPONSES[1])] * 3,
+        # a remembered good head, then bad or different answers with the same start
+        [(REQUESTS[0], RESPONSES[0])] * 2
+        + [(REQUESTS[0], [RESPONSES[0][0][:-2], b"ok"])]
+        + [(REQUESTS[0], RESPONSES[0])]
+        + [(REQUESTS[0], [RESPONSES[0][0] + b"x"])],
+        [(REQUESTS[0], RESPONSES[0])] * 2 + [(REQUESTS[0], RESPONSES[10])],
+        [(REQUESTS[0], RESPONSES[0])] * 2 + [(REQUESTS[0], RESPONSES[11])],
+        [(REQUESTS[0], RESPONSES[0]), (REQUESTS[12], RESPONSES[0]), (REQUESTS[0], RESPONSES[0])],
+        # remembered request, then the same bytes with a body, and a close
+        [(REQUESTS[0], RESPONSES[0])] * 2
+        + [(REQUESTS[0][:-2] + b"Content-Length: 2\r\n\r\nhi", RESPONSES[0])]
+        + [(REQUESTS[0], RESPONSES[0]), (REQUESTS[4], RESPONSES[0]), (REQUESTS[0], RESPONSES[0])],
+        [(REQUESTS[2], RESPONSES[0])] * 2,
+        # the same header lines under other request lines: remembered header blocks
+        [
+            (b"GET /a HTTP/1.1\r\nHost: h\r\nAccept: */*\r\n\r\n", RESPONSES[0]),
+            (b"GET /b?c HTTP/1.1\r\nHost: h\r\nAccept: */*\r\n\r\n", RESPONSES[0]),
+            (b"DELETE /d HTTP/1.1\r\nHost: h\r\nAccept: */*\r\n\r\n", RESPONSES[0]),
+            (b"GET /e\x01 HTTP/1.1\r\nHost: h\r\nAccept: */*\r\n\r\n", RESPONSES[0]),
+        ],
+        [
+            (b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", RESPONSES[0]),
+            (b"GET /b HTTP/1.0\r\nHost: h\r\n\r\n", RESPONSES[0]),
+        ],
+    ],
+)
+def test_repeated_exchanges_match_the_general_path(
+    loop: asyncio.AbstractEventLoop,
+    monkeypatch: pytest.MonkeyPatch,
+    pairs: list[tuple[bytes, list[bytes]]],
+) -> None:
+    fast_result = _repeat(loop, pairs)
+    monkeypatch.setattr(fast, "try_request", lambda cl, data: False)
+    general_result = _repeat(loop, pairs)
+    assert fast_result == general_result
+
+
+def test_remembered_heads_are_used(loop: asyncio.AbstractEventLoop) -> None:
+    async def go() -> None:
+        rig = Rig()
+        for _ in range(3):
+            rig.exchange(REQUESTS[0], RESPONSES[0])
+        assert rig.client.memo is not None and rig.client.memo[0] == REQUESTS[0]
+        assert rig.lb._ready[1].memo is not None and rig.lb._ready[2].memo is not None
+        # a client that closed its side gets its answer with Connection: close, then EOF
+        rig.client.eof_received()
+        _sent, got = rig.exchange(REQUESTS[0], RESPONSES[0])
+        assert got.endswith(b"Connection: close\r\n\r\nok") and rig.ct.closed
+
+    loop.run_until_complete(go())

@@ -63,6 +63,9 @@ class ClientConnection(asyncio.Protocol):
         self.xff_line = b""  # X-Forwarded-For of a request that has none
         self.exchange: Exchange | None = None
         self.fast: fast.FastState | None = None  # a fast-path request in flight
+        # The last fast request's bytes with what fast.try_request found in them.
+        self.memo: fast.Memo | None = None
+        self.blocks: fast.Blocks | None = None  # the same for its header lines
         self.deadline = 0.0
         self.deadline_kind = DL_HEAD
         self._buf = b""

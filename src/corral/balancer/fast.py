@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from corral.balancer.client import ClientConnection
     from corral.balancer.upstream import UpstreamConnection
 
-__all__ = ["FastState", "materialize", "try_request", "try_response"]
+__all__ = ["Blocks", "FastState", "Memo", "materialize", "try_request", "try_response"]
 
 # (replica connection, replica id, t0, method, origin-form target, client is HTTP/1.1, keep the
 #  client connection alive, kept header block, X-Forwarded-For line, Host value or None,
@@ -68,13 +68,25 @@ FastState = tuple[
     "bytes | None",
     "bytes | None",
 ]
+# A client connection's last fast request: its bytes (head only, no body), method, origin-form
+# target, HTTP/1.1, kept header block, Host value or None, Connection token.
+Memo = tuple[bytes, bytes, bytes, bool, bytes, "bytes | None", "bytes | None"]
+# A client connection's last header block with no header but Host to drop: the block, what is
+# kept of it, the Host value or None.
+Blocks = tuple[bytes, bytes, "bytes | None"]
 # What a request head says that the fast path acts on: kept block, Host, Content-Length (-1:
 # none), Connection token, X-Forwarded-For.
 _Scanned = tuple[bytes, "bytes | None", int, "bytes | None", "bytes | None"]
 
+# A validated response head: status, Content-Length, head rewritten (None: unchanged).
+_Checked = tuple[int, int, "bytes | None"]
+
 _METHODS: Final = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS"})
 
 # A head this long may hold MAX_HEADERS (128) minimal header lines; shorter ones cannot.
+# Request and response heads up to this long are remembered (one per client connection, one per
+# replica): the same bytes again skip the scans and llhttp, whose verdict on them is known.
+_MEMO_MAX: Final = 2048
 _COUNT_HEADERS_ABOVE: Final = 500
 _MAX_HEADERS: Final = 128
 _CRLF: Final = b"\r\n"
@@ -87,6 +99,13 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     """Proxy ``data`` if it is one whole common request (see the module docstring); False
     when the general path must handle it, with nothing done yet."""
     lb = cl.lb
+    memo = cl.memo
+    if memo is not None and memo[0] == data and not lb._stopping:
+        # The bytes of the last request on this connection again (a client polling one URL):
+        # everything below depends on those bytes alone, and the parser is back where it was.
+        _, method, target, http11, kept, host, token = memo
+        keep_alive = (token != b"close" if http11 else token == b"keep-alive") and not cl._eof
+        return _send(cl, method, target, http11, keep_alive, kept, cl.xff_line, host, None)
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:
         return False
@@ -101,8 +120,15 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     if end > _COUNT_HEADERS_ABOVE and data.count(_CRLF, 0, end) > _MAX_HEADERS:
         return False
     block = data[eol : end + 2]
-    low = block.lower()  # same offsets as block
-    if REQUEST_OTHER_RE.search(low) is None:  # the common case: at most Host to take out
+    blocks = cl.blocks
+    if blocks is not None and blocks[0] == block:
+        # The header lines of the last request on this connection again (a client sends the
+        # same headers with each request): what the scan below found in them. llhttp still
+        # checks the whole request below.
+        _, kept, host = blocks
+        length, token, xff = -1, None, None
+    elif (low := block.lower()) is not None and REQUEST_OTHER_RE.search(low) is None:
+        # the common case: at most Host to take out (low has the same offsets as block)
         i = low.find(_HOST)
         if i < 0:
             kept, host = block, None
@@ -112,6 +138,8 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
                 return False
             kept, host = block[:i] + block[j:], block[i + 7 : j].strip(_STRIP)
         length, token, xff = -1, None, None
+        if end < _MEMO_MAX:
+            cl.blocks = (block, kept, host)
     else:
         scanned = _scan(block, low)
         if scanned is None:
@@ -136,9 +164,12 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     except httptools.HttpParserError:  # the general path answers it, from a fresh parser
         cl._parser = None
         return False
-    keep_alive = (token != b"close" if http11 else token == b"keep-alive") and not cl._eof
+    persistent = token != b"close" if http11 else token == b"keep-alive"
+    keep_alive = persistent and not cl._eof
     if xff is None:
         xff_line = cl.xff_line
+        if body is None and persistent and end < _MEMO_MAX:
+            cl.memo = (data, method, target, http11, kept, host, token)
     else:
         peer = cl.peer
         xff_line = b"X-Forwarded-For: %b\r\n" % (xff + b", " + peer if peer else xff)
@@ -232,14 +263,39 @@ def _send(
     lb._total_in_flight += 1
     tail = b"\r\n" if body is None else b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
     dest = conn.target
-    if host is None:
-        parts: tuple[bytes, ...] = (method, b" ", dest.prefix, target, dest.line_tail, kept)
-        parts += (xff_line, lb._proto_line, tail)
-    else:
-        parts = (method, b" ", dest.prefix, target, dest.line_tail, kept, xff_line)
-        parts += (lb._proto_line, b"X-Forwarded-Host: ", host, _CRLF, tail)
     conn.fast_client = cl
-    transport.write(b"".join(parts))  # type: ignore[union-attr]
+    if host is None:
+        out = b"".join(
+            (
+                method,
+                b" ",
+                dest.prefix,
+                target,
+                dest.line_tail,
+                kept,
+                xff_line,
+                lb._proto_line,
+                tail,
+            )
+        )
+    else:
+        out = b"".join(
+            (
+                method,
+                b" ",
+                dest.prefix,
+                target,
+                dest.line_tail,
+                kept,
+                xff_line,
+                lb._proto_line,
+                b"X-Forwarded-Host: ",
+                host,
+                _CRLF,
+                tail,
+            )
+        )
+    transport.write(out)  # type: ignore[union-attr]
     cl.fast = (conn, rid, now, method, target, http11, keep_alive, kept, xff_line, host, body)
     cl.deadline_kind = DL_FIRST_BYTE
     cl.deadline = now + lb._first_byte_timeout
@@ -251,32 +307,27 @@ def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) ->
     when the general path must handle it (nothing done yet)."""
     fast = cl.fast
     end = data.find(b"\r\n\r\n")
-    if end < 0 or fast is None or conn._head or data[:9] != b"HTTP/1.1 ":
+    if end < 0 or fast is None or conn._head:
         return False
     _, rid, t0, method, _, http11, keep_alive, _, _, _, _ = fast
-    status = data[9:12]
-    if method == b"HEAD" or status[:1] not in b"23456789" or status in (b"204", b"304"):
-        return False  # 1xx, 204, 304 and HEAD answers: the general path knows their framing
-    low = data[: end + 2].lower()  # same offsets as data
-    head = None
-    if HOP_RE.search(low) is not None:  # the common case has none
-        head = _drop_keep_alive(data, low)
-        if head is None:
+    if method == b"HEAD":
+        return False  # the general path knows its framing
+    dest = conn.target
+    memo = dest.memo
+    body_at = end + 4
+    if memo is not None and len(memo[0]) == body_at and data.startswith(memo[0]):
+        # This replica's last validated head again (same bytes: same verdict from llhttp,
+        # whose state after a whole message is the one before it).
+        _, status, length, head = memo
+    else:
+        checked = _check_head(conn, data, end)
+        if checked is None:
             return False
-    i = low.find(_LENGTH)
-    if i < 0:
+        status, length, head = checked
+        if body_at <= _MEMO_MAX:
+            dest.memo = (data[:body_at], status, length, head)
+    if len(data) != body_at + length:
         return False
-    try:
-        length = int(low[i + 17 : low.find(_CRLF, i + 17)])
-    except ValueError:
-        return False
-    if len(data) != end + 4 + length:
-        return False
-    try:
-        conn.check.feed_data(data)  # same checks as the general path's parser
-    except httptools.HttpParserError:
-        conn.check = httptools.HttpResponseParser(None)
-        return False  # the general path reports it (its parser sees the same error)
     if keep_alive:
         extra = b"" if http11 else b"Connection: keep-alive\r\n"
     else:
@@ -285,8 +336,40 @@ def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) ->
         out = data
     else:
         out = b"".join((data[: end + 2] if head is None else head, extra, data[end + 2 :]))
-    _done(cl, conn, rid, t0, int(status), out, keep_alive)
+    _done(cl, conn, rid, t0, status, out, keep_alive)
     return True
+
+
+def _check_head(conn: UpstreamConnection, data: bytes, end: int) -> _Checked | None:
+    """Status, Content-Length and rewritten head (None: unchanged) of a whole plain response
+    (``data`` holds it whole when the length matches); None when the general path must
+    handle it."""
+    if data[:9] != b"HTTP/1.1 ":
+        return None
+    status = data[9:12]
+    if status[:1] not in b"23456789" or status in (b"204", b"304"):
+        return None  # 1xx, 204, 304 answers: the general path knows their framing
+    low = data[: end + 2].lower()  # same offsets as data
+    head = None
+    if HOP_RE.search(low) is not None:  # the common case has none
+        head = _drop_keep_alive(data, low)
+        if head is None:
+            return None
+    i = low.find(_LENGTH)
+    if i < 0:
+        return None
+    try:
+        length = int(low[i + 17 : low.find(_CRLF, i + 17)])
+    except ValueError:
+        return None
+    if len(data) != end + 4 + length:
+        return None  # not fed: the parser must see whole messages only
+    try:
+        conn.check.feed_data(data)  # same checks as the general path's parser
+    except httptools.HttpParserError:
+        conn.check = httptools.HttpResponseParser(None)
+        return None  # the general path reports it (its parser sees the same error)
+    return int(status), length, head
 
 
 def _drop_keep_alive(data: bytes, low: bytes) -> bytes | None:
@@ -335,7 +418,8 @@ def _done(
         cl.transport.write(out)  # type: ignore[union-attr]
     in_flight = lb._in_flight
     count = in_flight.get(rid, 0)
-    if count > 1 and rid in lb._ready:
+    if count > 1 or (count == 1 and not lb._drained and rid in lb._ready):
+        # what lb._release does when nothing waits on this count reaching 0
         in_flight[rid] = count - 1
         lb._total_in_flight -= 1
     else:

@@ -81,6 +81,7 @@ class Target:
         "host_line",
         "idle",
         "line_tail",
+        "memo",
         "port",
         "prefix",
         "retired",
@@ -101,6 +102,9 @@ class Target:
         self.line_tail = b" HTTP/1.1\r\n" + self.host_line  # after a request line's target
         self.idle: deque[UpstreamConnection] = deque()
         self.retired = False  # left the ready set: its connections are not kept
+        # The last response head the fast path validated from this replica, with what it
+        # found: its bytes, status, Content-Length and rewritten head (None: unchanged).
+        self.memo: tuple[bytes, int, int, bytes | None] | None = None
 
 
 class UpstreamConnection(asyncio.Protocol):
