@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import resource
+import socket
 import sys
 from pathlib import Path
 
@@ -176,3 +177,43 @@ def test_hung_setups_of_one_service_leave_launch_slots_to_the_others(
     svc = corral_home.service("hung")
     assert svc is not None
     assert sum(r["status"] == "PROVISIONING" for r in svc["replicas"]) <= 8, svc["replicas"]
+
+
+def test_idle_connections_to_one_service_cannot_starve_the_others(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """Each service may hold at most `load_balancer.max_connections` client connections per
+    balancer worker (default: a quarter of the worker's open-file limit); one more is answered
+    503 at once. Idle connections piled on one service leave the others and the API alone."""
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "1"  # so the cap below is exact
+    corral_home.start_daemon()
+    capped = spec_text("capped", 1) + "  load_balancer:\n    max_connections: 5\n"
+    for text in (capped, spec_text("calm", 1)):
+        answer = corral_home.api("POST", "/v1/services", body={"spec": text}, timeout=30)
+        assert answer.status == 201, answer.body
+    capped_url = corral_home.wait_replicas("capped", 1)["endpoint"]
+    calm_url = corral_home.wait_replicas("calm", 1)["endpoint"]
+    port = int(capped_url.rsplit(":", 1)[1])
+    idle: list[socket.socket] = []
+    try:
+        refused = 0
+        for _ in range(20):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.settimeout(0.5)
+            try:
+                head = sock.recv(200)
+            except TimeoutError:
+                idle.append(sock)  # accepted and waiting for a request
+                continue
+            assert head.startswith(b"HTTP/1.1 503"), head
+            refused += 1
+            sock.close()
+        assert len(idle) == 5 and refused == 15, (len(idle), refused)
+        assert http(calm_url + "/").status == 200
+        assert corral_home.api("GET", "/v1/services").status == 200
+        over = http(capped_url + "/")
+        assert over.status == 503 and b"too many connections" in over.body, over
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_for(lambda: http(capped_url + "/").status == 200, 10, "the capped service to serve")

@@ -1269,6 +1269,7 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
             "max_body_bytes": lb.max_body_bytes,
             "max_header_bytes": lb.max_header_bytes,
             "header_timeout": lb.header_timeout_seconds,
+            "max_connections": lb.max_connections,
         },
     )
 

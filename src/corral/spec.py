@@ -674,6 +674,10 @@ class LoadBalancerSettings(_Section):
     # may idle this long): slowloris clients are cut off instead of holding sockets for hours.
     header_timeout_seconds: float = Field(DEFAULT_HEADER_TIMEOUT_SECONDS, gt=0, le=3600)
     drain_timeout_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
+    # Client connections each balancer worker keeps open for this service; one more gets a
+    # 503. None: a quarter of the worker's open-file limit, so no service can use up the
+    # descriptors every other service (and the worker's own upstream connections) need.
+    max_connections: int | None = Field(None, ge=1, le=1 << 22)
 
 
 # Long enough for a model download in `setup`; a hung setup fails the launch after it.

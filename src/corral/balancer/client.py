@@ -87,8 +87,19 @@ class ClientConnection(asyncio.Protocol):
         if isinstance(peer, tuple) and peer:
             self.peer = str(peer[0]).encode()
             self.xff_line = b"X-Forwarded-For: %b\r\n" % self.peer
-        self.lb._clients.add(self)
-        self.set_deadline(DL_HEAD, self.lb._header_timeout)
+        lb = self.lb
+        cap = lb._max_connections
+        if cap is not None and len(lb._clients) >= cap:
+            lb._count_reason("too_many_connections")
+            lb._count_code(503)
+            message = f"too many connections to this service (limit {cap} per balancer worker)"
+            self.transport.write(
+                error_response(503, message, lb._name, close=True, extra=b"Retry-After: 1\r\n")
+            )
+            self.transport.close()
+            return
+        lb._clients.add(self)
+        self.set_deadline(DL_HEAD, lb._header_timeout)
 
     def data_received(self, data: bytes) -> None:
         try:

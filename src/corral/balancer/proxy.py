@@ -104,6 +104,7 @@ class LoadBalancer:
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         reuse_port: bool = False,
         on_drained: Callable[[int], None] | None = None,
+        max_connections: int | None = None,
     ) -> None:
         """Configure; nothing binds until :meth:`start`.
 
@@ -129,6 +130,12 @@ class LoadBalancer:
         announced by Content-Length or streamed chunked; None = no limit: bodies above
         ``max_buffered_body`` are streamed, not held in memory).
 
+        ``max_connections``: client connections this balancer keeps open at once (None: no
+        cap); one more is answered 503 and closed at once. Every connection costs a file
+        descriptor (two while proxied), and a process's descriptors are shared by all the
+        services it serves: without a cap, one service's idle connections could leave none
+        for the others.
+
         ``reuse_port``: bind with SO_REUSEPORT, so several processes serve one port.
         ``on_drained(rid)`` is called on the loop when the in-flight count of a replica that
         is not in the ready set reaches 0.
@@ -152,6 +159,9 @@ class LoadBalancer:
             raise ValueError("max_header_bytes must be >= 256")
         if header_timeout <= 0:
             raise ValueError("header_timeout must be > 0")
+        if max_connections is not None and max_connections < 1:
+            raise ValueError("max_connections must be >= 1 or None")
+        self._max_connections = max_connections
         self._name = name
         self._host = host
         self._requested_port = port

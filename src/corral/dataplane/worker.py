@@ -32,6 +32,7 @@ import fcntl
 import inspect
 import logging
 import os
+import resource
 import signal
 import ssl
 import subprocess
@@ -359,6 +360,8 @@ def _make_balancer(name: str, route: Route, on_drained: Callable[[int], None]) -
     # out rather than refusing the whole service.
     known = inspect.signature(LoadBalancer).parameters
     config = {k: v for k, v in route.config.items() if k in known}
+    if config.get("max_connections", 0) is None:
+        config["max_connections"] = default_max_connections()
     for key in sorted(set(route.config) - set(config)):
         log.warning("service %s: setting %r unknown to this worker, ignored", name, key)
     return LoadBalancer(
@@ -370,6 +373,15 @@ def _make_balancer(name: str, route: Route, on_drained: Callable[[int], None]) -
         on_drained=on_drained,
         **config,
     )
+
+
+def default_max_connections() -> int:
+    """A service's share of this worker's descriptors when its spec sets none: a quarter of
+    the open-file limit (each proxied connection holds two)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(64, soft // 4)
 
 
 def _daemon_holds_lock(home: Path) -> bool:
