@@ -1,36 +1,47 @@
-"""Benchmark: corral's load balancer vs nginx vs direct-to-replica, on the same 4 replicas.
+"""Benchmark: corral's load balancer side by side with nginx and HAProxy, on the same 4 replicas.
 
-Why this exists: users put production traffic (LLM token streams included) through corral's
-balancer, and the reference points are known: nginx at ~7-10k req/s on this kind of machine, a
-minimal aiohttp proxy at ~2-2.6k, SkyServe's FastAPI+httpx balancer at ~250-350 req/s. This
-script measures corral's balancer next to nginx and next to no proxy at all, in one run, so the
-numbers share the machine's state, and checks that streaming adds no delay.
+Why this exists: corral's balancer carries its services' production traffic, LLM token streams
+included, so it is held to the proxies people would otherwise put in front of their replicas.
+Issue 11 set the bar, on this kind of machine (2 vCPU VM, loopback), against nginx with one
+worker: CPU per request at most 1.25x nginx's, throughput at least 0.7x nginx's, and at most
+0.2 ms added to the median request at one connection over going to a replica directly. This script
+measures all of that in one run, so every figure shares the machine's state, and also checks
+that streaming adds no delay.
 
 What runs (everything on 127.0.0.1, every load bounded in time):
 
-1. 4 replicas: bench/_lb_replica.py, a raw-asyncio HTTP server, one process each (fast enough
-   that the proxy is the bottleneck).
-2. Targets: ``direct`` (wrk straight at replica 1), ``nginx`` (Debian's package, 1 worker, round
-   robin, upstream keepalive, in its own prefix under a temp dir, stopped by the pid in its pid
-   file), ``corral`` (bench/_lb_proxy.py: the LoadBalancer alone in a process, round_robin) and
-   ``corral+metrics`` (the same with a BalancerMetrics registry).
-3. Throughput: ``wrk -t1 -cN -dDs --latency`` at N = 1, 16, 64 against each target, targets
-   interleaved per N. Reported: req/s, p50, p99 (wrk's), non-2xx + socket errors, and the proxy's
-   CPU seconds per 1k requests (psutil cpu_times of the proxy's processes over the run; nginx =
-   master + worker). Ratios are against nginx.
-4. Metrics cost: corral and corral+metrics in 8 back-to-back pairs (ABBA order) of 2 s runs
-   at 64 connections; reported: the median of the per-pair ratios.
-5. Streaming: each replica's ``/sse`` sends 200 events 5 ms apart (the first with the headers).
+1. 4 replicas: bench/_lb_replica.py, a raw-asyncio HTTP/1.1 server, one process each (fast
+   enough that the proxy is the bottleneck).
+2. Targets, all round robin over the 4 replicas with upstream keep-alive (bench/_lb_peers.py):
+   ``direct`` (no proxy: wrk at replica 1), ``nginx`` (Debian's package, 1 worker),
+   ``haproxy`` (Debian's package, one process, ``nbthread 1``, ``http-reuse always``) and
+   ``corral`` (bench/_lb_proxy.py: corral's balancer alone in a process). Then N workers each
+   (N = ``--workers``, default 2): ``nginx xN`` (``worker_processes N``), ``haproxy xN``
+   (``nbthread N``) and ``corral xN`` (N ``_lb_proxy.py --reuse-port`` processes on one port,
+   SO_REUSEPORT; skipped with a message when _lb_proxy.py does not take ``--reuse-port``).
+   ``--variant NAME=ARGS`` adds more corral rows (``_lb_proxy.py ARGS``) to the one-worker
+   phases, to compare an option of the proxy in the same run.
+3. Rounds: each round runs three phases, every target of a phase back to back in an order that
+   rotates by round, each run after a short warm-up: ``wrk -t1 -c64`` against the one-worker
+   targets, ``wrk -t1 -c1`` against them, and ``wrk -t1 -c64`` against the N-worker targets.
+   Every request carries its own ``X-Request-Id`` (``--requests same``: wrk's identical GETs),
+   so a proxy that remembers the last request's parse gains nothing real clients would not give
+   it. Reported per run: req/s, p50, p99 (wrk's), non-2xx + socket errors, and the proxy's CPU per
+   request: user+system CPU of its processes (psutil; nginx = master + workers, HAProxy = its
+   threads, corral xN = every process) over the run / requests. Ratios (to nginx with as many
+   workers; p50 added = p50 minus direct's) are computed within a round, between runs seconds
+   apart, and the median over rounds is what is checked against the targets: on a shared 2-core
+   box the absolute figures drift by tens of percent over minutes, the ratios much less.
+4. Streaming: each replica's ``/sse`` sends 200 events 5 ms apart (the first with the headers).
    A raw-socket client measures time to first event and to the end of the stream, direct vs
-   through corral vs through nginx (``proxy_buffering off``), interleaved, and checks all 200
-   events arrive.
+   through corral, nginx (``proxy_buffering off``) and HAProxy, interleaved, and checks all 200
+   events arrive; the first event may come at most 5 ms later than direct.
 
-wrk and nginx are installed with ``apt-get install -y`` when missing (``apt-get update`` first if
-the install fails); rows that need a tool that cannot be installed are skipped with a message.
+wrk, nginx and HAProxy are installed with ``apt-get install -y`` when missing (their service is
+not started); rows that need a tool that cannot be installed are skipped with a message.
 
-Run: ``.venv/bin/python bench/balancer.py`` (about 2.5 min here) or ``--quick`` (about 40 s).
-Results:
-a table on stdout and bench/results/balancer.json.
+Run: ``.venv/bin/python bench/balancer.py`` (3 rounds, ~5 min here) or ``--quick`` (1 round of
+2 s runs, under a minute). Results: tables on stdout and bench/results/balancer.json.
 """
 
 from __future__ import annotations
@@ -39,13 +50,12 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
 import re
-import shutil
-import signal
-import socket
+import shlex
 import statistics
 import subprocess
 import sys
@@ -58,10 +68,22 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from _lb_peers import (
+    Peer,
+    ensure_tools,
+    free_port,
+    http_ok,
+    start_haproxy,
+    start_nginx,
+    stop_pid,
+    tool_version,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results" / "balancer.json"
+PROXY = HERE / "_lb_proxy.py"
+ENGINE_READY_FLAG = Path("/tmp/corral-engine-ready")
 HOST = "127.0.0.1"
 N_REPLICAS = 4
 SSE_EVENTS = 200
@@ -70,65 +92,17 @@ SSE_INTERVAL = 0.005
 # direct's by at most this. 5 ms is a tenth of a typical LLM inter-token gap (~50 ms) and of
 # SkyServe's balancer's own p50 (45 ms at 16 connections).
 STREAM_TTFB_MARGIN_MS = 5.0
+# Issue 11's targets for corral against nginx with as many workers.
+CPU_RATIO_MAX = 1.25  # CPU per request at 64 connections
+RPS_RATIO_MIN = 0.7  # req/s at 64 connections
+P50_ADDED_MAX_MS = 0.2  # p50 at 1 connection minus direct's
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# ---------------------------------------------------------------------------- tools
-
-
-def find_nginx() -> str | None:
-    return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(p, os.X_OK)), None
-    )
-
-
-def apt_install(packages: list[str]) -> bool:
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
-    log(f"running: {' '.join(cmd)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log(f"  failed: {exc}")
-        return False
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
-        log(f"  exit {proc.returncode}: {' '.join(tail)}")
-    return proc.returncode == 0
-
-
-def ensure_tools() -> tuple[str | None, str | None]:
-    """wrk and nginx paths, installing the Debian packages when missing."""
-    wanted = {"wrk": shutil.which("wrk"), "nginx": find_nginx()}
-    if all(wanted.values()):
-        return wanted["wrk"], wanted["nginx"]
-    if shutil.which("apt-get") is None:
-        log("apt-get not found: cannot install wrk/nginx")
-        return wanted["wrk"], wanted["nginx"]
-    updated = False
-    for tool, candidates in (("wrk", ["wrk"]), ("nginx", ["nginx-light", "nginx"])):
-        if wanted[tool]:
-            continue
-        for package in candidates:
-            ok = apt_install([package])
-            if not ok and not updated:
-                log("running: apt-get update (once)")
-                with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                    subprocess.run(["apt-get", "update"], capture_output=True, timeout=300)
-                updated = True
-                ok = apt_install([package])
-            if ok:
-                break
-        wanted[tool] = shutil.which("wrk") if tool == "wrk" else find_nginx()
-        if not wanted[tool]:
-            log(f"{tool} could not be installed: its rows will be skipped")
-    return wanted["wrk"], wanted["nginx"]
-
-
-# ---------------------------------------------------------------------------- processes
+# ---------------------------------------------------------------------------- corral processes
 
 
 @dataclass
@@ -143,13 +117,6 @@ class Proc:
         return self.popen.pid
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 def start_python(name: str, args: list[str], timeout: float = 20.0) -> Proc:
     """Start one of the bench helpers and wait for its ``PORT n`` line."""
     popen = subprocess.Popen(
@@ -161,168 +128,126 @@ def start_python(name: str, args: list[str], timeout: float = 20.0) -> Proc:
     )
     assert popen.stdout is not None
     deadline = time.monotonic() + timeout
+    seen: list[str] = []
     while time.monotonic() < deadline:
         line = popen.stdout.readline()
         if line.startswith("PORT "):
             proc = Proc(name, popen, int(line.split()[1]))
             threading.Thread(target=proc.output.extend, args=(popen.stdout,), daemon=True).start()
             return proc
+        seen.append(line)
         if not line and popen.poll() is not None:
             break
     stop_pid(popen.pid, popen)
-    raise RuntimeError(f"{name} did not start")
+    tail = "".join(seen).strip().splitlines()[-3:]
+    raise RuntimeError(f"{name} did not start: {' | '.join(tail)}")
 
 
-def stop_pid(
-    pid: int, popen: subprocess.Popen[str] | None = None, sig: int = signal.SIGTERM
-) -> None:
-    """Stop one process by pid: the signal, then SIGKILL after 5 s."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if popen is not None:
-            if popen.poll() is not None:
-                return
-        elif not psutil.pid_exists(pid):
-            return
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    if popen is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            popen.wait(5)
-
-
-NGINX_CONF = """\
-{user}worker_processes 1;
-daemon off;
-master_process on;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    keepalive_requests 1000000;
-    upstream replicas {{
-        {servers}
-        keepalive 64;
-        keepalive_requests 1000000;
-    }}
-    server {{
-        listen {host}:{port};
-        location / {{
-            proxy_pass http://replicas;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-        }}
-        location /sse {{
-            proxy_pass http://replicas;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }}
-    }}
-}}
-"""
-
-
-@dataclass
-class Nginx:
-    popen: subprocess.Popen[str]
-    prefix: Path
-    port: int
-
-    @property
-    def pid(self) -> int:
-        """The master's pid, from its own pid file (what it is stopped by)."""
-        return int((self.prefix / "nginx.pid").read_text().strip())
-
-
-def start_nginx(binary: str, prefix: Path, replica_ports: list[int]) -> Nginx:
-    port = free_port()
-    conf = prefix / "nginx.conf"
-    conf.write_text(
-        NGINX_CONF.format(
-            user="user root;\n" if os.geteuid() == 0 else "",
-            prefix=prefix,
-            host=HOST,
-            port=port,
-            servers="\n        ".join(f"server {HOST}:{p};" for p in replica_ports),
-        )
+def proxy_options(proxy: Path) -> str:
+    """bench/_lb_proxy.py's --help text: which options this version of it takes."""
+    proc = subprocess.run(
+        [sys.executable, str(proxy), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
     )
-    base = [binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
-    check = subprocess.run([*base, "-t"], capture_output=True, text=True, timeout=30)
-    if check.returncode != 0:
-        raise RuntimeError(f"nginx -t failed: {check.stderr.strip()}")
-    popen = subprocess.Popen(base, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-    nginx = Nginx(popen, prefix, port)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            log_file = prefix / "error.log"
-            errors = log_file.read_text()[-500:] if log_file.exists() else ""
-            raise RuntimeError(f"nginx exited {popen.returncode}: {errors}")
-        with contextlib.suppress(OSError, ValueError):
-            if nginx.pid == popen.pid and http_ok(port):
-                return nginx
-        time.sleep(0.05)
-    stop_nginx(nginx)
-    raise RuntimeError("nginx did not start")
+    return proc.stdout + proc.stderr
 
 
-def stop_nginx(nginx: Nginx) -> None:
-    """SIGQUIT (graceful) to the pid in the pid file, falling back to the Popen pid."""
+def start_corral(
+    proxy: Path,
+    name: str,
+    replica_urls: list[str],
+    workers: int,
+    extra: list[str],
+    procs: list[Proc],
+) -> list[Proc]:
+    """``workers`` _lb_proxy.py processes on one port (SO_REUSEPORT when more than one)."""
+    args = [str(proxy), *(a for url in replica_urls for a in ("--replica", url)), *extra]
+    if workers == 1:
+        started = [start_python(name, args)]
+    else:
+        port = free_port()
+        started = []
+        for i in range(workers):
+            started.append(
+                start_python(f"{name}#{i + 1}", [*args, "--port", str(port), "--reuse-port"])
+            )
+            procs.append(started[-1])
+        if {p.port for p in started} != {port}:
+            raise RuntimeError(f"{name}: workers listen on {[p.port for p in started]}, not {port}")
+        return started
+    procs.extend(started)
+    return started
+
+
+def loaded_engine(pid: int) -> list[str]:
+    """Which event loop / HTTP parser libraries a running proxy process has loaded."""
+    marks = {
+        "uvloop": "uvloop/loop.",
+        "httptools": "httptools/parser",
+        "aiohttp-parser": "aiohttp/_http_parser",
+    }
     try:
-        pid = nginx.pid
-    except (OSError, ValueError):
-        pid = nginx.popen.pid
-    if pid != nginx.popen.pid:  # never signal anything this script did not start
-        pid = nginx.popen.pid
-    stop_pid(pid, nginx.popen, signal.SIGQUIT)
+        paths = {m.path for m in psutil.Process(pid).memory_maps()}
+    except psutil.Error:
+        return []
+    return sorted(name for name, mark in marks.items() if any(mark in p for p in paths))
 
 
-def http_ok(port: int, path: str = "/") -> bool:
-    with socket.create_connection((HOST, port), timeout=2) as sock:
-        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data.startswith(b"HTTP/1.1 200") and data.endswith(b"ok")
+@contextlib.contextmanager
+def processes() -> Iterator[list[Proc]]:
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            stop_pid(p.pid, p.popen)
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU of these processes and their children (nginx's worker)."""
-    total = 0.0
+# ---------------------------------------------------------------------------- CPU, wrk
+
+
+def cpu_by_process(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of these processes and their children (nginx's workers)."""
+    out: dict[int, float] = {}
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            for p in [proc, *proc.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    t = p.cpu_times()
-                    total += t.user + t.system
+            family = [proc, *proc.children(recursive=True)]
         except psutil.Error:
-            pass
-    return total
-
-
-# ---------------------------------------------------------------------------- wrk
+            continue
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+    return out
 
 
 @dataclass
-class WrkResult:
+class Target:
+    name: str
+    port: int
+    pids: list[int]  # CPU is charged to these and their children; [] = not measured
+    workers: int = 1
+
+
+@dataclass
+class Run:
+    phase: str
+    round: int
     target: str
     connections: int
-    duration_s: float
+    duration_s: int
     requests: int = 0
     rps: float = 0.0
     p50_ms: float | None = None
     p99_ms: float | None = None
     errors: int = 0
-    proxy_cpu_s: float | None = None
-    cpu_s_per_1k: float | None = None
+    cpu_s: float | None = None
+    cpu_us_per_req: float | None = None
+    cpu_split_s: list[float] = field(default_factory=list)  # per process that used CPU
     note: str = ""
 
 
@@ -336,31 +261,41 @@ def _ms(text: str) -> float:
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 
-def parse_wrk(out: str, result: WrkResult) -> None:
+def parse_wrk(out: str, run: Run) -> None:
     m = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
     if m:
-        result.requests = int(m.group(1))
+        run.requests = int(m.group(1))
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     if m:
-        result.rps = float(m.group(1))
+        run.rps = float(m.group(1))
     for pct, attr in (("50", "p50_ms"), ("99", "p99_ms")):
         m = re.search(rf"^\s+{pct}(?:\.000)?%\s+(\S+)", out, re.M)
         if m:
-            setattr(result, attr, _ms(m.group(1)))
+            setattr(run, attr, _ms(m.group(1)))
     m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     if m:
-        result.errors += sum(int(g) for g in m.groups())
+        run.errors += sum(int(g) for g in m.groups())
     m = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if m:
-        result.errors += int(m.group(1))
+        run.errors += int(m.group(1))
 
 
-def run_wrk(
-    wrk: str, target: str, port: int, conns: int, duration: int, cpu_pids: list[int]
-) -> WrkResult:
-    result = WrkResult(target, conns, duration)
-    cmd = [
-        wrk,
+# Every request carries its own X-Request-Id (1, 2, 3, ... per wrk thread), as traced traffic
+# does: no two consecutive requests on a connection are the same bytes, so a proxy cannot answer
+# the benchmark from a cache of the previous request's parse. ``--requests same`` sends wrk's
+# plain identical GET instead. Costs wrk ~4 us of CPU per request, far from its limit here.
+VARIED_REQUESTS_LUA = """\
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, nil, {["X-Request-Id"] = tostring(n)})
+end
+"""
+
+
+def wrk_cmd(wrk: list[str], port: int, conns: int, duration: int) -> list[str]:
+    return [
+        *wrk,
         "-t1",
         f"-c{conns}",
         f"-d{duration}s",
@@ -369,57 +304,193 @@ def run_wrk(
         "5s",
         f"http://{HOST}:{port}/",
     ]
-    before = cpu_seconds(cpu_pids) if cpu_pids else 0.0
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 30)
-    if cpu_pids:
-        result.proxy_cpu_s = round(cpu_seconds(cpu_pids) - before, 3)
+
+
+def run_wrk(wrk: list[str], target: Target, conns: int, duration: int, phase: str, rnd: int) -> Run:
+    run = Run(phase, rnd, target.name, conns, duration)
+    before = cpu_by_process(target.pids)
+    proc = subprocess.run(
+        wrk_cmd(wrk, target.port, conns, duration),
+        capture_output=True,
+        text=True,
+        timeout=duration + 30,
+    )
+    if target.pids:
+        after = cpu_by_process(target.pids)
+        used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+        run.cpu_s = round(sum(used.values()), 3)
+        run.cpu_split_s = sorted((round(v, 2) for v in used.values() if v >= 0.02), reverse=True)
     if proc.returncode != 0:
-        result.note = f"wrk exit {proc.returncode}: {proc.stderr.strip()[:200]}"
-    parse_wrk(proc.stdout, result)
-    if result.proxy_cpu_s is not None and result.requests:
-        result.cpu_s_per_1k = round(result.proxy_cpu_s / result.requests * 1000, 4)
-    return result
+        run.note = f"wrk exit {proc.returncode}: {proc.stderr.strip()[:200]}"
+    parse_wrk(proc.stdout, run)
+    if run.cpu_s is not None and run.requests:
+        run.cpu_us_per_req = round(run.cpu_s / run.requests * 1e6, 2)
+    return run
 
 
-def metrics_ab(
-    wrk: str, targets: dict[str, tuple[int, list[int]]], rounds: int, duration: int
-) -> dict[str, Any]:
-    """corral without and with metrics, in short alternated runs at 64 connections.
+@dataclass
+class Phase:
+    name: str
+    title: str
+    connections: int
+    duration: int
+    targets: list[Target]
+    reference: str  # ratios are to this target's run of the same round
 
-    The cost measured (a few us per request) is far below the drift of a shared machine over a
-    minute, so each round is a back-to-back pair, in ABBA order (whatever favours the first run
-    of a pair favours both alike), and the result is the median of the per-pair ratios: drift
-    slower than a pair cancels out.
-    """
-    off: list[WrkResult] = []
-    on: list[WrkResult] = []
-    for i in range(rounds):
-        order = ["corral", "corral+metrics"] if i % 2 == 0 else ["corral+metrics", "corral"]
-        for name in order:
-            port, pids = targets[name]
-            r = run_wrk(wrk, name, port, 64, duration, pids)
-            (on if name == "corral+metrics" else off).append(r)
-    rps_ratios = [b.rps / a.rps for a, b in zip(off, on, strict=True) if a.rps and b.rps]
-    cpu_ratios = [
-        b.cpu_s_per_1k / a.cpu_s_per_1k
-        for a, b in zip(off, on, strict=True)
-        if a.cpu_s_per_1k and b.cpu_s_per_1k
-    ]
 
-    def pct(ratios: list[float]) -> float | None:
-        return round((statistics.median(ratios) - 1) * 100, 1) if ratios else None
+def rotated(items: list[Target], k: int) -> list[Target]:
+    k %= max(1, len(items))
+    return items[k:] + items[:k]
 
+
+def run_rounds(
+    wrk: list[str], phases: list[Phase], rounds: int, warmup: int, loads: list[list[float]]
+) -> list[Run]:
+    runs: list[Run] = []
+    for rnd in range(rounds):
+        loads.append([round(x, 2) for x in os.getloadavg()])
+        log(f"round {rnd + 1}/{rounds} (load average {loads[-1]})")
+        for phase in phases:
+            for target in rotated(phase.targets, rnd):
+                if warmup:
+                    run_wrk(wrk, target, phase.connections, warmup, phase.name, rnd)
+                r = run_wrk(wrk, target, phase.connections, phase.duration, phase.name, rnd)
+                runs.append(r)
+                log(
+                    f"  {phase.name:6s} {target.name:12s} {r.rps:8.0f} req/s  "
+                    f"p50 {fmt(r.p50_ms, '.3f')} ms  p99 {fmt(r.p99_ms, '.2f')} ms  "
+                    f"CPU {fmt(r.cpu_us_per_req, '.1f')} us/req {r.cpu_split_s or ''}  "
+                    f"errors {r.errors} {r.note}"
+                )
+    return runs
+
+
+# ---------------------------------------------------------------------------- summaries
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def spread(values: list[float], digits: int = 3) -> dict[str, Any]:
+    """Median, min and max of per-round values (None when there are none)."""
+    if not values:
+        return {"median": None, "min": None, "max": None, "rounds": []}
     return {
-        "connections": 64,
-        "rounds": rounds,
-        "duration_s": duration,
-        "rps_off": [round(r.rps) for r in off],
-        "rps_on": [round(r.rps) for r in on],
-        "cpu_s_per_1k_off": [r.cpu_s_per_1k for r in off],
-        "cpu_s_per_1k_on": [r.cpu_s_per_1k for r in on],
-        "rps_change_pct": pct(rps_ratios),
-        "cpu_per_req_change_pct": pct(cpu_ratios),
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+        "rounds": [round(v, digits) for v in values],
     }
+
+
+def summarize(phase: Phase, runs: list[Run], direct: str | None) -> dict[str, Any]:
+    """Per target: medians over rounds, and ratios to the reference taken within each round."""
+    mine = [r for r in runs if r.phase == phase.name]
+    by_round: dict[int, dict[str, Run]] = {}
+    for r in mine:
+        by_round.setdefault(r.round, {})[r.target] = r
+    out: dict[str, Any] = {}
+    for target in phase.targets:
+        rs = [r for r in mine if r.target == target.name]
+        good = [r for r in rs if r.rps]
+        row: dict[str, Any] = {
+            "runs": len(rs),
+            "errors": sum(r.errors for r in rs),
+            "rps": spread([r.rps for r in good], 0),
+            "p50_ms": spread([r.p50_ms for r in good if r.p50_ms is not None]),
+            "p99_ms": spread([r.p99_ms for r in good if r.p99_ms is not None]),
+            "cpu_us_per_req": spread(
+                [r.cpu_us_per_req for r in good if r.cpu_us_per_req is not None], 2
+            ),
+        }
+        rps_ratio: list[float] = []
+        cpu_ratio: list[float] = []
+        p50_added: list[float] = []
+        for cells in by_round.values():
+            me, ref = cells.get(target.name), cells.get(phase.reference)
+            if me is None or not me.rps:
+                continue
+            if ref is not None and ref.rps and target.name != phase.reference:
+                rps_ratio.append(me.rps / ref.rps)
+                if me.cpu_us_per_req and ref.cpu_us_per_req:
+                    cpu_ratio.append(me.cpu_us_per_req / ref.cpu_us_per_req)
+            base = cells.get(direct) if direct and target.name != direct else None
+            if base is not None and me.p50_ms is not None and base.p50_ms is not None:
+                p50_added.append(me.p50_ms - base.p50_ms)
+        row["rps_vs_ref"] = spread(rps_ratio)
+        row["cpu_vs_ref"] = spread(cpu_ratio)
+        if direct:
+            row["p50_added_ms"] = spread(p50_added)
+        out[target.name] = row
+    return out
+
+
+def ratio_text(s: dict[str, Any], unit: str = "x") -> str:
+    if s["median"] is None:
+        return ""
+    if s["min"] == s["max"]:
+        return f"{s['median']:.2f}{unit}"
+    return f"{s['median']:.2f}{unit} ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def phase_table(ref: str, summary: dict[str, Any], direct: bool) -> str:
+    cols = ["target", "req/s", "p50 ms", "p99 ms", "errors", "CPU us/req"]
+    if direct:
+        cols.append("p50 added vs direct ms")
+    cols += [f"req/s vs {ref}", f"CPU/req vs {ref}"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for name, s in summary.items():
+        cells = [
+            name,
+            fmt(s["rps"]["median"], ".0f") if s["rps"]["median"] else "failed",
+            fmt(s["p50_ms"]["median"], ".3f"),
+            fmt(s["p99_ms"]["median"], ".2f"),
+            str(s["errors"]),
+            fmt(s["cpu_us_per_req"]["median"], ".1f"),
+        ]
+        if direct:
+            cells.append(ratio_text(s["p50_added_ms"], "") if name != "direct" else "")
+        cells += [ratio_text(s["rps_vs_ref"]), ratio_text(s["cpu_vs_ref"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def check(
+    what: str, s: dict[str, Any] | None, limit: float, upper: bool, unit: str
+) -> dict[str, Any]:
+    """One of issue 11's targets, judged on the median over rounds (and counted per round)."""
+    if s is None or s["median"] is None:
+        return {"check": what, "median": None, "limit": limit, "met": None, "rounds_met": ""}
+    ok = [v <= limit if upper else v >= limit for v in s["rounds"]]
+    return {
+        "check": what,
+        "median": s["median"],
+        "min": s["min"],
+        "max": s["max"],
+        "limit": f"{'<=' if upper else '>='} {limit:g}{unit}",
+        "met": s["median"] <= limit if upper else s["median"] >= limit,
+        "rounds_met": f"{sum(ok)}/{len(ok)}",
+        "unit": unit,
+    }
+
+
+def targets_table(checks: list[dict[str, Any]]) -> str:
+    lines = [
+        "| check | median of rounds | range | target | result | rounds within target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in checks:
+        if c["median"] is None:
+            lines.append(f"| {c['check']} | - | - | | not measured (see SKIPPED) | |")
+            continue
+        unit = c["unit"]
+        span = "-" if c["min"] is None else f"{c['min']:.2f}-{c['max']:.2f}{unit}"
+        lines.append(
+            f"| {c['check']} | {c['median']:.2f}{unit} | {span} "
+            f"| {c['limit']} | {'met' if c['met'] else 'MISSED'} | {c['rounds_met']} |"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -491,41 +562,11 @@ def run_streams(targets: dict[str, int], rounds: int) -> dict[str, Any]:
     return summary
 
 
-# ---------------------------------------------------------------------------- report
-
-
-def fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def table(results: list[WrkResult]) -> str:
-    nginx = {r.connections: r for r in results if r.target == "nginx" and r.rps}
-    head = (
-        "| conns | target         |   req/s | p50 ms | p99 ms | errors | proxy CPU s/1k req "
-        "| req/s vs nginx | CPU/req vs nginx |"
-    )
-    lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
-    for r in results:
-        ref = nginx.get(r.connections)
-        ratio = f"{r.rps / ref.rps:.2f}x" if ref and r.rps and r.target != "nginx" else ""
-        cpu_ratio = ""
-        if ref and ref.cpu_s_per_1k and r.cpu_s_per_1k and r.target != "nginx":
-            cpu_ratio = f"{r.cpu_s_per_1k / ref.cpu_s_per_1k:.1f}x"
-        rps = f"{r.rps:7.0f}" if r.rps else "skipped"
-        lines.append(
-            f"| {r.connections:5d} | {r.target:14s} | {rps:>7s} | {fmt(r.p50_ms, '6.2f'):>6s} "
-            f"| {fmt(r.p99_ms, '6.2f'):>6s} | {r.errors:6d} | {fmt(r.cpu_s_per_1k, '.3f'):>18s} "
-            f"| {ratio:>14s} | {cpu_ratio:>16s} |"
-        )
-    return "\n".join(lines)
-
-
 def stream_table(summary: dict[str, Any]) -> str:
     lines = [
         "| target | runs | TTFB median ms | TTFB max ms | TTFB vs direct ms "
         f"| total median ms | total vs direct ms | events | within {STREAM_TTFB_MARGIN_MS:g} ms |",
-        "|--------|------|----------------|-------------|-------------------"
-        "|-----------------|--------------------|--------|-------------|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         lines.append(
@@ -537,81 +578,223 @@ def stream_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- report
+
+
 @dataclass
 class Report:
     started: str
     machine: dict[str, Any]
     config: dict[str, Any]
-    throughput: list[dict[str, Any]] = field(default_factory=list)
-    metrics_ab: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    phases: dict[str, Any] = field(default_factory=dict)
+    targets: list[dict[str, Any]] = field(default_factory=list)
     streaming: dict[str, Any] = field(default_factory=dict)
+    runs: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
 
 def machine() -> dict[str, Any]:
+    mem = psutil.virtual_memory().total
     return {
         "nproc": os.cpu_count(),
+        "memory_gb": round(mem / 2**30, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
     }
 
 
-def tool_version(cmd: list[str]) -> str:
+def cpu_mark() -> tuple[Any, os.times_result, float]:
+    return psutil.cpu_times(), os.times(), time.monotonic()
+
+
+def other_work(mark: tuple[Any, os.times_result, float]) -> dict[str, float]:
+    """How busy the machine was with work other than this benchmark, since ``mark``.
+
+    In cores, averaged over the interval. Everyone's user+system time minus this script's and
+    its reaped children's (the replicas, proxies and wrk, all stopped by now) is the rest of the
+    box's work; the kernel counts part of the loopback traffic's softirq time into the processes
+    it interrupted and the rest apart, so "other" is a range: [that, that + softirq], clipped at
+    0. Steal is time the hypervisor gave this VM's vCPUs to someone else.
+    """
+    sys0, own0, t0 = mark
+    sys1, own1 = psutil.cpu_times(), os.times()
+    wall = max(1e-9, time.monotonic() - t0)
+
+    def own(t: os.times_result) -> float:
+        return t.user + t.system + t.children_user + t.children_system
+
+    everyone = (sys1.user + sys1.nice + sys1.system) - (sys0.user + sys0.nice + sys0.system)
+    mine = own(own1) - own(own0)
+    softirq = sys1.softirq - sys0.softirq
+    return {
+        "other_cores_min": round(max(0.0, everyone - mine) / wall, 2),
+        "other_cores_max": round(max(0.0, everyone + softirq - mine) / wall, 2),
+        "benchmark_cores": round(mine / wall, 2),
+        "softirq_cores": round(softirq / wall, 2),
+        "steal_cores": round((sys1.steal - sys0.steal) / wall, 2),
+    }
+
+
+def git(*args: str) -> str:
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-        out = (proc.stdout + proc.stderr).strip().splitlines()
-        return out[0] if out else ""
+        proc = subprocess.run(
+            ["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10
+        )
+        return proc.stdout.rstrip()  # not strip(): porcelain lines start with a space
     return ""
 
 
-@contextlib.contextmanager
-def processes() -> Iterator[list[Proc]]:
-    procs: list[Proc] = []
-    try:
-        yield procs
-    finally:
-        for p in reversed(procs):
-            stop_pid(p.pid, p.popen)
+def engine_info(proxy: Path, options: str) -> dict[str, Any]:
+    """What corral's side was: the commit, uncommitted balancer changes, the proxy's options."""
+    engine_dirs = ["src/corral/balancer", "src/corral/dataplane"]
+    changed = git("status", "--porcelain", "--", *engine_dirs, "bench/_lb_proxy.py")
+    digest = hashlib.sha256()
+    sources = sorted(p for d in engine_dirs for p in (REPO / d).rglob("*.py"))
+    for path in [*sources, proxy]:
+        with contextlib.suppress(OSError):
+            digest.update(path.read_bytes())
+    return {
+        "proxy": str(proxy),
+        "sources_sha256": digest.hexdigest()[:16],  # engine sources + the proxy script
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted": [line[3:] for line in changed.splitlines()],
+        "engine_ready_flag": ENGINE_READY_FLAG.exists(),
+        "lb_proxy_reuse_port": "--reuse-port" in options,
+        "lb_proxy_metrics_flag": "--metrics" in options,
+    }
+
+
+def issue_targets(report: Report, workers: int) -> list[dict[str, Any]]:
+    """Issue 11's targets for corral, each judged on the median of its per-round values."""
+
+    def of(phase: str, target: str, key: str) -> dict[str, Any] | None:
+        row = report.phases.get(phase, {}).get("targets", {}).get(target)
+        return None if row is None else row.get(key)
+
+    n = workers
+    checks = [
+        check("CPU/req vs nginx, 64 conns, 1 worker", of("c64", "corral", "cpu_vs_ref"),
+              CPU_RATIO_MAX, True, "x"),
+        check("req/s vs nginx, 64 conns, 1 worker", of("c64", "corral", "rps_vs_ref"),
+              RPS_RATIO_MIN, False, "x"),
+        check("p50 added over direct, 1 conn", of("c1", "corral", "p50_added_ms"),
+              P50_ADDED_MAX_MS, True, " ms"),
+        check(f"CPU/req vs nginx x{n}, 64 conns, {n} workers",
+              of(f"c64x{n}", f"corral x{n}", "cpu_vs_ref"), CPU_RATIO_MAX, True, "x"),
+        check(f"req/s vs nginx x{n}, 64 conns, {n} workers",
+              of(f"c64x{n}", f"corral x{n}", "rps_vs_ref"), RPS_RATIO_MIN, False, "x"),
+    ]  # fmt: skip
+    s = report.streaming.get("corral")
+    if s and "ttfb_vs_direct_ms" in s:
+        added = s["ttfb_vs_direct_ms"]
+        checks.append(
+            {
+                "check": "stream first event vs direct",
+                "median": added,
+                "min": None,
+                "max": None,
+                "limit": f"<= {STREAM_TTFB_MARGIN_MS:g} ms, all {SSE_EVENTS} events",
+                "met": s["ttfb_within_margin"],
+                "rounds_met": "",
+                "unit": " ms",
+            }
+        )
+    return checks
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    variants: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, args = spec.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--variant wants NAME=ARGS, got {spec!r}")
+        variants[name.strip()] = shlex.split(args)
+    return variants
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 s runs, 1 and 64 connections")
-    parser.add_argument("--duration", type=int, help="seconds per wrk run (default 5, quick 2)")
+    parser.add_argument("--quick", action="store_true", help="1 round of 2 s runs, no warm-up")
+    parser.add_argument("--rounds", type=int, help="rounds (default 3, quick 1)")
+    parser.add_argument("--duration", type=int, help="seconds per 64-connection run (default 8)")
+    parser.add_argument("--workers", type=int, default=2, help="N for the N-worker phase")
+    parser.add_argument(
+        "--requests",
+        choices=["varied", "same"],
+        default="varied",
+        help="varied (default): a distinct X-Request-Id on every request; same: identical GETs",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="extra corral row: bench/_lb_proxy.py with these extra arguments (repeatable)",
+    )
+    parser.add_argument(
+        "--proxy",
+        type=Path,
+        default=PROXY,
+        help="the script that runs corral's balancer (default bench/_lb_proxy.py)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    duration: int = args.duration or (2 if args.quick else 5)
-    conns_list = [1, 64] if args.quick else [1, 16, 64]
-    stream_rounds = 4 if args.quick else 12
-    ab_rounds = 2 if args.quick else 8
-    ab_duration = 2  # wrk takes whole seconds
+    rounds: int = args.rounds or (1 if args.quick else 3)
+    duration: int = args.duration or (2 if args.quick else 8)
+    duration_c1 = min(duration, 5)
     warmup = 0 if args.quick else 1
+    stream_rounds = 3 if args.quick else 12
+    workers: int = args.workers
+    variants = parse_variants(args.variant)
     t_start = time.monotonic()
+    mark = cpu_mark()
 
     report = Report(
         started=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         machine=machine(),
         config={
-            "duration_s": duration,
-            "connections": conns_list,
-            "wrk": "wrk -t1 -cN --latency",
+            "rounds": rounds,
+            "duration_s": {"c64": duration, "c1": duration_c1, "warmup": warmup},
+            "wrk": "wrk -t1 -cN -dDs --latency --timeout 5s",
+            "requests": args.requests,
             "replicas": N_REPLICAS,
-            "corral_policy": "round_robin",
+            "workers": workers,
+            "policy": "round robin everywhere",
+            "variants": {k: shlex.join(v) for k, v in variants.items()},
             "sse_events": SSE_EVENTS,
             "sse_interval_s": SSE_INTERVAL,
             "stream_rounds": stream_rounds,
-            "stream_ttfb_margin_ms": STREAM_TTFB_MARGIN_MS,
+            "targets": {
+                "cpu_ratio_max": CPU_RATIO_MAX,
+                "rps_ratio_min": RPS_RATIO_MIN,
+                "p50_added_max_ms": P50_ADDED_MAX_MS,
+                "stream_ttfb_margin_ms": STREAM_TTFB_MARGIN_MS,
+            },
         },
     )
     log(f"load average at start: {report.machine['loadavg_start']}")
-    wrk, nginx_bin = ensure_tools()
-    log(f"wrk: {wrk or 'missing'}; nginx: {nginx_bin or 'missing'}")
-    report.config["wrk_version"] = tool_version([wrk, "--version"]) if wrk else None
-    report.config["nginx_version"] = tool_version([nginx_bin, "-v"]) if nginx_bin else None
+    tools = ensure_tools(log)
+    wrk, nginx_bin, haproxy_bin = tools["wrk"], tools["nginx"], tools["haproxy"]
+    log(f"tools: {tools}")
+    if wrk is None:
+        log("wrk is missing and could not be installed: nothing to measure")
+        return 1
+    report.config["versions"] = {
+        "wrk": tool_version([wrk, "--version"]),
+        "nginx": tool_version([nginx_bin, "-v"]) if nginx_bin else None,
+        "haproxy": tool_version([haproxy_bin, "-v"]) if haproxy_bin else None,
+    }
+    options = proxy_options(args.proxy)
+    report.engine = engine_info(args.proxy, options)
+    log(f"corral: {report.engine}")
 
+    peers: list[Peer] = []
+    corral_procs: dict[str, list[Proc]] = {}
     with processes() as procs, tempfile.TemporaryDirectory(prefix="lb-bench-") as tmp:
+        os.chmod(tmp, 0o755)  # nginx's workers run as root here, but not everywhere
         for i in range(N_REPLICAS):
             procs.append(
                 start_python(
@@ -626,96 +809,174 @@ def main() -> int:
                 )
             )
         replica_ports = [p.port for p in procs]
-        urls = [arg for port in replica_ports for arg in ("--replica", f"http://{HOST}:{port}")]
-        corral = start_python("corral", [str(HERE / "_lb_proxy.py"), *urls])
-        procs.append(corral)
-        corral_m = start_python("corral+metrics", [str(HERE / "_lb_proxy.py"), *urls, "--metrics"])
-        procs.append(corral_m)
+        urls = [f"http://{HOST}:{port}" for port in replica_ports]
 
-        nginx: Nginx | None = None
-        if nginx_bin:
-            prefix = Path(tmp) / "nginx"
-            prefix.mkdir()
-            os.chmod(tmp, 0o755)
+        def peer(kind: str, n: int) -> Target | None:
+            name = kind if n == 1 else f"{kind} x{n}"
+            binary = nginx_bin if kind == "nginx" else haproxy_bin
+            if binary is None:
+                report.skipped.append(f"{name}: {kind} is not installed and could not be")
+                return None
+            start = start_nginx if kind == "nginx" else start_haproxy
             try:
-                nginx = start_nginx(nginx_bin, prefix, replica_ports)
+                p = start(binary, Path(tmp) / name.replace(" ", ""), replica_ports, n, name)
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-                log(f"nginx did not start ({exc}): nginx rows skipped")
-                report.skipped.append(f"nginx: {exc}")
-        else:
-            report.skipped.append("nginx: not installed and could not be installed")
+                log(f"{name} did not start ({exc}): its rows are skipped")
+                report.skipped.append(f"{name}: {exc}")
+                return None
+            peers.append(p)
+            return Target(name, p.port, [p.pid], n)
+
+        def corral(name: str, n: int, extra: list[str]) -> Target | None:
+            try:
+                started = start_corral(args.proxy, name, urls, n, extra, procs)
+            except RuntimeError as exc:
+                log(f"{name} did not start ({exc}): its rows are skipped")
+                report.skipped.append(f"{name}: {exc}")
+                return None
+            report.engine.setdefault("loaded", {})[name] = loaded_engine(started[0].pid)
+            corral_procs[name] = started
+            return Target(name, started[0].port, [p.pid for p in started], n)
+
         try:
-            targets: dict[str, tuple[int, list[int]]] = {
-                "direct": (replica_ports[0], []),
-                "corral": (corral.port, [corral.pid]),
-                "corral+metrics": (corral_m.port, [corral_m.pid]),
-            }
-            if nginx is not None:
-                targets = {"nginx": (nginx.port, [nginx.pid]), **targets}
-            for name, (port, _) in targets.items():
-                if not http_ok(port):
-                    raise RuntimeError(f"{name} does not answer 200 ok on port {port}")
-            log(f"targets up: { {k: v[0] for k, v in targets.items()} }")
+            one: list[Target] = [Target("direct", replica_ports[0], [])]
+            many: list[Target] = []
+            for t in (
+                peer("nginx", 1),
+                peer("haproxy", 1),
+                corral("corral", 1, []),
+                *(corral(name, 1, extra) for name, extra in variants.items()),
+            ):
+                if t is not None:
+                    one.append(t)
+            if workers > 1:
+                many += [t for t in (peer("nginx", workers), peer("haproxy", workers)) if t]
+                if report.engine["lb_proxy_reuse_port"]:
+                    t = corral(f"corral x{workers}", workers, [])
+                    if t is not None:
+                        many.append(t)
+                else:
+                    msg = (
+                        f"corral x{workers}: bench/_lb_proxy.py does not take --reuse-port "
+                        f"(this engine cannot serve one port from {workers} processes yet)"
+                    )
+                    log(msg)
+                    report.skipped.append(msg)
+            for t in [*one, *many]:
+                if not http_ok(t.port):
+                    raise RuntimeError(f"{t.name} does not answer 200 ok on port {t.port}")
+            log(f"targets up: { {t.name: t.port for t in [*one, *many]} }")
 
-            if wrk is None:
-                report.skipped.append("throughput: wrk not installed and could not be installed")
-                log("wrk missing: throughput rows skipped")
-            else:
-                results: list[WrkResult] = []
-                for conns in conns_list:
-                    for name, (port, pids) in targets.items():
-                        if warmup:
-                            run_wrk(wrk, name, port, conns, warmup, [])
-                        r = run_wrk(wrk, name, port, conns, duration, pids)
-                        results.append(r)
-                        log(
-                            f"c={conns:<3d} {name:15s} {r.rps:8.0f} req/s  "
-                            f"p50 {fmt(r.p50_ms, '.2f')} ms  p99 {fmt(r.p99_ms, '.2f')} ms  "
-                            f"cpu/1k {fmt(r.cpu_s_per_1k, '.3f')} s  errors {r.errors} {r.note}"
-                        )
-                report.throughput = [asdict(r) for r in results]
+            has_nginx = any(t.name == "nginx" for t in one)
+            # direct last at 64 connections would be what the rotation starts from; its place
+            # in the list only sets the starting order.
+            phases = [
+                Phase(
+                    "c64",
+                    "64 connections, one process / worker / thread",
+                    64,
+                    duration,
+                    [t for t in one if t.name != "direct"] + one[:1],
+                    "nginx" if has_nginx else "direct",
+                ),
+                Phase(
+                    "c1",
+                    "1 connection, one process / worker / thread",
+                    1,
+                    duration_c1,
+                    one,
+                    "nginx" if has_nginx else "direct",
+                ),
+            ]
+            if len(many) > 0:
+                ref = f"nginx x{workers}"
+                phases.append(
+                    Phase(
+                        f"c64x{workers}",
+                        f"64 connections, {workers} processes / workers / threads",
+                        64,
+                        duration,
+                        many,
+                        ref if any(t.name == ref for t in many) else many[0].name,
+                    )
+                )
+            loads: list[list[float]] = []
+            wrk_base = [wrk]
+            if args.requests == "varied":
+                script = Path(tmp) / "varied.lua"
+                script.write_text(VARIED_REQUESTS_LUA)
+                wrk_base += ["-s", str(script)]
+            runs = run_rounds(wrk_base, phases, rounds, warmup, loads)
+            report.machine["loadavg_per_round"] = loads
+            report.runs = [asdict(r) for r in runs]
+            for phase in phases:
+                report.phases[phase.name] = {
+                    "title": phase.title,
+                    "connections": phase.connections,
+                    "duration_s": phase.duration,
+                    "reference": phase.reference,
+                    "targets": summarize(phase, runs, "direct" if phase.name == "c1" else None),
+                }
 
-                report.metrics_ab = metrics_ab(wrk, targets, ab_rounds, ab_duration)
-                log(f"metrics A/B at 64 connections: {report.metrics_ab}")
-
-            stream_targets = {"direct": replica_ports[0], "corral": corral.port}
-            if nginx is not None:
-                stream_targets["nginx"] = nginx.port
+            stream_targets = {t.name: t.port for t in one if t.name in ("direct", "nginx")}
+            stream_targets |= {t.name: t.port for t in one if t.name in ("haproxy", "corral")}
             log(f"streaming: {stream_rounds} rounds of /sse ({SSE_EVENTS} events) per target")
             report.streaming = run_streams(stream_targets, stream_rounds)
         finally:
-            if nginx is not None:
-                stop_nginx(nginx)
-        stop_pid(corral_m.pid, corral_m.popen)
-        time.sleep(0.2)  # let the drain thread take the last line
-        m = re.search(r"METRICS requests_total=(\d+)", "".join(corral_m.output))
-        report.config["corral_metrics_requests_total"] = int(m.group(1)) if m else None
+            for p in peers:
+                p.stop()
 
+    report.targets = issue_targets(report, workers)
+    # A proxy that renders its metrics on exit (``_lb_proxy.py --metrics``, e.g. as a
+    # --variant) prints the requests it counted: proof the counters saw the traffic.
+    time.sleep(0.2)  # the drain threads take the last lines
+    for name, started in corral_procs.items():
+        counted = [re.search(r"METRICS requests_total=(\d+)", "".join(p.output)) for p in started]
+        if any(counted):
+            report.engine.setdefault("metrics_requests_total", {})[name] = sum(
+                int(m.group(1)) for m in counted if m
+            )
     report.machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    report.machine["cpu_during_run"] = other_work(mark)
     report.wall_s = round(time.monotonic() - t_start, 1)
+    versions = report.config["versions"]
     print()
     print(
         f"Machine: nproc {report.machine['nproc']}, load average "
-        f"{report.machine['loadavg_start']} at start, {report.machine['loadavg_end']} at end; "
-        f"{report.config.get('nginx_version') or 'nginx: none'}; "
-        f"{report.config.get('wrk_version') or 'wrk: none'}; wall {report.wall_s} s"
+        f"{report.machine['loadavg_start']} at start, "
+        f"{report.machine.get('loadavg_per_round', [])} at each round's start, "
+        f"{report.machine['loadavg_end']} at end; cores busy on average: "
+        f"{report.machine['cpu_during_run']}; "
+        f"{versions['nginx'] or 'nginx: none'}; {versions['haproxy'] or 'haproxy: none'}; "
+        f"{versions['wrk']}; wall {report.wall_s} s"
     )
-    if report.throughput:
-        print()
-        print(table([WrkResult(**r) for r in report.throughput]))
-    if report.metrics_ab:
-        ab = report.metrics_ab
+    e = report.engine
+    dirty = f" + uncommitted {', '.join(e['uncommitted'])}" if e["uncommitted"] else ""
+    print(
+        f"corral: {e['commit']}{dirty}; engine-ready flag "
+        f"{'present' if e['engine_ready_flag'] else 'absent'}; the proxy process has loaded "
+        f"{e.get('loaded', {}).get('corral', [])}"
+        + (
+            f"; metrics counted {e['metrics_requests_total']}"
+            if "metrics_requests_total" in e
+            else ""
+        )
+    )
+    for phase_name, ph in report.phases.items():
         print()
         print(
-            f"Metrics on vs off (64 conns, {ab['rounds']} ABBA pairs, median of pair ratios): "
-            f"req/s {fmt(ab['rps_change_pct'], '+.1f')}%, CPU per request "
-            f"{fmt(ab['cpu_per_req_change_pct'], '+.1f')}%"
+            f"{ph['title']} ({rounds} round(s) of {ph['duration_s']} s runs, {args.requests} "
+            f"requests; medians; ratios within a round, median (min-max))"
         )
+        print(phase_table(ph["reference"], ph["targets"], phase_name == "c1"))
     if report.streaming:
         print()
         print(stream_table(report.streaming))
-    for s in report.skipped:
-        print(f"SKIPPED: {s}")
+    print()
+    print("Issue 11's targets (corral):")
+    print(targets_table(report.targets))
+    for msg in report.skipped:
+        print(f"SKIPPED: {msg}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
     print(f"\nwrote {args.out}")
