@@ -79,6 +79,8 @@ class ControllerDeps:
     qps_window: float = 60.0  # the autoscaler's load signal: requests over this window
     # Replica logs over this are rotated (corral.logfiles: copy to .1, truncate); 0: no cap.
     log_max_bytes: int = logfiles.DEFAULT_MAX_BYTES
+    # A service's fair share of the launch lane (see LAUNCHES_PER_SERVICE).
+    launches_per_service: int = LAUNCHES_PER_SERVICE
 
 
 @dataclass
@@ -583,7 +585,7 @@ class ServiceController:
             elif r.scale_down and r.teardown_state is None:
                 self._retire(r, "scaled down")
             elif r.launch_state == "pending" and r.id not in self._rt.launches:
-                if len(self._rt.launches) >= LAUNCHES_PER_SERVICE:
+                if len(self._rt.launches) >= self.deps.launches_per_service:
                     continue  # a fair share of the launch lane; the next step takes it up
                 self._launch(r, self.spec(r.version))
 
@@ -608,7 +610,7 @@ class ServiceController:
                     row = self.store.add_replica(
                         self.name, svc.current_version, spec.infra, f"target {target}"
                     )
-                    if len(self._rt.launches) < LAUNCHES_PER_SERVICE:
+                    if len(self._rt.launches) < self.deps.launches_per_service:
                         self._launch(row, spec)  # else PENDING: a later step launches it
                 self.last_decision = f"launching {target - len(live)} toward target {target}"
         elif len(live) > target:

@@ -39,7 +39,13 @@ import aiohttp
 
 from corral import capture, logfiles
 from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
-from corral.controller import ControllerDeps, ServiceController, free_port, handle_from_row
+from corral.controller import (
+    LAUNCHES_PER_SERVICE,
+    ControllerDeps,
+    ServiceController,
+    free_port,
+    handle_from_row,
+)
 from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
@@ -312,18 +318,16 @@ def _env_bytes(name: str) -> int:
         raise DaemonError(f"${name}: {exc}") from None
 
 
-def _env_workers() -> int:
-    value = os.environ.get("CORRAL_BALANCER_WORKERS")
+def _env_count(name: str, default: int, top: int = 64) -> int:
+    value = os.environ.get(name)
     if not value:
-        return DEFAULT_WORKERS
+        return default
     try:
         number = int(value)
     except ValueError:
-        raise DaemonError(
-            f"$CORRAL_BALANCER_WORKERS must be a whole number, not {value!r}"
-        ) from None
-    if not 1 <= number <= 64:
-        raise DaemonError(f"$CORRAL_BALANCER_WORKERS must be between 1 and 64, not {number}")
+        raise DaemonError(f"${name} must be a whole number, not {value!r}") from None
+    if not 1 <= number <= top:
+        raise DaemonError(f"${name} must be between 1 and {top}, not {number}")
     return number
 
 
@@ -470,7 +474,12 @@ async def serve(
             )
     _sweep(home_marker, infras, store)
     _backup(store, home)
-    dataplane = DataPlane(home, store, workers=_env_workers(), respawn=_respawn_command())
+    dataplane = DataPlane(
+        home,
+        store,
+        workers=_env_count("CORRAL_BALANCER_WORKERS", DEFAULT_WORKERS),
+        respawn=_respawn_command(),
+    )
 
     def bind_failed(name: str, text: str) -> None:
         log.error("service %s: %s", name, text)
@@ -496,6 +505,7 @@ async def serve(
             qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
             teardown_timeout=_env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
             log_max_bytes=_env_bytes("CORRAL_LOG_MAX_BYTES"),
+            launches_per_service=_env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
         )
         daemon = Daemon(home, store, deps)
         loop = asyncio.get_running_loop()

@@ -477,7 +477,9 @@ def test_teardown_hanging(corral_home: CorralHome, tmp_path: Path) -> None:
 
 def test_jobpool_saturated(corral_home: CorralHome, tmp_path: Path) -> None:
     home = corral_home
-    start_faulty_daemon(home)
+    # One service saturates the whole lane here (its fair share is raised to the lane's size),
+    # to test the pool's queueing itself; tests/test_fair_shares.py tests the share.
+    start_faulty_daemon(home, CORRAL_LAUNCHES_PER_SERVICE="64")
     n_rounds = rounds(1, 3)
     lost = duplicated = api_calls = 0
     with faults_cleared_on_exit(home):
