@@ -51,8 +51,16 @@ class Handler(BaseHTTPRequestHandler):
         print(f"replica {REPLICA}: {format % args}", flush=True)
 
 
+class Server(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5: a burst of new connections (a balancer
+    # spreading the load of a replica that just died) overflowed it, and the dropped SYNs came
+    # back only after the kernel's 1 s, 3 s, 7 s retransmissions. Real servers use hundreds.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 if __name__ == "__main__":
     port = int(os.environ["PORT"])
     print(f"replica {REPLICA} listening on 127.0.0.1:{port}", flush=True)
     sys.stdout.flush()
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    Server(("127.0.0.1", port), Handler).serve_forever()

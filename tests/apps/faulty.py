@@ -133,6 +133,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def serve(port: int, *, background: bool = False) -> None:
+    ThreadingHTTPServer.request_queue_size = 1024  # socketserver's 5 drops bursts of SYNs
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
     say(f"listening on 127.0.0.1:{port} (mode {Faults.mode})")
