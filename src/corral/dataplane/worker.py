@@ -222,6 +222,10 @@ class Worker:
                     log.error("service %s: %s (retrying every %gs)", name, error, BIND_RETRY)
                 self.errors[name] = error
                 self.unbound[name] = route
+                if svc is not None and route.ready is not None:
+                    # The old listener keeps serving meanwhile: with the current replicas.
+                    svc.ready = dict(route.ready)
+                    svc.lb.set_ready(svc.ready)
                 return
             if self.unbound.pop(name, None) is not None:
                 log.info("service %s: listening on %s:%d now", name, route.host, route.port)
