@@ -213,8 +213,12 @@ class Worker:
         svc = self.services.get(name)
         key = route.listener_key()
         if svc is None or svc.key != key:
+            ready = dict(route.ready) if route.ready is not None else (svc.ready if svc else {})
             try:
                 lb = _make_balancer(name, route, self._drained)
+                # Before it listens: with SO_REUSEPORT the kernel sends it connections the moment
+                # it does, and a request must not meet an empty ready set (a 503) meanwhile.
+                lb.set_ready(ready)
                 await lb.start()
             except (OSError, ssl.SSLError, ValueError, TypeError) as exc:
                 error = f"cannot listen on {route.host}:{route.port}: {exc}"
@@ -231,9 +235,8 @@ class Worker:
                 log.info("service %s: listening on %s:%d now", name, route.host, route.port)
             self.errors.pop(name, None)
             old = svc
-            svc = self.services[name] = _Service(key=key, lb=lb)
+            svc = self.services[name] = _Service(key=key, lb=lb, ready=ready)
             if old is not None:
-                svc.ready = old.ready
                 self._retire(name, old.lb)
         if route.ready is not None:
             svc.ready = dict(route.ready)
