@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import psutil
 
-__all__ = ["running"]
+__all__ = ["running", "terminate_all"]
 
 
 def running(proc: psutil.Process) -> bool:
@@ -16,3 +18,18 @@ def running(proc: psutil.Process) -> bool:
         )
     except psutil.Error:
         return False
+
+
+def terminate_all(procs: list[psutil.Process], grace: float) -> list[psutil.Process]:
+    """SIGTERM every process, SIGKILL those still alive after ``grace`` seconds; return the
+    ones alive 5 s after that (psutil checks each one's identity, so a recycled pid is never
+    signalled)."""
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    _, alive = psutil.wait_procs(alive, timeout=5.0)
+    return list(alive)

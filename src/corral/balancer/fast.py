@@ -264,37 +264,21 @@ def _send(
     tail = b"\r\n" if body is None else b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
     dest = conn.target
     conn.fast_client = cl
-    if host is None:
-        out = b"".join(
-            (
-                method,
-                b" ",
-                dest.prefix,
-                target,
-                dest.line_tail,
-                kept,
-                xff_line,
-                lb._proto_line,
-                tail,
-            )
+    forwarded_host = b"" if host is None else b"X-Forwarded-Host: %b\r\n" % host
+    out = b"".join(
+        (
+            method,
+            b" ",
+            dest.prefix,
+            target,
+            dest.line_tail,
+            kept,
+            xff_line,
+            lb._proto_line,
+            forwarded_host,
+            tail,
         )
-    else:
-        out = b"".join(
-            (
-                method,
-                b" ",
-                dest.prefix,
-                target,
-                dest.line_tail,
-                kept,
-                xff_line,
-                lb._proto_line,
-                b"X-Forwarded-Host: ",
-                host,
-                _CRLF,
-                tail,
-            )
-        )
+    )
     transport.write(out)  # type: ignore[union-attr]
     cl.fast = (conn, rid, now, method, target, http11, keep_alive, kept, xff_line, host, body)
     cl.deadline_kind = DL_FIRST_BYTE

@@ -41,6 +41,7 @@ from corral.dataplane.protocol import (
     socket_path,
 )
 from corral.procs import running as _running
+from corral.procs import terminate_all
 from corral.state import StateError, Store
 
 log = logging.getLogger("corral.dataplane")
@@ -623,11 +624,5 @@ def stop_recorded_workers(home: Path, timeout: float = WORKER_STOP_TIMEOUT) -> l
     except sqlite3.Error:
         return []
     procs = [p for pid, created in rows if (p := _process(int(pid), float(created))) is not None]
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+    terminate_all(procs, timeout)
     return [p.pid for p in procs]

@@ -47,6 +47,7 @@ from corral import jobs
 from corral.infra import cgroups
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
 from corral.procs import running as _running
+from corral.procs import terminate_all
 
 __all__ = ["BACKEND", "ENV_HOME_MARKER", "ENV_REPLICA_KEY", "LocalInfra", "replica_key"]
 
@@ -466,15 +467,7 @@ def _stop(
     for pgid in groups:
         if not jobs.terminate_process_group(pgid, grace):
             report.append(f"could not stop process group {pgid}: alive after SIGKILL")
-    for proc in singles:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.terminate()
-    _, alive = psutil.wait_procs(singles, timeout=grace)
-    for proc in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    _, alive = psutil.wait_procs(alive, timeout=5.0)
-    for proc in alive:
+    for proc in terminate_all(singles, grace):
         report.append(f"could not stop pid {proc.pid}: alive after SIGKILL")
     return report
 
