@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from conftest import CorralHome, get_json, http, pid_alive, spec_text, wait_for, write_spec
 from load import PacedLoad
@@ -39,10 +40,16 @@ def port_of(url: str) -> int:
 
 
 def answers(url: str) -> bool:
+    return why_not(url) is None
+
+
+def why_not(url: str) -> str | None:
+    """None when ``url`` answers 200; else what went wrong, for the assertion's message."""
     try:
-        return http(url + "/x", timeout=10.0).status == 200
-    except OSError:
-        return False
+        answer = http(url + "/x", timeout=10.0)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if answer.status == 200 else f"{answer.status}: {answer.body[:200]!r}"
 
 
 def refuses(port: int) -> bool:
@@ -114,9 +121,11 @@ def test_dead_worker_is_replaced_while_the_others_keep_the_port(
     os.kill(first, signal.SIGKILL)
     # Connections queued on the dead worker's socket die with it (a limit of SO_REUSEPORT);
     # once it is gone, the other worker holds the port alone: every new connection is served.
-    wait_for(lambda: not pid_alive(first), 10, "the worker to die")
+    # "Gone" is reaped by the daemon, not a zombie: a killed thread group's leader turns zombie
+    # while its other threads may still hold the listening socket open for a moment.
+    wait_for(lambda: not psutil.pid_exists(first), 10, "the worker to be reaped")
     for _ in range(20):
-        assert answers(url)
+        assert (error := why_not(url)) is None, error
     replaced = wait_for(
         lambda: (pids := corral_home.worker_pids()) and len(pids) == 2 and first not in pids,
         30,
