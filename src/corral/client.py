@@ -408,7 +408,9 @@ def ensure_daemon(home: Path, timeout: float = 20.0) -> Client:
         env = dict(os.environ)
         env["CORRAL_HOME"] = str(home)
         process = subprocess.Popen(
-            [sys.executable, "-m", "corral", "daemon", "run", "--home", str(home)],
+            # The home goes in the environment, not the command line: every process (replicas
+            # included) can read another's command line, and none may learn the home's path.
+            [sys.executable, "-m", "corral", "daemon", "run"],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

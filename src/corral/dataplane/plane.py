@@ -299,15 +299,14 @@ class DataPlane:
                     sys.executable,
                     "-m",
                     "corral.dataplane.worker",
-                    "--home",
-                    str(self.home),
                     "--slot",
                     str(slot),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
-                env=self._env,
+                # The home by environment: a command line is readable by every process.
+                env={**self._env, "CORRAL_HOME": str(self.home)},
                 cwd="/",
                 start_new_session=True,
             )
@@ -430,7 +429,7 @@ class DataPlane:
     def _respawn(self) -> dict[str, Any] | None:
         if self.respawn is None:
             return None
-        return {**self.respawn, "env": self._env}
+        return {**self.respawn, "env": {**self._env, "CORRAL_HOME": str(self.home)}}
 
     def _on_report(self, conn: _Conn, message: Mapping[str, Any]) -> None:
         if message["t"] != "report":

@@ -413,7 +413,9 @@ def _created() -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="corral-balancer-worker", description=__doc__)
-    parser.add_argument("--home", required=True, type=Path)
+    parser.add_argument(
+        "--home", type=Path, default=None, help="corral home (default: $CORRAL_HOME)"
+    )
     parser.add_argument("--slot", required=True, type=int)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -423,7 +425,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     soft, hard = raise_open_files()  # every client connection costs a descriptor here
     log.info("open files: soft limit %d (hard %d)", soft, hard)
-    worker = Worker(args.home.resolve(), args.slot)
+    home = args.home or (Path(os.environ["CORRAL_HOME"]) if os.environ.get("CORRAL_HOME") else None)
+    if home is None:
+        parser.error("no home: pass --home or set CORRAL_HOME")
+    worker = Worker(home.resolve(), args.slot)
     try:
         import uvloop
     except ImportError:  # still correct on the stock loop, only slower
