@@ -155,6 +155,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
                 "jobs": daemon.deps.pool.stats(),
                 "balancer_workers": daemon.deps.dataplane.workers(),
                 "open_files": open_files(),
+                "confinement": daemon.confinement,
             }
         )
 

@@ -819,6 +819,7 @@ def spawn(
     shell: bool = False,
     start_new_session: bool = False,
     stdin: int | IO[Any] | None = subprocess.DEVNULL,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> RoutedProcess:
     """Start a child whose output goes to the current route, in order with Python output.
 
@@ -852,6 +853,7 @@ def spawn(
         stdin=stdin,
         stdout=fds[0],
         stderr=fds[1],
+        preexec_fn=preexec_fn,
     )
     pumps: list[threading.Thread] = []
     for index, router in pumps_for:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import shutil
 import socket
 import ssl
 import time
@@ -29,7 +30,14 @@ from corral import capture, logfiles
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
 from corral.dataplane.plane import DataPlane, ServiceRoute
 from corral.dataplane.protocol import Route
-from corral.infra.base import EndpointOwner, Infra, LaunchRequest, Liveness, ReplicaHandle
+from corral.infra.base import (
+    EndpointOwner,
+    Infra,
+    LaunchRequest,
+    Liveness,
+    ReplicaHandle,
+    scratch_root,
+)
 from corral.jobs import Job, JobPool, JobState
 from corral.probe import ProbeResult, probe
 from corral.replicas import (
@@ -524,6 +532,9 @@ class ServiceController:
         except StateError as exc:
             log.warning("service %s: removal postponed: %s", self.name, exc)
             return False
+        # The working directories of replicas without a workdir (outside the home).
+        scratch = scratch_root(self.deps.home_marker) / self.name
+        await asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)
         if self._on_removed is not None:
             self._on_removed(self.name)
         return True
@@ -752,8 +763,7 @@ class ServiceController:
             workdir = Path(spec.workdir).expanduser()
             if not workdir.is_absolute():
                 workdir = (base / workdir).resolve()
-        replica_dir = self.dir / "replicas" / str(r.id)
-        replica_dir.mkdir(parents=True, exist_ok=True)
+        replica_dir = scratch_root(self.deps.home_marker) / self.name / str(r.id)
         port = None
         if "PORT" not in (spec.run or ""):
             port = spec.replica_port()

@@ -119,6 +119,8 @@ class Daemon:
         self.deps = deps
         self.controllers: dict[str, ServiceController] = {}
         self.started_at = time.time()
+        # Whether local replicas are confined away from the home, and how (or why not).
+        self.confinement: dict[str, Any] = {"confined": False, "detail": "unknown"}
         self.stop_requested = asyncio.Event()
         # `corral daemon stop --all`: the balancer workers stop too (else they keep serving).
         self.stop_workers = False
@@ -472,6 +474,18 @@ async def serve(
                 "leaves its group and clears its environment would survive it",
                 weak,
             )
+    confinement = {"confined": False, "detail": "no local backend"}
+    if isinstance(local, LocalInfra):
+        detail = await asyncio.to_thread(local.confine, home)
+        confinement = {"confined": local.confinement is not None, "detail": detail}
+        if local.confinement is None:
+            log.warning(
+                "REPLICAS ARE NOT CONFINED (%s): any replica can read this home, its API token "
+                "included, and so control every service",
+                detail,
+            )
+        else:
+            log.info("confinement: %s", detail)
     _sweep(home_marker, infras, store)
     _backup(store, home)
     dataplane = DataPlane(
@@ -508,6 +522,7 @@ async def serve(
             launches_per_service=_env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
         )
         daemon = Daemon(home, store, deps)
+        daemon.confinement = confinement
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop_requested.set)

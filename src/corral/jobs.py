@@ -469,6 +469,7 @@ def run_command(
     timeout: float | None = None,
     grace: float = 5.0,
     check: bool = True,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> int:
     """Run a command in its own process group with its output in the current route.
 
@@ -477,7 +478,9 @@ def run_command(
     """
     checkpoint()
     job = _current_job.get()
-    proc = capture.spawn(args, shell=shell, cwd=cwd, env=env, start_new_session=True)
+    proc = capture.spawn(
+        args, shell=shell, cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec_fn
+    )
     pgid = proc.pid
     if job is not None and not job._track_group(pgid):
         terminate_process_group(pgid, grace, proc.poll)

@@ -23,6 +23,8 @@ It is shaped so that a local process, a Ray actor and a Kubernetes pod all fit:
 from __future__ import annotations
 
 import enum
+import os
+import tempfile
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,14 @@ class ReplicaHandle:
     data: Mapping[str, Any] = field(default_factory=dict)  # JSON-able, stored in state
 
 
+def scratch_root(home_marker: str) -> Path:
+    """Where a home's replicas without a ``workdir`` run: ``$TMPDIR/corral-<uid>/<home id>``.
+    Not inside the home, which a confined replica cannot see (nor learn the path of from its
+    own working directory). The per-user directory must be this user's and 0700 (checked by
+    the backend that creates it), so another local user cannot plant a symlink there."""
+    return Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / home_marker
+
+
 @dataclass
 class LaunchRequest:
     service: str
@@ -52,7 +62,9 @@ class LaunchRequest:
     setup: str | None
     envs: Mapping[str, str]
     workdir: Path | None  # where run/setup execute; None: the replica's own directory
-    replica_dir: Path  # daemon-side directory of this replica (created by the controller)
+    # The replica's own directory (its cwd without a workdir): outside the home, which a
+    # confined replica cannot see (see scratch_root). The backend creates it.
+    replica_dir: Path
     log_path: Path  # where the replica's own stdout/stderr go (daemon side)
     port: int | None  # the port the spec asks for; None lets the backend pick a free one
     resources: Mapping[str, Any]

@@ -32,11 +32,12 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,7 +45,7 @@ from typing import Literal
 import psutil
 
 from corral import jobs
-from corral.infra import cgroups
+from corral.infra import cgroups, confine
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
 from corral.procs import running as _running
 from corral.procs import terminate_all
@@ -305,6 +306,38 @@ def _replica_env(request: LaunchRequest, port: int, key: str) -> dict[str, str]:
     return env
 
 
+def _private_parent(replica_dir: Path) -> None:
+    """Make sure the per-user scratch directory above ``replica_dir`` (see
+    :func:`corral.infra.base.scratch_root`) is a real directory of this user, mode 0700: in a
+    shared /tmp another user could have created it first, or left a symlink there."""
+    for parent in replica_dir.parents:
+        if parent.name != f"corral-{os.getuid()}":
+            continue
+        with contextlib.suppress(FileExistsError):
+            parent.mkdir(mode=0o700, parents=True)
+        info = parent.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise PermissionError(f"{parent} is not a directory of this user: refusing it")
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            parent.chmod(0o700)
+        return
+
+
+def _chain(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
+    """One ``preexec_fn`` made of several (those not None), run in order."""
+    todo = [step for step in steps if step is not None]
+    if not todo:
+        return None
+    if len(todo) == 1:
+        return todo[0]
+
+    def run() -> None:
+        for step in todo:
+            step()
+
+    return run
+
+
 def _safe_group(pgid: int) -> bool:
     """False for groups that must never be signalled as a whole: init's and the daemon's own."""
     return pgid > 1 and pgid != os.getpgrp()
@@ -508,6 +541,17 @@ class LocalInfra:
     def __init__(self, *, abort_grace: float = 5.0, sweep_grace: float = 5.0) -> None:
         self.abort_grace = abort_grace
         self.sweep_grace = sweep_grace
+        self.confinement: confine.Confinement | None = None
+        self.unconfined_reason = "not asked to (LocalInfra.confine was not called)"
+
+    def confine(self, home: Path) -> str:
+        """Confine every replica launched from now on away from ``home`` (see
+        :mod:`corral.infra.confine`); return what that covers, or why it cannot be done here
+        (then replicas run unconfined: the caller should say so loudly)."""
+        self.confinement, text = confine.plan(home)
+        if self.confinement is None:
+            self.unconfined_reason = text
+        return text
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -537,7 +581,15 @@ class LocalInfra:
                 raise FileNotFoundError(f"working directory {cwd} does not exist")
         else:
             cwd = Path(request.replica_dir)
+            _private_parent(cwd)
             cwd.mkdir(parents=True, exist_ok=True)
+        sandbox = self.confinement
+        if sandbox is not None and cwd.resolve().is_relative_to(sandbox.hidden):
+            raise ValueError(
+                f"working directory {cwd} is inside corral's home {sandbox.hidden}, which "
+                "replicas cannot see; put the service's files elsewhere"
+            )
+        confined = sandbox.preexec() if sandbox is not None else None
         shell = _shell()
         env = _replica_env(request, port, key)
         log_path = Path(request.log_path)
@@ -551,6 +603,10 @@ class LocalInfra:
         print(
             f"[corral] environment: the daemon's (minus CORRAL_*) + {', '.join(shown)}", flush=True
         )
+        if sandbox is not None:
+            print(f"[corral] confined: {sandbox.describe()}", flush=True)
+        else:
+            print(f"[corral] NOT confined: {self.unconfined_reason}", flush=True)
 
         if request.setup and request.setup.strip():
             print(f"[corral] setup: {request.setup}", flush=True)
@@ -562,6 +618,7 @@ class LocalInfra:
                     cwd=cwd,
                     env=env,
                     timeout=request.setup_timeout,
+                    preexec_fn=confined,
                 )
             except subprocess.TimeoutExpired:
                 for line in self._stop_strays(request.home_marker, key, since):
@@ -584,6 +641,7 @@ class LocalInfra:
         print(f"[corral] run: {request.run}", flush=True)
         group = cgroups.replica_cgroup(request.home_marker, request.service, request.replica_id)
         join, join_fd = cgroups.enter(group) if group is not None else (None, -1)
+        preexec = _chain(join, confined)
         try:
             with open(log_path, "ab") as log_file:
                 popen = subprocess.Popen(
@@ -594,7 +652,8 @@ class LocalInfra:
                     stderr=subprocess.STDOUT,
                     cwd=cwd,
                     env=env,
-                    preexec_fn=join,  # into the replica's cgroup before any of its code runs
+                    # Into the replica's cgroup and sandbox before any of its code runs.
+                    preexec_fn=preexec,
                 )
         except BaseException:
             if group is not None:

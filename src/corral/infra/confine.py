@@ -1,0 +1,212 @@
+"""Keep local replicas away from the control plane that runs them.
+
+A replica runs as the daemon's user, so without more it could read ``$CORRAL_HOME/token`` and
+then drive the daemon's API: delete other services, or run commands through a spec of its own.
+Each local replica (its ``setup`` too) therefore starts in a sandbox made of two Linux
+mechanisms, set up by ``preexec_fn`` between fork and exec, before any of the replica's code:
+
+* **A mount namespace** in which the home is covered by an empty, read-only tmpfs: the token,
+  the state file, the data plane's socket and every service's logs do not exist for it. A
+  daemon running as root makes the namespace itself; any other user gets one inside a user
+  namespace of its own that maps only its own uid and gid (so file ownership and permissions
+  mean what they meant). Mounts made by the host later still reach the replica (MS_SLAVE);
+  the cover never reaches the host.
+* **A Landlock domain** of the replica's own, which is what makes the cover hold: a process in
+  it cannot mount or unmount anything (so not lift the cover), cannot ptrace or open
+  ``/proc/<pid>/{root,cwd,environ,fd,mem}`` of any process outside its domain (the daemon,
+  the balancer workers, other replicas: the back doors into the host's mount namespace and
+  into their memory), cannot create device nodes, and (Landlock ABI 6+) cannot signal them.
+
+What it does not do, said in docs/reliability.md: the API's TCP port stays reachable (every call
+but ``/v1/health`` needs the token, which the replica cannot read); the home's path shows up in
+what any process can see (``/proc/net/unix`` lists the data plane's socket; the replica's own
+log is a file there); a replica of a root daemon keeps root's other powers (raw block devices,
+kernel modules), so a hard boundary against a hostile app needs a non-root daemon.
+
+:func:`plan` tries the whole sandbox once in a throw-away child at daemon start and says why
+when it cannot be had; replicas then run unconfined and the daemon says so loudly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Confinement", "landlock_abi", "plan"]
+
+# <linux/sched.h>, <sys/mount.h>, <linux/landlock.h>. The three Landlock system calls have the
+# same numbers on every architecture (they are newer than the unified syscall table).
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REC = 16384
+MS_SLAVE = 1 << 19
+SYS_LANDLOCK_CREATE_RULESET = 444
+SYS_LANDLOCK_RESTRICT_SELF = 446
+LANDLOCK_CREATE_RULESET_VERSION = 1
+ACCESS_FS_MAKE_CHAR = 1 << 6
+ACCESS_FS_MAKE_BLOCK = 1 << 11
+SCOPE_SIGNAL = 1 << 1
+# An error the child reports through ``subprocess`` (which shows the preexec_fn failed).
+_FAILED = "corral could not confine the replica"
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 when Landlock is missing or disabled."""
+    try:
+        libc = _libc()
+        version = libc.syscall(
+            ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
+            None,
+            ctypes.c_size_t(0),
+            ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION),
+        )
+    except (OSError, AttributeError):
+        return 0
+    return max(0, int(version))
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """How replicas of one home are confined on this machine."""
+
+    hidden: Path  # the home: covered for the replica
+    userns: bool  # not root: the mount namespace lives in a user namespace of its own
+    abi: int  # Landlock ABI version (>= 1)
+
+    def describe(self) -> str:
+        how = "a user namespace" if self.userns else "a mount namespace"
+        signals = ", no signals to them" if self.abi >= 6 else ""
+        return (
+            f"replicas run in {how} where {self.hidden} is empty, under Landlock (ABI {self.abi}):"
+            f" no mounts, no access to other processes' /proc entries{signals}"
+        )
+
+    def preexec(self) -> Callable[[], None]:
+        """The ``preexec_fn`` that confines the child. Everything it needs (the C library, the
+        strings, the ruleset structure) is made here, in the parent: the child only makes
+        system calls, and takes no lock a thread of the parent could hold across the fork."""
+        libc = _libc()
+        syscall = libc.syscall
+        target = os.fsencode(self.hidden)
+        uid, gid = os.getuid(), os.getgid()
+        uid_map = f"{uid} {uid} 1\n".encode()
+        gid_map = f"{gid} {gid} 1\n".encode()
+        attr = _RulesetAttr(
+            handled_access_fs=ACCESS_FS_MAKE_CHAR | ACCESS_FS_MAKE_BLOCK,
+            handled_access_net=0,
+            scoped=SCOPE_SIGNAL if self.abi >= 6 else 0,
+        )
+        # ABI 1-3 know only the first field, 4-5 the first two; a larger size is refused.
+        attr_size = 8 if self.abi < 4 else 16 if self.abi < 6 else 24
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        userns = self.userns
+
+        def fail(step: str) -> None:
+            code = ctypes.get_errno()
+            raise OSError(code, f"{_FAILED}: {step}: {os.strerror(code)}")
+
+        def write(path: str, data: bytes) -> None:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+
+        def confine() -> None:
+            if libc.unshare(CLONE_NEWNS | (CLONE_NEWUSER if userns else 0)) != 0:
+                fail("unshare")
+            if userns:
+                write("/proc/self/setgroups", b"deny")
+                write("/proc/self/uid_map", uid_map)
+                write("/proc/self/gid_map", gid_map)
+            if libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
+                fail("making mounts private")
+            if libc.mount(b"corral-hidden", target, b"tmpfs", flags, b"size=4k,mode=0555") != 0:
+                fail(f"covering {self.hidden}")
+            fd = syscall(
+                ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
+                ctypes.byref(attr),
+                ctypes.c_size_t(attr_size),
+                ctypes.c_uint32(0),
+            )
+            if fd < 0:
+                fail("landlock_create_ruleset")
+            try:
+                if syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), fd, ctypes.c_uint32(0)):
+                    fail("landlock_restrict_self")
+            finally:
+                os.close(fd)
+
+        return confine
+
+
+def plan(home: Path) -> tuple[Confinement | None, str]:
+    """The confinement this machine allows for ``home``'s replicas, tried once for real on a
+    throw-away child, and what it covers; or None and why there is none."""
+    if os.environ.get("CORRAL_CONFINE", "auto") == "off":
+        return None, "turned off (CORRAL_CONFINE=off)"
+    hidden = home.resolve()
+    if hidden == Path(hidden.anchor):
+        return None, f"the home {hidden} is the root directory"
+    abi = landlock_abi()
+    if abi < 1:
+        return None, "the kernel has no Landlock (Linux 5.13+ with landlock in the LSM list)"
+    confinement = Confinement(hidden=hidden, userns=os.geteuid() != 0, abi=abi)
+    # In a child of its own, which confines itself and reports: an exception in a preexec_fn
+    # reaches the parent only as "Exception occurred in preexec_fn", without its reason.
+    args = [str(hidden), "1" if confinement.userns else "0", str(abi)]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", __name__, *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"the confinement test did not run: {exc}"
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        if confinement.userns and "unshare" in reason:
+            reason += " (are unprivileged user namespaces disabled?)"
+        return None, reason
+    return confinement, confinement.describe()
+
+
+def _selftest(hidden: str, userns: str, abi: str) -> None:
+    """Confine this process as a replica would be, then check the home really is empty."""
+    Confinement(hidden=Path(hidden), userns=userns == "1", abi=int(abi)).preexec()()
+    if os.listdir(hidden):
+        sys.exit(f"{_FAILED}: {hidden} is still visible")
+    try:
+        os.stat(f"/proc/{os.getppid()}/root/")
+    except PermissionError:
+        return
+    sys.exit(f"{_FAILED}: the parent's /proc/<pid>/root is still open to the replica")
+
+
+if __name__ == "__main__":
+    _selftest(*sys.argv[1:4])
