@@ -87,10 +87,20 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
 
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs. A zombie is dead: in a container whose PID 1 does not reap,
-    orphans of a killed daemon stay zombies forever and ``pid_exists`` would still say yes."""
+    orphans of a killed daemon stay zombies forever and ``pid_exists`` would still say yes.
+    But only once its other threads are gone too: a SIGKILLed process's leader turns zombie
+    while the rest of its threads still exit, holding its descriptors (a listening socket)
+    for a moment longer."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            return True
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.ZombieProcess:
+        pass
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
         return False
 
 

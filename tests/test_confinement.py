@@ -55,12 +55,13 @@ attempt("read_logs", lambda: os.listdir(os.path.join(home, "services")))
 attempt("daemon_root", lambda: os.listdir(f"/proc/{daemon}/root{home}"))
 attempt("daemon_cwd", lambda: os.readlink(f"/proc/{daemon}/cwd"))
 seen = b""
-for name in ("environ", "maps", "cmdline", "status"):
-    try:
-        seen += open(f"/proc/{daemon}/{name}", "rb").read()
-    except OSError:
-        pass
-report["daemon_proc_text"] = seen.decode(errors="replace")
+for pid in (daemon, worker):
+    for name in ("environ", "maps", "cmdline", "status"):
+        try:
+            seen += open(f"/proc/{pid}/{name}", "rb").read()
+        except OSError:
+            pass
+report["proc_text"] = seen.decode(errors="replace")
 attempt("daemon_mem", lambda: read(f"/proc/{daemon}/mem"))
 opened = []
 for fd in os.listdir(f"/proc/{daemon}/fd"):  # the numbers are visible; the files must not be
@@ -130,8 +131,10 @@ def _check(report: dict[str, Any], home: Path, token: str) -> None:
     assert report["cmdlines_naming_home"] == [], report
     assert report["env_naming_home"] == [], report
     assert report["api_delete"] == ["ok", "401"], report  # reachable, but not as a client
-    # What /proc shows of the daemon to anyone (its environment, maps) holds no secret.
-    assert report["daemon_proc_text"] and token not in report["daemon_proc_text"]
+    # What /proc shows of the daemon and a worker to a root replica (their environment and maps
+    # stay readable to root here; see docs/reliability.md) holds no secret.
+    assert "corral" in report["proc_text"], report["proc_text"][:300]
+    assert token not in report["proc_text"]
     assert token not in json.dumps(report)
 
 
@@ -186,31 +189,51 @@ def test_without_a_workdir_a_replica_runs_outside_the_home(
     wait_for(lambda: not cwd.exists(), 30, "the scratch directory to go with the service")
 
 
-def _confined_listing(home: Path, python: str, user: list[str]) -> subprocess.CompletedProcess[str]:
-    """Plan confinement for ``home`` as ``user`` (a setpriv prefix, or nothing for root), then
-    run a child under it that lists the home and reads its token."""
-    code = (
-        "import os, sys, subprocess\n"
-        "from pathlib import Path\n"
-        "from corral.infra import confine\n"
-        f"home = Path({str(home)!r})\n"
-        "plan, text = confine.plan(home)\n"
-        "print(text)\n"
-        "assert plan is not None, text\n"
-        "probe = ('import os\\n'\n"
-        "         'print(os.listdir(%r))\\n'\n"
-        "         'try:\\n    open(%r).read(); print(\"READ\")\\n'\n"
-        "         'except OSError as e:\\n    print(type(e).__name__)\\n'\n"
-        "         'print(os.getuid())') % (str(home), str(home / 'token'))\n"
-        "done = subprocess.run([sys.executable, '-c', probe], preexec_fn=plan.preexec(),\n"
-        "                      capture_output=True, text=True, check=True)\n"
-        "print(done.stdout, end='')\n"
-    )
+# Run as the daemon would be (undumpable), plan confinement for the home (argv[1]), then start a
+# child under it that lists the home, reads its token, tries the parent's environment and says
+# its uid.
+PARENT = """
+import os, subprocess, sys
+from pathlib import Path
+from corral.infra import confine
+from corral.limits import undumpable
+undumpable()
+home = Path(sys.argv[1])
+plan, text = confine.plan(home)
+print(text)
+assert plan is not None, text
+child = (
+    "import os, sys\\n"
+    "home, parent = sys.argv[1], sys.argv[2]\\n"
+    "print(os.listdir(home))\\n"
+    "for label, path in (('token', os.path.join(home, 'token')),\\n"
+    "                    ('environ', '/proc/%s/environ' % parent)):\\n"
+    "    try:\\n"
+    "        open(path, 'rb').read()\\n"
+    "        print(label, 'READ')\\n"
+    "    except OSError as exc:\\n"
+    "        print(label, type(exc).__name__)\\n"
+    "print(os.getuid())\\n"
+)
+done = subprocess.run([sys.executable, "-c", child, str(home), str(os.getpid())],
+                      preexec_fn=plan.preexec(), capture_output=True, text=True, check=True)
+print(done.stdout, end="")
+"""
+
+
+def _confined_listing(home: Path, python: str, user: list[str]) -> list[str]:
+    """PARENT's output lines, run by ``python`` as ``user`` (a setpriv prefix, or nothing)."""
     src = Path(confine.__file__).parents[2]
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(src), "HOME": "/"}
-    return subprocess.run(
-        [*user, python, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    done = subprocess.run(
+        [*user, python, "-c", PARENT, str(home)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
 
 
 def test_the_confinement_holds_as_root(tmp_path: Path) -> None:
@@ -219,11 +242,10 @@ def test_the_confinement_holds_as_root(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     (home / "token").write_text("secret")
-    done = _confined_listing(home, sys.executable, [])
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    lines = _confined_listing(home, sys.executable, [])
     assert "mount namespace" in lines[0]
-    assert lines[1:] == ["[]", "FileNotFoundError", "0"]
+    assert lines[1:3] == ["[]", "token FileNotFoundError"]
+    assert lines[4] == "0"  # still root (its environ line: see the unprivileged test)
 
 
 def test_the_confinement_holds_for_an_unprivileged_daemon(request: pytest.FixtureRequest) -> None:
@@ -244,8 +266,7 @@ def test_the_confinement_holds_for_an_unprivileged_daemon(request: pytest.Fixtur
     os.chown(home, nobody, nobody)
     os.chown(home / "token", nobody, nobody)
     user = [setpriv, f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups"]
-    done = _confined_listing(home, python, user)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    lines = _confined_listing(home, python, user)
     assert "user namespace" in lines[0]
-    assert lines[1:] == ["[]", "FileNotFoundError", str(nobody)]
+    # And the daemon's environment (it names the home) is closed to it: not dumpable.
+    assert lines[1:] == ["[]", "token FileNotFoundError", "environ PermissionError", str(nobody)]

@@ -213,7 +213,11 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
 
     @routes.get("/v1/services/{name}")
     async def get_service(request: web.Request) -> web.Response:
-        return _json(daemon.controller(request.match_info["name"]).snapshot())
+        controller = daemon.controller(request.match_info["name"])
+        try:
+            return _json(controller.snapshot())
+        except KeyError:  # its row is gone: the service finished `down` a moment ago
+            raise RequestError(404, f"no service named {controller.name!r}") from None
 
     @routes.delete("/v1/services/{name}")
     async def down(request: web.Request) -> web.Response:

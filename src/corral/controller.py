@@ -524,6 +524,10 @@ class ServiceController:
         name is free again. False if the state file refused the delete (retried next step)."""
         if self.balancer is not None and not await self.balancer.close():
             log.warning("service %s: a balancer worker did not confirm the close", self.name)
+        # The working directories of replicas without a workdir (outside the home). Before the
+        # row goes: from then until the daemon forgets this controller, nothing may await.
+        scratch = scratch_root(self.deps.home_marker) / self.name
+        await asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)
         try:
             if self.store.service(self.name) is not None:
                 self.store.event(self.name, "service.removed", "all replicas torn down")
@@ -532,9 +536,6 @@ class ServiceController:
         except StateError as exc:
             log.warning("service %s: removal postponed: %s", self.name, exc)
             return False
-        # The working directories of replicas without a workdir (outside the home).
-        scratch = scratch_root(self.deps.home_marker) / self.name
-        await asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)
         if self._on_removed is not None:
             self._on_removed(self.name)
         return True

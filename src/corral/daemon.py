@@ -52,7 +52,7 @@ from corral.home import ensure_token, is_loopback, read_info
 from corral.infra.base import Infra, ReplicaHandle
 from corral.infra.local import LocalInfra, replica_key
 from corral.jobs import JobPool
-from corral.limits import raise_open_files
+from corral.limits import raise_open_files, undumpable
 from corral.spec import ServiceSpec, SpecError, local_port_problem, parse_spec, validate_name
 from corral.state import StateError, Store
 
@@ -446,6 +446,7 @@ async def serve(
         lock.close()
         raise DaemonError(str(exc)) from None
     soft, hard = raise_open_files()
+    undumpable()
     log.info("open files: soft limit %d (hard %d)", soft, hard)
     if not is_loopback(host):
         log.warning(

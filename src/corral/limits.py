@@ -1,4 +1,4 @@
-"""Process limits corral raises for itself at start.
+"""Process limits and attributes corral sets for itself at start.
 
 Every client connection to a service costs a balancer worker one file descriptor (two while it
 is proxied), and a daemon's probes, logs and replicas cost it more. The common default soft
@@ -9,10 +9,25 @@ by any process without privileges, so corral always does, and says what it got.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import os
 import resource
 
-__all__ = ["open_files", "raise_open_files"]
+__all__ = ["open_files", "raise_open_files", "undumpable"]
+
+PR_SET_DUMPABLE = 4
+
+
+def undumpable() -> None:
+    """Close this process's ``/proc/<pid>/{environ,maps,fd,...}`` to processes of the same
+    user without CAP_SYS_PTRACE: a replica of a non-root daemon could otherwise read the
+    home's path in the daemon's or a worker's environment and memory maps. (Root replicas
+    keep that capability.) Reset by exec, so replicas are not affected. Best effort."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 def raise_open_files() -> tuple[int, int]:

@@ -55,7 +55,7 @@ from corral.dataplane.protocol import (
     encode,
     socket_path,
 )
-from corral.limits import raise_open_files
+from corral.limits import raise_open_files, undumpable
 
 log = logging.getLogger("corral.worker")
 
@@ -424,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s %(levelname)s worker-{args.slot} %(name)s: %(message)s",
     )
     soft, hard = raise_open_files()  # every client connection costs a descriptor here
+    undumpable()  # its environment names the home: not for replicas to read
     log.info("open files: soft limit %d (hard %d)", soft, hard)
     home = args.home or (Path(os.environ["CORRAL_HOME"]) if os.environ.get("CORRAL_HOME") else None)
     if home is None:

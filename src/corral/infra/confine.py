@@ -56,6 +56,7 @@ LANDLOCK_CREATE_RULESET_VERSION = 1
 ACCESS_FS_MAKE_CHAR = 1 << 6
 ACCESS_FS_MAKE_BLOCK = 1 << 11
 SCOPE_SIGNAL = 1 << 1
+PR_SET_DUMPABLE = 4
 # An error the child reports through ``subprocess`` (which shows the preexec_fn failed).
 _FAILED = "corral could not confine the replica"
 
@@ -138,6 +139,9 @@ class Confinement:
             if libc.unshare(CLONE_NEWNS | (CLONE_NEWUSER if userns else 0)) != 0:
                 fail("unshare")
             if userns:
+                # A child of an undumpable daemon (corral.limits.undumpable) is undumpable until
+                # exec, and then its /proc/self files are root's: it could not write its maps.
+                libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
                 write("/proc/self/setgroups", b"deny")
                 write("/proc/self/uid_map", uid_map)
                 write("/proc/self/gid_map", gid_map)
