@@ -13,15 +13,16 @@ mechanisms, set up by ``preexec_fn`` between fork and exec, before any of the re
   the cover never reaches the host.
 * **A Landlock domain** of the replica's own, which is what makes the cover hold: a process in
   it cannot mount or unmount anything (so not lift the cover), cannot ptrace or open
-  ``/proc/<pid>/{root,cwd,environ,fd,mem}`` of any process outside its domain (the daemon,
-  the balancer workers, other replicas: the back doors into the host's mount namespace and
-  into their memory), cannot create device nodes, and (Landlock ABI 6+) cannot signal them.
+  ``/proc/<pid>/{root,cwd,fd/N,mem}`` of any process outside its domain (the daemon, the
+  balancer workers, other replicas: the back doors into the host's mount namespace and into
+  their memory), cannot create device nodes, and (Landlock ABI 6+) cannot signal them.
 
 What it does not do, said in docs/reliability.md: the API's TCP port stays reachable (every call
 but ``/v1/health`` needs the token, which the replica cannot read); the home's path shows up in
 what any process can see (``/proc/net/unix`` lists the data plane's socket; the replica's own
-log is a file there); a replica of a root daemon keeps root's other powers (raw block devices,
-kernel modules), so a hard boundary against a hostile app needs a non-root daemon.
+log is a file there; a root daemon's environment); a replica of a root daemon keeps root's
+other powers (raw block devices, kernel modules), so a hard boundary against a hostile app
+needs a non-root daemon.
 
 :func:`plan` tries the whole sandbox once in a throw-away child at daemon start and says why
 when it cannot be had; replicas then run unconfined and the daemon says so loudly.
@@ -109,7 +110,7 @@ class Confinement:
         strings, the ruleset structure) is made here, in the parent: the child only makes
         system calls, and takes no lock a thread of the parent could hold across the fork."""
         libc = _libc()
-        syscall = libc.syscall
+        syscall, unshare, mount, prctl = libc.syscall, libc.unshare, libc.mount, libc.prctl
         target = os.fsencode(self.hidden)
         uid, gid = os.getuid(), os.getgid()
         uid_map = f"{uid} {uid} 1\n".encode()
@@ -136,18 +137,18 @@ class Confinement:
                 os.close(fd)
 
         def confine() -> None:
-            if libc.unshare(CLONE_NEWNS | (CLONE_NEWUSER if userns else 0)) != 0:
+            if unshare(CLONE_NEWNS | (CLONE_NEWUSER if userns else 0)) != 0:
                 fail("unshare")
             if userns:
                 # A child of an undumpable daemon (corral.limits.undumpable) is undumpable until
                 # exec, and then its /proc/self files are root's: it could not write its maps.
-                libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+                prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
                 write("/proc/self/setgroups", b"deny")
                 write("/proc/self/uid_map", uid_map)
                 write("/proc/self/gid_map", gid_map)
-            if libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
+            if mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
                 fail("making mounts private")
-            if libc.mount(b"corral-hidden", target, b"tmpfs", flags, b"size=4k,mode=0555") != 0:
+            if mount(b"corral-hidden", target, b"tmpfs", flags, b"size=4k,mode=0555") != 0:
                 fail(f"covering {self.hidden}")
             fd = syscall(
                 ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
