@@ -221,9 +221,9 @@ print(done.stdout, end="")
 """
 
 
-def _confined_listing(home: Path, python: str, user: list[str]) -> list[str]:
-    """PARENT's output lines, run by ``python`` as ``user`` (a setpriv prefix, or nothing)."""
-    src = Path(confine.__file__).parents[2]
+def _confined_listing(home: Path, python: str, user: list[str], src: Path) -> list[str]:
+    """PARENT's output lines, run by ``python`` as ``user`` (a setpriv prefix, or nothing),
+    with ``src`` on its path."""
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(src), "HOME": "/"}
     done = subprocess.run(
         [*user, python, "-c", PARENT, str(home)],
@@ -242,7 +242,7 @@ def test_the_confinement_holds_as_root(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     (home / "token").write_text("secret")
-    lines = _confined_listing(home, sys.executable, [])
+    lines = _confined_listing(home, sys.executable, [], Path(confine.__file__).parents[2])
     assert "mount namespace" in lines[0]
     assert lines[1:3] == ["[]", "token FileNotFoundError"]
     assert lines[4] == "0"  # still root (its environ line: see the unprivileged test)
@@ -265,8 +265,18 @@ def test_the_confinement_holds_for_an_unprivileged_daemon(request: pytest.Fixtur
     (home / "token").write_text("secret")
     os.chown(home, nobody, nobody)
     os.chown(home / "token", nobody, nobody)
+    # The two modules it needs (standard library only), where `nobody` can read them: the
+    # checkout may sit in a directory closed to other users.
+    package = base / "src" / "corral"
+    (package / "infra").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "infra" / "__init__.py").write_text("")
+    shutil.copy(confine.__file__, package / "infra" / "confine.py")
+    shutil.copy(Path(confine.__file__).parents[1] / "limits.py", package / "limits.py")
+    for path in [base / "src", package, package / "infra", *package.rglob("*.py")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     user = [setpriv, f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups"]
-    lines = _confined_listing(home, python, user)
+    lines = _confined_listing(home, python, user, base / "src")
     assert "user namespace" in lines[0]
     # And the daemon's environment (it names the home) is closed to it: not dumpable.
     assert lines[1:] == ["[]", "token FileNotFoundError", "environ PermissionError", str(nobody)]
