@@ -296,7 +296,7 @@ class ServiceController:
             self.store.update_service(self.name, lb_port=port)
         self._route_version = row.current_version
         route = self._route(row.current_version, port)
-        check_tls(route)  # a missing or bad file fails the service here, not in every worker
+        route.server_context()  # a missing or bad TLS file fails the service here
         self.balancer = self.deps.dataplane.route(self.name, route)
 
     def _follow_version(self, version: int) -> None:
@@ -307,7 +307,7 @@ class ServiceController:
         self._route_version = version
         route = self._route(version, self.balancer.port)
         try:
-            check_tls(route)
+            route.server_context()
         except (OSError, ssl.SSLError) as exc:
             text = f"balancer settings of version {version} not applied (TLS): {exc}"
             log.error("service %s: %s", self.name, text)
@@ -1285,15 +1285,6 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
             "max_connections": lb.max_connections,
         },
     )
-
-
-def check_tls(route: Route) -> None:
-    """Load a route's certificate and key as a worker will (same user, same machine), so a
-    missing or unreadable file is an error the user sees in `status`, not a log line in each
-    balancer worker. Raises OSError or ssl.SSLError."""
-    if route.tls_cert and route.tls_key:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(route.tls_cert, route.tls_key)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,16 @@ class Route:
             [self.port, self.host, self.tls_cert, self.tls_key, dict(self.config)],
             sort_keys=True,
         )
+
+    def server_context(self) -> ssl.SSLContext | None:
+        """The TLS context a listener of this route serves with (None: plain HTTP). The daemon
+        builds it too, once, so that a missing or unreadable file is an error the user sees in
+        `status`, not a log line in each worker. Raises OSError or ssl.SSLError."""
+        if not (self.tls_cert and self.tls_key):
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -359,10 +359,7 @@ class Worker:
 
 
 def _make_balancer(name: str, route: Route, on_drained: Callable[[int], None]) -> LoadBalancer:
-    context = None
-    if route.tls_cert and route.tls_key:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(route.tls_cert, route.tls_key)
+    context = route.server_context()
     # A setting this worker's engine does not know (a newer daemon, during an upgrade) is left
     # out rather than refusing the whole service.
     known = inspect.signature(LoadBalancer).parameters
