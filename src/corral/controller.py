@@ -597,8 +597,6 @@ class ServiceController:
             elif r.scale_down and r.teardown_state is None:
                 self._retire(r, "scaled down")
             elif r.launch_state == "pending" and r.id not in self._rt.launches:
-                if len(self._rt.launches) >= self.deps.launches_per_service:
-                    continue  # a fair share of the launch lane; the next step takes it up
                 self._launch(r, self.spec(r.version))
 
         rows = self.store.replicas(self.name)
@@ -622,8 +620,7 @@ class ServiceController:
                     row = self.store.add_replica(
                         self.name, svc.current_version, spec.infra, f"target {target}"
                     )
-                    if len(self._rt.launches) < self.deps.launches_per_service:
-                        self._launch(row, spec)  # else PENDING: a later step launches it
+                    self._launch(row, spec)
                 self.last_decision = f"launching {target - len(live)} toward target {target}"
         elif len(live) > target:
             for r in scale_down_victims(
@@ -755,6 +752,8 @@ class ServiceController:
     def _launch(self, r: ReplicaRow, spec: ServiceSpec) -> None:
         if r.id in self._rt.launches:
             return
+        if len(self._rt.launches) >= self.deps.launches_per_service:
+            return  # a fair share of the launch lane: it stays PENDING, a later step launches it
         infra = self._infra_for(r)
         self.store.event(self.name, "replica.launch", f"on {r.infra}", replica_id=r.id)
         vrow = self.store.version(self.name, r.version)
