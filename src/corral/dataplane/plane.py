@@ -114,16 +114,6 @@ class ServiceRoute:
     def request_timestamps(self, window: float = 60.0) -> list[float]:
         return self._plane.request_times(self.name, window)
 
-    def in_flight(self, replica_id: int | None = None) -> int:
-        stats = self._plane.stats().get(self.name) or {}
-        if replica_id is None:
-            return int(stats.get("in_flight", 0))
-        replica = (stats.get("replicas") or {}).get(str(replica_id)) or {}
-        return int(replica.get("in_flight", 0))
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self._plane.stats().get(self.name) or {})
-
     def bind_errors(self) -> list[str]:
         return self._plane.bind_errors(self.name)
 
