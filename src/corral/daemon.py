@@ -390,6 +390,29 @@ def _configure_logging() -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+def _guard_local(local: LocalInfra, home: Path, home_marker: str) -> dict[str, Any]:
+    """Set up what keeps local replicas in their place (a cgroup each, the sandbox away from
+    the home), say loudly what this machine does not allow, and return the sandbox's state."""
+    weak = local.containment(home_marker)
+    if weak:
+        log.warning(
+            "replicas get no cgroup of their own (%s): teardown stops their process "
+            "groups and every process carrying their replica key, but a process that "
+            "leaves its group and clears its environment would survive it",
+            weak,
+        )
+    detail = local.confine(home)
+    if local.confinement is None:
+        log.warning(
+            "REPLICAS ARE NOT CONFINED (%s): any replica can read this home, its API token "
+            "included, and so control every service",
+            detail,
+        )
+    else:
+        log.info("confinement: %s", detail)
+    return {"confined": local.confinement is not None, "detail": detail}
+
+
 def _sweep(home_marker: str, infras: Mapping[str, Infra], store: Store) -> None:
     known: dict[str, list[ReplicaHandle]] = {name: [] for name in infras}
     recorded: set[str] = set()
@@ -466,27 +489,9 @@ async def serve(
         infras = {"local": LocalInfra(), **_cluster_backends()}
     infras = dict(infras)
     local = infras.get("local")
-    if isinstance(local, LocalInfra):
-        weak = local.containment(home_marker)
-        if weak:
-            log.warning(
-                "replicas get no cgroup of their own (%s): teardown stops their process "
-                "groups and every process carrying their replica key, but a process that "
-                "leaves its group and clears its environment would survive it",
-                weak,
-            )
     confinement = {"confined": False, "detail": "no local backend"}
     if isinstance(local, LocalInfra):
-        detail = await asyncio.to_thread(local.confine, home)
-        confinement = {"confined": local.confinement is not None, "detail": detail}
-        if local.confinement is None:
-            log.warning(
-                "REPLICAS ARE NOT CONFINED (%s): any replica can read this home, its API token "
-                "included, and so control every service",
-                detail,
-            )
-        else:
-            log.info("confinement: %s", detail)
+        confinement = await asyncio.to_thread(_guard_local, local, home, home_marker)
     _sweep(home_marker, infras, store)
     _backup(store, home)
     dataplane = DataPlane(
