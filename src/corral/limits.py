@@ -12,12 +12,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import resource
 
-__all__ = ["open_files", "raise_open_files", "undumpable"]
+__all__ = ["libc", "open_files", "raise_open_files", "undumpable"]
 
 PR_SET_DUMPABLE = 4
+
+
+@functools.cache
+def libc() -> ctypes.CDLL:
+    """The C library, for the few system calls Python's ``os`` lacks (prctl, unshare, mount).
+    Raises OSError when it cannot be loaded."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def undumpable() -> None:
@@ -26,8 +34,7 @@ def undumpable() -> None:
     home's path in the daemon's or a worker's environment and memory maps. (Root replicas
     keep that capability.) Reset by exec, so replicas are not affected. Best effort."""
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 def raise_open_files() -> tuple[int, int]:

@@ -31,13 +31,14 @@ when it cannot be had; replicas then run unconfined and the daemon says so loudl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from corral.limits import PR_SET_DUMPABLE, libc
 
 __all__ = ["Confinement", "landlock_abi", "plan"]
 
@@ -57,7 +58,6 @@ LANDLOCK_CREATE_RULESET_VERSION = 1
 ACCESS_FS_MAKE_CHAR = 1 << 6
 ACCESS_FS_MAKE_BLOCK = 1 << 11
 SCOPE_SIGNAL = 1 << 1
-PR_SET_DUMPABLE = 4
 # An error the child reports through ``subprocess`` (which shows the preexec_fn failed).
 _FAILED = "corral could not confine the replica"
 
@@ -70,15 +70,10 @@ class _RulesetAttr(ctypes.Structure):
     ]
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version; 0 when Landlock is missing or disabled."""
     try:
-        libc = _libc()
-        version = libc.syscall(
+        version = libc().syscall(
             ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
             None,
             ctypes.c_size_t(0),
@@ -109,8 +104,8 @@ class Confinement:
         """The ``preexec_fn`` that confines the child. Everything it needs (the C library, the
         strings, the ruleset structure) is made here, in the parent: the child only makes
         system calls, and takes no lock a thread of the parent could hold across the fork."""
-        libc = _libc()
-        syscall, unshare, mount, prctl = libc.syscall, libc.unshare, libc.mount, libc.prctl
+        c = libc()
+        syscall, unshare, mount, prctl = c.syscall, c.unshare, c.mount, c.prctl
         target = os.fsencode(self.hidden)
         uid, gid = os.getuid(), os.getgid()
         uid_map = f"{uid} {uid} 1\n".encode()
