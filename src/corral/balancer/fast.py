@@ -393,6 +393,7 @@ def _done(
     served[rid] = served.get(rid, 0) + 1
     now = time.monotonic()
     seconds = now - t0
+    # LoadBalancer._record, inlined on purpose: per-request calls are what this path saves.
     codes = lb._codes
     codes[status] = codes.get(status, 0) + 1
     lb._latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
