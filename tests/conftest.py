@@ -87,21 +87,23 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
 
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs. A zombie is dead: in a container whose PID 1 does not reap,
-    orphans of a killed daemon stay zombies forever and ``pid_exists`` would still say yes.
-    But only once its other threads are gone too: a SIGKILLed process's leader turns zombie
-    while the rest of its threads still exit, holding its descriptors (a listening socket)
-    for a moment longer."""
+    orphans of a killed daemon stay zombies forever and ``pid_exists`` would still say yes."""
     try:
-        if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-            return True
-    except psutil.NoSuchProcess:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
-    except psutil.ZombieProcess:
-        pass
+
+
+def finished(pid: int) -> bool:
+    """Dead and its resources released: not :func:`pid_alive`, and no thread left. A SIGKILLed
+    process's leader turns zombie while its other threads still exit, holding its descriptors
+    (a listening socket) a moment longer: wait on this before reusing what it held."""
+    if pid_alive(pid):
+        return False
     try:
-        return len(os.listdir(f"/proc/{pid}/task")) > 1
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
     except OSError:
-        return False
+        return True
 
 
 def kill_pids(pids: set[int] | list[int], timeout: float = KILL_TIMEOUT) -> list[int]:
@@ -487,7 +489,7 @@ class CorralHome:
         pid = self.daemon_pid()
         os.kill(pid, sig)
         self._reap()
-        wait_for(lambda: not pid_alive(pid), timeout, f"daemon pid {pid} to exit")
+        wait_for(lambda: finished(pid), timeout, f"daemon pid {pid} to exit")
         self._reap()
 
     def _reap(self) -> None:

@@ -17,9 +17,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
-from conftest import CorralHome, get_json, http, pid_alive, spec_text, wait_for, write_spec
+from conftest import (
+    CorralHome,
+    finished,
+    get_json,
+    http,
+    pid_alive,
+    spec_text,
+    wait_for,
+    write_spec,
+)
 from load import PacedLoad
 
 from corral.dataplane.worker import RESPAWN_AFTER, RESPAWN_STAGGER
@@ -121,9 +129,8 @@ def test_dead_worker_is_replaced_while_the_others_keep_the_port(
     os.kill(first, signal.SIGKILL)
     # Connections queued on the dead worker's socket die with it (a limit of SO_REUSEPORT);
     # once it is gone, the other worker holds the port alone: every new connection is served.
-    # "Gone" is reaped by the daemon, not a zombie: a killed thread group's leader turns zombie
-    # while its other threads may still hold the listening socket open for a moment.
-    wait_for(lambda: not psutil.pid_exists(first), 10, "the worker to be reaped")
+    # Finished, not merely a zombie: see conftest.finished.
+    wait_for(lambda: finished(first), 10, "the worker to finish")
     for _ in range(20):
         assert (error := why_not(url)) is None, error
     replaced = wait_for(
