@@ -109,6 +109,13 @@ REQUESTS = [
     b"POST /chunked HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
     b"PATCH /expect HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nhi",
     b"DELETE /d HTTP/1.1\r\nHost: h\r\nKeep-Alive: 5\r\n\r\n",
+    # request lines the fast path's one split must not misread
+    b"GET  /double-space HTTP/1.1\r\nHost: h\r\n\r\n",
+    b"GET /bare\rcr HTTP/1.1\r\nHost: h\r\n\r\n",
+    b"GET /bare-lf HTTP/1.1\nHost: h\r\n\r\n",
+    b"GET /trailing-space HTTP/1.1 \r\nHost: h\r\n\r\n",
+    b"GET /two words HTTP/1.1\r\nHost: h\r\n\r\n",
+    b"GET /v HTTP/1.10\r\nHost: h\r\n\r\n",
 ]
 RESPONSES = [
     [b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"],

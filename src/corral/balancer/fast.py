@@ -109,14 +109,18 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:
         return False
-    eol = data.find(_CRLF)
-    line = data[:eol].split(b" ")
+    # One split, no search for the line's end: "METHOD SP target SP HTTP/1.x CRLF" puts it
+    # right after the version, and a line that is anything else fails a check below (a
+    # target holding CR or LF is refused by llhttp before anything is done).
+    line = data.split(b" ", 2)
     if len(line) != 3:
         return False
-    method, target, version = line
-    http11 = version == b"HTTP/1.1"
-    if method not in _METHODS or target[:1] != b"/" or not (http11 or version == b"HTTP/1.0"):
+    method, target, rest = line
+    version = rest[:10]
+    http11 = version == b"HTTP/1.1\r\n"
+    if method not in _METHODS or target[:1] != b"/" or not (http11 or version == b"HTTP/1.0\r\n"):
         return False
+    eol = len(method) + len(target) + 10
     if end > _COUNT_HEADERS_ABOVE and data.count(_CRLF, 0, end) > _MAX_HEADERS:
         return False
     block = data[eol : end + 2]
@@ -253,11 +257,7 @@ def _send(
         cl._run(ex, None if body is None else len(body), False, rid)
         return True
     lb._requests += 1
-    stamps = lb._timestamps  # what lb._count_request does, without the call
-    stamps.append(now)
-    horizon = now - lb.TIMESTAMP_HORIZON
-    while stamps[0] < horizon:
-        stamps.popleft()
+    lb._timestamps.append(now)  # what lb._count_request does, without the call
     in_flight = lb._in_flight
     in_flight[rid] = in_flight.get(rid, 0) + 1
     lb._total_in_flight += 1

@@ -75,10 +75,44 @@ _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")
 
 
 def _pattern(names: Iterable[bytes]) -> re.Pattern[bytes]:
-    """A pattern of header lines by (lower-case) name, matched against a lower-cased block."""
-    # Longest names first, so "te" is tried after "transfer-encoding" / "trailer".
-    alternatives = b"|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
-    return re.compile(rb"\r\n(" + alternatives + rb"):")
+    """A pattern of header lines by (lower-case) name, matched against a lower-cased block.
+
+    The names are laid out as a trie (``c(?:onnection|ontent-length)|...``): re tries the
+    alternatives of a group one by one at every line start, so a flat list of 14 names costs
+    14 tries per header line where the trie costs one or two. Every request on the fast path
+    runs one of these searches.
+    """
+    return re.compile(rb"\r\n(" + _trie(set(names)) + rb"):")
+
+
+def _trie(names: set[bytes]) -> bytes:
+    """An alternation matching exactly ``names``, grouped by their first byte."""
+    groups: dict[bytes, set[bytes]] = {}
+    for name in names:
+        groups.setdefault(name[:1], set()).add(name[1:])
+    parts = []
+    for first in sorted(groups):
+        rests = groups[first]
+        optional = b"" in rests
+        rests.discard(b"")
+        if not rests:
+            parts.append(re.escape(first))
+        elif len(rests) == 1 and not optional:
+            parts.append(re.escape(first + rests.pop()))
+        else:
+            shared = b"" if optional else _common_prefix(rests)
+            inner = _trie({rest[len(shared) :] for rest in rests})
+            parts.append(re.escape(first + shared) + b"(?:" + inner + (b")?" if optional else b")"))
+    return b"|".join(parts)
+
+
+def _common_prefix(names: set[bytes]) -> bytes:
+    """What all ``names`` start with: what the first and last of them in order share."""
+    first, last = min(names), max(names)
+    n = 0
+    while n < len(first) and first[n] == last[n]:
+        n += 1
+    return first[:n]
 
 
 REQUEST_RE: Final = _pattern(_REQUEST_DROP)

@@ -293,7 +293,8 @@ class LoadBalancer:
         return f"{self._scheme}://{host}:{self._port}"
 
     def _tick(self) -> None:
-        """Fire passed deadlines; close expired pooled connections once a second."""
+        """Fire passed deadlines; once a second, close expired pooled connections and drop
+        request times older than the horizon."""
         now = time.monotonic()
         try:
             for client in list(self._clients):
@@ -303,6 +304,10 @@ class LoadBalancer:
             if now >= self._next_expire:
                 self._next_expire = now + 1.0
                 self._pool.expire(now)
+                stamps = self._timestamps
+                horizon = now - self.TIMESTAMP_HORIZON
+                while stamps and stamps[0] < horizon:  # each timestamp leaves once
+                    stamps.popleft()
         except Exception:
             logger.exception("balancer %s: error in the deadline ticker", self._name)
         finally:
@@ -427,11 +432,7 @@ class LoadBalancer:
 
     def _count_request(self, t0: float) -> None:
         self._requests += 1
-        stamps = self._timestamps
-        stamps.append(t0)
-        horizon = t0 - self.TIMESTAMP_HORIZON
-        while stamps[0] < horizon:  # amortized O(1): each timestamp leaves once
-            stamps.popleft()
+        self._timestamps.append(t0)  # trimmed to the horizon by the ticker, not per request
 
     def _record(self, status: int, seconds: float) -> None:
         """A response went out (its headers): by code, and its latency."""
