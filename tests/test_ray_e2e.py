@@ -372,6 +372,45 @@ def test_daemon_killed_during_launch_leaks_nothing(ray_home: RayHome, tmp_path: 
     get_json(service["endpoint"] + "/x")
 
 
+def test_actors_lost_while_no_daemon_ran_are_preempted_not_failed(
+    ray_home: RayHome, tmp_path: Path
+) -> None:
+    """Replicas still STARTING whose actors die while the daemon is down: the restarted daemon
+    judges them as a running one would (PREEMPTED, relaunched), not as failed apps that count
+    toward the crash-loop rule and give the service up."""
+    home = ray_home.home
+    home.run("up", "--detach", str(ray_spec(tmp_path, "lost", 3, run="sleep 600")))
+
+    def started() -> dict[int, dict[str, Any]] | None:
+        found = ray_home.handles("lost")
+        return (
+            found if len(found) == 3 and all(h.get("actor_pid") for h in found.values()) else None
+        )
+
+    first = wait_for(started, 60, "3 replicas started on the cluster", interval=0.3)
+    daemon = home.daemon_pid()
+    os.kill(daemon, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(daemon), 10, "the daemon to die")
+    for data in first.values():
+        os.kill(data["actor_pid"], signal.SIGKILL)
+    wait_for(lambda: not ray_home.actors(), 30, "the killed actors to leave the cluster")
+
+    home.start_daemon()
+
+    def relaunched() -> dict[str, Any] | None:
+        svc = home.service("lost")
+        assert svc is not None
+        states = {r["id"]: r["status"] for r in svc["replicas"]}
+        fresh = [rid for rid, status in states.items() if rid not in first and status in LIVE]
+        gone = [states.get(rid) for rid in first]
+        return svc if len(fresh) == 3 and gone == ["PREEMPTED"] * 3 else None
+
+    svc = wait_for(relaunched, 60, "the 3 lost replicas PREEMPTED and 3 new ones launched")
+    assert svc["status"] != "FAILED", svc
+    events = home.api("GET", "/v1/services/lost/events").json()["events"]
+    assert not any(e["action"] == "service.failed" for e in events), events
+
+
 # -- an unreachable cluster -----------------------------------------------------------------------
 
 

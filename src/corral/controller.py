@@ -399,8 +399,27 @@ class ServiceController:
                     self.store.update_replica(r.id, ready=0)
                     self._event(r.id, "replica.unknown", self._unknown_reason(r))
                 else:
-                    self._mark_failed(r, app_failed=1, failure="process gone after daemon restart")
+                    self._mark_gone(r, self._infra_for(r), handle, liveness)
         self._publish_ready()
+
+    def _mark_gone(
+        self, r: ReplicaRow, infra: Infra, handle: ReplicaHandle, liveness: Liveness
+    ) -> None:
+        """Record a replica found gone, judged the same whether a running daemon's probe or a
+        restarted daemon's adoption found it: an app that exited is FAILED (with its exit code
+        when the backend knows it) and counts toward the crash-loop rule; a replica whose host
+        went away is PREEMPTED and replaced, whoever noticed."""
+        if liveness is Liveness.LOST:
+            self._mark_failed(r, preempted=1, failure="replica's host went away")
+            return
+        code = infra.exit_code(handle)
+        said = f"code {code}" if code is not None else "exit code unknown: no daemon was watching"
+        self._mark_failed(
+            r,
+            app_failed=1,
+            exit_code=code,
+            failure=f"process exited ({said}); see {self.replica_log(r.id)}",
+        )
 
     def _outcome_lost(self, r: ReplicaRow) -> bool:
         """A row mid-launch or mid-teardown that no job or drain of this controller works on.
@@ -1095,17 +1114,8 @@ class ServiceController:
         if infra is None:
             return  # no backend to ask (see _liveness): the row keeps what adopt recorded
         liveness = await asyncio.to_thread(infra.check, handle)
-        if liveness is Liveness.EXITED:
-            code = infra.exit_code(handle)
-            self._mark_failed(
-                r,
-                app_failed=1,
-                exit_code=code,
-                failure=f"process exited (code {code}); see {self.replica_log(r.id)}",
-            )
-            return
-        if liveness is Liveness.LOST:
-            self._mark_failed(r, preempted=1, failure="replica's host went away")
+        if liveness is Liveness.EXITED or liveness is Liveness.LOST:
+            self._mark_gone(r, infra, handle, liveness)
             return
         spec = self.spec(r.version)
         rp = spec.service.readiness_probe
