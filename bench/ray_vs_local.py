@@ -14,7 +14,7 @@ the real CLI and daemon:
    for scale, the memory of the Ray worker processes that host the 32 actors.
 
 The cluster is a private ``ray.cluster_utils.Cluster`` on this machine (head + 2 workers, 2
-logical CPUs each; :mod:`corral.infra._ray_cluster`), in its own ``RAY_TMPDIR``, on 127.0.0.1,
+logical CPUs each; ``tests/ray_cluster.py``), in its own ``RAY_TMPDIR``, on 127.0.0.1,
 shut down by its handles and by pid. Each run gets a fresh ``CORRAL_HOME`` and is torn down in
 ``finally`` (``down --all``, ``daemon stop``, then a check by pid that every replica process and
 actor is gone, and on the cluster that no actor of that home is left). Runs of the two backends
@@ -47,11 +47,14 @@ import psutil
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
 
-from corral.client import Client, ensure_daemon
-from corral.infra._ray_cluster import LocalRayCluster
-
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
+sys.path.insert(0, str(REPO / "tests"))  # the test cluster lives with the tests, not in corral
+
+from ray_cluster import LocalRayCluster  # noqa: E402
+
+from corral.client import Client, ensure_daemon  # noqa: E402
+
 EXAMPLES = REPO / "examples"
 DEFAULT_JSON = BENCH / "results" / "ray_vs_local.json"
 NODES: list[dict[str, Any]] = [

@@ -10,8 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from corral.infra._ray_cluster import LocalRayCluster
+from ray_cluster import LocalRayCluster
 
 
 def cluster_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:

@@ -2,7 +2,7 @@
 
 The cluster (head ``node-0`` + ``node-1`` + ``node-2``, each with a custom resource of its name,
 ``node-1`` also with a node label) is started once for this file by a helper process shared by
-the xdist workers (:mod:`corral.infra._ray_cluster`): private ``RAY_TMPDIR``, 127.0.0.1 only,
+the xdist workers (``tests/ray_cluster.py``): private ``RAY_TMPDIR``, 127.0.0.1 only,
 shut down with ``Cluster.shutdown()`` and by pid, never ``ray stop``. Tests that remove a node
 add a node of their own first, so a test running on the other worker never loses its replicas.
 
@@ -37,11 +37,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
 from conftest import EXAMPLES, pid_alive, wait_for  # noqa: E402
+from ray_cluster import LocalRayCluster  # noqa: E402
 from ray_support import cluster_dir, guard_topology, topology  # noqa: E402
 
 from corral import jobs  # noqa: E402
 from corral.infra import ray as ray_infra  # noqa: E402
-from corral.infra._ray_cluster import LocalRayCluster  # noqa: E402
 from corral.infra._ray_resources import parse_memory, ray_options  # noqa: E402
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle  # noqa: E402
 

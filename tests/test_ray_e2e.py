@@ -2,7 +2,7 @@
 
 The cluster (head ``node-0`` + ``node-1`` + ``node-2``, each with a custom resource of its name,
 the two workers also with ``pool``) runs on this machine for this file, owned by a helper
-process the xdist workers share (:mod:`corral.infra._ray_cluster`): private ``RAY_TMPDIR``,
+process the xdist workers share (``tests/ray_cluster.py``): private ``RAY_TMPDIR``,
 127.0.0.1 only, shut down with ``Cluster.shutdown()`` and by pid, never ``ray stop``.
 
 Each test has its own corral home (``corral_home`` in conftest.py) whose daemon gets
@@ -44,9 +44,8 @@ from conftest import (
     wait_for,
     write_spec,
 )
+from ray_cluster import LocalRayCluster
 from ray_support import cluster_dir, guard_topology, topology
-
-from corral.infra._ray_cluster import LocalRayCluster
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,6 +1,6 @@
 """A private multi-node Ray cluster on this machine, for corral's Ray tests and benchmark.
 
-Why a helper process owns the cluster (``python -m corral.infra._ray_cluster serve DIR``): the
+Why a helper process owns the cluster (``python tests/ray_cluster.py serve DIR``): the
 tests run under ``pytest -n 2``, whose scheduler spreads one module's tests over both workers,
 so a fixture in each worker would start one cluster per worker. The first user starts the
 helper, later users (other workers) attach to the same one, and the last to detach shuts it
@@ -147,7 +147,7 @@ class LocalRayCluster:
         log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - handed to the child
         with log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "corral.infra._ray_cluster", "serve", str(self.dir)],
+                [sys.executable, str(Path(__file__).resolve()), "serve", str(self.dir)],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -391,7 +391,7 @@ def _shutdown(cluster: Any) -> list[int]:
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "serve":
         return _serve(Path(argv[1]))
-    print("usage: python -m corral.infra._ray_cluster serve DIR", file=sys.stderr)
+    print("usage: python tests/ray_cluster.py serve DIR", file=sys.stderr)
     return 2
 
 
