@@ -218,7 +218,7 @@ def test_one_time_link_cookie_and_every_route_behind_the_session(corral_home: Co
     status, headers, body = request(port, "GET", "/ui/", headers={"Cookie": cookie})
     assert status == 200 and b'<main id="main"' in body
     assert "script-src 'self'" in headers["Content-Security-Policy"]
-    assert headers["Referrer-Policy"] == "no-referrer" and headers["Cache-Control"] == "no-store"
+    assert headers["Referrer-Policy"] == "same-origin" and headers["Cache-Control"] == "no-store"
     # The static files hold no data and are open (the login page needs the styles).
     status, headers, body = request(port, "GET", "/ui/static/app.js")
     assert status == 200 and headers["Content-Type"].startswith("text/javascript")

@@ -9,8 +9,9 @@ the cookie is ``SameSite=Strict`` (no other site's request carries it), the requ
 the ``X-Corral-UI: 1`` header (a cross-site form cannot set a header, and a cross-site script
 cannot without a CORS preflight that this server never grants), and a browser's ``Origin``, when
 sent, must be this server. Every answer under ``/ui`` gets a strict Content-Security-Policy
-(scripts and styles from this server only, no framing) and ``Referrer-Policy: no-referrer``, so
-a one-time login link does not leak through a Referer header.
+(scripts and styles from this server only, no framing) and ``Referrer-Policy: same-origin``,
+so a one-time login link never leaves in a Referer header (``no-referrer`` would also make
+Chromium send ``Origin: null`` with the login form, which the origin check then refuses).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ SECURITY_HEADERS: Final = {
     "base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",
 }
 
 
