@@ -41,6 +41,8 @@ DEFAULT_JSON = BENCH_DIR / "results" / "dashboard_tabs.json"
 SERVICES = ("alpha", "beta")
 TABS = 20
 MB = 1024 * 1024
+# The bound this project states (docs/benchmarks.md): what 20 tabs may add to the daemon.
+LIMITS = {"cpu_share_of_a_core": 0.05, "rss_mb": 5.0}
 
 
 async def _traffic(endpoints: list[str], rate: float, stop: asyncio.Event) -> int:
@@ -162,6 +164,24 @@ def _table(phases: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _verdict(phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each phase with tabs against the idle one: within LIMITS?"""
+    idle = next(iter(phases.values()))
+    out: dict[str, Any] = {"ok": True, "lines": []}
+    for label, p in list(phases.items())[1:]:
+        cpu = p["cpu_share_of_a_core"] - idle["cpu_share_of_a_core"]
+        rss = p["rss_mb_peak"] - idle["rss_mb_peak"]
+        ok = cpu <= LIMITS["cpu_share_of_a_core"] and rss <= LIMITS["rss_mb"]
+        out["ok"] = out["ok"] and ok
+        out["lines"].append(
+            f"{label}: +{cpu * 100:.2f}% of a core, +{rss:.1f} MB RSS "
+            f"(bound {LIMITS['cpu_share_of_a_core'] * 100:g}%, {LIMITS['rss_mb']:g} MB): "
+            + ("within" if ok else "OVER")
+        )
+    out["text"] = "\n".join(out["lines"])
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="length of each phase")
@@ -193,10 +213,14 @@ def main() -> int:
             h.down_all(problems)
             h.cli("daemon", "stop", "--all", timeout=60)  # the balancer workers too
     print(_table(measured["phases"]))
+    verdict = _verdict(measured["phases"])
+    print(verdict["text"])
     report = {
         "machine": machine_info(),
         "args": {"seconds": args.seconds, "rate": args.rate, "tabs": TABS},
         **measured,
+        "limits": LIMITS,
+        "verdict": verdict,
         "problems": problems,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +228,7 @@ def main() -> int:
     progress(f"results written to {args.json}")
     for line in problems:
         progress(f"problem: {line}")
-    return 1 if problems else 0
+    return 1 if problems or not verdict["ok"] else 0
 
 
 if __name__ == "__main__":

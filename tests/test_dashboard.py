@@ -275,6 +275,39 @@ def test_actions_need_the_pages_header_and_origin(corral_home: CorralHome, tmp_p
     assert svc is not None and svc["policy"]["min_replicas"] == 2
     # Scaling kept the running replica (only the service section changed).
     assert 1 in [r["id"] for r in svc["replicas"] if r["status"] == "READY"]
+    follow_a_log_across_a_rotation(home, port, cookie, svc)
+
+
+def follow_a_log_across_a_rotation(
+    home: CorralHome, port: int, cookie: str, svc: dict[str, Any]
+) -> None:
+    """A followed log pushes new lines; emptied in place, it is followed again from 0."""
+    replica = next(r for r in svc["replicas"] if r["id"] == 1)
+    conn = HTTPConnection("127.0.0.1", port, timeout=15)
+    conn.request(
+        "GET", "/ui/api/services/a/replicas/1/log?kind=replica", headers={"Cookie": cookie}
+    )
+    answer = conn.getresponse()
+    assert answer.status == 200 and answer.headers["Content-Type"] == "text/event-stream"
+    seen = b""
+
+    def until(needle: bytes) -> None:
+        nonlocal seen
+        while needle not in seen:
+            line = answer.readline()
+            assert line, f"the stream ended before {needle!r}"
+            seen += line
+
+    try:
+        until(b"listening on")
+        log = home.path / "services" / "a" / "logs" / "replica_1.log"
+        with open(log, "r+b") as f:  # what corral.logfiles does after copying it to .1
+            f.truncate(0)
+        until(b"event: rotated")
+        assert http(f"{replica['endpoint']}/after-rotation").status == 200
+        until(b"GET /after-rotation")
+    finally:
+        conn.close()
 
 
 def test_every_tab_gets_the_same_bytes_and_the_numbers_of_metrics(
