@@ -213,6 +213,8 @@ def test_one_time_link_cookie_and_every_route_behind_the_session(corral_home: Co
         bearer = {"Authorization": f"Bearer {home.token}", "X-Corral-UI": "1"}
         assert request(port, method, path, headers=bearer)[0] == 401
     assert request(port, "GET", "/v1/services", headers={"Cookie": cookie})[0] == 401
+    # A HEAD of a stream would hold it open without a byte to write: not a route.
+    assert request(port, "HEAD", "/ui/api/feed", headers={"Cookie": cookie})[0] in (404, 405)
 
     # With it: the shell, with a strict content security policy.
     status, headers, body = request(port, "GET", "/ui/", headers={"Cookie": cookie})

@@ -245,9 +245,10 @@ class Dashboard:
             web.get(p + "/", self.page),
             web.get(p + "/services/{name}", self.page),
             web.get(p + "/services/{name}/replicas/{replica}", self.page),
-            web.get(p + "/api/feed", self.feed_stream),
+            # Streams answer GET only: a HEAD would hold a stream that never writes a byte.
+            web.get(p + "/api/feed", self.feed_stream, allow_head=False),
             web.get(svc + "/history", self.history),
-            web.get(svc + "/replicas/{replica}/log", self.log_stream),
+            web.get(svc + "/replicas/{replica}/log", self.log_stream, allow_head=False),
             web.post(svc + "/down", self.down),
             web.post(svc + "/rollback", self.rollback),
             web.post(svc + "/scale", self.scale),
