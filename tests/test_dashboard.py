@@ -363,6 +363,35 @@ def test_every_tab_gets_the_same_bytes_and_the_numbers_of_metrics(
     shared = set(results[0]).intersection(*results[1:])
     assert shared, "the tabs got no state in common: each was encoded for one tab"
     assert get_json(home.api_url + "/v1/health")["ok"]
+    streams_are_bounded(port, cookie)
+
+
+def streams_are_bounded(port: int, cookie: str) -> None:
+    """Past MAX_LISTENERS open state streams the next one is refused (503), not served."""
+    from corral.dashboard.feed import MAX_LISTENERS
+
+    opened: list[HTTPConnection] = []
+    try:
+        for _ in range(MAX_LISTENERS):
+            conn = HTTPConnection("127.0.0.1", port, timeout=15)
+            conn.request("GET", "/ui/api/feed", headers={"Cookie": cookie})
+            assert conn.getresponse().status == 200
+            opened.append(conn)
+        status, _, body = request(port, "GET", "/ui/api/feed", headers={"Cookie": cookie})
+        assert status == 503 and b"too many dashboard streams" in body
+    finally:
+        for conn in opened:
+            conn.close()
+
+    def served_again() -> bool:
+        conn = HTTPConnection("127.0.0.1", port, timeout=15)
+        try:
+            conn.request("GET", "/ui/api/feed", headers={"Cookie": cookie})
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
+
+    wait_for(served_again, 15, "a stream to be served once the others closed")
 
 
 def get_json_with_cookie(port: int, path: str, cookie: str) -> Any:
