@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from corral import __version__, logfiles
+from corral import __version__, dashboard, logfiles
 from corral.balancer import CONTENT_TYPE_LATEST, render
 from corral.daemon import Daemon, RequestError
 from corral.home import hello_proof, valid_nonce
@@ -114,7 +114,11 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         given = request.headers.get("Authorization", "")
-        if request.path not in OPEN_PATHS and not authorized(given, expected):
+        if (
+            request.path not in OPEN_PATHS
+            and not dashboard.own_auth(request.path)  # its session cookie, checked there
+            and not authorized(given, expected)
+        ):
             return _error(401, "missing or wrong API token (see $CORRAL_HOME/token)")
         try:
             return await handler(request)
@@ -298,6 +302,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         return _json(OPENAPI)
 
     app.add_routes(routes)
+    dashboard.install(app, daemon, token)  # /ui and POST /v1/dashboard/login
 
     async def not_found(request: web.Request) -> web.Response:
         return _error(404, f"no route {request.method} {request.path}")

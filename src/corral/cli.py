@@ -360,6 +360,26 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         _fail(problem)
 
 
+@main.command()
+@click.option("--open", "open_browser", is_flag=True, help="Open the link in a web browser.")
+@click.pass_context
+def dashboard(ctx: click.Context, open_browser: bool) -> None:
+    """Print a link that signs a browser in to the web dashboard (once, within 2 minutes)."""
+    from corral.dashboard.cli import login_link  # the command's body lives with the dashboard
+
+    client = _client(ctx, start=True)
+    try:
+        url = login_link(client)
+    except ClientError as exc:
+        _fail(_client_error_text(exc))
+        return
+    click.echo(url)
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(url)
+
+
 @main.group()
 def daemon() -> None:
     """Run, inspect or stop the daemon of this home."""

@@ -1,0 +1,79 @@
+"""What a person may do from the dashboard, each through the daemon operation the CLI's verb
+reaches through the API: ``down`` is ``corral down``, a rollback is ``corral update
+--to-version N``, and scaling a fixed-size service is ``corral update`` with the current spec
+where only ``service.replicas`` changed. Since only the ``service:`` section changes, the
+daemon keeps the running replicas (relabelled to the new version) and its controller launches
+or retires the difference; the event log records a new version, like any update.
+
+The stored spec of that new version is the current one read and written back as YAML with
+the new count: the values are the same, comments and anchors of the original file are not kept.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from corral.daemon import RequestError
+from corral.spec import MAX_REPLICAS
+
+if TYPE_CHECKING:
+    from corral.daemon import Daemon
+
+
+def count_field(body: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise RequestError(400, f"field {key!r} must be a whole number from {low} to {high}")
+    return value
+
+
+def down(daemon: Daemon, name: str) -> dict[str, Any]:
+    return daemon.down(name, purge=False)
+
+
+async def rollback(daemon: Daemon, name: str, version: int) -> dict[str, Any]:
+    return await daemon.update(
+        name, None, mode="rolling", source=None, base_dir=None, from_version=version
+    )
+
+
+def scaled_spec(spec_yaml: str, replicas: int) -> str:
+    """``spec_yaml`` with a fixed size of ``replicas`` (``replica_policy`` replaced)."""
+    data = yaml.safe_load(spec_yaml)
+    if not isinstance(data, dict):
+        raise RequestError(409, "the stored spec is not a YAML mapping; use `corral update`")
+    service = data.get("service")
+    if service is None:
+        service = data["service"] = {}
+    if not isinstance(service, dict):
+        raise RequestError(409, "the stored spec's `service` is not a mapping; use `corral update`")
+    service.pop("replica_policy", None)
+    service["replicas"] = replicas
+    return str(yaml.safe_dump(data, sort_keys=False))
+
+
+async def scale(daemon: Daemon, name: str, replicas: int) -> dict[str, Any]:
+    """Give a fixed-size service ``replicas`` replicas (an autoscaled one is refused: its
+    size is the autoscaler's, between bounds that only a spec update should move)."""
+    controller = daemon.controller(name)
+    svc = daemon.store.service(name)
+    if svc is None or svc.intent == "shutting_down":
+        raise RequestError(409, f"service {name!r} is shutting down")
+    policy = controller.spec(svc.current_version).service.replica_policy
+    if policy.autoscaling:
+        raise RequestError(
+            409,
+            f"service {name!r} autoscales between {policy.min_replicas} and "
+            f"{policy.max_replicas} replicas: change its replica_policy with `corral update`",
+        )
+    if replicas > MAX_REPLICAS:
+        raise RequestError(400, f"field 'replicas' must be at most {MAX_REPLICAS}")
+    row = daemon.store.version(name, svc.current_version)
+    if row is None:
+        raise RequestError(409, f"service {name!r} has no version {svc.current_version}")
+    text = scaled_spec(row.spec_yaml, replicas)
+    return await daemon.update(
+        name, text, mode="rolling", source=row.source, base_dir=row.base_dir, from_version=None
+    )

@@ -1,0 +1,215 @@
+"""One sampler for every open dashboard tab, and the server-sent events stream that shares it.
+
+Why one: a tab that asked the daemon for everything on its own timer would multiply the
+control plane's work by the tabs open. Here a single task reads the counters and the services
+once per :data:`TICK_SECONDS` while any tab listens, encodes that state once, and hands the very
+same bytes to every listener; a listener that falls behind skips to the newest state instead of
+queueing old ones. With no tab open it only takes the charts' sample every
+:data:`~corral.dashboard.history.SAMPLE_SECONDS`, so the history is there when a tab opens.
+
+What a state holds per service is the API's own snapshot (``GET /v1/services/NAME``) plus the
+traffic figures of :mod:`corral.dashboard.history`, each replica's share from the balancers'
+counters, and the last events: the page needs nothing else to draw a services list or a service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+from aiohttp import web
+
+from corral import __version__
+from corral.dashboard.history import (
+    LIVE_WINDOW,
+    SAMPLE_SECONDS,
+    History,
+    Point,
+    Reading,
+    Readings,
+)
+from corral.state import StateError
+
+if TYPE_CHECKING:
+    from corral.daemon import Daemon
+
+log = logging.getLogger("corral.dashboard")
+
+TICK_SECONDS: Final = 1.0
+EVENTS_SHOWN: Final = 25
+MAX_LISTENERS: Final = 64
+SSE_HEADERS: Final = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-store",
+}
+
+
+def sse(event: str, data: Any) -> bytes:
+    """One server-sent event; JSON never holds a raw newline, so it fits one ``data:`` line."""
+    body = json.dumps(data, separators=(",", ":"), default=str)
+    return f"event: {event}\ndata: {body}\n\n".encode()
+
+
+def _replica_traffic(stats: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    return dict((stats or {}).get("replicas") or {})
+
+
+class Feed:
+    """The sampler task, the charts' history it fills, and its listeners."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.readings = Readings()
+        self.history = History()
+        self.listeners = 0
+        self.frames = 0  # states encoded so far (the benchmark and tests read it)
+        self.closed = False
+        self._frame = b""
+        self._frame_at = 0.0
+        self._seq = 0
+        self._published = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._last_point: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="corral-dashboard-feed")
+
+    async def stop(self) -> None:
+        """End every stream now (a daemon stopping must not wait for open tabs)."""
+        self.closed = True
+        self._published.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while not self.closed:
+            try:
+                self.sample(time.time())
+            except StateError as exc:  # the state file is busy: skip this tick
+                log.warning("dashboard sample skipped: %s", exc)
+            except Exception:
+                log.exception("dashboard sample failed")
+            interval = TICK_SECONDS if self.listeners else SAMPLE_SECONDS
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def sample(self, now: float) -> None:
+        """Read the counters; add chart points that are due; encode a state if anyone listens."""
+        stats = self.daemon.deps.dataplane.stats()
+        names = list(self.daemon.controllers)
+        for name in names:
+            self.readings.add(name, Reading.of(now, stats.get(name)))
+        self.readings.keep_only(names)
+        self.history.keep_only(names)
+        due = [n for n in names if now - self._last_point.get(n, 0.0) >= SAMPLE_SECONDS - 0.5]
+        if not due and not self.listeners:
+            return
+        services = self.daemon.services()
+        for service in services:
+            name = service["name"]
+            if name in due:
+                self._add_point(name, now, service)
+        if self.listeners:
+            self._publish(now, services, stats)
+
+    def _add_point(self, name: str, now: float, service: dict[str, Any]) -> None:
+        figures = self.readings.since(name, SAMPLE_SECONDS)
+        ready = sum(1 for r in service["replicas"] if r["status"] == "READY")
+        self.history.add(
+            name,
+            Point(
+                t=round(now, 3),
+                qps=round(figures.qps, 3) if figures else 0.0,
+                p50=figures.p50 if figures else None,
+                p99=figures.p99 if figures else None,
+                error_rate=figures.error_rate if figures else None,
+                ready=ready,
+                target=service.get("target"),
+            ),
+        )
+        self._last_point[name] = now
+
+    def state(self, now: float, services: list[dict[str, Any]], stats: dict[str, Any]) -> Any:
+        """What every tab is sent: the services as the API shows them, and more."""
+        out = []
+        for service in services:
+            name = service["name"]
+            figures = self.readings.since(name, LIVE_WINDOW)
+            traffic = _replica_traffic(stats.get(name))
+            held = service.get("traffic_held_for_version")
+            for replica in service["replicas"]:
+                replica["traffic"] = traffic.get(str(replica["id"]))
+            ready = [r for r in service["replicas"] if r["status"] == "READY"]
+            events = self.daemon.store.events(name, limit=EVENTS_SHOWN)
+            point = self.history.latest(name)
+            out.append(
+                {
+                    **service,
+                    "ready": len(ready),
+                    "serving_versions": sorted({r["version"] for r in ready} - {held}),
+                    "live": figures.as_dict() if figures else None,
+                    "point": point.__dict__ if point else None,
+                    "events": [e.__dict__ for e in events],
+                }
+            )
+        return {
+            "t": now,
+            "daemon": {"pid": os.getpid(), "version": __version__, "home": str(self.daemon.home)},
+            "live_window": LIVE_WINDOW,
+            "sample_seconds": SAMPLE_SECONDS,
+            "services": out,
+        }
+
+    def _publish(self, now: float, services: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+        self._frame = sse("state", self.state(now, services, stats))
+        self._frame_at = time.monotonic()
+        self._seq += 1
+        self.frames += 1
+        published, self._published = self._published, asyncio.Event()
+        published.set()
+
+    # -- listeners ----------------------------------------------------------------------------
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        """The state stream of one tab: the newest state at once, then each new one."""
+        if self.listeners >= MAX_LISTENERS:
+            return web.json_response(
+                {"error": f"too many dashboard streams open (at most {MAX_LISTENERS})"},
+                status=503,
+            )
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        self.listeners += 1
+        self._wake.set()  # a state made for this tab now, not at the next slow tick
+        seq = self._seq if time.monotonic() - self._frame_at > 2 * TICK_SECONDS else -1
+        try:
+            await response.write(b"retry: 2000\n\n")
+            while not self.closed:
+                published = self._published
+                if seq != self._seq and self._frame:
+                    seq = self._seq
+                    await response.write(self._frame)
+                    continue
+                await published.wait()
+        except ConnectionError:
+            return response  # the tab went away
+        finally:
+            self.listeners -= 1
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response

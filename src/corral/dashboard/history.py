@@ -1,0 +1,189 @@
+"""Traffic figures for the dashboard, from the counters ``/metrics`` renders, and their history.
+
+The balancer workers report cumulative counters (answers by status code, latency buckets; see
+:mod:`corral.balancer.metrics`). A figure such as QPS or p99 is the difference between two
+readings of those counters divided by the time between them, so this module keeps:
+
+* a short ring of readings per service (:class:`Readings`, the last :data:`RECENT_SECONDS`),
+  from which the dashboard's "now" figures are taken over the last :data:`LIVE_WINDOW` seconds;
+* a bounded history of one point per :data:`SAMPLE_SECONDS` per service (:class:`History`), the
+  charts' data: :data:`KEEP_SECONDS` (one hour) of it, so at most :data:`POINTS` points each.
+
+Why memory and not SQLite: an hour of 5-second points is 720 small tuples per service, written
+every 5 s; persisting them would add a write per service every 5 s to the state file that the
+control plane depends on, for charts nobody may open. The price: a daemon restart starts the
+charts empty. A worker that restarts starts its counters at 0, so a reading may go down: a
+difference below zero counts as zero (that interval shows less traffic than there was, never
+negative traffic).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from corral.balancer.metrics import LATENCY_BUCKETS
+
+SAMPLE_SECONDS: Final = 5.0
+KEEP_SECONDS: Final = 3600.0
+POINTS: Final = int(KEEP_SECONDS / SAMPLE_SECONDS)
+LIVE_WINDOW: Final = 10.0
+RECENT_SECONDS: Final = 15.0
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One service's cumulative counters at time ``t`` (summed over the balancer workers)."""
+
+    t: float
+    answered: int  # every answer, by any status: corral_lb_requests_total summed over codes
+    server_errors: int  # answers with a 5xx status (the balancer's own 502/503/504 included)
+    buckets: tuple[int, ...]  # latency, per bucket (not cumulative), last one +Inf
+
+    @classmethod
+    def of(cls, t: float, stats: Mapping[str, Any] | None) -> Reading:
+        codes = (stats or {}).get("codes") or {}
+        answered = server_errors = 0
+        for code, n in codes.items():
+            answered += int(n)
+            if str(code).startswith("5"):
+                server_errors += int(n)
+        raw = ((stats or {}).get("latency") or {}).get("buckets") or ()
+        buckets = tuple(int(n) for n in raw)
+        return cls(t, answered, server_errors, buckets)
+
+
+def quantile(q: float, buckets: Sequence[int]) -> float | None:
+    """The ``q`` quantile (0..1) of a latency histogram, in seconds, or None with no data.
+
+    As Prometheus' ``histogram_quantile`` does: find the bucket holding the rank and
+    interpolate linearly inside it (from 0 for the first bucket). A rank in the +Inf bucket
+    answers the largest finite bound: the histogram knows nothing above it.
+    """
+    total = sum(buckets)
+    if total <= 0:
+        return None
+    rank = q * total
+    below = 0
+    for i, n in enumerate(buckets):
+        if n > 0 and below + n >= rank:
+            if i >= len(LATENCY_BUCKETS):
+                return float(LATENCY_BUCKETS[-1])
+            low = 0.0 if i == 0 else LATENCY_BUCKETS[i - 1]
+            high = LATENCY_BUCKETS[i]
+            return low + (high - low) * (rank - below) / n
+        below += n
+    return float(LATENCY_BUCKETS[-1])
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Traffic over an interval: answers per second, latency quantiles (seconds, None when
+    nothing was answered), the share of 5xx answers, and the counters' totals at its end."""
+
+    qps: float
+    p50: float | None
+    p99: float | None
+    error_rate: float | None
+    answered_total: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def figures(old: Reading | None, new: Reading) -> Figures:
+    """Figures between two readings of one service (``old`` None: no traffic known yet)."""
+    if old is None or new.t <= old.t:
+        return Figures(0.0, None, None, None, new.answered)
+    seconds = new.t - old.t
+    answered = max(0, new.answered - old.answered)
+    errors = max(0, new.server_errors - old.server_errors)
+    width = max(len(old.buckets), len(new.buckets))
+    then = (*old.buckets, *([0] * (width - len(old.buckets))))
+    now = (*new.buckets, *([0] * (width - len(new.buckets))))
+    delta = [max(0, b - a) for a, b in zip(then, now, strict=True)]
+    return Figures(
+        qps=answered / seconds,
+        p50=quantile(0.5, delta),
+        p99=quantile(0.99, delta),
+        error_rate=errors / answered if answered else None,
+        answered_total=new.answered,
+    )
+
+
+class Readings:
+    """The last :data:`RECENT_SECONDS` of readings per service, to take differences from."""
+
+    def __init__(self) -> None:
+        self._recent: dict[str, deque[Reading]] = {}
+
+    def add(self, name: str, reading: Reading) -> None:
+        ring = self._recent.setdefault(name, deque())
+        ring.append(reading)
+        while len(ring) > 1 and reading.t - ring[0].t > RECENT_SECONDS:
+            ring.popleft()
+
+    def since(self, name: str, seconds: float) -> Figures | None:
+        """Figures over about the last ``seconds`` (the oldest reading at least that old, or
+        the oldest kept), or None for a service never read."""
+        ring = self._recent.get(name)
+        if not ring:
+            return None
+        newest = ring[-1]
+        old = ring[0]
+        for reading in ring:
+            # A sampler tick comes a little late at times: a reading 0.25 s short still counts.
+            if newest.t - reading.t < seconds - 0.25:
+                break
+            old = reading
+        return figures(old if old is not newest else None, newest)
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        keep = set(names)
+        for name in list(self._recent):
+            if name not in keep:
+                del self._recent[name]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One chart point: figures over the :data:`SAMPLE_SECONDS` before ``t``, and the
+    replica counts then."""
+
+    t: float
+    qps: float
+    p50: float | None
+    p99: float | None
+    error_rate: float | None
+    ready: int
+    target: int | None
+
+
+class History:
+    """At most ``points`` chart points per service, oldest dropped first."""
+
+    def __init__(self, points: int = POINTS) -> None:
+        self.points = points
+        self._series: dict[str, deque[Point]] = {}
+
+    def add(self, name: str, point: Point) -> None:
+        self._series.setdefault(name, deque(maxlen=self.points)).append(point)
+
+    def series(self, name: str) -> list[dict[str, Any]]:
+        return [asdict(p) for p in self._series.get(name, ())]
+
+    def latest(self, name: str) -> Point | None:
+        ring = self._series.get(name)
+        return ring[-1] if ring else None
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        """Forget services that are gone (taken down): their points would never be read."""
+        keep = set(names)
+        for name in list(self._series):
+            if name not in keep:
+                del self._series[name]
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._series.values())
