@@ -46,7 +46,7 @@ def _yes_option(what: str) -> Callable[[Any], Any]:
 @click.version_option(__version__, "--version", "-V", prog_name="corral")
 @click.option(
     "--home",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),  # checked by home_problem, with a message that says why
     default=None,
     help="corral home (default: $CORRAL_HOME or ~/.corral).",
 )

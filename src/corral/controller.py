@@ -875,9 +875,7 @@ class ServiceController:
         else:
             row = self.store.replica(replica_id)
             seq = row.seq if row is not None and row.seq else replica_id
-            detail = (
-                f"{job.exception()!r}; see `corral logs {self.name} {seq} --launch --no-follow`"
-            )
+            detail = f"{job.exception()!r}; see `corral logs {self.name} {seq} --launch`"
             self.store.update_replica(replica_id, launch_state="failed", failure=detail)
             self.store.event(self.name, "replica.launch_failed", detail, replica_id=replica_id)
         r = self.store.replica(replica_id)
@@ -1126,7 +1124,7 @@ class ServiceController:
                 app_failed=1,
                 exit_code=code,
                 failure=f"process exited (code {code}){taken}; see `corral logs "
-                f"{self.name} {r.seq or r.id} --no-follow`",
+                f"{self.name} {r.seq or r.id}`",
             )
             return
         if liveness is Liveness.LOST:
