@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import signal
 import socket
 import subprocess
@@ -85,6 +86,8 @@ def test_unusable_home_is_one_line_and_exit_78(corral_home: CorralHome, tmp_path
 
 def test_flags_globs_ids_and_replica_down(corral_home: CorralHome, tmp_path: Path) -> None:
     home = corral_home
+    assert "daemon started: pid" in home.run("daemon", "start").stdout
+    assert "daemon already running: pid" in home.run("daemon", "start").stdout
     for name, count in (("svc-a", 2), ("svc-b", 1), ("other", 1)):
         home.run("up", "-y", str(write_spec(tmp_path / f"{name}.yaml", spec_text(name, count))))
     for name, count in (("svc-a", 2), ("svc-b", 1), ("other", 1)):
@@ -156,6 +159,8 @@ def test_status_during_blue_green_shows_the_traffic_version(
 
     svc = home.wait_for(held, 30, "version 2 STARTING")
     assert svc["version"] == 2 and svc["traffic_versions"] == [1]
+    starting = next(r for r in svc["replicas"] if r["version"] == 2)
+    assert starting["initial_delay_seconds"] == 60 and starting["starting_seconds"] >= 0
     table = home.run("status", "bg").stdout
     row = next(line for line in table.splitlines() if line.lstrip().startswith("bg "))
     assert "1 (v2 starting)" in row and "1/1" in row, table
@@ -207,7 +212,8 @@ def test_ctrl_c_during_up_says_what_keeps_running(corral_home: CorralHome, tmp_p
     slow = spec_text("slowpoke", 1, run="sleep 30; exec python3 app.py")
     proc = home.popen("up", str(write_spec(tmp_path / "slow.yaml", slow)))
     reader = LineReader(proc)
-    reader.wait_line(r"replica 1 \(v1\): (PROVISIONING|STARTING)", 30)
+    # Progress lines carry the time since the wait began.
+    reader.wait_line(r"\[\s*\d+s\] replica 1 \(v1\): (PROVISIONING|STARTING)", 30)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130
     reader.wait_line(r"interrupted", 10)
@@ -215,6 +221,45 @@ def test_ctrl_c_during_up_says_what_keeps_running(corral_home: CorralHome, tmp_p
     assert "service slowpoke keeps running" in said and "corral down slowpoke" in said, said
     assert "Traceback" not in said and "Aborted" not in said
     assert home.service("slowpoke") is not None
+    # The same for an update: the rollout goes on.
+    slower = slow.replace("sleep 30", "sleep 31")  # another run: new replicas, not relabelled
+    proc = home.popen("update", "slowpoke", str(write_spec(tmp_path / "slow2.yaml", slower)))
+    reader = LineReader(proc)
+    reader.wait_line(r"version 2 accepted", 30)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    reader.wait_line(r"interrupted", 10)
+    said = "".join(reader.seen) + "".join(_drain(reader))
+    assert "the rollout of version 2 goes on" in said and "corral down slowpoke" in said, said
+    assert home.service("slowpoke")["version"] == 2
+
+
+def test_down_asks_only_a_person_at_a_terminal(corral_home: CorralHome, tmp_path: Path) -> None:
+    home = corral_home
+    home.run("up", str(write_spec(tmp_path / "asked.yaml", spec_text("asked", 1))))
+
+    def at_terminal(*args: str, answer: bytes = b"") -> subprocess.CompletedProcess[str]:
+        main, terminal = pty.openpty()
+        try:
+            os.write(main, answer)
+            return subprocess.run(
+                home.cli(*args),
+                env=home.env,
+                stdin=terminal,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            os.close(main)
+            os.close(terminal)
+
+    no = at_terminal("down", "asked", answer=b"n\n")
+    assert no.returncode == 1 and "Tear down asked?" in no.stdout, no
+    assert home.service("asked") is not None
+    yes = at_terminal("down", "asked", "-y")
+    assert yes.returncode == 0 and "?" not in yes.stdout, yes
+    assert home.service("asked") is None
 
 
 def _drain(reader: LineReader) -> list[str]:

@@ -496,7 +496,13 @@ def down(
     except ClientError as exc:
         _fail(_client_error_text(exc))
     if wait:
-        _wait_down(client, targets, purge=purge, timeout=timeout)
+        try:
+            _wait_down(client, targets, purge=purge, timeout=timeout)
+        except KeyboardInterrupt:
+            _interrupted(
+                f"{', '.join(targets)} keep shutting down in the daemon; `corral status` shows "
+                "what is left"
+            )
 
 
 def _confirm(yes: bool, question: str) -> None:
