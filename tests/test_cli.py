@@ -106,6 +106,20 @@ def test_flags_globs_ids_and_replica_down(corral_home: CorralHome, tmp_path: Pat
     nomatch = home.run("status", "zzz-*", check=False)
     assert nomatch.returncode == 1 and "no service matches" in nomatch.stderr
     assert "FAILURE" in home.run("status", "-v").stdout
+    # A narrow terminal wraps rows; it never cuts an endpoint (what users copy from here).
+    narrow = subprocess.run(
+        home.cli("status"),
+        env={**home.env, "COLUMNS": "40"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    everything = home.status()
+    endpoints = [s["endpoint"] for s in everything] + [
+        r["endpoint"] for s in everything for r in s["replicas"]
+    ]
+    assert all(e in narrow for e in endpoints), narrow
 
     # logs: --tail N prints the last N lines and exits (SkyServe's --tail is no-follow).
     tail = home.run("logs", "svc-a", "1", "--tail", "2", timeout=30).stdout

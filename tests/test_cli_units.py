@@ -3,13 +3,18 @@ service in the state file (and their migration), what a status row says, tailing
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import sqlite3
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from corral import cliview
 from corral.home import home_problem
 from corral.loglines import balancer_lines, names_service, tail_offset
+from corral.probe import probe
 from corral.state import _MIGRATIONS, Store, _split
 
 
@@ -162,3 +167,18 @@ def test_home_problems(tmp_path: Path) -> None:
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
     assert "does not exist" in (home_problem(dangling) or "")
+
+
+def test_probe_failure_in_words() -> None:
+    """What status shows for a replica whose port nobody listens on: no aiohttp internals."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def once() -> str | None:
+        async with aiohttp.ClientSession() as session:
+            result = await probe(session, f"http://127.0.0.1:{port}", path="/health", timeout=5)
+        return result.error
+
+    error = asyncio.run(once()) or ""
+    assert error == f"connection refused: nothing listens on 127.0.0.1:{port} (yet)", error

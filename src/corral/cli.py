@@ -85,7 +85,13 @@ def up(
     problem = local_port_problem(spec) if spec.infra == "local" else None
     if problem:
         _fail(problem)
-    client = _client(ctx, start=True)
+    try:
+        client = _client(ctx, start=True)
+    except KeyboardInterrupt:
+        _interrupted(
+            "interrupted while the daemon was starting: it may keep starting in the "
+            "background (`corral daemon status`); no service was created"
+        )
     try:
         service = client.create(
             file.read_text(),
