@@ -126,6 +126,14 @@ def test_flags_globs_ids_and_replica_down(corral_home: CorralHome, tmp_path: Pat
     assert len(tail.splitlines()) == 2 and all(
         line.startswith("replica 1") for line in tail.splitlines()
     )
+    # --tail N --follow: the last N lines, then what comes (probes log a line every 0.2 s).
+    follower = home.popen("logs", "svc-a", "2", "--tail", "1", "--follow")
+    reader = LineReader(follower)
+    reader.wait_line(r"^replica 2", 30)
+    home.wait_for(lambda: len(reader.seen) >= 3 or reader.lines.qsize() >= 2, 30, "more lines")
+    assert follower.poll() is None, "a followed log ended while its replica runs"
+    follower.terminate()
+    follower.wait(timeout=10)
     lb = home.run("logs", "svc-a", "--load-balancer", "--no-follow").stdout
     assert "balancer svc-a listening" in lb and "svc-b" not in lb, lb
     controller = home.run("logs", "other", "--controller", "--tail", "1").stdout
