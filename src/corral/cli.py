@@ -82,7 +82,7 @@ def up(
         client = _client(ctx, start=True)
     except KeyboardInterrupt:
         interrupted(
-            "interrupted while the daemon was starting: it may keep starting in the "
+            "while the daemon was starting: it may keep starting in the "
             "background (`corral daemon status`); no service was created"
         )
     try:
@@ -96,7 +96,7 @@ def up(
         _fail(_client_error_text(exc))
     except KeyboardInterrupt:
         interrupted(
-            f"interrupted before the daemon answered: `corral status {name or spec.name}` "
+            f"before the daemon answered: `corral status {name or spec.name}` "
             "shows whether the service was created"
         )
     svc_name = service["name"]
@@ -154,7 +154,7 @@ def update(
         _fail(_client_error_text(exc))
     except KeyboardInterrupt:
         interrupted(
-            f"interrupted before the daemon answered: `corral status {name}` shows whether "
+            f"before the daemon answered: `corral status {name}` shows whether "
             "the new version was stored"
         )
     version = service["version"]
