@@ -397,7 +397,7 @@ def kill_one(h: CorralHome, name: str, endpoint: str, rep: int) -> FailoverRep:
     removed_by: str | None = None
     for e in h.events(name):
         if (
-            e.get("replica_id") == victim["id"]
+            e.get("replica_id") == victim.get("uid", victim["id"])
             and e["action"] in ("replica.failed", "replica.not_ready")
             and e["ts"] >= wall_kill - 0.001
         ):

@@ -278,7 +278,7 @@ def test_flooding_replica_log_is_capped_and_followable(
     svc = home.wait_replicas("chatter", 1, timeout=60)
     rid = svc["replicas"][0]["id"]
     logs = home.path / "services" / "chatter" / "logs"
-    log = logs / f"replica_{rid}.log"
+    log = logs / f"replica_{svc['replicas'][0]['uid']}.log"  # files go by the internal id
 
     follower = Follower(home.popen("logs", "chatter", str(rid)))  # follows by default
     try:
@@ -296,7 +296,7 @@ def test_flooding_replica_log_is_capped_and_followable(
     assert backup.exists()
     assert backup.stat().st_size <= BURST + (1 << 20), backup.stat().st_size
     assert log.stat().st_size + backup.stat().st_size < BURST * BURSTS
-    assert f"replica_{rid}.log over {CAP} bytes" in (logs / "controller.log").read_text()
+    assert f"{log.name} over {CAP} bytes" in (logs / "controller.log").read_text()
 
     # What the follower printed: the app's lines in the app's order, none twice; a line cut
     # short only where the follower started over after a rotation.

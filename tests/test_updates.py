@@ -180,10 +180,13 @@ def test_failing_version_is_not_promoted_and_rollback(
         result = home.run("update", "keep", str(bad), check=False, timeout=90)
         assert result.returncode != 0
         assert "version 2 not promoted" in result.stderr
-        assert "traffic stays on version [1]" in result.stderr
+        assert "traffic stays on version 1" in result.stderr
         svc = home.service("keep")
         assert svc is not None and svc["status"] == "READY"
-        assert "never became ready" in (svc["failure"] or "")
+        # The service is not FAILED: why the update failed has a field of its own.
+        assert svc["failure"] is None
+        assert "never became ready" in (svc["last_update_failure"] or "")
+        assert svc["traffic_versions"] == [1]
         ready = [r for r in svc["replicas"] if r["status"] == "READY"]
         assert len(ready) == 2 and {r["version"] for r in ready} == {1}
         # Roll back: version 3 is version 1's spec again, and the failure is cleared.
@@ -192,7 +195,7 @@ def test_failing_version_is_not_promoted_and_rollback(
     finally:
         load.stop()
     assert not load.errors, f"{len(load.errors)} failed requests: {load.errors[:3]}"
-    assert svc["version"] == 3 and svc["failure"] is None
+    assert svc["version"] == 3 and svc["failure"] is None and svc["last_update_failure"] is None
     assert [v["version"] for v in svc["versions"]] == [1, 2, 3]
     assert {a[2] for a in load.answers} == {"1"}
 

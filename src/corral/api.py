@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from corral import __version__, dashboard, logfiles
+from corral import __version__, dashboard, logfiles, loglines
 from corral.balancer import CONTENT_TYPE_LATEST, render
 from corral.daemon import Daemon, RequestError
 from corral.home import hello_proof, valid_nonce
@@ -228,25 +228,46 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         purge = _flag(request, "purge")
         return _json(daemon.down(request.match_info["name"], purge=purge), status=202)
 
+    @routes.delete("/v1/services/{name}/replicas/{replica}")
+    async def terminate_replica(request: web.Request) -> web.Response:
+        # SkyServe's `down --replica-id`: the replica goes and (target unchanged) is replaced.
+        replica = request.match_info["replica"]
+        if not (replica.isascii() and replica.isdigit()) or len(replica) > 18:
+            raise RequestError(400, f"replica id must be a whole number, got {replica[:40]!r}")
+        name = request.match_info["name"]
+        message = daemon.terminate_replica(name, int(replica), purge=_flag(request, "purge"))
+        return _json({"message": message}, status=202)
+
     @routes.get("/v1/services/{name}/events")
     async def events(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         daemon.controller(name)
         after = _int_param(request, "after", 0)
         rows = daemon.store.events(name, after=after)
-        return _json({"events": [r.__dict__ for r in rows]})
+        # ``replica``: the id status shows (replica_id is the internal one).
+        seqs = {r.id: r.seq for r in daemon.store.replicas(name)}
+        return _json(
+            {"events": [{**r.__dict__, "replica": seqs.get(r.replica_id or 0)} for r in rows]}
+        )
 
     @routes.get("/v1/services/{name}/logs")
     async def logs(request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
         kind = request.query.get("kind", "replica")
         replica = request.query.get("replica")
+        follow = _flag(request, "follow")
+        tail = _int_param(request, "tail", 0) if "tail" in request.query else None
+        if kind == "load_balancer":
+            daemon.controller(name)
+            return await _balancer_log(request, daemon, name, follow=follow, tail=tail)
         replica_id = None
         if replica is not None:
-            replica_id = _int_param(request, "replica", 0)
+            # The id users see (its number within the service), mapped to the internal one.
+            replica_id = daemon.replica_uid(name, _int_param(request, "replica", 0))
         path = daemon.log_path(name, kind, replica_id)
         offset = _int_param(request, "offset", 0)
-        follow = _flag(request, "follow")
+        if tail is not None:
+            offset = await asyncio.to_thread(loglines.tail_offset, path, tail)
         if not path.exists() and not follow:
             raise RequestError(
                 404,
@@ -309,6 +330,32 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
 
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
+
+
+async def _balancer_log(
+    request: web.Request, daemon: Daemon, name: str, *, follow: bool, tail: int | None
+) -> web.StreamResponse:
+    """The lines of the balancer workers' logs about service ``name`` (see corral.loglines),
+    the last ``tail`` of them first, then, with ``follow``, new ones until the service goes."""
+    response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
+    request[STREAMING] = True
+    await response.prepare(request)
+    positions: dict[Any, int] = {}
+    first = True
+    while True:
+        lines, positions = await asyncio.to_thread(
+            loglines.balancer_lines, daemon.home, name, positions
+        )
+        if first and tail is not None:
+            lines = lines[-tail:] if tail else []
+        first = False
+        if lines:
+            await response.write(b"".join(lines))
+        if not follow or name not in daemon.controllers:
+            break
+        await asyncio.sleep(0.5)
+    await response.write_eof()
+    return response
 
 
 def _read_from(path: Any, position: int) -> bytes:
@@ -463,9 +510,12 @@ OPENAPI: dict[str, Any] = {
             "Replica": {
                 "type": "object",
                 "properties": {
-                    "id": {"type": "integer"},
+                    "id": {"type": "integer", "description": "number within the service"},
+                    "uid": {"type": "integer", "description": "internal id (events)"},
                     "version": {"type": "integer"},
                     "status": {"type": "string"},
+                    "starting_seconds": {"type": "number"},
+                    "initial_delay_seconds": {"type": "number"},
                     "endpoint": {"type": "string", "nullable": True},
                     "infra": {"type": "string"},
                     "age_seconds": {"type": "number"},
@@ -484,6 +534,8 @@ OPENAPI: dict[str, Any] = {
                     "version": {"type": "integer"},
                     "target": {"type": "integer"},
                     "failure": {"type": "string", "nullable": True},
+                    "last_update_failure": {"type": "string", "nullable": True},
+                    "traffic_versions": {"type": "array", "items": {"type": "integer"}},
                     "last_decision": {"type": "string"},
                     "replicas": {
                         "type": "array",
@@ -613,6 +665,16 @@ OPENAPI: dict[str, Any] = {
                 ),
             }
         },
+        "/v1/services/{name}/replicas/{replica}": {
+            "delete": {
+                "parameters": [
+                    _NAME,
+                    {"name": "replica", "in": "path", "required": True, "schema": _COUNT},
+                    {"name": "purge", "in": "query", "schema": {"type": "boolean"}},
+                ],
+                "responses": _answers(_ok(202, {"type": "object"}, "shutting down"), 400, 404, 409),
+            }
+        },
         "/v1/services/{name}/events": {
             "get": {
                 "parameters": [
@@ -629,9 +691,13 @@ OPENAPI: dict[str, Any] = {
                     {
                         "name": "kind",
                         "in": "query",
-                        "schema": {"type": "string", "enum": ["replica", "launch", "controller"]},
+                        "schema": {
+                            "type": "string",
+                            "enum": ["replica", "launch", "controller", "load_balancer"],
+                        },
                     },
                     {"name": "replica", "in": "query", "schema": _COUNT},
+                    {"name": "tail", "in": "query", "schema": _COUNT},
                     {"name": "offset", "in": "query", "schema": _COUNT},
                     {"name": "follow", "in": "query", "schema": {"type": "boolean"}},
                 ],

@@ -1,43 +1,45 @@
-"""The ``corral`` command line: SkyServe's verbs over the daemon's API."""
+"""The ``corral`` command line: SkyServe's verbs and flags over the daemon's API."""
 
 from __future__ import annotations
 
-import asyncio
+import fnmatch
 import json
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
-from rich.table import Table
 
-from corral.client import Client, ClientError, UntrustedDaemon, ensure_daemon
-from corral.home import EXIT_DAEMON_RUNNING, default_home, is_loopback
+from corral import __version__, cliview
+from corral.cli_common import client_error_text, client_of, err, fail, home_of, out
+from corral.cli_daemon import daemon
+from corral.cli_wait import interrupted, keeps_running, wait_down, wait_ready, wait_rollout
+from corral.client import Client, ClientError, DaemonUnreachable
+from corral.home import EXIT_BAD_HOME, default_home, home_problem
 from corral.spec import SpecError, load_spec, local_port_problem
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Tables are laid out this wide at most, whatever the terminal (rows are never cut).
+WIDE = 400
+# Commands that never touch the home.
+HOMELESS = {"validate"}
 
-FAILED_SERVICE = {"FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"}
-LIVE = {"PENDING", "PROVISIONING", "STARTING", "READY", "NOT_READY"}
+_home = home_of
+_fail = fail
+_client = client_of
+_client_error_text = client_error_text
 
 
-def _home(ctx: click.Context) -> Path:
-    return Path(ctx.obj["home"])
-
-
-def _fail(message: str, code: int = 1) -> None:
-    err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
-    sys.exit(code)
+def _yes_option(what: str) -> Callable[[Any], Any]:
+    return click.option("-y", "--yes", is_flag=True, help=f"Do not ask before {what}.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="corral")
 @click.option(
     "--home",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),  # checked by home_problem, with a message that says why
     default=None,
     help="corral home (default: $CORRAL_HOME or ~/.corral).",
 )
@@ -45,7 +47,15 @@ def _fail(message: str, code: int = 1) -> None:
 def main(ctx: click.Context, home: Path | None) -> None:
     """Keep N replicas of a service running behind a load balancer."""
     ctx.ensure_object(dict)
-    ctx.obj["home"] = str((home or default_home()).expanduser().resolve())
+    given = (home or default_home()).expanduser()
+    if ctx.invoked_subcommand not in HOMELESS:
+        problem = home_problem(given)
+        if problem:
+            fail(problem, code=EXIT_BAD_HOME)
+    ctx.obj["home"] = str(given.resolve())
+
+
+main.add_command(daemon)
 
 
 @main.command()
@@ -53,16 +63,28 @@ def main(ctx: click.Context, home: Path | None) -> None:
 @click.option("-n", "--name", help="Service name (overrides the spec's `name`).")
 @click.option("-d", "--detach", is_flag=True, help="Return once the service is accepted.")
 @click.option("--timeout", type=float, default=None, help="Give up waiting after this many s.")
+@_yes_option("starting (corral does not ask: accepted as `sky serve up -y` is)")
 @click.pass_context
 def up(
-    ctx: click.Context, file: Path, name: str | None, detach: bool, timeout: float | None
+    ctx: click.Context,
+    file: Path,
+    name: str | None,
+    detach: bool,
+    timeout: float | None,
+    yes: bool,
 ) -> None:
     """Start a service from FILE and wait until its first replica is READY."""
     spec = _load(file, name)
     problem = local_port_problem(spec) if spec.infra == "local" else None
     if problem:
         _fail(problem)
-    client = _client(ctx, start=True)
+    try:
+        client = _client(ctx, start=True)
+    except KeyboardInterrupt:
+        interrupted(
+            "while the daemon was starting: it may keep starting in the "
+            "background (`corral daemon status`); no service was created"
+        )
     try:
         service = client.create(
             file.read_text(),
@@ -72,59 +94,19 @@ def up(
         )
     except ClientError as exc:
         _fail(_client_error_text(exc))
-        return
+    except KeyboardInterrupt:
+        interrupted(
+            f"before the daemon answered: `corral status {name or spec.name}` "
+            "shows whether the service was created"
+        )
     svc_name = service["name"]
     out.print(f"service [bold]{svc_name}[/bold] accepted; endpoint {service['endpoint']}")
     if detach:
         return
-    _wait_ready(client, svc_name, timeout)
-
-
-def _polled(
-    client: Client, name: str, timeout: float | None, late: Callable[[dict[str, Any]], str]
-) -> Iterator[dict[str, Any]]:
-    """Service ``name`` as the daemon shows it, every 0.25 s, until the caller stops asking.
-    A client error, or the deadline passing (``late`` says what was still awaited), ends the
-    command with an error; the service itself keeps going either way."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        try:
-            service = client.service(name)
-        except ClientError as exc:
-            _fail(_client_error_text(exc))
-            return
-        yield service
-        if deadline is not None and time.monotonic() > deadline:
-            _fail(late(service))
-        time.sleep(0.25)
-
-
-def _wait_ready(client: Client, name: str, timeout: float | None) -> None:
-    seen: dict[int, str] = {}
-
-    def late(service: dict[str, Any]) -> str:
-        status = service["status"]
-        return f"service {name} not READY after {timeout:g}s (status {status}); it keeps trying"
-
-    for service in _polled(client, name, timeout, late):
-        for r in service["replicas"]:
-            if seen.get(r["id"]) != r["status"]:
-                seen[r["id"]] = r["status"]
-                detail = f" ({r['failure']})" if r.get("failure") else ""
-                out.print(f"  replica {r['id']}: {r['status']}{detail}", soft_wrap=True)
-        status = service["status"]
-        if status == "READY":
-            out.print(f"[green]service {name} is READY[/green] at {service['endpoint']}")
-            return
-        if status in FAILED_SERVICE:
-            failed = [r for r in service["replicas"] if r.get("failure")]
-            hint = ""
-            if failed:
-                # The app's own output tells why it exited; the launch log, why it never started.
-                last = failed[-1]
-                launch = " --launch" if last["status"] == "FAILED_PROVISION" else ""
-                hint = f"; see `corral logs {name} {last['id']}{launch}`"
-            _fail(f"service {name} is {status}: {service.get('failure') or ''}{hint}")
+    try:
+        wait_ready(client, svc_name, timeout)
+    except KeyboardInterrupt:
+        interrupted(keeps_running(client, svc_name, "its replicas keep starting"))
 
 
 @main.command()
@@ -141,6 +123,7 @@ def _wait_ready(client: Client, name: str, timeout: float | None) -> None:
 @click.option("--to-version", type=int, help="Roll back: deploy a stored version's spec again.")
 @click.option("-d", "--detach", is_flag=True, help="Return once the new version is accepted.")
 @click.option("--timeout", type=float, default=None, help="Give up waiting after this many s.")
+@_yes_option("updating (corral does not ask: accepted as `sky serve update -y` is)")
 @click.pass_context
 def update(
     ctx: click.Context,
@@ -150,6 +133,7 @@ def update(
     to_version: int | None,
     detach: bool,
     timeout: float | None,
+    yes: bool,
 ) -> None:
     """Roll out a new version of service NAME from FILE (or --to-version N)."""
     if (file is None) == (to_version is None):
@@ -168,90 +152,102 @@ def update(
         )
     except ClientError as exc:
         _fail(_client_error_text(exc))
-        return
+    except KeyboardInterrupt:
+        interrupted(
+            f"before the daemon answered: `corral status {name}` shows whether "
+            "the new version was stored"
+        )
     version = service["version"]
     out.print(f"service [bold]{name}[/bold]: version {version} accepted ({mode})")
-    if not detach:
-        _wait_rollout(client, name, version, timeout)
+    if detach:
+        return
+    try:
+        wait_rollout(client, name, version, timeout)
+    except KeyboardInterrupt:
+        interrupted(
+            keeps_running(client, name, f"the rollout of version {version} goes on")
+            + f" `corral update {name} --to-version N` rolls back."
+        )
 
 
-def _wait_rollout(client: Client, name: str, version: int, timeout: float | None) -> None:
-    """Wait until only the new version runs, at its target, or it is refused."""
-
-    def late(service: dict[str, Any]) -> str:
-        return f"version {version} not fully rolled out after {timeout:g}s; it keeps going"
-
-    for service in _polled(client, name, timeout, late):
-        live = [r for r in service["replicas"] if r["status"] in LIVE]
-        ready_new = [r for r in live if r["version"] == version and r["status"] == "READY"]
-        others = [r for r in live if r["version"] != version]
-        failure = service.get("failure") or ""
-        if f"version {version} never became ready" in failure:
-            serving = sorted({r["version"] for r in live if r["status"] == "READY"})
-            on = f"; traffic stays on version {serving}" if serving else ""
-            _fail(f"version {version} not promoted: {failure}{on}")
-        target = service.get("target")
-        if target is not None and not others and len(ready_new) >= target:
-            out.print(f"[green]service {name}: version {version} serves all traffic[/green]")
-            return
+def _matching(client: Client, patterns: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The services named by ``patterns``: names, or globs as SkyServe takes them
+    (`'svc-*'`). A plain name that does not exist is an error; so is a glob matching none."""
+    services = client.services()
+    chosen: dict[str, dict[str, Any]] = {}
+    for pattern in patterns:
+        if not any(c in pattern for c in "*?["):
+            match = [s for s in services if s["name"] == pattern]
+            if not match:
+                match = [client.service(pattern)]  # the daemon's 404 (or 400) says why
+        else:
+            match = [s for s in services if fnmatch.fnmatchcase(s["name"], pattern)]
+            if not match:
+                _fail(f"no service matches {pattern!r} (see `corral status`)")
+        for s in match:
+            chosen.setdefault(s["name"], s)
+    return list(chosen.values())
 
 
 @main.command()
 @click.argument("names", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable).")
+@click.option("--endpoint", is_flag=True, help="Print only the service's endpoint.")
+@click.option("-v", "--verbose", is_flag=True, help="Every replica, with why it failed.")
 @click.pass_context
-def status(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
-    """Show services, their endpoints and replicas."""
+def status(
+    ctx: click.Context, names: tuple[str, ...], as_json: bool, endpoint: bool, verbose: bool
+) -> None:
+    """Show services, their endpoints and replicas (NAMES may be globs)."""
     client = _client(ctx, start=False)
     try:
-        services = [client.service(n) for n in names] if names else client.services()
+        services = _matching(client, names) if names else client.services()
+    except DaemonUnreachable as exc:
+        if as_json:
+            # Nothing answers, so no service is known to be running (the balancers may
+            # still serve: `corral daemon start` brings them under control again).
+            click.echo(json.dumps({"services": []}, indent=2))
+            err.print(f"note: {exc}", soft_wrap=True, markup=False)
+            return
+        _fail(str(exc))
     except ClientError as exc:
+        if as_json:
+            click.echo(json.dumps({"services": [], "error": str(exc)}, indent=2))
+            sys.exit(1)
         _fail(_client_error_text(exc))
-        return
     if as_json:
         click.echo(json.dumps({"services": services}, indent=2, default=str))
+        return
+    if endpoint:
+        _print_endpoint(services, names)
         return
     if not services:
         out.print("no services")
         return
-    table = Table("SERVICE", "STATUS", "ENDPOINT", "VERSION", "READY", box=None)
+    # As wide as the rows need (a narrow terminal wraps them): nothing is cut or dropped.
+    wide = Console(highlight=False, width=max(out.width, WIDE))
+    wide.print(cliview.services_table(services), crop=False)
+    table, folded = cliview.replicas_table(services, verbose)
+    wide.print()
+    wide.print(table, crop=False)
+    for line in folded:
+        out.print(line, soft_wrap=True)
     for s in services:
-        ready = sum(1 for r in s["replicas"] if r["status"] == "READY")
-        table.add_row(
-            s["name"],
-            s["status"],
-            s["endpoint"] or "-",
-            str(s["version"]),
-            f"{ready}/{s['target']}",
-        )
-    out.print(table)
-    replicas = Table("SERVICE", "ID", "VERSION", "STATUS", "ENDPOINT", "AGE", "PID", box=None)
-    for s in services:
-        for r in s["replicas"]:
-            replicas.add_row(
-                s["name"],
-                str(r["id"]),
-                str(r["version"]),
-                r["status"],
-                r["endpoint"] or "-",
-                _age(r["age_seconds"]),
-                str(r["pid"] or "-"),
-            )
-    out.print()
-    out.print(replicas)
-    for s in services:
-        scaler = s.get("autoscaler")
-        if scaler:
-            out.print(
-                f"{s['name']}: target {s['target']} at {scaler['qps']:g} QPS: {scaler['reason']}",
-                soft_wrap=True,
-            )
-    for s in services:
-        if s.get("failure"):
-            out.print(f"[red]{s['name']}:[/red] {s['failure']}", soft_wrap=True)
-        for problem in s.get("balancer_errors") or ():
-            # The endpoint is kept, not moved: whoever holds the port must let it go.
-            out.print(f"[red]{s['name']}: endpoint not served:[/red] {problem}", soft_wrap=True)
+        for style, text in cliview.service_notes(s):
+            out.print(text, style=style or None, soft_wrap=True, markup=False)
+
+
+def _print_endpoint(services: list[dict[str, Any]], names: tuple[str, ...]) -> None:
+    """`status --endpoint`: the endpoint alone, for scripts (`curl $(corral status --endpoint
+    svc)/...`); one service, as SkyServe wants it."""
+    if len(services) != 1:
+        count = "no" if not services else str(len(services))
+        verb = "match" if names else "exist"
+        _fail(f"{count} services {verb}; name one: `corral status NAME --endpoint`")
+    service = services[0]
+    if not service.get("endpoint"):
+        _fail(f"service {service['name']} has no endpoint yet (status {service['status']})")
+    click.echo(service["endpoint"])
 
 
 @main.command()
@@ -259,20 +255,54 @@ def status(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
 @click.argument("replica", required=False, type=int)
 @click.option("--launch", is_flag=True, help="The replica's launch/teardown log.")
 @click.option("--controller", is_flag=True, help="The service controller's log.")
-@click.option("--follow/--no-follow", default=True, help="Keep printing new output.")
+@click.option(
+    "--load-balancer",
+    "load_balancer",
+    is_flag=True,
+    help="The load balancer's lines about this service (from every balancer worker).",
+)
+@click.option(
+    "--follow/--no-follow",
+    default=None,
+    help="Keep printing new output [default: follow, but not with --tail].",
+)
+@click.option("--tail", type=click.IntRange(min=0), default=None, help="Only the last N lines.")
 @click.pass_context
 def logs(
-    ctx: click.Context, name: str, replica: int | None, launch: bool, controller: bool, follow: bool
+    ctx: click.Context,
+    name: str,
+    replica: int | None,
+    launch: bool,
+    controller: bool,
+    load_balancer: bool,
+    follow: bool | None,
+    tail: int | None,
 ) -> None:
-    """Print a replica's output (or its launch log, or the controller's log)."""
-    if controller and (launch or replica is not None):
-        _fail("--controller takes no replica and no --launch")
-    if not controller and replica is None:
-        _fail("give a replica id (see `corral status`), or --controller")
-    kind = "controller" if controller else "launch" if launch else "replica"
+    """Print a replica's output (or its launch log, the controller's or the load balancer's).
+
+    As `sky serve logs`: follows by default; --tail N prints the last N lines and exits
+    (add --follow to keep following after them)."""
+    if controller and load_balancer:
+        _fail("choose one of --controller and --load-balancer")
+    if (controller or load_balancer) and (launch or replica is not None):
+        flag = "--controller" if controller else "--load-balancer"
+        _fail(f"{flag} takes no replica id and no --launch")
+    if not (controller or load_balancer) and replica is None:
+        _fail("give a replica id (see `corral status`), or --controller, or --load-balancer")
+    kind = (
+        "controller"
+        if controller
+        else "load_balancer"
+        if load_balancer
+        else "launch"
+        if launch
+        else "replica"
+    )
+    if follow is None:
+        follow = tail is None
     client = _client(ctx, start=False)
     try:
-        for chunk in client.logs(name, kind=kind, replica=replica, follow=follow):
+        for chunk in client.logs(name, kind=kind, replica=replica, follow=follow, tail=tail):
             sys.stdout.buffer.write(chunk)
             sys.stdout.buffer.flush()
     except ClientError as exc:
@@ -283,50 +313,83 @@ def logs(
 
 @main.command()
 @click.argument("names", nargs=-1)
-@click.option("--all", "all_", is_flag=True, help="Take down every service.")
-@click.option("--purge", is_flag=True, help="Also forget replicas whose teardown failed.")
+@click.option("-a", "--all", "all_", is_flag=True, help="Take down every service.")
+@click.option(
+    "-p",
+    "--purge",
+    is_flag=True,
+    help="Also forget replicas whose teardown failed (with --replica-id: a failed replica).",
+)
+@click.option(
+    "--replica-id",
+    type=int,
+    default=None,
+    help="Tear down only this replica of the one service named; it is replaced.",
+)
+@_yes_option("tearing down")
 @click.option("--wait/--no-wait", default=True, help="Wait until everything is torn down.")
 @click.option("--timeout", type=float, default=120.0, show_default=True)
 @click.pass_context
 def down(
-    ctx: click.Context, names: tuple[str, ...], all_: bool, purge: bool, wait: bool, timeout: float
+    ctx: click.Context,
+    names: tuple[str, ...],
+    all_: bool,
+    purge: bool,
+    replica_id: int | None,
+    yes: bool,
+    wait: bool,
+    timeout: float,
 ) -> None:
-    """Tear services down: drain, stop every replica, forget the service."""
-    if not names and not all_:
-        _fail("name services to take down, or --all")
+    """Tear services down: drain, stop every replica, forget the service.
+
+    NAMES may be globs ('svc-*'). With --replica-id, only that replica goes, and the service
+    replaces it (SkyServe's semantics)."""
+    if bool(names) == all_:
+        _fail("name the services to take down (globs allowed), or --all; not both")
+    if replica_id is not None and (all_ or len(names) != 1):
+        _fail("--replica-id takes exactly one service name (and no --all)")
     client = _client(ctx, start=False)
+    if replica_id is not None:
+        _down_replica(client, names[0], replica_id, purge=purge, yes=yes)
+        return
     try:
-        targets = [s["name"] for s in client.services()] if all_ else list(names)
+        targets = [s["name"] for s in (client.services() if all_ else _matching(client, names))]
+    except ClientError as exc:
+        _fail(_client_error_text(exc))
+    if not targets:
+        out.print("no services")
+        return
+    _confirm(yes, f"Tear down {'all services: ' if all_ else ''}{', '.join(targets)}?")
+    try:
         for n in targets:
             client.down(n, purge=purge)
             out.print(f"service {n}: shutting down")
     except ClientError as exc:
         _fail(_client_error_text(exc))
+    if wait:
+        try:
+            wait_down(client, targets, purge=purge, timeout=timeout)
+        except KeyboardInterrupt:
+            interrupted(
+                f"{', '.join(targets)} keep shutting down in the daemon; `corral status` shows "
+                "what is left"
+            )
+
+
+def _confirm(yes: bool, question: str) -> None:
+    """Ask, as `sky serve down` does, but only a person at a terminal: a script (no tty on
+    stdin) is not stopped by a question it cannot answer."""
+    if yes or not sys.stdin.isatty():
         return
-    if not wait:
-        return
-    deadline = time.monotonic() + timeout
-    pending = set(targets)
-    while pending and time.monotonic() < deadline:
-        for n in list(pending):
-            try:
-                s = client.service(n)
-            except ClientError as exc:
-                if exc.status == 404:
-                    pending.discard(n)
-                    out.print(f"service {n}: down")
-                    continue
-                _fail(_client_error_text(exc))
-            else:
-                if s["status"] == "FAILED_CLEANUP" and not purge:
-                    pending.discard(n)
-                    _fail(
-                        f"service {n}: teardown failed for some replicas: {s.get('failure')}; "
-                        "see `corral status`, or `corral down --purge` to forget them"
-                    )
-        time.sleep(0.2)
-    if pending:
-        _fail(f"still shutting down after {timeout:g}s: {', '.join(sorted(pending))}")
+    click.confirm(question, default=True, abort=True)
+
+
+def _down_replica(client: Client, name: str, replica: int, *, purge: bool, yes: bool) -> None:
+    _confirm(yes, f"Tear down replica {replica} of {name}?")
+    try:
+        out.print(client.terminate_replica(name, replica, purge=purge), soft_wrap=True)
+    except ClientError as exc:
+        _fail(_client_error_text(exc))
 
 
 @main.command()
@@ -380,175 +443,6 @@ def dashboard(ctx: click.Context, open_browser: bool) -> None:
         webbrowser.open(url)
 
 
-@main.group()
-def daemon() -> None:
-    """Run, inspect or stop the daemon of this home."""
-
-
-@daemon.command("run")
-@click.option("--home", "home_opt", type=click.Path(file_okay=False, path_type=Path), default=None)
-@click.option("--host", default="127.0.0.1", show_default=True, help="API address.")
-@click.option("--port", default=0, type=int, help="API port (default: a free one).")
-@click.option(
-    "--tls-cert",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="PEM certificate (chain) for HTTPS; required with a --host that is not loopback.",
-)
-@click.option(
-    "--tls-key",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="PEM private key of --tls-cert.",
-)
-@click.pass_context
-def daemon_run(
-    ctx: click.Context,
-    home_opt: Path | None,
-    host: str,
-    port: int,
-    tls_cert: Path | None,
-    tls_key: Path | None,
-) -> None:
-    """Run the daemon in the foreground.
-
-    The API listens on 127.0.0.1. Any other address is reachable from elsewhere, so it needs
-    HTTPS (--tls-cert and --tls-key): the bearer token must not cross a network in clear.
-    """
-    home = (home_opt or _home(ctx)).expanduser().resolve()
-    if (tls_cert is None) != (tls_key is None):
-        _fail("--tls-cert and --tls-key go together: give both, or neither")
-    if tls_cert is None and not is_loopback(host):
-        _fail(
-            f"the API would listen on {host}, which is not loopback, in plain HTTP: the token "
-            "would cross the network in clear. Pass --tls-cert FILE --tls-key FILE (clients "
-            "verify that certificate), or keep the default --host 127.0.0.1."
-        )
-    from corral.daemon import (  # heavy: imported only here
-        DaemonError,
-        DaemonRunning,
-        serve,
-        server_tls_context,
-    )
-
-    try:
-        context = None
-        if tls_cert is not None and tls_key is not None:
-            tls_cert = tls_cert.expanduser().resolve()
-            context = server_tls_context(tls_cert, tls_key.expanduser().resolve())
-        asyncio.run(serve(home, host=host, port=port, ssl_context=context, tls_cert=tls_cert))
-    except DaemonRunning as exc:
-        _fail(str(exc), code=EXIT_DAEMON_RUNNING)
-    except DaemonError as exc:
-        _fail(str(exc))
-
-
-@daemon.command("start")
-@click.pass_context
-def daemon_start(ctx: click.Context) -> None:
-    """Start the daemon in the background (if none runs) and wait until it answers."""
-    client = _client(ctx, start=True)
-    info = client.request("GET", "/v1/daemon")
-    out.print(f"daemon pid {info.get('pid')} serving {_home(ctx)}")
-
-
-@daemon.command("stop")
-@click.option(
-    "--all",
-    "everything",
-    is_flag=True,
-    help="Stop the balancer workers too: every service's endpoint stops answering.",
-)
-@click.pass_context
-def daemon_stop(ctx: click.Context, everything: bool) -> None:
-    """Stop the control plane. Services keep serving: the balancer workers and the replicas
-    keep running, and the next daemon (any corral command starts one) adopts them."""
-    home = _home(ctx)
-    client = Client(home)
-    if not client.health():
-        if isinstance(client.last_error, UntrustedDaemon):
-            _fail(str(client.last_error))
-        out.print("no daemon running")
-        if everything:
-            _stop_orphan_workers(home)
-        return
-    client.stop_daemon(workers=everything)
-    deadline = time.monotonic() + 30
-    while client.health() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if everything:
-        _stop_orphan_workers(home)  # any the daemon could not reach
-        out.print("daemon and balancer workers stopped: service endpoints no longer answer")
-    else:
-        out.print(
-            "daemon stopped; services keep serving (balancer workers and replicas still run). "
-            "`corral daemon start` brings the control plane back; "
-            "`corral daemon stop --all` stops the balancer workers too."
-        )
-
-
-@daemon.command("restore")
-@click.option(
-    "--from",
-    "source",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="A state file to restore (default: the home's latest backup, state.db.backup).",
-)
-@click.pass_context
-def daemon_restore(ctx: click.Context, source: Path | None) -> None:
-    """Put a backup of the state file back (no daemon may run). The file it replaces is kept
-    as state.db.broken-TIME; replicas still running are adopted by the next daemon."""
-    import fcntl
-
-    from corral.backup import StateFileRefused, restore
-
-    home = _home(ctx)
-    with open(home / "daemon.lock", "a+") as lock:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _fail("a daemon runs on this home: stop it first (`corral daemon stop`)")
-        try:
-            out.print(restore(home, source))
-        except StateFileRefused as exc:
-            _fail(str(exc))
-    out.print("`corral daemon start` brings the services back")
-
-
-@daemon.command("restart-workers")
-@click.pass_context
-def daemon_restart_workers(ctx: click.Context) -> None:
-    """Replace each balancer worker by a new process (new one first, so every port keeps a
-    listener): after upgrading corral, this moves traffic to the new code."""
-    client = _client(ctx, start=True)
-    client.timeout = 120.0  # one slot at a time, each up to 15 s
-    answer = client.request("POST", "/v1/daemon/restart-workers")
-    for item in answer.get("restarted", []):
-        out.print(f"worker {item['slot']}: pid {item['old_pid']} -> {item['new_pid']}")
-
-
-def _stop_orphan_workers(home: Path) -> None:
-    from corral.dataplane.plane import stop_recorded_workers
-
-    stopped = stop_recorded_workers(home)
-    if stopped:
-        out.print(f"stopped {len(stopped)} balancer worker(s): pid {', '.join(map(str, stopped))}")
-
-
-@daemon.command("status")
-@click.pass_context
-def daemon_status(ctx: click.Context) -> None:
-    """Show whether the daemon runs, and its pid and jobs."""
-    client = Client(_home(ctx))
-    if not client.health():
-        if isinstance(client.last_error, UntrustedDaemon):
-            _fail(str(client.last_error))
-        out.print(f"no daemon running on {_home(ctx)}")
-        sys.exit(1)
-    click.echo(json.dumps(client.request("GET", "/v1/daemon"), indent=2))
-
-
 def _load(file: Path, name: str | None) -> Any:
     try:
         spec = load_spec(file, name=name)
@@ -558,28 +452,3 @@ def _load(file: Path, name: str | None) -> Any:
     if not spec.name:
         _fail(f"{file}: the service needs a name: set `name:` in the spec or pass -n NAME")
     return spec
-
-
-def _client(ctx: click.Context, *, start: bool) -> Client:
-    home = _home(ctx)
-    if start:
-        try:
-            return ensure_daemon(home)
-        except ClientError as exc:
-            _fail(str(exc))
-    return Client(home)
-
-
-def _client_error_text(exc: ClientError) -> str:
-    body = exc.body if isinstance(exc.body, dict) else {}
-    if body.get("text"):
-        return f"{exc}:\n{body['text']}"
-    return str(exc)
-
-
-def _age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"

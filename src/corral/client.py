@@ -58,6 +58,10 @@ class ClientError(Exception):
         self.body = body
 
 
+class DaemonUnreachable(ClientError):
+    """No daemon answers (none started, or it stopped): the next step is to start one."""
+
+
 class UntrustedDaemon(ClientError):
     """Something answers on the daemon's address but fails TLS verification, or cannot prove
     it holds the token. ``stale``: the daemon that daemon.json names is not running (another
@@ -103,7 +107,9 @@ def endpoint(home: Path) -> Endpoint:
         return Endpoint(parts.scheme, parts.hostname, port, os.environ.get(ENV_API_CA), True)
     info = read_info(home)
     if info is None:
-        raise ClientError(f"no corral daemon runs on {home} (start one with `corral up`)")
+        raise DaemonUnreachable(
+            f"no corral daemon runs on {home}: start one with `corral daemon start`"
+        )
     host = str(info.get("host") or "127.0.0.1")
     if host in WILDCARD_HOSTS:
         host = "::1" if host == "::" else "127.0.0.1"
@@ -178,7 +184,21 @@ def _unreachable(exc: OSError, ep: Endpoint) -> ClientError:
             f"the corral daemon at {ep.url} did not prove who it is (TLS, trusting {trusted}; "
             f"set ${ENV_API_CA} to its certificate): {exc}"
         )
-    return ClientError(f"cannot reach the corral daemon at {ep.url}: {exc}")
+    if isinstance(exc, ConnectionRefusedError):
+        why = "nothing listens there"
+    elif isinstance(exc, TimeoutError):
+        why = "it did not answer in time"
+    else:
+        why = exc.strerror or str(exc) or type(exc).__name__
+    if ep.remote:
+        return DaemonUnreachable(
+            f"the corral daemon at {ep.url} (${ENV_API_URL}) is not reachable ({why}); "
+            f"check that it runs and that ${ENV_API_URL} names it"
+        )
+    return DaemonUnreachable(
+        f"the corral daemon is not reachable at {ep.url} ({why}); "
+        "start it with `corral daemon start`"
+    )
 
 
 class Client:
@@ -367,6 +387,15 @@ class Client:
         params = {"purge": "true"} if purge else None
         return dict(self.request("DELETE", f"/v1/services/{quote(name, safe='')}", params=params))
 
+    def terminate_replica(self, name: str, replica: int, *, purge: bool = False) -> str:
+        """Tear one replica down (it is replaced), or with ``purge`` forget a failed one."""
+        answer = self.request(
+            "DELETE",
+            f"/v1/services/{quote(name, safe='')}/replicas/{replica}",
+            params={"purge": "true"} if purge else None,
+        )
+        return str(answer.get("message", ""))
+
     def events(self, name: str, after: int = 0) -> list[dict[str, Any]]:
         data = self.request(
             "GET", f"/v1/services/{quote(name, safe='')}/events", params={"after": after}
@@ -374,13 +403,22 @@ class Client:
         return list(data["events"])
 
     def logs(
-        self, name: str, *, kind: str, replica: int | None, follow: bool, offset: int = 0
+        self,
+        name: str,
+        *,
+        kind: str,
+        replica: int | None,
+        follow: bool,
+        offset: int = 0,
+        tail: int | None = None,
     ) -> Iterator[bytes]:
         params: dict[str, Any] = {
             "kind": kind,
             "follow": "true" if follow else "false",
             "offset": offset,
         }
+        if tail is not None:
+            params["tail"] = tail
         if replica is not None:
             params["replica"] = replica
         return self.stream(f"/v1/services/{quote(name, safe='')}/logs", params)
@@ -402,9 +440,16 @@ def ensure_daemon(home: Path, timeout: float = 20.0) -> Client:
     error = client.last_error
     if isinstance(error, UntrustedDaemon) and not error.stale:
         raise error  # a daemon answers that we cannot verify: not a new one beside it
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)  # the daemon narrows an old one too
     log_path = home / "daemon.log"
-    with open(log_path, "ab") as log:
+    try:
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)  # the daemon narrows an old one too
+        log = open(log_path, "ab")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise ClientError(
+            f"cannot use {home} as the corral home ({exc.strerror or exc}); "
+            "set CORRAL_HOME (or --home) to a directory you can write"
+        ) from None
+    with log:
         env = dict(os.environ)
         env["CORRAL_HOME"] = str(home)
         process = subprocess.Popen(

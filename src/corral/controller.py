@@ -39,9 +39,11 @@ from corral.infra.base import (
     scratch_root,
 )
 from corral.jobs import Job, JobPool, JobState
+from corral.ports import port_holders
 from corral.probe import ProbeResult, probe
 from corral.replicas import (
     ReplicaStatus,
+    ServiceStatus,
     failure_status,
     is_live,
     replica_status,
@@ -125,6 +127,15 @@ def handle_from_row(row: ReplicaRow) -> ReplicaHandle | None:
     if data is None:
         return None
     return ReplicaHandle(backend=data["backend"], endpoint=data["endpoint"], data=data["data"])
+
+
+class ReplicaRefused(Exception):
+    """A request about one replica that cannot be done; ``status`` is the HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 class ServiceController:
@@ -403,12 +414,17 @@ class ServiceController:
         self._publish_ready()
 
     def _mark_gone(
-        self, r: ReplicaRow, infra: Infra, handle: ReplicaHandle, liveness: Liveness
+        self,
+        r: ReplicaRow,
+        infra: Infra,
+        handle: ReplicaHandle,
+        liveness: Liveness,
+        detail: str = "",
     ) -> None:
         """Record a replica found gone, judged the same whether a running daemon's probe or a
         restarted daemon's adoption found it: an app that exited is FAILED (with its exit code
         when the backend knows it) and counts toward the crash-loop rule; a replica whose host
-        went away is PREEMPTED and replaced, whoever noticed."""
+        went away is PREEMPTED and replaced, whoever noticed. ``detail`` says more of an exit."""
         if liveness is Liveness.LOST:
             self._mark_failed(r, preempted=1, failure="replica's host went away")
             return
@@ -418,7 +434,9 @@ class ServiceController:
             r,
             app_failed=1,
             exit_code=code,
-            failure=f"process exited ({said}); see {self.replica_log(r.id)}",
+            failure=(
+                f"process exited ({said}){detail}; see `corral logs {self.name} {r.seq or r.id}`"
+            ),
         )
 
     def _outcome_lost(self, r: ReplicaRow) -> bool:
@@ -742,7 +760,8 @@ class ServiceController:
         last = max(failed, key=lambda r: r.id)
         return (
             f"version {version} never became ready and {len(failed)} replicas failed; "
-            f"last: replica {last.id} {failure_status(last)}: {last.failure or 'no detail'}"
+            f"last: replica {last.seq or last.id} {failure_status(last)}: "
+            f"{last.failure or 'no detail'}"
         )
 
     def _relaunch_wait(self, current: list[ReplicaRow], now: float) -> float:
@@ -801,6 +820,7 @@ class ServiceController:
             home_marker=self.deps.home_marker,
             on_started=functools.partial(self._record_handle, r.id),
             setup_timeout=spec.service.setup_timeout_seconds,
+            display_id=r.seq or None,
         )
         job = self.deps.pool.submit(
             self._run_launch,
@@ -879,7 +899,9 @@ class ServiceController:
             self._wake.set()
             return
         else:
-            detail = f"{job.exception()!r}; see {self.launch_log(replica_id)}"
+            row = self.store.replica(replica_id)
+            seq = row.seq if row is not None and row.seq else replica_id
+            detail = f"{job.exception()!r}; see `corral logs {self.name} {seq} --launch`"
             self.store.update_replica(replica_id, launch_state="failed", failure=detail)
             self.store.event(self.name, "replica.launch_failed", detail, replica_id=replica_id)
         r = self.store.replica(replica_id)
@@ -1115,7 +1137,19 @@ class ServiceController:
             return  # no backend to ask (see _liveness): the row keeps what adopt recorded
         liveness = await asyncio.to_thread(infra.check, handle)
         if liveness is Liveness.EXITED or liveness is Liveness.LOST:
-            self._mark_gone(r, infra, handle, liveness)
+            taken = ""
+            port = handle.data.get("port")
+            if (
+                liveness is Liveness.EXITED
+                and r.first_ready_at is None
+                and isinstance(infra, EndpointOwner)
+                and port
+            ):
+                # The usual reason an app exits before it ever answered: its port was taken.
+                holders = await asyncio.to_thread(port_holders, int(port))
+                if holders:
+                    taken = f": its port {port} is in use by {', '.join(holders)}"
+            self._mark_gone(r, infra, handle, liveness, taken)
             return
         spec = self.spec(r.version)
         rp = spec.service.readiness_probe
@@ -1190,6 +1224,41 @@ class ServiceController:
         self._set_ready(r.id, None)
         self._wake.set()
 
+    # -- requests -----------------------------------------------------------------------------
+
+    def terminate_replica(self, seq: int, *, purge: bool) -> str:
+        """``corral down NAME --replica-id N``, as SkyServe's terminate_replica: a live replica
+        is drained and torn down, and since the target is unchanged the next reconcile step
+        launches its replacement. A failed replica is refused (it is kept visible on purpose)
+        unless ``purge``, which forgets its row. Raises :class:`ReplicaRefused`."""
+        r = self.store.replica_by_seq(self.name, seq)
+        if r is None:
+            raise ReplicaRefused(404, f"service {self.name!r} has no replica {seq}")
+        status = replica_status(r)
+        if status is ReplicaStatus.SHUTTING_DOWN or r.scale_down or r.id in self._rt.draining:
+            raise ReplicaRefused(409, f"replica {seq} of {self.name!r} is already shutting down")
+        if failure_status(r) is not None or status is ReplicaStatus.FAILED_CLEANUP:
+            if r.teardown_state not in ("succeeded", "failed"):
+                raise ReplicaRefused(409, f"replica {seq} ({status}) is being torn down already")
+            if not purge:
+                why = (
+                    "its teardown failed, so it may still run: `corral status -v` says why"
+                    if status is ReplicaStatus.FAILED_CLEANUP
+                    else "it is stopped already and kept visible for its logs"
+                )
+                raise ReplicaRefused(
+                    409,
+                    f"replica {seq} of {self.name!r} is {status}: {why}; "
+                    f"`corral down {self.name} --replica-id {seq} --purge` forgets it",
+                )
+            self.store.event(self.name, "replica.purge", f"{status}; purged", replica_id=r.id)
+            self.store.delete_replica(r.id)
+            return f"replica {seq} of {self.name} ({status}) forgotten"
+        self.store.update_replica(r.id, scale_down=1)
+        self._retire(self.store.replica(r.id), "terminated on request (down --replica-id)")
+        self.wake()
+        return f"replica {seq} of {self.name} is shutting down; a replacement starts"
+
     # -- views --------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -1226,6 +1295,13 @@ class ServiceController:
             else "http"
         )
         now = time.time()
+        held = self._held_version
+        serving = sorted(
+            {v for rid, v in self._rt.versions.items() if rid in self._rt.ready and v != held}
+        )
+        # A failed update leaves the old version serving: the service is not FAILED then,
+        # and why the update failed is a field of its own.
+        update_failed = svc.failure is not None and status is not ServiceStatus.FAILED
         return {
             "name": self.name,
             "status": str(status),
@@ -1242,25 +1318,43 @@ class ServiceController:
             "policy": policy,
             "versions": versions,
             "traffic_held_for_version": self._held_version,
+            "traffic_versions": serving,
             "balancer_errors": self.balancer.bind_errors() if self.balancer is not None else [],
-            "failure": self.failed or svc.failure,
+            "failure": self.failed or (None if update_failed else svc.failure),
+            "last_update_failure": svc.failure if update_failed else None,
             "last_decision": self.last_decision,
             "created_at": svc.created_at,
             "replicas": [
-                {
-                    "id": r.id,
-                    "version": r.version,
-                    "status": str(status_),
-                    "endpoint": r.endpoint,
-                    "infra": r.infra,
-                    "age_seconds": round(now - r.created_at, 1),
-                    "failure": r.failure,
-                    "exit_code": r.exit_code,
-                    "pid": (r.handle_data or {}).get("data", {}).get("pid"),
-                }
+                self._replica_view(r, status_, now)
                 for r, status_ in zip(rows, statuses, strict=True)
             ],
         }
+
+    def _replica_view(self, r: ReplicaRow, status: ReplicaStatus, now: float) -> dict[str, Any]:
+        """One replica as the API shows it: ``id`` is its number within the service (what
+        users type); ``uid`` the internal id (events, the state file)."""
+        view: dict[str, Any] = {
+            "id": r.seq or r.id,
+            "uid": r.id,
+            "version": r.version,
+            "status": str(status),
+            "endpoint": r.endpoint,
+            "infra": r.infra,
+            "age_seconds": round(now - r.created_at, 1),
+            "failure": r.failure,
+            "exit_code": r.exit_code,
+            "pid": (r.handle_data or {}).get("data", {}).get("pid"),
+        }
+        if status is ReplicaStatus.STARTING and r.launched_at is not None:
+            # How long it has been trying, against how long it may (then FAILED_INITIAL_DELAY).
+            view["starting_seconds"] = round(now - r.launched_at, 1)
+            with contextlib.suppress(Exception):
+                view["initial_delay_seconds"] = _initial_delay(self.spec(r.version))
+        return view
+
+
+def _initial_delay(spec: ServiceSpec) -> float:
+    return float(spec.service.readiness_probe.initial_delay_seconds)
 
 
 def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route:

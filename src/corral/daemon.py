@@ -42,6 +42,7 @@ from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
 from corral.controller import (
     LAUNCHES_PER_SERVICE,
     ControllerDeps,
+    ReplicaRefused,
     ServiceController,
     free_port,
     handle_from_row,
@@ -270,6 +271,25 @@ class Daemon:
         self.store.event(name, "service.down", "purge" if purge else None, actor="api")
         controller.wake()
         return controller.snapshot()
+
+    def terminate_replica(self, name: str, seq: int, *, purge: bool) -> str:
+        """``corral down NAME --replica-id N`` (see ServiceController.terminate_replica)."""
+        controller = self.controller(name)
+        svc = self.store.service(name)
+        if svc is None or svc.intent == "shutting_down":
+            raise RequestError(409, f"service {name!r} is shutting down")
+        try:
+            return controller.terminate_replica(seq, purge=purge)
+        except ReplicaRefused as exc:
+            raise RequestError(exc.status, exc.message) from None
+
+    def replica_uid(self, name: str, seq: int) -> int:
+        """The internal id of replica ``seq`` (its number within the service, as shown)."""
+        self.controller(name)
+        row = self.store.replica_by_seq(name, seq)
+        if row is None:
+            raise RequestError(404, f"service {name!r} has no replica {seq}")
+        return row.id
 
     def services(self) -> list[dict[str, Any]]:
         out = []

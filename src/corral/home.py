@@ -49,6 +49,36 @@ def default_home() -> Path:
     return Path(os.environ.get("CORRAL_HOME") or Path.home() / ".corral").expanduser()
 
 
+# `corral` exits with this code (EX_CONFIG) when the home cannot be used at all.
+EXIT_BAD_HOME = 78
+
+
+def home_problem(home: Path) -> str | None:
+    """Why ``home`` cannot serve as a corral home, in one line, or None when it can (or can
+    be created). Checked before anything touches it: otherwise the first write deep inside a
+    command fails with a traceback."""
+    fix = "set CORRAL_HOME (or --home) to a directory you can write"
+    if home.is_symlink() and not home.exists():
+        target = os.readlink(home)
+        return f"corral home {home} is a symlink to {target}, which does not exist; {fix}"
+    if home.exists():
+        if not home.is_dir():
+            return f"corral home {home} is a file, not a directory; {fix}"
+        if not os.access(home, os.W_OK | os.X_OK):
+            return f"corral home {home} is not writable by this user; {fix}"
+        return None
+    parent = home.parent
+    while not parent.exists() and parent != parent.parent:
+        if parent.is_symlink():
+            return f"corral home {home} is under {parent}, a symlink to nothing; {fix}"
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"corral home {home} cannot be created: {parent} is not a directory; {fix}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"corral home {home} cannot be created: {parent} is not writable; {fix}"
+    return None
+
+
 def read_token(home: Path) -> str:
     return (home / "token").read_text().strip()
 

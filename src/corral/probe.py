@@ -73,5 +73,21 @@ async def probe(
 
 
 def _describe(exc: BaseException) -> str:
+    """Why a probe failed, in words: this text is what `corral status` shows for a replica
+    that never became ready, and aiohttp's own ("ClientConnectorError: Cannot connect to host
+    ... ssl:default [Connect call failed ...]") is its internals, not the reason."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        where = f"{exc.host}:{exc.port}"
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            return f"connection refused: nothing listens on {where} (yet)"
+        return f"cannot connect to {where}: {exc.os_error.strerror or exc.os_error}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the replica closed the connection without answering"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the answer was cut short"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"not an HTTP answer corral can read ({exc.message})"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text

@@ -40,7 +40,7 @@ from corral.backup import take_backup
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Each entry migrates from version i to i+1; a new schema change appends one entry.
 _MIGRATIONS: list[str] = [
@@ -114,6 +114,18 @@ _MIGRATIONS: list[str] = [
         started_at REAL NOT NULL
     )
     """,
+    # 4: replica ids per service (1, 2, 3 in each), as SkyServe numbers them; the global id
+    # stays the internal key (process keys, log file names, events). The counter lives on the
+    # service so an id is never reused within it, even after rows are pruned.
+    """
+    ALTER TABLE replicas ADD COLUMN seq INTEGER;
+    ALTER TABLE services ADD COLUMN next_replica_seq INTEGER NOT NULL DEFAULT 1;
+    UPDATE replicas SET seq = (SELECT COUNT(*) FROM replicas AS o
+        WHERE o.service = replicas.service AND o.id <= replicas.id);
+    UPDATE services SET next_replica_seq = 1 + COALESCE(
+        (SELECT MAX(seq) FROM replicas WHERE replicas.service = services.name), 0);
+    CREATE UNIQUE INDEX replicas_by_seq ON replicas(service, seq)
+    """,
 ]
 
 
@@ -158,6 +170,7 @@ class ServiceRow:
     failure: str | None
     created_at: float
     updated_at: float
+    next_replica_seq: int = 1
 
 
 @dataclass(frozen=True)
@@ -195,6 +208,7 @@ class ReplicaRow:
     failure: str | None
     created_at: float
     updated_at: float
+    seq: int = 0  # the replica's id within its service, the one users see
 
     @property
     def handle_data(self) -> dict[str, Any] | None:
@@ -223,7 +237,12 @@ class WorkerRow:
     started_at: float
 
 
-_REPLICA_FACTS = frozenset(f.name for f in fields(ReplicaRow)) - {"id", "service", "created_at"}
+_REPLICA_FACTS = frozenset(f.name for f in fields(ReplicaRow)) - {
+    "id",
+    "service",
+    "created_at",
+    "seq",
+}
 
 
 def _row(cls: type[Any], row: sqlite3.Row) -> Any:
@@ -526,10 +545,16 @@ class Store:
         now = time.time()
 
         def add(db: sqlite3.Connection) -> int:
+            (seq,) = db.execute(
+                "SELECT next_replica_seq FROM services WHERE name = ?", (service,)
+            ).fetchone()
+            db.execute(
+                "UPDATE services SET next_replica_seq = ? WHERE name = ?", (seq + 1, service)
+            )
             cur = db.execute(
-                "INSERT INTO replicas (service, version, infra, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (service, version, infra, now, now),
+                "INSERT INTO replicas (service, version, infra, created_at, updated_at, seq)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (service, version, infra, now, now, seq),
             )
             replica_id = int(cur.lastrowid or 0)
             db.execute(
@@ -545,6 +570,11 @@ class Store:
 
     def replica(self, replica_id: int) -> ReplicaRow | None:
         rows = self._query("SELECT * FROM replicas WHERE id = ?", (replica_id,))
+        return _row(ReplicaRow, rows[0]) if rows else None
+
+    def replica_by_seq(self, service: str, seq: int) -> ReplicaRow | None:
+        """A replica by the id users see (its number within the service)."""
+        rows = self._query("SELECT * FROM replicas WHERE service = ? AND seq = ?", (service, seq))
         return _row(ReplicaRow, rows[0]) if rows else None
 
     def replicas(self, service: str | None = None) -> list[ReplicaRow]:

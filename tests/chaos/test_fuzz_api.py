@@ -230,6 +230,7 @@ def test_api_fuzz(corral_home: CorralHome, tmp_path: Path) -> None:
         "POST /v1/services/{name}/versions",
         "GET /v1/services/{name}/events",
         "GET /v1/services/{name}/logs",
+        "DELETE /v1/services/{name}/replicas/{replica}",
     } <= labels, labels
 
     positive, negative, unauthorized = rounds(10, 80), rounds(6, 50), rounds(1, 6)

@@ -71,6 +71,9 @@ class LaunchRequest:
     home_marker: str  # identifies this corral home in what the backend starts (for sweep)
     on_started: Callable[[ReplicaHandle], None]
     setup_timeout: float | None = None  # seconds `setup` may run (None: no limit)
+    # The id users see (the replica's number within its service); the replica gets it as
+    # CORRAL_REPLICA_ID so its own output names it as `corral status` does.
+    display_id: int | None = None
 
 
 class Infra(Protocol):

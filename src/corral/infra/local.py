@@ -296,7 +296,7 @@ def _replica_env(request: LaunchRequest, port: int, key: str) -> dict[str, str]:
     env.update(
         {
             "PORT": str(port),
-            "CORRAL_REPLICA_ID": str(request.replica_id),
+            "CORRAL_REPLICA_ID": str(request.display_id or request.replica_id),
             "CORRAL_SERVICE": request.service,
             "CORRAL_VERSION": str(request.version),
             ENV_HOME_MARKER: request.home_marker,

@@ -682,7 +682,7 @@ class RayInfra:
         )
         corral_env = {
             "PORT": str(port),
-            "CORRAL_REPLICA_ID": str(request.replica_id),
+            "CORRAL_REPLICA_ID": str(request.display_id or request.replica_id),
             "CORRAL_SERVICE": request.service,
             "CORRAL_VERSION": str(request.version),
             ENV_HOME_MARKER: request.home_marker,

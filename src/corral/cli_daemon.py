@@ -1,0 +1,186 @@
+"""`corral daemon ...`: run, start, stop, restore the daemon of a home."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from corral.cli_common import client_of, fail, home_of, out
+from corral.client import Client, UntrustedDaemon
+from corral.home import EXIT_DAEMON_RUNNING, is_loopback
+
+
+@click.group()
+def daemon() -> None:
+    """Run, inspect or stop the daemon of this home."""
+
+
+@daemon.command("run")
+@click.option("--home", "home_opt", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--host", default="127.0.0.1", show_default=True, help="API address.")
+@click.option("--port", default=0, type=int, help="API port (default: a free one).")
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="PEM certificate (chain) for HTTPS; required with a --host that is not loopback.",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="PEM private key of --tls-cert.",
+)
+@click.pass_context
+def daemon_run(
+    ctx: click.Context,
+    home_opt: Path | None,
+    host: str,
+    port: int,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+) -> None:
+    """Run the daemon in the foreground.
+
+    The API listens on 127.0.0.1. Any other address is reachable from elsewhere, so it needs
+    HTTPS (--tls-cert and --tls-key): the bearer token must not cross a network in clear.
+    """
+    home = (home_opt or home_of(ctx)).expanduser().resolve()
+    if (tls_cert is None) != (tls_key is None):
+        fail("--tls-cert and --tls-key go together: give both, or neither")
+    if tls_cert is None and not is_loopback(host):
+        fail(
+            f"the API would listen on {host}, which is not loopback, in plain HTTP: the token "
+            "would cross the network in clear. Pass --tls-cert FILE --tls-key FILE (clients "
+            "verify that certificate), or keep the default --host 127.0.0.1."
+        )
+    from corral.daemon import (  # heavy: imported only here
+        DaemonError,
+        DaemonRunning,
+        serve,
+        server_tls_context,
+    )
+
+    try:
+        context = None
+        if tls_cert is not None and tls_key is not None:
+            tls_cert = tls_cert.expanduser().resolve()
+            context = server_tls_context(tls_cert, tls_key.expanduser().resolve())
+        asyncio.run(serve(home, host=host, port=port, ssl_context=context, tls_cert=tls_cert))
+    except DaemonRunning as exc:
+        fail(str(exc), code=EXIT_DAEMON_RUNNING)
+    except DaemonError as exc:
+        fail(str(exc))
+
+
+@daemon.command("start")
+@click.pass_context
+def daemon_start(ctx: click.Context) -> None:
+    """Start the daemon in the background (if none runs) and wait until it answers."""
+    already = Client(home_of(ctx)).health()
+    client = client_of(ctx, start=True)
+    info = client.request("GET", "/v1/daemon")
+    how = "already running" if already else "started"
+    out.print(f"daemon {how}: pid {info.get('pid')} serving {home_of(ctx)}")
+
+
+@daemon.command("stop")
+@click.option(
+    "--all",
+    "everything",
+    is_flag=True,
+    help="Stop the balancer workers too: every service's endpoint stops answering.",
+)
+@click.pass_context
+def daemon_stop(ctx: click.Context, everything: bool) -> None:
+    """Stop the control plane. Services keep serving: the balancer workers and the replicas
+    keep running, and the next daemon (any corral command starts one) adopts them."""
+    home = home_of(ctx)
+    client = Client(home)
+    if not client.health():
+        if isinstance(client.last_error, UntrustedDaemon):
+            fail(str(client.last_error))
+        out.print("no daemon running")
+        if everything:
+            _stop_orphan_workers(home)
+        return
+    client.stop_daemon(workers=everything)
+    deadline = time.monotonic() + 30
+    while client.health() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if everything:
+        _stop_orphan_workers(home)  # any the daemon could not reach
+        out.print("daemon and balancer workers stopped: service endpoints no longer answer")
+    else:
+        out.print(
+            "daemon stopped; services keep serving (balancer workers and replicas still run). "
+            "`corral daemon start` brings the control plane back; "
+            "`corral daemon stop --all` stops the balancer workers too."
+        )
+
+
+@daemon.command("restore")
+@click.option(
+    "--from",
+    "source",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="A state file to restore (default: the home's latest backup, state.db.backup).",
+)
+@click.pass_context
+def daemon_restore(ctx: click.Context, source: Path | None) -> None:
+    """Put a backup of the state file back (no daemon may run). The file it replaces is kept
+    as state.db.broken-TIME; replicas still running are adopted by the next daemon."""
+    import fcntl
+
+    from corral.backup import StateFileRefused, restore
+
+    home = home_of(ctx)
+    with open(home / "daemon.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fail("a daemon runs on this home: stop it first (`corral daemon stop`)")
+        try:
+            out.print(restore(home, source))
+        except StateFileRefused as exc:
+            fail(str(exc))
+    out.print("`corral daemon start` brings the services back")
+
+
+@daemon.command("restart-workers")
+@click.pass_context
+def daemon_restart_workers(ctx: click.Context) -> None:
+    """Replace each balancer worker by a new process (new one first, so every port keeps a
+    listener): after upgrading corral, this moves traffic to the new code."""
+    client = client_of(ctx, start=True)
+    client.timeout = 120.0  # one slot at a time, each up to 15 s
+    answer = client.request("POST", "/v1/daemon/restart-workers")
+    for item in answer.get("restarted", []):
+        out.print(f"worker {item['slot']}: pid {item['old_pid']} -> {item['new_pid']}")
+
+
+def _stop_orphan_workers(home: Path) -> None:
+    from corral.dataplane.plane import stop_recorded_workers
+
+    stopped = stop_recorded_workers(home)
+    if stopped:
+        out.print(f"stopped {len(stopped)} balancer worker(s): pid {', '.join(map(str, stopped))}")
+
+
+@daemon.command("status")
+@click.pass_context
+def daemon_status(ctx: click.Context) -> None:
+    """Show whether the daemon runs, and its pid and jobs."""
+    client = Client(home_of(ctx))
+    if not client.health():
+        if isinstance(client.last_error, UntrustedDaemon):
+            fail(str(client.last_error))
+        out.print(f"no daemon running on {home_of(ctx)}")
+        sys.exit(1)
+    click.echo(json.dumps(client.request("GET", "/v1/daemon"), indent=2))

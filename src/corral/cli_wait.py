@@ -1,0 +1,179 @@
+"""Waiting for the daemon on a person's behalf (`up`, `update`, `down`): progress with the
+time elapsed, and what Ctrl-C leaves running."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+from corral import cliview
+from corral.cli_common import client_error_text, err, fail, out
+from corral.client import Client, ClientError
+
+FAILED_SERVICE = {"FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"}
+LIVE = {"PENDING", "PROVISIONING", "STARTING", "READY", "NOT_READY"}
+# Exit code of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+# While waiting, a line saying what is awaited at least this often (seconds) when nothing changes.
+PROGRESS_EVERY = 15.0
+
+_fail = fail
+_client_error_text = client_error_text
+
+
+def interrupted(message: str) -> NoReturn:
+    err.print(f"\n[yellow]interrupted:[/yellow] {message}", markup=True, soft_wrap=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def keeps_running(client: Client, name: str, what: str) -> str:
+    """What Ctrl-C left running (the service and the daemon) and how to stop it."""
+    info = None
+    with contextlib.suppress(ClientError, KeyboardInterrupt):
+        info = client.request("GET", "/v1/daemon")
+    daemon = f" (pid {info['pid']})" if isinstance(info, dict) and info.get("pid") else ""
+    return (
+        f"service {name} keeps running in the corral daemon{daemon}: {what}. "
+        f"`corral status {name}` shows it; `corral down {name}` stops it"
+        " (`corral daemon stop` stops only the daemon: services keep serving)."
+    )
+
+
+def _polled(
+    client: Client, name: str, timeout: float | None, late: Callable[[dict[str, Any]], str]
+) -> Iterator[dict[str, Any]]:
+    """Service ``name`` as the daemon shows it, every 0.25 s, until the caller stops asking.
+    A client error, or the deadline passing (``late`` says what was still awaited), ends the
+    command with an error; the service itself keeps going either way."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            service = client.service(name)
+        except ClientError as exc:
+            _fail(_client_error_text(exc))
+        yield service
+        if deadline is not None and time.monotonic() > deadline:
+            _fail(late(service))
+        time.sleep(0.25)
+
+
+class _Progress:
+    """Prints what changed while waiting, each line with the time since the wait began, and a
+    line saying what is still awaited when nothing changed for PROGRESS_EVERY seconds."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.said = self.started
+        self.seen: dict[int, str] = {}
+
+    def stamp(self) -> str:
+        return f"[{cliview.age(time.monotonic() - self.started):>4}]"
+
+    def replicas(self, service: dict[str, Any]) -> None:
+        changed = False
+        for r in service["replicas"]:
+            if self.seen.get(r["id"]) != r["status"]:
+                self.seen[r["id"]] = r["status"]
+                detail = f" ({r['failure']})" if r.get("failure") else ""
+                out.print(
+                    f"  {self.stamp()} replica {r['id']} (v{r['version']}): {r['status']}{detail}",
+                    soft_wrap=True,
+                )
+                changed = True
+        now = time.monotonic()
+        if changed:
+            self.said = now
+        elif now - self.said >= PROGRESS_EVERY:
+            self.said = now
+            waiting = [
+                f"replica {r['id']} {cliview.status_text(r)}"
+                for r in service["replicas"]
+                if r["status"] in LIVE and r["status"] != "READY"
+            ]
+            what = ", ".join(waiting) or service["status"]
+            out.print(f"  {self.stamp()} still waiting: {what}", soft_wrap=True)
+
+
+def wait_ready(client: Client, name: str, timeout: float | None) -> None:
+    progress = _Progress()
+
+    def late(service: dict[str, Any]) -> str:
+        status = service["status"]
+        return f"service {name} not READY after {timeout:g}s (status {status}); it keeps trying"
+
+    for service in _polled(client, name, timeout, late):
+        progress.replicas(service)
+        status = service["status"]
+        if status == "READY":
+            out.print(
+                f"[green]service {name} is READY[/green] at {service['endpoint']} "
+                f"(after {cliview.age(time.monotonic() - progress.started)})",
+                soft_wrap=True,
+            )
+            return
+        if status in FAILED_SERVICE:
+            failed = [r for r in service["replicas"] if r.get("failure")]
+            hint = ""
+            if failed and "corral logs" not in (service.get("failure") or ""):
+                # The app's own output tells why it exited; the launch log, why it never started.
+                last = failed[-1]
+                launch = " --launch" if last["status"] == "FAILED_PROVISION" else ""
+                hint = f"; see `corral logs {name} {last['id']}{launch}`"
+            _fail(f"service {name} is {status}: {service.get('failure') or ''}{hint}")
+
+
+def wait_rollout(client: Client, name: str, version: int, timeout: float | None) -> None:
+    """Wait until only the new version runs, at its target, or it is refused."""
+    progress = _Progress()
+
+    def late(service: dict[str, Any]) -> str:
+        return f"version {version} not fully rolled out after {timeout:g}s; it keeps going"
+
+    for service in _polled(client, name, timeout, late):
+        progress.replicas(service)
+        live = [r for r in service["replicas"] if r["status"] in LIVE]
+        ready_new = [r for r in live if r["version"] == version and r["status"] == "READY"]
+        others = [r for r in live if r["version"] != version]
+        failure = service.get("last_update_failure") or service.get("failure") or ""
+        if f"version {version} never became ready" in failure:
+            serving = cliview.traffic_versions(service)
+            on = ""
+            if serving:
+                listed = ", ".join(str(v) for v in serving)
+                on = f"; traffic stays on version{'s' if len(serving) > 1 else ''} {listed}"
+            _fail(f"version {version} not promoted: {failure}{on}")
+        target = service.get("target")
+        if target is not None and not others and len(ready_new) >= target:
+            out.print(
+                f"[green]service {name}: version {version} serves all traffic[/green] "
+                f"(after {cliview.age(time.monotonic() - progress.started)})"
+            )
+            return
+
+
+def wait_down(client: Client, targets: list[str], *, purge: bool, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = set(targets)
+    while pending and time.monotonic() < deadline:
+        for n in list(pending):
+            try:
+                s = client.service(n)
+            except ClientError as exc:
+                if exc.status == 404:
+                    pending.discard(n)
+                    out.print(f"service {n}: down")
+                    continue
+                _fail(_client_error_text(exc))
+            else:
+                if s["status"] == "FAILED_CLEANUP" and not purge:
+                    pending.discard(n)
+                    _fail(
+                        f"service {n}: teardown failed for some replicas: {s.get('failure')}; "
+                        f"see `corral status -v {n}`, or `corral down {n} --purge` to forget them"
+                    )
+        time.sleep(0.2)
+    if pending:
+        _fail(f"still shutting down after {timeout:g}s: {', '.join(sorted(pending))}")

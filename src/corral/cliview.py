@@ -1,0 +1,163 @@
+"""How `corral status` draws services for a person (the JSON is the API's answer as it is).
+
+Kept apart from the commands so what a row says (which version takes traffic, how long a
+replica has been starting, which failed replicas are folded) is one small, testable place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+# Failed replicas shown per service without -v (newest first); older ones are counted.
+SHOWN_FAILED = 3
+FAILED_PREFIX = ("FAILED", "PREEMPTED")
+
+
+def age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def traffic_versions(service: dict[str, Any]) -> list[int]:
+    """The versions whose READY replicas take traffic now (the balancer's ready set)."""
+    versions = service.get("traffic_versions")
+    if versions is None:  # an older daemon: every READY replica takes traffic
+        versions = sorted({r["version"] for r in service["replicas"] if r["status"] == "READY"})
+    return [int(v) for v in versions]
+
+
+def version_text(service: dict[str, Any]) -> str:
+    """The version that serves, and beside it a version that does not yet (or failed)."""
+    serving = traffic_versions(service)
+    current = int(service["version"])
+    if not serving:
+        return str(current)
+    text = ",".join(str(v) for v in serving)
+    if current not in serving:
+        failed = service.get("last_update_failure")
+        text += f" (v{current} failed)" if failed else f" (v{current} starting)"
+    return text
+
+
+def ready_text(service: dict[str, Any]) -> str:
+    """READY replicas that take traffic, out of the target."""
+    serving = set(traffic_versions(service))
+    ready = sum(
+        1 for r in service["replicas"] if r["status"] == "READY" and r["version"] in serving
+    )
+    target = service.get("target")
+    return f"{ready}/{'-' if target is None else target}"
+
+
+def status_text(replica: dict[str, Any]) -> str:
+    """A replica's status; a STARTING one says for how long, out of its initial delay."""
+    status = str(replica["status"])
+    started = replica.get("starting_seconds")
+    if status == "STARTING" and started is not None:
+        delay = replica.get("initial_delay_seconds")
+        limit = f" of {age(float(delay))} initial delay" if delay is not None else ""
+        return f"STARTING ({age(float(started))}{limit})"
+    return status
+
+
+def is_failed(replica: dict[str, Any]) -> bool:
+    return str(replica["status"]).startswith(FAILED_PREFIX)
+
+
+def shown_replicas(service: dict[str, Any], verbose: bool) -> tuple[list[dict[str, Any]], int]:
+    """The replicas to list and how many failed ones were folded: every live one, and the
+    newest SHOWN_FAILED failed ones (all of them with ``verbose``)."""
+    replicas = list(service["replicas"])
+    if verbose:
+        return replicas, 0
+    failed = sorted((r for r in replicas if is_failed(r)), key=lambda r: r["id"])
+    folded = {id(r) for r in failed[: max(0, len(failed) - SHOWN_FAILED)]}
+    return [r for r in replicas if id(r) not in folded], len(folded)
+
+
+def _width(values: list[str]) -> int:
+    return max((len(v) for v in values), default=1)
+
+
+def services_table(services: list[dict[str, Any]]) -> Table:
+    table = Table(box=None)
+    endpoints = [s["endpoint"] or "-" for s in services]
+    table.add_column("SERVICE", overflow="fold")
+    table.add_column("STATUS", no_wrap=True)
+    # Never cut: an endpoint is what users copy from here.
+    table.add_column("ENDPOINT", no_wrap=True, min_width=_width(endpoints))
+    table.add_column("VERSION", overflow="fold")
+    table.add_column("READY", no_wrap=True)
+    for s, endpoint in zip(services, endpoints, strict=True):
+        table.add_row(s["name"], s["status"], endpoint, version_text(s), ready_text(s))
+    return table
+
+
+def replicas_table(services: list[dict[str, Any]], verbose: bool) -> tuple[Table, list[str]]:
+    """The replicas of ``services``, and a note per service whose failed replicas were folded."""
+    rows: list[tuple[str, ...]] = []
+    notes = []
+    for s in services:
+        shown, folded = shown_replicas(s, verbose)
+        for r in shown:
+            row: tuple[str, ...] = (
+                s["name"],
+                str(r["id"]),
+                str(r["version"]),
+                status_text(r),
+                r["endpoint"] or "-",
+                age(float(r["age_seconds"])),
+                str(r["pid"] or "-"),
+            )
+            rows.append(row + ((r.get("failure") or "",) if verbose else ()))
+        if folded:
+            name = s["name"]
+            notes.append(f"{name}: +{folded} older failed, see `corral status -v {name}`")
+    table = Table(box=None)
+    table.add_column("SERVICE", overflow="fold")
+    table.add_column("ID", no_wrap=True)
+    table.add_column("VERSION", no_wrap=True)
+    table.add_column("STATUS", overflow="fold")
+    table.add_column("ENDPOINT", no_wrap=True, min_width=_width([row[4] for row in rows]))
+    table.add_column("AGE", no_wrap=True)
+    table.add_column("PID", no_wrap=True)
+    if verbose:
+        table.add_column("FAILURE", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table, notes
+
+
+def service_notes(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """Lines under the tables: (style, text)."""
+    name = service["name"]
+    notes = []
+    scaler = service.get("autoscaler")
+    if scaler:
+        notes.append(
+            ("", f"{name}: target {service['target']} at {scaler['qps']:g} QPS: {scaler['reason']}")
+        )
+    held = service.get("traffic_held_for_version")
+    if held is not None:
+        notes.append(
+            ("", f"{name}: version {held} (blue-green) gets traffic once enough of it is READY")
+        )
+    if service.get("failure"):
+        notes.append(("red", f"{name}: {service['failure']}"))
+    if service.get("last_update_failure"):
+        notes.append(
+            (
+                "yellow",
+                f"{name}: update failed, traffic stays on the version before: "
+                f"{service['last_update_failure']}",
+            )
+        )
+    for problem in service.get("balancer_errors") or ():
+        # The endpoint is kept, not moved: whoever holds the port must let it go.
+        notes.append(("red", f"{name}: endpoint not served: {problem}"))
+    return notes

@@ -1,0 +1,184 @@
+"""The pieces under `corral status` and `corral logs` that need no daemon: replica ids per
+service in the state file (and their migration), what a status row says, tailing a file."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from corral import cliview
+from corral.home import home_problem
+from corral.loglines import balancer_lines, names_service, tail_offset
+from corral.probe import probe
+from corral.state import _MIGRATIONS, Store, _split
+
+
+def test_replica_ids_count_per_service_and_are_never_reused(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    for name in ("a", "b"):
+        store.create_service(name, "run: x", source=None, base_dir=None, lb_port=None)
+    a = [store.add_replica("a", 1, "local", "t") for _ in range(3)]
+    b = [store.add_replica("b", 1, "local", "t") for _ in range(2)]
+    assert [r.seq for r in a] == [1, 2, 3] and [r.seq for r in b] == [1, 2]
+    store.delete_replica(a[-1].id)  # the newest goes: its number is not handed out again
+    assert store.add_replica("a", 1, "local", "t").seq == 4
+    found = store.replica_by_seq("b", 2)
+    assert found is not None and found.id == b[1].id
+    assert store.replica_by_seq("b", 3) is None
+
+
+def test_schema_3_file_gets_ids_per_service(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    db = sqlite3.connect(path)
+    for migration in _MIGRATIONS[:3]:
+        for statement in _split(migration):
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 3")
+    for name in ("a", "b"):
+        db.execute(
+            "INSERT INTO services (name, current_version, created_at, updated_at)"
+            " VALUES (?, 1, 0, 0)",
+            (name,),
+        )
+    for name in ("a", "b", "a", "a", "b"):
+        db.execute(
+            "INSERT INTO replicas (service, version, infra, created_at, updated_at)"
+            " VALUES (?, 1, 'local', 0, 0)",
+            (name,),
+        )
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert [r.seq for r in store.replicas("a")] == [1, 2, 3]
+    assert [r.seq for r in store.replicas("b")] == [1, 2]
+    assert store.add_replica("b", 1, "local", "t").seq == 3
+
+
+def _service(**extra: Any) -> dict[str, Any]:
+    service: dict[str, Any] = {
+        "name": "s",
+        "status": "READY",
+        "endpoint": "http://127.0.0.1:1",
+        "version": 2,
+        "target": 1,
+        "replicas": [],
+    }
+    service.update(extra)
+    return service
+
+
+def _replica(rid: int, version: int, status: str, **extra: Any) -> dict[str, Any]:
+    return {"id": rid, "version": version, "status": status, **extra}
+
+
+def test_row_names_the_version_taking_traffic() -> None:
+    # Blue-green: v2 is READY but held; traffic is on v1.
+    held = _service(
+        replicas=[_replica(1, 1, "READY"), _replica(2, 2, "READY")], traffic_versions=[1]
+    )
+    assert cliview.version_text(held) == "1 (v2 starting)"
+    assert cliview.ready_text(held) == "1/1"
+    # A failed update: the row says v1 serves and v2 failed.
+    failed = _service(
+        replicas=[_replica(1, 1, "READY"), _replica(2, 2, "FAILED")],
+        traffic_versions=[1],
+        last_update_failure="version 2 never became ready",
+    )
+    assert cliview.version_text(failed) == "1 (v2 failed)"
+    done = _service(replicas=[_replica(3, 2, "READY")], traffic_versions=[2])
+    assert cliview.version_text(done) == "2" and cliview.ready_text(done) == "1/1"
+
+
+def test_failed_replicas_fold_after_the_newest_few() -> None:
+    replicas = [_replica(i, 1, "FAILED") for i in range(1, 8)] + [_replica(8, 1, "READY")]
+    shown, folded = cliview.shown_replicas(_service(replicas=replicas), verbose=False)
+    assert folded == 7 - cliview.SHOWN_FAILED
+    assert [r["id"] for r in shown] == [5, 6, 7, 8]
+    shown, folded = cliview.shown_replicas(_service(replicas=replicas), verbose=True)
+    assert folded == 0 and len(shown) == 8
+    _, notes = cliview.replicas_table(
+        [
+            _service(
+                replicas=[{**r, "endpoint": None, "age_seconds": 1, "pid": None} for r in replicas]
+            )
+        ],
+        verbose=False,
+    )
+    assert notes == ["s: +4 older failed, see `corral status -v s`"]
+
+
+def test_starting_replica_says_how_long_of_its_initial_delay() -> None:
+    replica = _replica(1, 1, "STARTING", starting_seconds=35, initial_delay_seconds=1200)
+    assert cliview.status_text(replica) == "STARTING (35s of 20m initial delay)"
+    assert cliview.status_text(_replica(1, 1, "READY")) == "READY"
+
+
+def test_tail_offset(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    path.write_bytes(b"one\ntwo\nthree\n")
+    assert path.read_bytes()[tail_offset(path, 2) :] == b"two\nthree\n"
+    assert path.read_bytes()[tail_offset(path, 9) :] == b"one\ntwo\nthree\n"
+    assert tail_offset(path, 0) == path.stat().st_size
+    path.write_bytes(b"one\ntwo")  # a last line still being written counts
+    assert path.read_bytes()[tail_offset(path, 1) :] == b"two"
+    big = b"".join(b"line %d\n" % i for i in range(50_000))  # several read blocks
+    path.write_bytes(big)
+    assert path.read_bytes()[tail_offset(path, 3) :] == b"line 49997\nline 49998\nline 49999\n"
+    assert tail_offset(tmp_path / "missing", 3) == 0
+
+
+def test_balancer_lines_of_one_service(tmp_path: Path) -> None:
+    logs = tmp_path / "dataplane"
+    logs.mkdir()
+    (logs / "worker-0.log").write_bytes(
+        b"2026-01-01 00:00:02,000 INFO worker-0 corral.balancer: balancer web listening\n"
+        b"2026-01-01 00:00:03,000 INFO worker-0 corral.balancer: balancer web-2 listening\n"
+        b"2026-01-01 00:00:04,000 INFO worker-0 corral.worker: service web: listening\n"
+        b"2026-01-01 00:00:05,000 INFO worker-0 corral.balancer: balancer web: replica 3: x"
+    )
+    (logs / "worker-1.log").write_bytes(
+        b"2026-01-01 00:00:01,000 INFO worker-1 corral.balancer: balancer web listening\n"
+    )
+    lines, positions = balancer_lines(tmp_path, "web", {})
+    assert [line[:23] for line in lines] == [
+        b"2026-01-01 00:00:01,000",
+        b"2026-01-01 00:00:02,000",
+        b"2026-01-01 00:00:04,000",
+    ]
+    # The unfinished last line comes once it is finished.
+    with open(logs / "worker-0.log", "ab") as f:
+        f.write(b"\n")
+    more, _ = balancer_lines(tmp_path, "web", positions)
+    assert len(more) == 1 and b"replica 3" in more[0]
+    assert not names_service(b"x corral.balancer: balancer web-2 listening", "web")
+
+
+def test_home_problems(tmp_path: Path) -> None:
+    assert home_problem(tmp_path / "new" / "home") is None
+    file = tmp_path / "file"
+    file.write_text("")
+    assert "is a file" in (home_problem(file) or "")
+    assert "not a directory" in (home_problem(file / "home") or "")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert "does not exist" in (home_problem(dangling) or "")
+
+
+def test_probe_failure_in_words() -> None:
+    """What status shows for a replica whose port nobody listens on: no aiohttp internals."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def once() -> str | None:
+        async with aiohttp.ClientSession() as session:
+            result = await probe(session, f"http://127.0.0.1:{port}", path="/health", timeout=5)
+        return result.error
+
+    error = asyncio.run(once()) or ""
+    assert error == f"connection refused: nothing listens on 127.0.0.1:{port} (yet)", error
