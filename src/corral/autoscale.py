@@ -20,15 +20,32 @@ The semantics follow SkyServe's request-rate autoscaler (see skyserve-facts.md, 
 * **Raw target** = ``ceil(QPS / target_qps_per_replica)`` clipped to ``[min_replicas,
   max_replicas]``. The division is ceiled with a relative slack of 1e-9 so float noise
   (3 / 0.3 = 10.000000000000002) does not ask for an 11th replica.
-* **Hysteresis**: the target moves up only once the raw target has been above it continuously for
-  ``upscale_delay_seconds``, and down only once it has been below it continuously for
-  ``downscale_delay_seconds``; it then moves straight to the raw target of that moment (as
-  SkyServe does), not one step at a time. Any decision that sees the raw target equal to the
-  target, or on the other side of it, restarts the clock. The clock starts at the first
-  ``decide`` call that sees the crossing, so with calls every few seconds the effective delay is
-  the configured one plus at most one interval (SkyServe counts decision intervals, which has the
-  same granularity). From zero the target moves at once: a request waiting on a service with no
-  replica cannot wait for an upscale delay.
+* **Hysteresis, held as long as SkyServe holds**: the target moves up only once the raw target
+  has been above it continuously for the *hold* of ``upscale_delay_seconds``, and down only once
+  it has been below it for the hold of ``downscale_delay_seconds``; it then moves straight to the
+  raw target of that moment (as SkyServe does), not one step at a time. Any decision that sees
+  the raw target equal to the target, or on the other side of it, restarts the clock, so a
+  change shorter than the hold moves nothing. From zero the target moves at once: a request
+  waiting on a service with no replica cannot wait for an upscale delay.
+
+  The hold is :func:`hold_seconds`: ``20 * (int(delay / 20) - 1)``, at least 0 (280 s for the
+  default 300 s upscale delay, 1180 s for the 1200 s downscale delay). That is SkyServe's own
+  count: it decides every 20 s and moves once ``int(delay / 20)`` consecutive decisions have
+  seen the change, the first one included, i.e. that long after its first sighting, which
+  itself comes up to 20 s after the load crossed. corral counts the same hold from the instant
+  the load crossed, which the request timestamps date exactly: the meter's count changes only
+  when a request arrives or leaves the window, so the first decision that sees a crossing walks
+  those instants back (as far as the previous decision, whose view of the past it does not
+  revise, and never into the first window, where the meter's span still grows) to where the
+  raw target went to that side and stayed. The caller passes :meth:`Autoscaler.lookback`
+  seconds of requests for that. While a hold runs, :attr:`Autoscaler.decision_interval` is cut
+  so the next decision falls when it ends. So the move comes at crossing + hold, never after
+  SkyServe's earliest possible move for the same load; with a hold of 0 (delays under 40 s)
+  both move at their first decision after the crossing, corral's within 5 s, SkyServe's within
+  20 s. SkyServe only looks every 20 s, so a dip between two of its looks goes unseen, while one
+  of corral's 5 s decisions may see it and restart the clock: on load that hovers at a
+  threshold corral is the stricter of the two (``bench/autoscale_vs_skyserve.py`` measures
+  both on the same traces).
 * **Overprovision**: the final target is the hysteresis target plus ``num_overprovision``, so it
   stays within ``[min_replicas, max_replicas + num_overprovision]``, except that a target of 0
   stays 0: spare capacity for no load would make scale-to-zero (``min_replicas: 0``) impossible.
@@ -48,6 +65,7 @@ exist so a service's autoscaler says at creation what kind of policy it was buil
 """
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -63,6 +81,7 @@ __all__ = [
     "Decision",
     "FixedAutoscaler",
     "RequestRateAutoscaler",
+    "hold_seconds",
     "make_autoscaler",
 ]
 
@@ -71,6 +90,11 @@ DEFAULT_ZERO_DECISION_INTERVAL = 1.0
 DEFAULT_QPS_WINDOW = 60.0
 # Shortest span a QPS is measured over while the first window fills (see the module docstring).
 MIN_QPS_SPAN = 1.0
+# SkyServe's decision interval, the unit its upscale and downscale delays are counted in.
+SKYSERVE_DECISION_INTERVAL = 20.0
+# A hold that ends within this many seconds of a decision has ended: a caller that sleeps
+# exactly the advised interval should not need a second, nanosecond-long wait for float noise.
+_HOLD_SLACK = 1e-6
 # Relative slack when ceiling QPS / target_qps_per_replica, so float noise does not add a replica.
 _CEIL_SLACK = 1e-9
 
@@ -101,10 +125,24 @@ class Autoscaler(Protocol):
         """Apply a new spec version's policy, keeping the current target if it still fits."""
         ...
 
+    def lookback(self, now: float) -> float:
+        """Seconds of request history ``decide(now, ...)`` needs to date a crossing."""
+        ...
+
     @property
     def decision_interval(self) -> float:
         """Seconds the caller should wait before the next :meth:`decide`."""
         ...
+
+
+def hold_seconds(delay: float) -> float:
+    """How long a change must last before the target follows it (see the module docstring).
+
+    ``int(delay / 20)`` decisions 20 s apart, the first included, span 20 s less than that
+    many intervals: SkyServe's arithmetic exactly, so the same spec never waits longer here.
+    """
+    periods = int(delay / SKYSERVE_DECISION_INTERVAL)
+    return SKYSERVE_DECISION_INTERVAL * max(0, periods - 1)
 
 
 def _positive(name: str, value: float) -> float:
@@ -145,10 +183,12 @@ class _PolicyAutoscaler:
         self._policy = policy
         # The hysteresis target, without overprovision: what the raw target is compared with.
         self._target = policy.min_replicas
-        # (+1 up / -1 down, time of the first decide that saw the raw target on that side).
+        # (+1 up / -1 down, the instant the raw target went to that side and stayed).
         self._pending: tuple[int, float] | None = None
         # Start of the period the QPS meter has watched; None until the first decide.
         self._watched_since: float | None = None
+        # ``now`` of the previous decide: how far back a newly seen crossing may be dated.
+        self._last_now: float | None = None
 
     @property
     def policy(self) -> ReplicaPolicy:
@@ -162,10 +202,21 @@ class _PolicyAutoscaler:
 
     @property
     def decision_interval(self) -> float:
-        """Faster while an autoscaled service is at zero: its first request is waiting."""
+        """Faster while an autoscaled service is at zero: its first request is waiting. While a
+        hold runs, no later than its end, so the move is not one interval late."""
         if self._policy.autoscaling and self._target == 0:
             return self._zero_interval
+        due = self._hold_ends()
+        if due is not None and self._last_now is not None and due > self._last_now:
+            return min(self._interval, due - self._last_now)
         return self._interval
+
+    def lookback(self, now: float) -> float:
+        """The QPS window, plus the time since the previous decision: a crossing first seen
+        now happened after that decision, and dating it needs the window before it."""
+        if self._last_now is None or now <= self._last_now:
+            return self._window
+        return self._window + (now - self._last_now)
 
     def reset_policy(self, policy: ReplicaPolicy) -> None:
         """New bounds apply at once (clipping needs no delay: the user asked for them).
@@ -179,6 +230,12 @@ class _PolicyAutoscaler:
     def decide(self, now: float, request_times: Sequence[float]) -> Decision:
         """See the module docstring; correct whenever called, at whatever interval."""
         qps = self._measure(now, request_times)
+        try:
+            return self._decide(now, qps, request_times)
+        finally:
+            self._last_now = now
+
+    def _decide(self, now: float, qps: float, request_times: Sequence[float]) -> Decision:
         policy = self._policy
         if not policy.autoscaling:
             # min == max here (the spec enforces it when target_qps_per_replica is unset).
@@ -189,10 +246,7 @@ class _PolicyAutoscaler:
             reason = f"fixed size of {size} (autoscaling is off); QPS {_fmt_qps(qps)}"
             return self._decision(qps, self._target, reason)
 
-        tq = policy.target_qps_per_replica
-        assert tq is not None  # autoscaling implies it
-        ratio = qps / tq
-        wanted = max(0, math.ceil(ratio - ratio * _CEIL_SLACK))
+        wanted = self._wanted(qps)
         raw = _clip(wanted, policy)
         want = f"QPS {_fmt_qps(qps)} wants {wanted}"
         if wanted > raw:
@@ -212,29 +266,79 @@ class _PolicyAutoscaler:
                 f"wait for the {_fmt_seconds(policy.upscale_delay_seconds)} upscale delay)"
             )
         else:
-            direction = 1 if raw > current else -1
-            delay = (
-                policy.upscale_delay_seconds if direction > 0 else policy.downscale_delay_seconds
-            )
-            if self._pending is None or self._pending[0] != direction:
-                self._pending = (direction, now)
-            held = max(0.0, now - self._pending[1])
-            sign, kind, verb = (
-                (">", "upscale", "up") if direction > 0 else ("<", "downscale", "down")
-            )
-            if held >= delay:
-                self._pending = None
-                self._target = raw
-                reason = (
-                    f"{want} ({sign} current {current}) for {_fmt_seconds(held)}, past the "
-                    f"{_fmt_seconds(delay)} {kind} delay: scaling {verb} to {raw}"
-                )
-            else:
-                reason = (
-                    f"{want} ({sign} current {current}) for {_fmt_seconds(held)} of "
-                    f"{_fmt_seconds(delay)} {kind} delay: holding {current}"
-                )
+            reason = self._hold_or_move(now, request_times, want, raw)
         return self._decision(qps, raw, reason)
+
+    def _hold_or_move(self, now: float, request_times: Sequence[float], want: str, raw: int) -> str:
+        """The hysteresis clock for a raw target off the current one; the reason it gives."""
+        current, policy = self._target, self._policy
+        direction = 1 if raw > current else -1
+        if self._pending is None or self._pending[0] != direction:
+            self._pending = (direction, self._crossed_at(now, request_times, direction))
+        held = max(0.0, now - self._pending[1])
+        if direction > 0:
+            sign, kind, verb, delay = ">", "upscale", "up", policy.upscale_delay_seconds
+        else:
+            sign, kind, verb, delay = "<", "downscale", "down", policy.downscale_delay_seconds
+        hold = hold_seconds(delay)
+        why = f"{want} ({sign} current {current}) for {_fmt_seconds(held)}"
+        of = f"{_fmt_seconds(hold)} hold of the {_fmt_seconds(delay)} {kind} delay"
+        if held + _HOLD_SLACK >= hold:
+            self._pending = None
+            self._target = raw
+            return f"{why}, past the {of}: scaling {verb} to {raw}"
+        return f"{why} of the {of}: holding {current}"
+
+    def _hold_ends(self) -> float | None:
+        """When the running hold ends (a monotonic instant), or None if none runs."""
+        if self._pending is None or not self._policy.autoscaling:
+            return None
+        direction, since = self._pending
+        p = self._policy
+        delay = p.upscale_delay_seconds if direction > 0 else p.downscale_delay_seconds
+        return since + hold_seconds(delay)
+
+    def _wanted(self, qps: float) -> int:
+        tq = self._policy.target_qps_per_replica
+        assert tq is not None  # autoscaling implies it
+        ratio = qps / tq
+        return max(0, math.ceil(ratio - ratio * _CEIL_SLACK))
+
+    def _crossed_at(self, now: float, request_times: Sequence[float], direction: int) -> float:
+        """The instant since which the raw target has been on ``direction``'s side of the
+        current target, as far back as the previous decision (``now`` if none).
+
+        The windowed count only changes when a request arrives (``t``) or leaves the window
+        (``t + window``), so the count at each such instant after the previous decision, found
+        by adding those changes in order, is the count until the next one.
+        """
+        prev, since = self._last_now, now
+        if prev is None or now <= prev or self._watched_since is None:
+            return since
+        window = self._window
+        count = 0
+        changes: Counter[float] = Counter()
+        for t in request_times:
+            if not prev - window < t <= now:
+                continue
+            if t <= prev:
+                count += 1
+            else:
+                changes[t] += 1
+            if prev < t + window <= now:
+                changes[t + window] -= 1
+        runs: list[tuple[float, int]] = []  # (instant, count from it until the next one)
+        for instant in sorted(changes):
+            count += changes[instant]
+            runs.append((instant, count))
+        for instant, n in reversed(runs):
+            if instant - self._watched_since < window:
+                break  # still inside the first window: the meter's span was still growing
+            raw = _clip(self._wanted(n / window), self._policy)
+            if (raw - self._target) * direction <= 0:
+                break
+            since = instant
+        return since
 
     def _measure(self, now: float, request_times: Sequence[float]) -> float:
         """Requests per second over the last window, or over what has been watched of it."""
