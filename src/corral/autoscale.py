@@ -95,6 +95,9 @@ SKYSERVE_DECISION_INTERVAL = 20.0
 # A hold that ends within this many seconds of a decision has ended: a caller that sleeps
 # exactly the advised interval should not need a second, nanosecond-long wait for float noise.
 _HOLD_SLACK = 1e-6
+# A dip shorter than SkyServe's decision interval can fall between two of its looks, so it
+# does not cost corral a running hold either.
+_DIP = SKYSERVE_DECISION_INTERVAL
 # Relative slack when ceiling QPS / target_qps_per_replica, so float noise does not add a replica.
 _CEIL_SLACK = 1e-9
 
@@ -183,8 +186,12 @@ class _PolicyAutoscaler:
         self._policy = policy
         # The hysteresis target, without overprovision: what the raw target is compared with.
         self._target = policy.min_replicas
-        # (+1 up / -1 down, the instant the raw target went to that side and stayed).
-        self._pending: tuple[int, float] | None = None
+        # The running holds, by direction (+1 up, -1 down): (since when the raw target has been
+        # on that side, since when it has been off it in a dip or None). Both can run at once:
+        # a dip to the other side is the start of that side's hold as well.
+        self._holds: dict[int, tuple[float, float | None]] = {}
+        # (-1 / 0 / +1 for below / at / above the target, since when), for a new hold's start.
+        self._run: tuple[int, float] | None = None
         # Start of the period the QPS meter has watched; None until the first decide.
         self._watched_since: float | None = None
         # ``now`` of the previous decide: how far back a newly seen crossing may be dated.
@@ -203,13 +210,16 @@ class _PolicyAutoscaler:
     @property
     def decision_interval(self) -> float:
         """Faster while an autoscaled service is at zero: its first request is waiting. While a
-        hold runs, no later than its end, so the move is not one interval late."""
+        hold runs, no later than its end, so the move is not one interval late; once it has
+        run out during a dip, as often as at zero, so the move follows the dip's end."""
         if self._policy.autoscaling and self._target == 0:
             return self._zero_interval
         due = self._hold_ends()
-        if due is not None and self._last_now is not None and due > self._last_now:
+        if due is None or self._last_now is None:
+            return self._interval
+        if due > self._last_now:
             return min(self._interval, due - self._last_now)
-        return self._interval
+        return min(self._interval, self._zero_interval)
 
     def lookback(self, now: float) -> float:
         """The QPS window, plus the time since the previous decision: a crossing first seen
@@ -226,6 +236,7 @@ class _PolicyAutoscaler:
         """
         self._policy = policy
         self._target = _clip(self._target, policy)
+        self._run = None  # measured against the old target
 
     def decide(self, now: float, request_times: Sequence[float]) -> Decision:
         """See the module docstring; correct whenever called, at whatever interval."""
@@ -239,7 +250,7 @@ class _PolicyAutoscaler:
         policy = self._policy
         if not policy.autoscaling:
             # min == max here (the spec enforces it when target_qps_per_replica is unset).
-            self._pending = None
+            self._holds, self._run = {}, None
             self._target = _clip(policy.min_replicas, policy)
             n = self._target
             size = "no replicas" if n == 0 else f"{n} replica{'s' if n != 1 else ''}"
@@ -255,48 +266,81 @@ class _PolicyAutoscaler:
             want += f", raised to min_replicas {raw}"
 
         current = self._target
-        if raw == current:
-            self._pending = None
-            reason = f"{want} (= current {current}): holding {current}"
-        elif current == 0:
-            self._pending = None
+        if current == 0 and raw > 0:
+            self._holds, self._run = {}, None
             self._target = raw
             reason = (
                 f"{want} while at zero: scaling up to {raw} at once (scale from zero does not "
                 f"wait for the {_fmt_seconds(policy.upscale_delay_seconds)} upscale delay)"
             )
         else:
-            reason = self._hold_or_move(now, request_times, want, raw)
+            self._track(now, request_times, raw)
+            reason = self._hold_or_move(now, want, raw)
         return self._decision(qps, raw, reason)
 
-    def _hold_or_move(self, now: float, request_times: Sequence[float], want: str, raw: int) -> str:
-        """The hysteresis clock for a raw target off the current one; the reason it gives."""
+    def _hold_or_move(self, now: float, want: str, raw: int) -> str:
+        """Move if the raw target's side has held long enough; the reason either way."""
         current, policy = self._target, self._policy
-        direction = 1 if raw > current else -1
-        if self._pending is None or self._pending[0] != direction:
-            self._pending = (direction, self._crossed_at(now, request_times, direction))
-        held = max(0.0, now - self._pending[1])
-        if direction > 0:
+        side = (raw > current) - (raw < current)
+        if not side:
+            reason = f"{want} (= current {current}): holding {current}"
+            if self._holds:
+                direction, (since, _) = min(self._holds.items(), key=lambda kv: kv[1][0])
+                kind = "upscale" if direction > 0 else "downscale"
+                reason += (
+                    f"; the {kind} hold, {_fmt_seconds(now - since)} in, outlasts dips under "
+                    f"{_fmt_seconds(_DIP)}"
+                )
+            return reason
+        since = self._holds[side][0]  # _observe(now) started it if it was not running
+        if side > 0:
             sign, kind, verb, delay = ">", "upscale", "up", policy.upscale_delay_seconds
         else:
             sign, kind, verb, delay = "<", "downscale", "down", policy.downscale_delay_seconds
-        hold = hold_seconds(delay)
+        hold, held = hold_seconds(delay), max(0.0, now - since)
         why = f"{want} ({sign} current {current}) for {_fmt_seconds(held)}"
         of = f"{_fmt_seconds(hold)} hold of the {_fmt_seconds(delay)} {kind} delay"
         if held + _HOLD_SLACK >= hold:
-            self._pending = None
+            self._holds, self._run = {}, (0, now)
             self._target = raw
             return f"{why}, past the {of}: scaling {verb} to {raw}"
         return f"{why} of the {of}: holding {current}"
 
+    def _track(self, now: float, request_times: Sequence[float], raw_now: int) -> None:
+        """Follow the raw target through every instant its count changed since the previous
+        decision, then ``now``: holds start where a crossing happened, not where it was seen."""
+        for instant, count in self._count_changes(now, request_times):
+            self._observe(instant, _clip(self._wanted(count / self._window), self._policy))
+        self._observe(now, raw_now)
+
+    def _observe(self, t: float, raw: int) -> None:
+        """The raw target from instant ``t`` on: start, keep or drop each direction's hold. A
+        dip (the raw target at or past the target) drops a hold only once it has lasted
+        SkyServe's decision interval: a shorter one can fall between two of SkyServe's looks."""
+        side = (raw > self._target) - (raw < self._target)
+        if self._run is None or self._run[0] != side:
+            self._run = (side, t)
+        for direction in (1, -1):
+            hold = self._holds.get(direction)
+            dip_over = hold is not None and hold[1] is not None and t - hold[1] >= _DIP
+            if side == direction:
+                keep = hold is not None and not dip_over
+                self._holds[direction] = (hold[0] if keep and hold else self._run[1], None)
+            elif hold is not None:
+                if dip_over:
+                    del self._holds[direction]
+                elif hold[1] is None:
+                    self._holds[direction] = (hold[0], t)
+
     def _hold_ends(self) -> float | None:
-        """When the running hold ends (a monotonic instant), or None if none runs."""
-        if self._pending is None or not self._policy.autoscaling:
+        """When the next running hold ends (a monotonic instant), or None if none runs."""
+        if not self._holds or not self._policy.autoscaling:
             return None
-        direction, since = self._pending
         p = self._policy
-        delay = p.upscale_delay_seconds if direction > 0 else p.downscale_delay_seconds
-        return since + hold_seconds(delay)
+        return min(
+            since + hold_seconds(p.upscale_delay_seconds if d > 0 else p.downscale_delay_seconds)
+            for d, (since, _) in self._holds.items()
+        )
 
     def _wanted(self, qps: float) -> int:
         tq = self._policy.target_qps_per_replica
@@ -304,41 +348,34 @@ class _PolicyAutoscaler:
         ratio = qps / tq
         return max(0, math.ceil(ratio - ratio * _CEIL_SLACK))
 
-    def _crossed_at(self, now: float, request_times: Sequence[float], direction: int) -> float:
-        """The instant since which the raw target has been on ``direction``'s side of the
-        current target, as far back as the previous decision (``now`` if none).
+    def _count_changes(self, now: float, request_times: Sequence[float]) -> list[tuple[float, int]]:
+        """(instant, windowed count from it on) at each instant strictly between the previous
+        decision and ``now`` where a request arrived or left the window, in order, skipping the
+        first window (the meter's span was still growing there, so counts are not rates).
 
-        The windowed count only changes when a request arrives (``t``) or leaves the window
-        (``t + window``), so the count at each such instant after the previous decision, found
-        by adding those changes in order, is the count until the next one.
+        Only requests arriving in (prev, now) and those leaving the window then (stamped in
+        (prev - window, now - window)) change the count: one pass over the requests and a sort
+        of the few that changed it.
         """
-        prev, since = self._last_now, now
+        prev, window = self._last_now, self._window
         if prev is None or now <= prev or self._watched_since is None:
-            return since
-        window = self._window
+            return []
         count = 0
         changes: Counter[float] = Counter()
         for t in request_times:
-            if not prev - window < t <= now:
-                continue
-            if t <= prev:
+            if prev - window < t <= prev:
                 count += 1
-            else:
+            if prev < t < now:
                 changes[t] += 1
-            if prev < t + window <= now:
+            if prev < t + window < now:
                 changes[t + window] -= 1
-        runs: list[tuple[float, int]] = []  # (instant, count from it until the next one)
+        start = self._watched_since + window
+        out: list[tuple[float, int]] = []
         for instant in sorted(changes):
             count += changes[instant]
-            runs.append((instant, count))
-        for instant, n in reversed(runs):
-            if instant - self._watched_since < window:
-                break  # still inside the first window: the meter's span was still growing
-            raw = _clip(self._wanted(n / window), self._policy)
-            if (raw - self._target) * direction <= 0:
-                break
-            since = instant
-        return since
+            if instant >= start:
+                out.append((instant, count))
+        return out
 
     def _measure(self, now: float, request_times: Sequence[float]) -> float:
         """Requests per second over the last window, or over what has been watched of it."""
