@@ -7,7 +7,8 @@ on a window edge and the expected counts can be worked out by hand; the comments
 
 Delays are held for ``hold_seconds(delay)`` = 20 * (int(delay / 20) - 1), SkyServe's count
 (upscale 60 -> 40 s, downscale 120 -> 100 s), from the instant the windowed count crossed: a
-request arriving (at its stamp) or leaving the window (at its stamp + window).
+request arriving (at its stamp) or leaving the window (at its stamp + window). A dip restarts a
+hold only if SkyServe's 20 s looks could not have missed it.
 """
 
 import random
@@ -584,11 +585,21 @@ def test_a_dip_shorter_than_skyserves_interval_does_not_restart_the_clock() -> N
     _, load = at_three_with_delays(60)  # holds 40 s
     assert load(10, 5).target == 3  # up clock from 10
     assert load(30, 5).target == 3
-    assert load(35, 3).reason == (
-        "QPS 3 wants 3 (= current 3): holding 3; the upscale hold, 25s in, outlasts dips under 20s"
+    assert load(35, 3).reason == "QPS 3 wants 3 (= current 3): holding 3"
+    assert load(40, 5).target == 3  # the dip lasted 34.5 -> 39.5: looks at 10, 30, 50 miss it
+    moved = load(50, 5)
+    assert moved.target == 5
+    assert moved.reason == (
+        "QPS 5 wants 5 (> current 3) for 10.5s (and at every 20s look before, dips between "
+        "looks aside), past the 40s hold of the 60s upscale delay: scaling up to 5"
     )
-    assert load(40, 5).target == 3  # the dip lasted 34.5 -> 39.5: the clock still runs from 10
-    assert load(50, 5).target == 5
+
+
+def test_delays_under_40s_move_at_the_first_decision_that_sees_the_change() -> None:
+    # int(30 / 20) = 1 look: SkyServe moves at its first look, and so does corral, both ways.
+    _, load = at_three_with_delays(30)
+    assert load(10, 5).target == 5
+    assert load(15, 0).target == 1
 
 
 def test_a_dip_of_skyserves_interval_restarts_the_clock() -> None:

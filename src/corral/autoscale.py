@@ -20,32 +20,30 @@ The semantics follow SkyServe's request-rate autoscaler (see skyserve-facts.md, 
 * **Raw target** = ``ceil(QPS / target_qps_per_replica)`` clipped to ``[min_replicas,
   max_replicas]``. The division is ceiled with a relative slack of 1e-9 so float noise
   (3 / 0.3 = 10.000000000000002) does not ask for an 11th replica.
-* **Hysteresis, held as long as SkyServe holds**: the target moves up only once the raw target
-  has been above it continuously for the *hold* of ``upscale_delay_seconds``, and down only once
-  it has been below it for the hold of ``downscale_delay_seconds``; it then moves straight to the
-  raw target of that moment (as SkyServe does), not one step at a time. Any decision that sees
-  the raw target equal to the target, or on the other side of it, restarts the clock, so a
-  change shorter than the hold moves nothing. From zero the target moves at once: a request
-  waiting on a service with no replica cannot wait for an upscale delay.
+* **Hysteresis, never slower than SkyServe's**: the target moves up only once the raw target
+  has been above it for the *hold* of ``upscale_delay_seconds``, and down only once it has been
+  below it for the hold of ``downscale_delay_seconds``; it then moves straight to the raw target
+  of that moment (as SkyServe does), not one step at a time. From zero the target moves at once:
+  a request waiting on a service with no replica cannot wait for an upscale delay.
 
   The hold is :func:`hold_seconds`: ``20 * (int(delay / 20) - 1)``, at least 0 (280 s for the
   default 300 s upscale delay, 1180 s for the 1200 s downscale delay). That is SkyServe's own
-  count: it decides every 20 s and moves once ``int(delay / 20)`` consecutive decisions have
-  seen the change, the first one included, i.e. that long after its first sighting, which
-  itself comes up to 20 s after the load crossed. corral counts the same hold from the instant
-  the load crossed, which the request timestamps date exactly: the meter's count changes only
-  when a request arrives or leaves the window, so the first decision that sees a crossing walks
-  those instants back (as far as the previous decision, whose view of the past it does not
-  revise, and never into the first window, where the meter's span still grows) to where the
-  raw target went to that side and stayed. The caller passes :meth:`Autoscaler.lookback`
-  seconds of requests for that. While a hold runs, :attr:`Autoscaler.decision_interval` is cut
-  so the next decision falls when it ends. So the move comes at crossing + hold, never after
-  SkyServe's earliest possible move for the same load; with a hold of 0 (delays under 40 s)
-  both move at their first decision after the crossing, corral's within 5 s, SkyServe's within
-  20 s. SkyServe only looks every 20 s, so a dip between two of its looks goes unseen, while one
-  of corral's 5 s decisions may see it and restart the clock: on load that hovers at a
-  threshold corral is the stricter of the two (``bench/autoscale_vs_skyserve.py`` measures
-  both on the same traces).
+  count: it looks every 20 s and moves once ``int(delay / 20)`` consecutive looks, the first
+  included, have seen the raw target on that side; any look that sees it equal or on the other
+  side restarts the count. corral follows the raw target through every instant it changes (a
+  request arriving, or leaving the window: the request timestamps date both exactly) and moves
+  as soon as the raw target has been on that side at ``t``, ``t - 20``, ... ``t - hold``
+  (:func:`_hold_ends`), i.e. at the first instant at which SkyServe, whatever the phase of its
+  20 s clock, could have moved on the same load. So a change that lasts the hold moves at the
+  crossing + the hold; a single shorter one moves nothing; a dip that could fall between two of
+  SkyServe's looks does not restart the hold, and one that lasts 20 s does. While a hold can
+  end, :attr:`Autoscaler.decision_interval` is cut so that a decision falls when it does. The
+  timeline starts at the previous decision (the caller passes :meth:`Autoscaler.lookback`
+  seconds of requests for that) and never inside the first window, where the meter's span still
+  grows; a hold of 0 (delays under 40 s) moves at the first decision that sees the change,
+  within 5 s of it, SkyServe's within 20 s. What this costs: on load that hovers at a threshold
+  corral moves whenever some phase of SkyServe's clock would, so it changes the target more
+  often than one SkyServe does (``bench/autoscale_vs_skyserve.py`` counts both).
 * **Overprovision**: the final target is the hysteresis target plus ``num_overprovision``, so it
   stays within ``[min_replicas, max_replicas + num_overprovision]``, except that a target of 0
   stays 0: spare capacity for no load would make scale-to-zero (``min_replicas: 0``) impossible.
@@ -95,9 +93,6 @@ SKYSERVE_DECISION_INTERVAL = 20.0
 # A hold that ends within this many seconds of a decision has ended: a caller that sleeps
 # exactly the advised interval should not need a second, nanosecond-long wait for float noise.
 _HOLD_SLACK = 1e-6
-# A dip shorter than SkyServe's decision interval can fall between two of its looks, so it
-# does not cost corral a running hold either.
-_DIP = SKYSERVE_DECISION_INTERVAL
 # Relative slack when ceiling QPS / target_qps_per_replica, so float noise does not add a replica.
 _CEIL_SLACK = 1e-9
 
@@ -136,6 +131,37 @@ class Autoscaler(Protocol):
     def decision_interval(self) -> float:
         """Seconds the caller should wait before the next :meth:`decide`."""
         ...
+
+
+def _hold_ends(spans: Sequence[tuple[float, float]], hold: float) -> list[tuple[float, float]]:
+    """The instants at which a hold of ``hold`` is over: those ``t`` at which the raw target
+    was on the side at ``t``, ``t - 20``, ... ``t - hold`` (within ``spans``), i.e. at which
+    SkyServe's looks, if one fell at ``t``, would have counted the whole delay. As spans."""
+    out = list(spans)
+    steps = round(hold / SKYSERVE_DECISION_INTERVAL)
+    for k in range(1, steps + 1):
+        shift = k * SKYSERVE_DECISION_INTERVAL
+        out = _intersect(out, [(a + shift, b + shift) for a, b in spans])
+        if not out:
+            break
+    return out
+
+
+def _intersect(
+    xs: Sequence[tuple[float, float]], ys: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """Intersection of two sorted lists of disjoint [start, end) spans."""
+    out: list[tuple[float, float]] = []
+    i = j = 0
+    while i < len(xs) and j < len(ys):
+        start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if start < end:
+            out.append((start, end))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def hold_seconds(delay: float) -> float:
@@ -186,10 +212,13 @@ class _PolicyAutoscaler:
         self._policy = policy
         # The hysteresis target, without overprovision: what the raw target is compared with.
         self._target = policy.min_replicas
-        # The running holds, by direction (+1 up, -1 down): (since when the raw target has been
-        # on that side, since when it has been off it in a dip or None). Both can run at once:
-        # a dip to the other side is the start of that side's hold as well.
-        self._holds: dict[int, tuple[float, float | None]] = {}
+        # By direction (+1 up, -1 down), the spans [start, end) since the last move in which the
+        # raw target was on that side of the target; ``inf`` ends the one still going on.
+        self._spans: dict[int, list[tuple[float, float]]] = {1: [], -1: []}
+        # The next instant a hold can be over if the raw target stays where it is, or None.
+        self._due: float | None = None
+        # A hold was over while the raw target was off its side: look again soon.
+        self._overdue = False
         # (-1 / 0 / +1 for below / at / above the target, since when), for a new hold's start.
         self._run: tuple[int, float] | None = None
         # Start of the period the QPS meter has watched; None until the first decide.
@@ -214,11 +243,11 @@ class _PolicyAutoscaler:
         run out during a dip, as often as at zero, so the move follows the dip's end."""
         if self._policy.autoscaling and self._target == 0:
             return self._zero_interval
-        due = self._hold_ends()
-        if due is None or self._last_now is None:
+        due, last = self._due, self._last_now
+        if due is not None and last is not None and due > last:
+            return min(self._interval, due - last)
+        if not self._overdue:
             return self._interval
-        if due > self._last_now:
-            return min(self._interval, due - self._last_now)
         return min(self._interval, self._zero_interval)
 
     def lookback(self, now: float) -> float:
@@ -231,12 +260,12 @@ class _PolicyAutoscaler:
     def reset_policy(self, policy: ReplicaPolicy) -> None:
         """New bounds apply at once (clipping needs no delay: the user asked for them).
 
-        A pending up or down clock is kept; the next decision restarts it if the new policy puts
-        the raw target on the other side. The QPS meter keeps its history: load did not change.
+        Running holds restart (they were measured against the old target and delays). The QPS
+        meter keeps its history: load did not change.
         """
         self._policy = policy
         self._target = _clip(self._target, policy)
-        self._run = None  # measured against the old target
+        self._forget(None)  # measured against the old target
 
     def decide(self, now: float, request_times: Sequence[float]) -> Decision:
         """See the module docstring; correct whenever called, at whatever interval."""
@@ -250,7 +279,7 @@ class _PolicyAutoscaler:
         policy = self._policy
         if not policy.autoscaling:
             # min == max here (the spec enforces it when target_qps_per_replica is unset).
-            self._holds, self._run = {}, None
+            self._forget(None)
             self._target = _clip(policy.min_replicas, policy)
             n = self._target
             size = "no replicas" if n == 0 else f"{n} replica{'s' if n != 1 else ''}"
@@ -267,7 +296,7 @@ class _PolicyAutoscaler:
 
         current = self._target
         if current == 0 and raw > 0:
-            self._holds, self._run = {}, None
+            self._forget(None)
             self._target = raw
             reason = (
                 f"{want} while at zero: scaling up to {raw} at once (scale from zero does not "
@@ -279,32 +308,48 @@ class _PolicyAutoscaler:
         return self._decision(qps, raw, reason)
 
     def _hold_or_move(self, now: float, want: str, raw: int) -> str:
-        """Move if the raw target's side has held long enough; the reason either way."""
+        """Move if SkyServe's looks, at some phase, would have seen the raw target's side for
+        the whole hold by now; the reason either way."""
         current, policy = self._target, self._policy
         side = (raw > current) - (raw < current)
+        # Spans no hold ending after the previous decision can reach back to are dropped.
+        last = self._last_now if self._last_now is not None else now
+        for direction, spans in self._spans.items():
+            horizon = last - self._hold(direction)
+            spans[:] = [span for span in spans if span[1] > horizon]
+        self._due, self._overdue = None, False
+        for direction, spans in self._spans.items():
+            ends = _hold_ends(spans, self._hold(direction))
+            if ends and ends[0][0] <= now and direction != side:
+                self._overdue = True
         if not side:
-            reason = f"{want} (= current {current}): holding {current}"
-            if self._holds:
-                direction, (since, _) = min(self._holds.items(), key=lambda kv: kv[1][0])
-                kind = "upscale" if direction > 0 else "downscale"
-                reason += (
-                    f"; the {kind} hold, {_fmt_seconds(now - since)} in, outlasts dips under "
-                    f"{_fmt_seconds(_DIP)}"
-                )
-            return reason
-        since = self._holds[side][0]  # _observe(now) started it if it was not running
+            return f"{want} (= current {current}): holding {current}"
         if side > 0:
             sign, kind, verb, delay = ">", "upscale", "up", policy.upscale_delay_seconds
         else:
             sign, kind, verb, delay = "<", "downscale", "down", policy.downscale_delay_seconds
-        hold, held = hold_seconds(delay), max(0.0, now - since)
+        assert self._run is not None  # _track(now) set it
+        held = max(0.0, now - self._run[1])
+        of = f"{_fmt_seconds(self._hold(side))} hold of the {_fmt_seconds(delay)} {kind} delay"
+        ends = _hold_ends(self._spans[side], self._hold(side))
         why = f"{want} ({sign} current {current}) for {_fmt_seconds(held)}"
-        of = f"{_fmt_seconds(hold)} hold of the {_fmt_seconds(delay)} {kind} delay"
-        if held + _HOLD_SLACK >= hold:
-            self._holds, self._run = {}, (0, now)
+        if ends and ends[0][0] <= now + _HOLD_SLACK:
+            self._forget((0, now))
             self._target = raw
+            if held + _HOLD_SLACK < self._hold(side):
+                why += " (and at every 20s look before, dips between looks aside)"
             return f"{why}, past the {of}: scaling {verb} to {raw}"
+        self._due = next((start for start, _ in ends if start > now), None)
         return f"{why} of the {of}: holding {current}"
+
+    def _hold(self, direction: int) -> float:
+        p = self._policy
+        return hold_seconds(p.upscale_delay_seconds if direction > 0 else p.downscale_delay_seconds)
+
+    def _forget(self, run: tuple[int, float] | None) -> None:
+        """After a move (or a policy that measures differently): no hold runs."""
+        self._spans = {1: [], -1: []}
+        self._due, self._overdue, self._run = None, False, run
 
     def _track(self, now: float, request_times: Sequence[float], raw_now: int) -> None:
         """Follow the raw target through every instant its count changed since the previous
@@ -314,33 +359,17 @@ class _PolicyAutoscaler:
         self._observe(now, raw_now)
 
     def _observe(self, t: float, raw: int) -> None:
-        """The raw target from instant ``t`` on: start, keep or drop each direction's hold. A
-        dip (the raw target at or past the target) drops a hold only once it has lasted
-        SkyServe's decision interval: a shorter one can fall between two of SkyServe's looks."""
+        """The raw target from instant ``t`` on: close the span of the side it left, open one
+        for the side it is on."""
         side = (raw > self._target) - (raw < self._target)
-        if self._run is None or self._run[0] != side:
-            self._run = (side, t)
-        for direction in (1, -1):
-            hold = self._holds.get(direction)
-            dip_over = hold is not None and hold[1] is not None and t - hold[1] >= _DIP
-            if side == direction:
-                keep = hold is not None and not dip_over
-                self._holds[direction] = (hold[0] if keep and hold else self._run[1], None)
-            elif hold is not None:
-                if dip_over:
-                    del self._holds[direction]
-                elif hold[1] is None:
-                    self._holds[direction] = (hold[0], t)
-
-    def _hold_ends(self) -> float | None:
-        """When the next running hold ends (a monotonic instant), or None if none runs."""
-        if not self._holds or not self._policy.autoscaling:
-            return None
-        p = self._policy
-        return min(
-            since + hold_seconds(p.upscale_delay_seconds if d > 0 else p.downscale_delay_seconds)
-            for d, (since, _) in self._holds.items()
-        )
+        if self._run is not None and self._run[0] == side:
+            return
+        for spans in self._spans.values():
+            if spans and spans[-1][1] == math.inf:
+                spans[-1] = (spans[-1][0], t)
+        if side:
+            self._spans[side].append((t, math.inf))
+        self._run = (side, t)
 
     def _wanted(self, qps: float) -> int:
         tq = self._policy.target_qps_per_replica
