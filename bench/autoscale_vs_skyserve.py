@@ -295,7 +295,9 @@ def compare(
     sky: tuple[ModuleType, ModuleType, SimClock, str],
     traces: dict[str, list[float]],
     args: argparse.Namespace,
+    churn: dict[tuple[str, ...], dict[str, Any]],
 ) -> tuple[list[Row], list[dict[str, Any]]]:
+    """Matched changes and unmatched ones; ``churn`` gets how often each changed the target."""
     rows: list[Row] = []
     unmatched: list[dict[str, Any]] = []
     phases = [i * 20.0 / args.phases for i in range(args.phases)]
@@ -304,10 +306,12 @@ def compare(
         for spec_name in trace.specs:
             service = SPECS[spec_name]
             mine = run_corral(module, service, stamps, trace.duration)
+            counts = churn[(label, spec_name, trace.name)] = {"corral": len(mine), "skyserve": []}
             for phase in phases:
                 theirs = run_skyserve(
                     sky, service, stamps, trace.duration, phase, args.skyserve_lb_sync
                 )
+                counts["skyserve"].append(len(theirs))
                 pairs, lone_sky, lone_corral = match(mine, theirs, args.tolerance)
                 for s, c in pairs:
                     rows.append(
@@ -348,24 +352,33 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
     }
 
 
-def print_summary(groups: dict[tuple[str, ...], list[Row]], unmatched: list[dict[str, Any]]):
+def print_summary(
+    groups: dict[tuple[str, ...], list[Row]],
+    unmatched: list[dict[str, Any]],
+    churn: dict[tuple[str, ...], dict[str, Any]],
+) -> None:
     print("| corral | spec | trace | matched | corral earlier | same | later | median s "
-          "| most earlier s | most later s | unmatched (SkyServe / corral) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| most earlier s | most later s | unmatched SkyServe / corral "
+          "| target changes corral / SkyServe |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, rows in groups.items():
         s = summarize(rows)
         lone = [u for u in unmatched if (u["corral"], u["spec"], u["trace"])[: len(key)] == key]
         lone_s = sum(u["only"] == "SkyServe" for u in lone)
         lone_c = len(lone) - lone_s
-        cells = list(key) + [""] * (3 - len(key))
+        mine = [c for k, c in churn.items() if k[: len(key)] == key]
+        ours = sum(c["corral"] for c in mine)
+        theirs = [sum(c["skyserve"][i] for c in mine) for i in range(len(mine[0]["skyserve"]))]
+        spread = f"{min(theirs)}" if min(theirs) == max(theirs) else f"{min(theirs)}-{max(theirs)}"
+        cells = [*key, *[""] * (3 - len(key))]
         if not s["matched"]:
-            print(f"| {' | '.join(cells)} | 0 | | | | | | | {lone_s} / {lone_c} |")
-            continue
-        print(
-            f"| {' | '.join(cells)} | {s['matched']} | {s['earlier']} | {s['same']} "
-            f"| {s['later']} | {s['median_s']:+.1f} | {s['min_s']:+.1f} | {s['max_s']:+.1f} "
-            f"| {lone_s} / {lone_c} |"
-        )
+            stats = "0 | | | | | | "
+        else:
+            stats = (
+                f"{s['matched']} | {s['earlier']} | {s['same']} | {s['later']} "
+                f"| {s['median_s']:+.1f} | {s['min_s']:+.1f} | {s['max_s']:+.1f}"
+            )
+        print(f"| {' | '.join(cells)} | {stats} | {lone_s} / {lone_c} | {ours} / {spread} |")
 
 
 def main() -> None:
@@ -395,8 +408,9 @@ def main() -> None:
     started = time.monotonic()
     rows: list[Row] = []
     unmatched: list[dict[str, Any]] = []
+    churn: dict[tuple[str, ...], dict[str, Any]] = {}
     for label, module in corrals:
-        more_rows, more_lone = compare(label, module, sky, traces, args)
+        more_rows, more_lone = compare(label, module, sky, traces, args, churn)
         rows += more_rows
         unmatched += more_lone
 
@@ -419,7 +433,7 @@ def main() -> None:
         groups.setdefault((r.corral, r.spec, r.trace), []).append(r)
     for label, _ in corrals:
         groups[(label,)] = [r for r in rows if r.corral == label]
-    print_summary(groups, unmatched)
+    print_summary(groups, unmatched, churn)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
@@ -427,6 +441,7 @@ def main() -> None:
                 "skypilot": sky[3],
                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "summary": {" / ".join(k): summarize(v) for k, v in groups.items()},
+                "target_changes": {" / ".join(k): v for k, v in churn.items()},
                 "matched": [asdict(r) for r in rows],
                 "unmatched": unmatched,
             },
