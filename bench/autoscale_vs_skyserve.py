@@ -146,7 +146,9 @@ def arrivals(trace: Trace, rng: random.Random) -> list[float]:
 Change = tuple[float, int, int]  # (time, from, to)
 
 
-def run_corral(module: ModuleType, service: dict[str, Any], stamps: list[float], end: float):
+def run_corral(
+    module: ModuleType, service: dict[str, Any], stamps: list[float], end: float
+) -> list[Change]:
     """corral's target changes, deciding as its controller does."""
     policy = ServiceSection.model_validate(service).replica_policy
     scaler = module.make_autoscaler(policy)
@@ -231,7 +233,9 @@ def run_skyserve(
     return changes
 
 
-def match(corral: Sequence[Change], sky: Sequence[Change], tolerance: float):
+def match(
+    corral: Sequence[Change], sky: Sequence[Change], tolerance: float
+) -> tuple[list[tuple[Change, Change]], list[Change], list[Change]]:
     """Pairs of (SkyServe change, corral change) in the same direction, closest in time first,
     at most ``tolerance`` apart; and what stayed unmatched on each side."""
 
@@ -381,7 +385,7 @@ def print_summary(
         print(f"| {' | '.join(cells)} | {stats} | {lone_s} / {lone_c} | {ours} / {spread} |")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", type=int, default=4, help="SkyServe tick offsets in 20 s")
     parser.add_argument("--seed", type=int, default=14)
@@ -397,8 +401,23 @@ def main() -> None:
     parser.add_argument("--corral-rev", help="also run corral.autoscale as of this git revision")
     parser.add_argument("--changes", action="store_true", help="print every matched change")
     parser.add_argument("--json", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def print_changes(rows: Sequence[Row]) -> None:
+    print("| corral | spec | trace | phase | dir | SkyServe at | move | corral at | move "
+          "| corral - SkyServe s |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for r in rows:
+        print(
+            f"| {r.corral} | {r.spec} | {r.trace} | {r.phase:g} | {r.direction} "
+            f"| {r.skyserve_at:.1f} | {r.skyserve_move} | {r.corral_at:.1f} "
+            f"| {r.corral_move} | {r.diff:+.1f} |"
+        )
+    print()
+
+
+def main() -> None:
+    args = parse_args()
     sky = import_skyserve()
     rng = random.Random(args.seed)
     traces = {t.name: arrivals(t, rng) for t in TRACES}
@@ -419,15 +438,7 @@ def main() -> None:
           f"phases; seed {args.seed}; {sync}; {sum(map(len, traces.values()))} requests; "
           f"{time.monotonic() - started:.1f} s\n")  # fmt: skip
     if args.changes:
-        print("| corral | spec | trace | phase | dir | SkyServe at | move | corral at | move "
-              "| corral - SkyServe s |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
-        for r in rows:
-            print(
-                f"| {r.corral} | {r.spec} | {r.trace} | {r.phase:g} | {r.direction} "
-                f"| {r.skyserve_at:.1f} | {r.skyserve_move} | {r.corral_at:.1f} "
-                f"| {r.corral_move} | {r.diff:+.1f} |"
-            )
-        print()
+        print_changes(rows)
     groups: dict[tuple[str, ...], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.corral, r.spec, r.trace), []).append(r)
@@ -435,19 +446,15 @@ def main() -> None:
         groups[(label,)] = [r for r in rows if r.corral == label]
     print_summary(groups, unmatched, churn)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {
-                "skypilot": sky[3],
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "summary": {" / ".join(k): summarize(v) for k, v in groups.items()},
-                "target_changes": {" / ".join(k): v for k, v in churn.items()},
-                "matched": [asdict(r) for r in rows],
-                "unmatched": unmatched,
-            },
-            indent=1,
-        )
-    )
+    results = {
+        "skypilot": sky[3],
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "summary": {" / ".join(k): summarize(v) for k, v in groups.items()},
+        "target_changes": {" / ".join(k): v for k, v in churn.items()},
+        "matched": [asdict(r) for r in rows],
+        "unmatched": unmatched,
+    }
+    args.json.write_text(json.dumps(results, indent=1))
     print(f"\nJSON: {args.json}")
 
 
