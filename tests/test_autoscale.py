@@ -431,6 +431,21 @@ def test_reset_policy_clips_into_new_bounds_and_keeps_a_target_that_fits() -> No
     assert fixed.reason.startswith("fixed size of 2 replicas")
 
 
+def test_an_update_that_keeps_the_bounds_keeps_a_running_hold() -> None:
+    # The step-up table: the hold runs from 100 + 1/6. A new version with the same bounds and
+    # target QPS (new code, another downscale delay) does not restart it; new bounds do.
+    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    same = scaler_for(policy(up=60))
+    simulate(same, requests, until=120)
+    same.reset_policy(policy(up=60, down=300))
+    check_table(simulate(same, requests, start=121, until=141), [(140, 1), (141, 3)])
+
+    wider = scaler_for(policy(up=60))
+    simulate(wider, requests, until=120)
+    wider.reset_policy(policy(max_replicas=6, up=60))
+    check_table(simulate(wider, requests, start=121, until=170), [(141, 1), (160, 1), (161, 3)])
+
+
 def test_turning_autoscaling_on_keeps_the_fixed_size_as_the_starting_target() -> None:
     scaler = make_autoscaler(policy(min_replicas=3, max_replicas=3, target_qps=None))
     assert isinstance(scaler, FixedAutoscaler)

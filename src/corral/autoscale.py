@@ -260,12 +260,20 @@ class _PolicyAutoscaler:
     def reset_policy(self, policy: ReplicaPolicy) -> None:
         """New bounds apply at once (clipping needs no delay: the user asked for them).
 
-        Running holds restart (they were measured against the old target and delays). The QPS
-        meter keeps its history: load did not change.
+        Running holds go on when the raw target still means the same thing (same bounds and
+        target QPS per replica) and the target stayed, as after an update that changed only
+        the code or the delays; otherwise they restart. The QPS meter keeps its history: load
+        did not change.
         """
+        old, target = self._policy, self._target
         self._policy = policy
         self._target = _clip(self._target, policy)
-        self._forget(None)  # measured against the old target
+        if self._target != target or (
+            old.min_replicas,
+            old.max_replicas,
+            old.target_qps_per_replica,
+        ) != (policy.min_replicas, policy.max_replicas, policy.target_qps_per_replica):
+            self._forget(None)
 
     def decide(self, now: float, request_times: Sequence[float]) -> Decision:
         """See the module docstring; correct whenever called, at whatever interval."""
