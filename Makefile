@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-down test chaos lint typecheck check bench bench-quick soak clean
+.PHONY: venv demo demo-down test chaos lint typecheck check bench bench-quick bench-skyserve soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +46,24 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) bench/jobs_vs_processes.py --quick
 
+# corral's autoscaler against SkyPilot's own RequestRateAutoscaler, offline on the same traces.
+# SkyPilot is a benchmark-only dependency: it lives in its own venv, never in corral's.
+SKY_VENV ?= .venv-sky
+SKYPILOT_VERSION ?= 0.14.1
+SKY_STAMP := $(SKY_VENV)/.installed-$(SKYPILOT_VERSION)
+
+$(SKY_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SKY_VENV)/bin/python -m pip install --quiet -e . 'skypilot==$(SKYPILOT_VERSION)'
+	touch $(SKY_STAMP)
+
+bench-skyserve: $(SKY_STAMP)
+	$(SKY_VENV)/bin/python bench/autoscale_vs_skyserve.py
+
 # 30 minutes of load and churn against one daemon: do its memory and fds stay flat?
 soak: $(STAMP)
 	$(PY) bench/soak.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SKY_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

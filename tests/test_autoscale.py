@@ -4,6 +4,11 @@ Most tests replay a table: a request trace built from constant-rate segments, a 
 every simulated second, and a table of (time, expected target). Requests of a rate ``r`` segment
 sit at the middle of their 1/r slots (t0 + 0.5/r, t0 + 1.5/r, ...), so no request lands exactly
 on a window edge and the expected counts can be worked out by hand; the comments show the sums.
+
+Delays are held for ``hold_seconds(delay)`` = 20 * (int(delay / 20) - 1), SkyServe's count
+(upscale 60 -> 40 s, downscale 120 -> 100 s), from the instant the windowed count crossed: a
+request arriving (at its stamp) or leaving the window (at its stamp + window). A dip restarts a
+hold only if SkyServe's 20 s looks could not have missed it.
 """
 
 import random
@@ -20,6 +25,7 @@ from corral.autoscale import (
     Decision,
     FixedAutoscaler,
     RequestRateAutoscaler,
+    hold_seconds,
     make_autoscaler,
 )
 from corral.spec import ReplicaPolicy
@@ -65,6 +71,22 @@ def simulate(
     return {now: scaler.decide(float(now), requests) for now in range(start, until + 1, step)}
 
 
+def follow(
+    scaler: Autoscaler, requests: Sequence[float], until: float, start: float = 0.0
+) -> list[tuple[float, Decision]]:
+    """``decide`` when the scaler asks to (its ``decision_interval``), as the controller does."""
+    out: list[tuple[float, Decision]] = []
+    now = start
+    while now <= until:
+        out.append((now, scaler.decide(now, requests)))
+        now += scaler.decision_interval
+    return out
+
+
+def first_move(decisions: Sequence[tuple[float, Decision]], to: int) -> float | None:
+    return next((now for now, d in decisions if d.target == to), None)
+
+
 def check_table(decisions: dict[int, Decision], table: Sequence[tuple[int, int]]) -> None:
     for now, expected in table:
         got = decisions[now]
@@ -81,59 +103,65 @@ def scaler_for(p: ReplicaPolicy, window: float = 10.0) -> Autoscaler:
 
 def test_steady_load_reaches_its_target_once_and_stays() -> None:
     # 2 req/s wants 2 from t=1 (0.25 and 0.75 over the 1 s minimum span); the initial target is
-    # min_replicas 1, so it rises after the 30 s upscale delay and then holds for good.
-    decisions = simulate(scaler_for(policy(up=30)), rate(2, 0, 700), until=600)
-    check_table(decisions, [(0, 1), (1, 1), (30, 1), (31, 2), (32, 2), (600, 2)])
-    assert all(d.target == 2 and d.raw_target == 2 for t, d in decisions.items() if t >= 31)
+    # min_replicas 1. Inside the first window a crossing is not dated back (the meter's span was
+    # still growing), so the 40 s hold runs from the decision at t=1 and the target rises at 41.
+    decisions = simulate(scaler_for(policy(up=60)), rate(2, 0, 700), until=600)
+    check_table(decisions, [(0, 1), (1, 1), (40, 1), (41, 2), (42, 2), (600, 2)])
+    assert all(d.target == 2 and d.raw_target == 2 for t, d in decisions.items() if t >= 41)
     assert all(d.qps == pytest.approx(2.0) for t, d in decisions.items() if t >= 1)
 
 
-def test_step_up_rises_exactly_after_the_upscale_delay() -> None:
-    # 1 req/s, then 3 req/s from t=100. At t=101 the 10 s window holds 9 old + 3 new = 12
-    # requests: 1.2 QPS wants 2 > 1, so the clock starts at 101 and the target moves at 131,
-    # to the raw target of that moment (the window is all new load by then: 3).
+def test_step_up_rises_one_hold_after_the_load_crossed() -> None:
+    # 1 req/s, then 3 req/s from t=100. At t=100 the 10 s window holds 10 requests (wants 1);
+    # the first new request, at 100 + 1/6, makes 11: 1.1 QPS wants 2 > 1. The decision at 101
+    # dates the crossing there, so the 40 s hold of the 60 s upscale delay ends at 140.17 and
+    # the decision at 141 moves, to that moment's raw target (the window is all new load: 3).
     requests = trace(rate(1, 0, 100), rate(3, 100, 400))
-    decisions = simulate(scaler_for(policy(up=30)), requests, until=300)
-    check_table(decisions, [(100, 1), (101, 1), (115, 1), (130, 1), (131, 3), (300, 3)])
+    decisions = simulate(scaler_for(policy(up=60)), requests, until=300)
+    check_table(decisions, [(100, 1), (101, 1), (115, 1), (140, 1), (141, 3), (300, 3)])
     assert decisions[100].raw_target == 1
     assert decisions[101].raw_target == 2
-    assert decisions[130].raw_target == 3
+    assert decisions[140].raw_target == 3
 
 
-def test_step_down_falls_exactly_after_the_downscale_delay() -> None:
-    # 3 req/s (reached at t=1: upscale delay 0), then 1 req/s from t=100. The window holds
-    # 3*(10-k) + k requests at t=100+k: 22 at t=104 (wants 3), 20 at t=105 (wants 2 < 3), so
-    # the clock starts at 105 and the target falls at 165 to that moment's raw target, 1.
+def test_step_down_falls_one_hold_after_the_load_crossed() -> None:
+    # 3 req/s (reached at t=1: an upscale delay of 0 holds 0 s), then 1 req/s from t=100. The
+    # window is 30 requests at t=100; 94 + 5/6 leaving it at 104.83 leaves 15 old + 5 new = 20:
+    # 2 QPS wants 2 < 3 (at 104.5 it was 16 + 5 = 21). The 100 s hold of the 120 s downscale
+    # delay ends at 204.83, so the decision at 205 falls, to that moment's raw target, 1.
     requests = trace(rate(3, 0, 100), rate(1, 100, 400))
-    decisions = simulate(scaler_for(policy(up=0, down=60)), requests, until=300)
-    check_table(decisions, [(1, 3), (100, 3), (104, 3), (105, 3), (164, 3), (165, 1), (300, 1)])
+    decisions = simulate(scaler_for(policy(up=0, down=120)), requests, until=300)
+    check_table(decisions, [(1, 3), (100, 3), (104, 3), (105, 3), (204, 3), (205, 1), (300, 1)])
     assert decisions[104].raw_target == 3
     assert decisions[105].raw_target == 2
 
 
-def test_spikes_shorter_than_the_delays_change_nothing() -> None:
+def test_spikes_shorter_than_the_hold_change_nothing() -> None:
     # A 4 req/s burst on top of 1 req/s during [100, 110) keeps the raw target above 1 from
-    # t=101 to t=119: 19 s, under the 30 s upscale delay.
+    # t=100.125 to about t=119.5: under the 40 s hold of a 60 s upscale delay.
     requests = trace(rate(1, 0, 400), rate(4, 100, 110))
-    decisions = simulate(scaler_for(policy(up=30)), requests, until=300)
+    decisions = simulate(scaler_for(policy(up=60)), requests, until=300)
     assert max(d.raw_target for d in decisions.values()) == 5
     assert {d.target for d in decisions.values()} == {1}
 
-    # A 30 s lull in 3 req/s keeps the raw target below 3 for about 35 s, under the 60 s
-    # downscale delay.
+    # A 30 s lull in 3 req/s keeps the raw target below 3 from 104.83 to about 137: under the
+    # 40 s hold of a 60 s downscale delay.
     requests = trace(rate(3, 0, 100), rate(3, 130, 400))
     decisions = simulate(scaler_for(policy(up=0, down=60)), requests, until=300)
     assert min(d.raw_target for d in decisions.values()) == 1
     assert {d.target for t, d in decisions.items() if t >= 1} == {3}
 
 
-def test_spike_that_outlasts_the_upscale_delay_scales_up_then_back_down() -> None:
-    # The same burst for 50 s: raw above 1 from t=101, so the target moves at 131 to 5. When it
-    # ends at 150 the window holds 10 + 4*(10-k) at t=150+k: 42 (wants 5) at 152, 38 (wants 4)
-    # at 153, so the down clock starts at 153 and the target is back to 1 at 213.
+def test_spike_that_outlasts_the_hold_scales_up_then_back_down() -> None:
+    # The same burst for 50 s: raw above 1 from its first request at 100.125, so the target
+    # moves at 141 (hold 40 s) to 5. When it ends at 150 the window holds 10 + the burst's
+    # requests after t - 10: 40 (4 QPS, wants 4) once 142.375 leaves it at 152.375, so the 100 s
+    # downscale hold ends at 252.375 and the target is back to 1 at 253.
     requests = trace(rate(1, 0, 400), rate(4, 100, 150))
-    decisions = simulate(scaler_for(policy(up=30, down=60)), requests, until=300)
-    check_table(decisions, [(130, 1), (131, 5), (152, 5), (153, 5), (212, 5), (213, 1)])
+    decisions = simulate(scaler_for(policy(up=60, down=120)), requests, until=300)
+    check_table(decisions, [(140, 1), (141, 5), (152, 5), (153, 5), (252, 5), (253, 1)])
+    assert decisions[152].raw_target == 5
+    assert decisions[153].raw_target == 4
 
 
 def test_scale_from_zero_is_immediate_and_polled_faster() -> None:
@@ -155,11 +183,12 @@ def test_scale_from_zero_is_immediate_and_polled_faster() -> None:
     assert burst.decide(51.0, [50.1] * 25).target == 3
 
 
-def test_scale_to_zero_after_the_downscale_delay() -> None:
-    # The one request leaves the 10 s window at 60.5: raw 0 from t=61, target 0 from t=121.
+def test_scale_to_zero_after_the_downscale_hold() -> None:
+    # The one request leaves the 10 s window at 60.5: raw 0 from then, so the 40 s hold of the
+    # 60 s downscale delay ends at 100.5 and the target is 0 from the decision at 101.
     scaler = scaler_for(policy(min_replicas=0, max_replicas=3, up=300, down=60))
     decisions = simulate(scaler, [50.5], until=200)
-    check_table(decisions, [(50, 0), (51, 1), (60, 1), (61, 1), (120, 1), (121, 0), (200, 0)])
+    check_table(decisions, [(50, 0), (51, 1), (60, 1), (61, 1), (100, 1), (101, 0), (200, 0)])
     assert decisions[61].raw_target == 0
     assert scaler.decision_interval == DEFAULT_ZERO_DECISION_INTERVAL
 
@@ -176,24 +205,119 @@ def test_raw_target_is_clipped_to_max_and_min() -> None:
 
 def test_overprovision_is_added_on_top_but_not_at_zero() -> None:
     requests = trace(rate(1, 0, 100), rate(3, 100, 400))
-    decisions = simulate(scaler_for(policy(over=2, up=30)), requests, until=200)
-    check_table(decisions, [(100, 3), (130, 3), (131, 5)])
-    assert decisions[131].raw_target == 3  # raw excludes the overprovision
-    assert decisions[131].reason.endswith("(+2 overprovisioned = 5)")
+    decisions = simulate(scaler_for(policy(over=2, up=60)), requests, until=200)
+    check_table(decisions, [(100, 3), (140, 3), (141, 5)])
+    assert decisions[141].raw_target == 3  # raw excludes the overprovision
+    assert decisions[141].reason.endswith("(+2 overprovisioned = 5)")
 
     capped = simulate(scaler_for(policy(max_replicas=4, over=2, up=0)), rate(50, 0, 60), until=5)
     assert capped[5].target == 6  # max_replicas + num_overprovision
 
     zero = scaler_for(policy(min_replicas=0, max_replicas=3, over=1, down=60))
-    check_table(simulate(zero, [50.5], until=200), [(50, 0), (51, 2), (120, 2), (121, 0)])
+    check_table(simulate(zero, [50.5], until=200), [(50, 0), (51, 2), (100, 2), (101, 0)])
 
 
-def test_decisions_made_less_often_still_wait_from_the_first_seen_crossing() -> None:
-    # Every 5 s: the crossing is first seen at 105, so the move comes at the first decision at
-    # least 30 s later, 135 (never before 131, the earliest the delay allows).
+# --------------------------------------------------------------------------------------------
+# The hold: SkyServe's count, from the instant the load crossed
+
+
+@pytest.mark.parametrize(
+    ("delay", "hold"),
+    [
+        (0, 0),
+        (19.9, 0),
+        (20, 0),
+        (39.9, 0),
+        (40, 20),
+        (59.9, 20),
+        (60, 40),
+        (300, 280),
+        (1200, 1180),
+    ],
+)
+def test_hold_is_skyserves_count_of_20s_decisions_the_first_included(
+    delay: float, hold: float
+) -> None:
+    # SkyServe moves at the int(delay / 20)-th consecutive decision that sees the change, 20 s
+    # apart: 20 * (int(delay / 20) - 1) s after the first, and at once below 2 decisions.
+    assert hold_seconds(delay) == hold
+
+
+def test_with_5s_decisions_the_move_comes_exactly_one_hold_after_the_crossing() -> None:
+    # Decisions every 5 s see the crossing of the step-up table (at 100 + 1/6) first at 105,
+    # date it back, and cut the interval so one falls when the 40 s hold ends: at 140.17, not
+    # at 145 (the next 5 s decision) nor 150 (a hold counted from the first sighting).
     requests = trace(rate(1, 0, 100), rate(3, 100, 400))
-    decisions = simulate(scaler_for(policy(up=30)), requests, until=200, step=5)
-    check_table(decisions, [(100, 1), (105, 1), (130, 1), (135, 3)])
+    scaler = scaler_for(policy(up=60))
+    decisions = follow(scaler, requests, until=200)
+    times = [now for now, _ in decisions]
+    assert 105 in times and 100 in times and not [t for t in times if 100 < t < 105]
+    assert first_move(decisions, 3) == pytest.approx(100 + 0.5 / 3 + 40)
+    assert first_move(decisions, 2) is None
+    assert scaler.decision_interval == DEFAULT_DECISION_INTERVAL  # no hold runs any more
+
+
+def batch(at: float, n: int) -> list[float]:
+    return [at] * n
+
+
+@pytest.mark.parametrize("delay", [60, 300, 1200])
+@pytest.mark.parametrize("slack", [0.5, -0.5])
+def test_an_upscale_that_lasts_the_hold_moves_and_a_shorter_one_does_not(
+    delay: float, slack: float
+) -> None:
+    # A batch of requests at t=a wants 3 for exactly one window, [a, a + window): with the window
+    # half a second longer than the hold the target moves at a + hold exactly; half a second
+    # shorter, never.
+    hold = hold_seconds(delay)
+    window = hold + slack
+    a = window + 7.3  # after the first window: the crossing is dated
+    requests = batch(a, int(2.5 * window))
+    scaler = scaler_for(policy(max_replicas=5, up=delay), window=window)
+    decisions = follow(scaler, requests, until=a + 2 * window + 60)
+    if slack > 0:
+        assert first_move(decisions, 3) == pytest.approx(a + hold)
+    else:
+        assert {d.target for _, d in decisions} == {1}
+        assert max(d.raw_target for _, d in decisions) == 3
+
+
+@pytest.mark.parametrize("delay", [60, 300, 1200])
+@pytest.mark.parametrize("slack", [0.5, -0.5])
+def test_a_downscale_that_lasts_the_hold_moves_and_a_shorter_one_does_not(
+    delay: float, slack: float
+) -> None:
+    # At 3 (min 3 lowered to 1 keeps it; watched since -100, so the first window is over), a
+    # batch at 0.5 wants 3 until it leaves the window at b = 0.5 + window; a second batch at
+    # b + hold + slack wants 3 again. A lull half a second longer than the hold: the target
+    # falls at b + hold; half a second shorter: never.
+    window = 30.0
+    hold = hold_seconds(delay)
+    scaler = make_autoscaler(policy(min_replicas=3, max_replicas=5), qps_window=window)
+    assert scaler.decide(-100.0, []).target == 3
+    scaler.reset_policy(policy(min_replicas=1, max_replicas=5, down=delay))
+    b = 0.5 + window
+    requests = batch(0.5, 75) + batch(b + hold + slack, 75)
+    decisions = follow(scaler, requests, start=1.0, until=b + hold + 2 * window)
+    if slack > 0:
+        assert first_move(decisions, 1) == pytest.approx(b + hold)
+    else:
+        assert {d.target for _, d in decisions} == {3}
+        assert min(d.raw_target for _, d in decisions) == 1
+
+
+def test_a_crossing_is_dated_no_earlier_than_the_previous_decision() -> None:
+    # The decision at 100 saw 1 QPS (= current 1); one at 130 sees 3 QPS. The load crossed at
+    # 100 + 1/6, which the requests show: held 29.8 s, not 0 s, and not 30 s either.
+    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    scaler = scaler_for(policy(up=60))
+    simulate(scaler, requests, until=100, step=10)
+    assert scaler.lookback(130.0) == 10 + 30  # the window, and the 30 s since the last decision
+    d = scaler.decide(130.0, [s for s in requests if 90 < s <= 130])
+    assert "for 29.8s of the 40s hold" in d.reason
+    assert scaler.decision_interval == DEFAULT_DECISION_INTERVAL  # 10.2 s of hold left
+    assert scaler.decide(136.0, requests).target == 1
+    assert scaler.decision_interval == pytest.approx(100 + 0.5 / 3 + 40 - 136)  # not 5 s
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,14 +353,17 @@ def test_requests_seen_before_the_first_decision_count_as_watched_time() -> None
 
 
 def test_request_order_and_future_requests_do_not_matter() -> None:
-    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    # The caller passes the last ``lookback(now)`` seconds of requests (the window and the time
+    # since the last decision, which dating a crossing needs), in whatever order.
+    requests = trace(rate(1, 0, 100), rate(3, 100, 250), rate(1, 250, 400))
     shuffled = list(requests)
     random.Random(7).shuffle(shuffled)
-    in_order = scaler_for(policy())
-    scrambled = scaler_for(policy())
-    for now in range(0, 200):
-        past = [s for s in requests if now - 10 < s <= now]
+    in_order = scaler_for(policy(up=60, down=120))
+    scrambled = scaler_for(policy(up=60, down=120))
+    for now in range(0, 400, 3):
+        past = [s for s in requests if now - in_order.lookback(now) < s <= now]
         assert in_order.decide(float(now), past) == scrambled.decide(float(now), shuffled)
+    assert in_order.decide(400.0, []).target == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,21 +371,30 @@ def test_request_order_and_future_requests_do_not_matter() -> None:
 
 
 def test_reason_names_the_qps_the_delay_and_the_outcome() -> None:
+    # The held time counts from the crossing (100 + 1/6 up, 104 + 5/6 down; see the tables).
     requests = trace(rate(1, 0, 100), rate(3, 100, 400))
-    up = simulate(scaler_for(policy(up=30)), requests, until=131)
+    up = simulate(scaler_for(policy(up=60)), requests, until=141)
     assert up[100].reason == "QPS 1 wants 1 (= current 1): holding 1"
-    assert up[101].reason == "QPS 1.2 wants 2 (> current 1) for 0s of 30s upscale delay: holding 1"
-    assert up[110].reason == "QPS 3 wants 3 (> current 1) for 9s of 30s upscale delay: holding 1"
-    assert up[131].reason == (
-        "QPS 3 wants 3 (> current 1) for 30s, past the 30s upscale delay: scaling up to 3"
+    assert up[101].reason == (
+        "QPS 1.2 wants 2 (> current 1) for 0.8s of the 40s hold of the 60s upscale delay: holding 1"
+    )
+    assert up[110].reason == (
+        "QPS 3 wants 3 (> current 1) for 9.8s of the 40s hold of the 60s upscale delay: holding 1"
+    )
+    assert up[141].reason == (
+        "QPS 3 wants 3 (> current 1) for 40.8s, past the 40s hold of the 60s upscale delay: "
+        "scaling up to 3"
     )
 
     requests = trace(rate(3, 0, 100), rate(1, 100, 400))
-    down = simulate(scaler_for(policy(up=0, down=60)), requests, until=165)
+    down = simulate(scaler_for(policy(up=0, down=60)), requests, until=145)
     assert down[125].reason == (
-        "QPS 1 wants 1 (< current 3) for 20s of 60s downscale delay: holding 3"
+        "QPS 1 wants 1 (< current 3) for 20.2s of the 40s hold of the 60s downscale delay: "
+        "holding 3"
     )
-    assert down[165].reason.endswith("past the 60s downscale delay: scaling down to 1")
+    assert down[145].reason.endswith(
+        "past the 40s hold of the 60s downscale delay: scaling down to 1"
+    )
 
     tiny = make_autoscaler(policy(min_replicas=0, up=300))
     tiny.decide(0.0, [])
@@ -277,16 +413,17 @@ def test_reset_policy_clips_into_new_bounds_and_keeps_a_target_that_fits() -> No
     requests = rate(4, 0, 1000)  # wants 4
     assert simulate(scaler, requests, until=20)[20].target == 4
 
-    scaler.reset_policy(policy(min_replicas=2, max_replicas=8, up=30))
+    scaler.reset_policy(policy(min_replicas=2, max_replicas=8, up=60))
     assert scaler.decide(21.0, requests).target == 4  # still within bounds: kept
 
-    scaler.reset_policy(policy(max_replicas=3, up=30))
+    scaler.reset_policy(policy(max_replicas=3, up=60))
     shrunk = scaler.decide(22.0, requests)
     assert (shrunk.target, shrunk.raw_target) == (3, 3)  # clipped at once, no delay
 
-    # Widening again does not jump: the load's 4 must wait out the new upscale delay.
-    scaler.reset_policy(policy(max_replicas=8, up=30))
-    check_table(simulate(scaler, requests, start=23, until=60), [(23, 3), (52, 3), (53, 4)])
+    # Widening again does not jump: the load's 4 must wait out the new upscale hold (40 s),
+    # dated from the first request after the previous decision (22.125), not before it.
+    scaler.reset_policy(policy(max_replicas=8, up=60))
+    check_table(simulate(scaler, requests, start=23, until=70), [(23, 3), (62, 3), (63, 4)])
 
     scaler.reset_policy(policy(min_replicas=2, max_replicas=2, target_qps=None, over=1))
     fixed = scaler.decide(61.0, requests)
@@ -294,13 +431,29 @@ def test_reset_policy_clips_into_new_bounds_and_keeps_a_target_that_fits() -> No
     assert fixed.reason.startswith("fixed size of 2 replicas")
 
 
+def test_an_update_that_keeps_the_bounds_keeps_a_running_hold() -> None:
+    # The step-up table: the hold runs from 100 + 1/6. A new version with the same bounds and
+    # target QPS (new code, another downscale delay) does not restart it; new bounds do.
+    requests = trace(rate(1, 0, 100), rate(3, 100, 400))
+    same = scaler_for(policy(up=60))
+    simulate(same, requests, until=120)
+    same.reset_policy(policy(up=60, down=300))
+    check_table(simulate(same, requests, start=121, until=141), [(140, 1), (141, 3)])
+
+    wider = scaler_for(policy(up=60))
+    simulate(wider, requests, until=120)
+    wider.reset_policy(policy(max_replicas=6, up=60))
+    check_table(simulate(wider, requests, start=121, until=170), [(141, 1), (160, 1), (161, 3)])
+
+
 def test_turning_autoscaling_on_keeps_the_fixed_size_as_the_starting_target() -> None:
     scaler = make_autoscaler(policy(min_replicas=3, max_replicas=3, target_qps=None))
     assert isinstance(scaler, FixedAutoscaler)
     assert scaler.decide(0.0, []).target == 3
     scaler.reset_policy(policy(min_replicas=1, max_replicas=5, down=60))
-    # No load wants 1, but that is a downscale: it waits, from 3, like any other.
-    check_table(simulate(scaler, [], start=1, until=70), [(1, 3), (60, 3), (61, 1)])
+    # No load wants 1, but that is a downscale: it waits, from 3, like any other (the 40 s hold
+    # from the first decision that sees it: no request dates it earlier).
+    check_table(simulate(scaler, [], start=1, until=70), [(1, 3), (40, 3), (41, 1)])
 
 
 def test_fixed_autoscaler_ignores_load() -> None:
@@ -349,13 +502,13 @@ def scenarios(draw: st.DrawFn) -> tuple[ReplicaPolicy, float, list[float], list[
         min_replicas=low,
         max_replicas=low + draw(st.integers(1, 4)),
         target_qps=draw(st.floats(0.1, 5.0)),
-        up=draw(st.floats(0.0, 20.0)),
-        down=draw(st.floats(0.0, 20.0)),
+        up=draw(st.floats(0.0, 100.0)),
+        down=draw(st.floats(0.0, 100.0)),
         over=draw(st.integers(0, 2)),
     )
     window = draw(st.floats(0.5, 20.0))
-    requests = draw(st.lists(st.floats(0.0, 100.0), max_size=200))
-    steps = draw(st.lists(st.floats(0.05, 8.0), min_size=1, max_size=40))
+    requests = draw(st.lists(st.floats(0.0, 300.0), max_size=300))
+    steps = draw(st.lists(st.floats(0.05, 15.0), min_size=1, max_size=60))
     times: list[float] = []
     now = 0.0
     for step in steps:
@@ -364,37 +517,52 @@ def scenarios(draw: st.DrawFn) -> tuple[ReplicaPolicy, float, list[float], list[
     return p, window, requests, times
 
 
+def run_start(
+    history: Sequence[tuple[float, int, int]], held: int, direction: int, now: float
+) -> float:
+    """The first decision of the unbroken run of decisions, up to ``now``, that saw the raw
+    target on ``direction``'s side of ``held``."""
+    first = now
+    for then, then_held, then_raw in reversed(history):
+        if then_held != held or (then_raw - held) * direction <= 0:
+            break
+        first = then
+    return first
+
+
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
 def test_target_stays_in_bounds_and_only_follows_the_raw_target(
     scenario: tuple[ReplicaPolicy, float, list[float], list[float]],
 ) -> None:
+    # Decisions come at most 15 s apart, under the 20 s a dip must last to drop a hold.
     p, window, requests, times = scenario
     over = p.num_overprovision
     scaler = make_autoscaler(p, qps_window=window)
     history: list[tuple[float, int, int]] = []  # (now, hysteresis target, raw target)
     held = p.min_replicas
+    settled = times[0]  # the first decision, then the last move: no hold starts before it
     for now in times:
         d = scaler.decide(now, requests)
         assert p.min_replicas <= d.target <= p.max_replicas + over
         assert p.min_replicas <= d.raw_target <= p.max_replicas
         assert d.qps >= 0
         new = d.target - over if d.target else 0
+        direction = (d.raw_target > held) - (d.raw_target < held)
         if new != held:
-            # It moves to the raw target, in the raw target's direction...
+            # It moves to the raw target (so in the raw target's direction)...
             assert new == d.raw_target
-            direction = 1 if new > held else -1
-            assert (d.raw_target - held) * direction > 0
-            # ...and, except from zero, only after the raw target stayed on that side of the old
-            # target for the whole delay, as seen by the decisions made in between.
-            if held != 0:
-                delay = p.upscale_delay_seconds if direction > 0 else p.downscale_delay_seconds
-                since = now
-                for then, then_held, then_raw in reversed(history):
-                    if then_held != held or (then_raw - held) * direction <= 0:
-                        break
-                    since = then
-                assert now - since >= delay
+        if held != 0 and direction:
+            delay = p.upscale_delay_seconds if direction > 0 else p.downscale_delay_seconds
+            hold = hold_seconds(delay)
+            if new != held:
+                # ...except from zero only once a hold has run since the last move...
+                assert now - settled >= hold - 1e-6
+            else:
+                # ...and never later than a hold counted from the first decision that saw it.
+                assert now - run_start(history, held, direction, now) < hold + 1e-6
+        if new != held:
+            settled = now
         history.append((now, new, d.raw_target))
         held = new
 
@@ -417,22 +585,47 @@ def at_three_with_delays(delay: float) -> tuple[Autoscaler, Callable[[float, flo
 
 
 def test_the_clock_restarts_when_the_raw_target_jumps_to_the_other_side() -> None:
-    _, load = at_three_with_delays(30)
-    assert load(10, 5).target == 3  # up clock from 10
+    _, load = at_three_with_delays(60)  # holds 40 s
+    assert load(10, 5).target == 3  # up clock from 10 (inside the first window: not dated back)
     assert load(20, 5).target == 3
     assert load(25, 0).raw_target == 1  # straight to below: the down clock starts at 25, not 10
     assert load(50, 0).target == 3
-    assert load(55, 0).target == 1
+    assert load(60, 0).target == 3
+    assert load(65, 0).target == 1
 
 
-def test_one_decision_at_the_target_restarts_the_clock() -> None:
-    _, load = at_three_with_delays(30)
-    assert load(10, 5).target == 3
+def test_a_dip_shorter_than_skyserves_interval_does_not_restart_the_clock() -> None:
+    # SkyServe looks every 20 s, so a shorter dip can fall between two looks; corral, looking
+    # every 5 s, must not lose the hold to it either.
+    _, load = at_three_with_delays(60)  # holds 40 s
+    assert load(10, 5).target == 3  # up clock from 10
     assert load(30, 5).target == 3
     assert load(35, 3).reason == "QPS 3 wants 3 (= current 3): holding 3"
-    assert load(40, 5).target == 3  # above again: a new clock from 40
-    assert load(60, 5).target == 3  # 50 s since 10, but only 20 s continuously above
-    assert load(70, 5).target == 5
+    assert load(40, 5).target == 3  # the dip lasted 34.5 -> 39.5: looks at 10, 30, 50 miss it
+    moved = load(50, 5)
+    assert moved.target == 5
+    assert moved.reason == (
+        "QPS 5 wants 5 (> current 3) for 10.5s (and at every 20s look before, dips between "
+        "looks aside), past the 40s hold of the 60s upscale delay: scaling up to 5"
+    )
+
+
+def test_delays_under_40s_move_at_the_first_decision_that_sees_the_change() -> None:
+    # int(30 / 20) = 1 look: SkyServe moves at its first look, and so does corral, both ways.
+    _, load = at_three_with_delays(30)
+    assert load(10, 5).target == 5
+    assert load(15, 0).target == 1
+
+
+def test_a_dip_of_skyserves_interval_restarts_the_clock() -> None:
+    _, load = at_three_with_delays(60)  # holds 40 s
+    assert load(10, 5).target == 3  # up clock from 10
+    assert load(30, 3).target == 3  # dip from 29.5...
+    assert load(45, 3).target == 3
+    assert load(50, 3).target == 3  # ...20.5 s long: the up clock is gone
+    assert load(55, 5).target == 3  # a new one from 54.5
+    assert load(90, 5).target == 3
+    assert load(95, 5).target == 5
 
 
 def test_float_noise_does_not_ask_for_an_extra_replica() -> None:

@@ -594,8 +594,9 @@ class ServiceController:
             self._next_decision = 0.0
         now = time.monotonic()
         if self._decision is None or now >= self._next_decision:
-            window = self.deps.qps_window
-            times = self.balancer.request_timestamps(window) if self.balancer else []
+            # The window plus the time since the last decision: a crossing seen now is dated.
+            lookback = self._autoscaler.lookback(now)
+            times = self.balancer.request_timestamps(lookback) if self.balancer else []
             previous = self._decision
             self._decision = self._autoscaler.decide(now, times)
             self._next_decision = now + self._autoscaler.decision_interval
