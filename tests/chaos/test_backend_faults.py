@@ -184,7 +184,7 @@ def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
         assert [r["status"] for r in broken["replicas"]] == ["FAILED_PROVISION"] * 3, broken
         for r in broken["replicas"]:
             assert "InjectedFault" in r["failure"], r
-        first = broken["replicas"][0]["id"]
+        first = broken["replicas"][0]["id"]  # what `corral logs` takes
         launch_log = home.run("logs", "broken", str(first), "--launch", "--no-follow").stdout
         assert "InjectedFault" in launch_log and "Traceback" in launch_log, launch_log
         failed_events = [
@@ -235,7 +235,7 @@ def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
             def shown(newest: int = newest) -> dict[str, Any] | None:
                 svc = home.service("flaky")
                 assert svc is not None
-                found = [x for x in svc["replicas"] if x["id"] == newest]
+                found = [x for x in svc["replicas"] if x["uid"] == newest]
                 return found[0] if found and found[0]["status"] == "FAILED_PROVISION" else None
 
             failed = wait_for(shown, 30, f"replica {newest} shown FAILED_PROVISION")
@@ -318,7 +318,7 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
         for round_no in range(n_rounds):
             mode = rng("teardown_raising", round_no).choice(["before", "after"])
             old = home.wait_replicas("td", 2, timeout=60)
-            old_ids = {r["id"] for r in old["replicas"] if r["status"] == "READY"}
+            old_ids = {r["uid"] for r in old["replicas"] if r["status"] == "READY"}
             old_pids = {int(r["pid"]) for r in old["replicas"] if r["status"] == "READY"}
             set_faults(home, {"td": {"terminate_raise": mode}})
             # A real relaunching update: the new version comes up, the old replicas are retired
@@ -330,8 +330,8 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
             def shown_failed(old_ids: set[int] = old_ids) -> dict[str, Any] | None:
                 svc = home.service("td")
                 assert svc is not None
-                cleanup = {r["id"] for r in by_status(svc, "FAILED_CLEANUP")}
-                new_ready = [r for r in by_status(svc, "READY") if r["id"] not in old_ids]
+                cleanup = {r["uid"] for r in by_status(svc, "FAILED_CLEANUP")}
+                new_ready = [r for r in by_status(svc, "READY") if r["uid"] not in old_ids]
                 if cleanup == old_ids and len(new_ready) == 2:
                     return svc
                 return None
@@ -362,7 +362,7 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
             def cleaned(old_ids: set[int] = old_ids) -> bool:
                 svc = home.service("td")
                 assert svc is not None
-                return not ({r["id"] for r in svc["replicas"]} & old_ids)
+                return not ({r["uid"] for r in svc["replicas"]} & old_ids)
 
             wait_for(cleaned, 60, f"round {round_no}: old replicas cleaned after the fault")
             wait_for(lambda p=old_pids: not any(pid_alive(x) for x in p), 30, "old pids gone")
@@ -389,7 +389,7 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
                 if e["action"] == "replica.teardown_failed"
             ]
             return all(
-                failed.count(r["id"]) >= down_attempts_needed for r in by_status(final, "READY")
+                failed.count(r["uid"]) >= down_attempts_needed for r in by_status(final, "READY")
             )
 
         wait_for(down_retried, 120, "failed teardowns of `down` retried")
@@ -423,7 +423,7 @@ def test_teardown_hanging(corral_home: CorralHome, tmp_path: Path) -> None:
             home.run("up", str(app_spec(tmp_path, stuck, width)))
             home.run("up", str(app_spec(tmp_path, other, 1)))
             stuck_svc = home.wait_replicas(stuck, width, timeout=60)
-            ids = {r["id"] for r in stuck_svc["replicas"]}
+            ids = {r["uid"] for r in stuck_svc["replicas"]}
             pids = {int(r["pid"]) for r in stuck_svc["replicas"]}
 
             set_faults(home, {stuck: {"terminate_hang": True}})
@@ -433,7 +433,7 @@ def test_teardown_hanging(corral_home: CorralHome, tmp_path: Path) -> None:
                 svc = home.service(stuck)
                 assert svc is not None
                 hung = by_status(svc, "FAILED_CLEANUP")
-                if {r["id"] for r in hung} == ids and all(
+                if {r["uid"] for r in hung} == ids and all(
                     "did not finish" in (r["failure"] or "") for r in hung
                 ):
                     return svc
@@ -504,14 +504,14 @@ def test_jobpool_saturated(corral_home: CorralHome, tmp_path: Path) -> None:
                 return svc if len(svc["replicas"]) == width else None
 
             svc = wait_for(saturated, 60, f"{limit} launches of {name} running")
-            ids = sorted(x["id"] for x in svc["replicas"])
+            ids = sorted(x["uid"] for x in svc["replicas"])
             entered = ops(home, name, "launch_enter")
             # FIFO: the first `limit` replicas hold the slots, the rest wait for one.
             assert sorted(entered) == ids[:limit], (entered, ids)
             queued = ids[limit:]
             assert daemon_jobs(home)["launch"]["queued"] == extra
             # Status tells a launch that waits for a slot from one that runs.
-            statuses = {x["id"]: x["status"] for x in svc["replicas"]}
+            statuses = {x["uid"]: x["status"] for x in svc["replicas"]}
             assert [statuses[i] for i in queued] == ["PENDING"] * extra, statuses
             assert [statuses[i] for i in ids[:limit]] == ["PROVISIONING"] * limit, statuses
 
@@ -542,7 +542,7 @@ def test_jobpool_saturated(corral_home: CorralHome, tmp_path: Path) -> None:
             svc = home.wait_replicas(name, width, timeout=120)
             launched = ops(home, name, "launch_enter")
             duplicated += len(launched) - len(set(launched))
-            ready_ids = sorted(x["id"] for x in by_status(svc, "READY"))
+            ready_ids = sorted(x["uid"] for x in by_status(svc, "READY"))
             lost += len(set(ids) - set(ready_ids))
             assert ready_ids == ids and sorted(launched) == ids, (ready_ids, launched)
             assert len({x["pid"] for x in svc["replicas"]}) == width
@@ -620,7 +620,7 @@ def test_backend_unknown_across_restart(corral_home: CorralHome, tmp_path: Path)
         pid = start_faulty_daemon(home)
         home.run("up", str(app_spec(tmp_path, name, 2)))
         before = home.wait_replicas(name, 2, timeout=60)
-        pids = {r["id"]: int(r["pid"]) for r in before["replicas"]}
+        pids = {r["uid"]: int(r["pid"]) for r in before["replicas"]}
         mark = last_event_id(home, name)
 
         os.kill(pid, signal.SIGKILL)
@@ -635,7 +635,7 @@ def test_backend_unknown_across_restart(corral_home: CorralHome, tmp_path: Path)
         noted = wait_for(kept, 30, "a replica.unknown event for each replica")
         assert all("does not answer" in (e["reason"] or "") for e in noted), noted
         after = home.wait_replicas(name, 2, timeout=60)
-        assert {r["id"]: int(r["pid"]) for r in after["replicas"]} == pids, after
+        assert {r["uid"]: int(r["pid"]) for r in after["replicas"]} == pids, after
         assert len(ops(home, name, "launch_enter")) == launches_before, journal(home, name)
         failed = [e for e in events(home, name, mark) if e["action"] == "replica.failed"]
         assert not failed, failed

@@ -633,7 +633,7 @@ def test_tls_on_every_interface(corral_home: CorralHome, tmp_path: Path) -> None
     for key_name, value, message in (
         ("CORRAL_API_TOKEN", "x" * 43, "token"),
         ("CORRAL_API_CA", str(other), "did not prove"),
-        ("CORRAL_API_URL", f"http://127.0.0.1:{port}", "cannot reach"),
+        ("CORRAL_API_URL", f"http://127.0.0.1:{port}", "is not reachable"),
     ):
         env = dict(remote_env, **{key_name: value})
         result = subprocess.run(
