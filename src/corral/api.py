@@ -146,6 +146,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
 
     @routes.get("/v1/daemon")
     async def info(request: web.Request) -> web.Response:
+        capacity = daemon.deps.capacity
         return _json(
             {
                 "pid": os.getpid(),
@@ -156,6 +157,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
                 "balancer_workers": daemon.deps.dataplane.workers(),
                 "open_files": open_files(),
                 "confinement": daemon.confinement,
+                "inventory": capacity.view() if capacity is not None else None,
             }
         )
 
@@ -291,6 +293,8 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         """Prometheus exposition of every service's balancer (requests, errors, latency,
         in-flight per replica, retries), summed over the balancer workers' latest reports."""
         body = render(daemon.deps.dataplane.stats())
+        if daemon.deps.capacity is not None:  # corral_gpu_held / corral_gpu_free per device
+            body += daemon.deps.capacity.metrics()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @routes.get("/v1/openapi.json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -338,6 +339,8 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
     spec = _load(file, name)
     summary = spec.summary()
     problem = local_port_problem(spec) if spec.infra == "local" else None
+    if spec.infra == "local" and problem is None:
+        problem = _fit_problem(spec)
     if as_json:
         click.echo(
             json.dumps(
@@ -381,6 +384,12 @@ def daemon() -> None:
     default=None,
     help="PEM private key of --tls-cert.",
 )
+@click.option(
+    "--gpus",
+    default=None,
+    help="GPUs corral may give replicas: indices or UUIDs (0,1,4), or 'none' "
+    "(sets CORRAL_GPUS; see docs/gpus.md).",
+)
 @click.pass_context
 def daemon_run(
     ctx: click.Context,
@@ -389,6 +398,7 @@ def daemon_run(
     port: int,
     tls_cert: Path | None,
     tls_key: Path | None,
+    gpus: str | None,
 ) -> None:
     """Run the daemon in the foreground.
 
@@ -404,6 +414,8 @@ def daemon_run(
             "would cross the network in clear. Pass --tls-cert FILE --tls-key FILE (clients "
             "verify that certificate), or keep the default --host 127.0.0.1."
         )
+    if gpus is not None:
+        os.environ["CORRAL_GPUS"] = gpus  # read with the rest of the inventory at start
     from corral.daemon import (  # heavy: imported only here
         DaemonError,
         DaemonRunning,
@@ -527,6 +539,19 @@ def daemon_status(ctx: click.Context) -> None:
         out.print(f"no daemon running on {_home(ctx)}")
         sys.exit(1)
     click.echo(json.dumps(client.request("GET", "/v1/daemon"), indent=2))
+
+
+def _fit_problem(spec: Any) -> str | None:
+    """Whether the spec's resources can ever fit on this machine, read the way the daemon
+    reads it (NVML, CORRAL_INVENTORY, CORRAL_GPUS): no daemon needed."""
+    from corral.capacity import fit_problem  # psutil, pynvml: only when validating
+    from corral.infra.inventory import InventoryError, load_inventory
+
+    try:
+        inventory = load_inventory()
+    except InventoryError as exc:
+        return f"the machine's inventory cannot be read: {exc}"
+    return fit_problem(spec.resources.model_dump(exclude_none=True), inventory)
 
 
 def _load(file: Path, name: str | None) -> Any:

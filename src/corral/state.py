@@ -40,7 +40,7 @@ from corral.backup import take_backup
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Each entry migrates from version i to i+1; a new schema change appends one entry.
 _MIGRATIONS: list[str] = [
@@ -112,6 +112,17 @@ _MIGRATIONS: list[str] = [
         pid INTEGER NOT NULL,
         created REAL NOT NULL,
         started_at REAL NOT NULL
+    )
+    """,
+    # 4: placement on the local backend (corral.capacity). What a replica holds (devices, CPUs,
+    # memory) is written before it is launched and held until its teardown succeeded; the row
+    # goes with its replica.
+    """
+    CREATE TABLE placements (
+        replica_id INTEGER PRIMARY KEY REFERENCES replicas(id) ON DELETE CASCADE,
+        service TEXT NOT NULL,
+        claim_json TEXT NOT NULL,
+        created_at REAL NOT NULL
     )
     """,
 ]
@@ -573,6 +584,49 @@ class Store:
     def delete_replica(self, replica_id: int) -> None:
         self._execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
 
+    # -- placements (corral.capacity) ---------------------------------------------------------
+
+    def held_claims(self) -> list[tuple[str, int, dict[str, Any]]]:
+        """(service, replica id, claim) of every replica whose teardown has not succeeded."""
+        rows = self._query(_HELD_CLAIMS)
+        return [(r["service"], int(r["replica_id"]), json.loads(r["claim_json"])) for r in rows]
+
+    def claim(
+        self,
+        replica_id: int,
+        choose: Callable[[list[tuple[str, int, dict[str, Any]]]], dict[str, Any] | None],
+    ) -> dict[str, Any] | None:
+        """The replica's claim: the one stored, else ``choose(held claims)`` stored in the same
+        transaction (so two replicas can never be given the same free device); None when
+        ``choose`` finds nothing."""
+
+        def claim(db: sqlite3.Connection) -> dict[str, Any] | None:
+            row = db.execute(
+                "SELECT p.claim_json, r.service FROM placements p JOIN replicas r"
+                " ON r.id = p.replica_id WHERE p.replica_id = ?",
+                (replica_id,),
+            ).fetchone()
+            if row is not None:
+                return dict(json.loads(row[0]))
+            service = db.execute("SELECT service FROM replicas WHERE id = ?", (replica_id,))
+            found = service.fetchone()
+            if found is None:
+                return None
+            held = [
+                (r["service"], int(r["replica_id"]), json.loads(r["claim_json"]))
+                for r in db.execute(_HELD_CLAIMS).fetchall()
+            ]
+            chosen = choose(held)
+            if chosen is not None:
+                db.execute(
+                    "INSERT INTO placements (replica_id, service, claim_json, created_at)"
+                    " VALUES (?, ?, ?, ?)",
+                    (replica_id, found[0], json.dumps(chosen), time.time()),
+                )
+            return chosen
+
+        return self._transaction(claim)
+
     # -- events -------------------------------------------------------------------------------
 
     def event(
@@ -614,6 +668,13 @@ class Store:
 
     def delete_worker(self, slot: int) -> None:
         self._execute("DELETE FROM balancer_workers WHERE slot = ?", (slot,))
+
+
+_HELD_CLAIMS = (
+    "SELECT p.replica_id, r.service, p.claim_json FROM placements p JOIN replicas r"
+    " ON r.id = p.replica_id WHERE r.teardown_state IS NULL OR r.teardown_state != 'succeeded'"
+    " ORDER BY p.replica_id"
+)
 
 
 def _split(script: str) -> list[str]:

@@ -71,6 +71,8 @@ class LaunchRequest:
     home_marker: str  # identifies this corral home in what the backend starts (for sweep)
     on_started: Callable[[ReplicaHandle], None]
     setup_timeout: float | None = None  # seconds `setup` may run (None: no limit)
+    # CPUs the replica is pinned to (its own, see corral.capacity); empty: not pinned.
+    cpu_ids: tuple[int, ...] = ()
 
 
 class Infra(Protocol):

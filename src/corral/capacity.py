@@ -1,0 +1,287 @@
+"""The machine's capacity shared by every service of one daemon: who holds which GPU, CPUs and
+memory, on the local backend.
+
+One :class:`Capacity` per daemon, handed to every controller. Its facts live in SQLite
+(``placements``: one claim per replica, see :meth:`corral.state.Store.claim`), written in one
+transaction with the check against every other claim and before the replica is launched, so a
+daemon killed at any point restarts into the same assignment: a replica relaunched after a
+restart gets the claim it already had, and a new one only what no live claim holds. A claim is
+held until its replica's teardown succeeded (a process that is still stopping may still hold
+GPU memory), and goes with the replica's row.
+
+What is enforced and what only accounted (docs/gpus.md says the same):
+
+* GPUs: enforced as far as CUDA goes: a replica's ``CUDA_VISIBLE_DEVICES`` and
+  ``NVIDIA_VISIBLE_DEVICES`` name only its devices (by UUID where known), and a replica that
+  asked for none sees none while the inventory has GPUs. A process that ignores the variables
+  (opens ``/dev/nvidia*`` itself) is not stopped.
+* CPUs: accounted (the asks of live replicas stay within the inventory); a whole ``cpus`` ask
+  is also pinned to that many CPUs of its own (``sched_setaffinity`` before the replica runs).
+* memory: accounted only.
+
+Waiting is visible: :attr:`Capacity.waiting` holds why each replica that does not fit waits
+(shown in status), and every controller is woken when a claim is freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from corral.infra.inventory import Inventory
+from corral.infra.placement import (
+    AskError,
+    Claim,
+    Holder,
+    NoFit,
+    ask_of,
+    never_fits,
+    place,
+)
+from corral.state import Store
+
+__all__ = ["Capacity", "Grant", "fit_problem", "replica_env"]
+
+log = logging.getLogger("corral.capacity")
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a replica may launch with: its claim and the environment that tells it so."""
+
+    claim: Claim = field(default_factory=Claim)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def replica_env(claim: Claim, inventory: Inventory) -> dict[str, str]:
+    """The device variables of a replica. Devices are listed in NVML index order; a device
+    without a known UUID is named by index, and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` then makes
+    CUDA count the way NVML does."""
+    if not claim.gpus:
+        if not inventory.gpus:
+            return {}
+        # Asked for none on a machine that has some: it must not grab GPU 0 from its owner.
+        return {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
+    gpus = sorted(
+        (g for g in inventory.gpus if g.address in claim.gpus),
+        key=lambda g: g.index,
+    )
+    names = ",".join(g.address for g in gpus)
+    env = {"CUDA_VISIBLE_DEVICES": names, "NVIDIA_VISIBLE_DEVICES": names}
+    if any(g.uuid is None for g in gpus):
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def fit_problem(resources: Mapping[str, Any], inventory: Inventory) -> str | None:
+    """Why a local spec's ``resources`` can never run on this machine (the field named, the
+    inventory listed), or None."""
+    try:
+        ask = ask_of(resources)
+    except AskError as exc:
+        return f"{exc}; this machine: {inventory.describe()}"
+    problem = never_fits(ask, inventory)
+    return None if problem is None else str(problem)
+
+
+class Capacity:
+    """The inventory and the claims on it, for every controller of one daemon."""
+
+    def __init__(self, store: Store, inventory: Inventory) -> None:
+        self.store = store
+        self.inventory = inventory
+        # replica id -> why it waits (the newest reason); shown by status and /v1/daemon.
+        self.waiting: dict[int, str] = {}
+        self._watchers: dict[str, Callable[[], None]] = {}
+
+    # -- controllers --------------------------------------------------------------------------
+
+    def watch(self, service: str, wake: Callable[[], None]) -> None:
+        self._watchers[service] = wake
+
+    def unwatch(self, service: str) -> None:
+        self._watchers.pop(service, None)
+
+    def freed(self) -> None:
+        """A claim was let go: every controller looks at its waiting replicas now."""
+        for wake in list(self._watchers.values()):
+            wake()
+
+    def holders(self, *, without: int | None = None) -> list[Holder]:
+        return [
+            Holder(service, rid, Claim.from_json(data))
+            for service, rid, data in self.store.held_claims()
+            if rid != without
+        ]
+
+    def grant(
+        self, replica_id: int, resources: Mapping[str, Any], *, making_room: int | None = None
+    ) -> Grant | str:
+        """The replica's claim (stored before its launch), or why it waits.
+
+        ``making_room``: a replica being retired to make room (a rolling update on a full
+        machine): the new claim may take what it holds, and the launch then waits for its
+        teardown (:meth:`_contended`), so the device goes to this replica and no other.
+        """
+        try:
+            ask = ask_of(resources)
+        except AskError as exc:
+            return f"cannot be placed: {exc}"
+        if ask.empty:
+            self.waiting.pop(replica_id, None)
+            return Grant(Claim(), replica_env(Claim(), self.inventory))
+        why: list[str] = []
+
+        def choose(held: list[tuple[str, int, dict[str, Any]]]) -> dict[str, Any] | None:
+            holders = [
+                Holder(s, rid, Claim.from_json(d)) for s, rid, d in held if rid != making_room
+            ]
+            outcome = place(ask, self.inventory, holders)
+            if isinstance(outcome, NoFit):
+                why.append(outcome.reason)
+                return None
+            return outcome.to_json()
+
+        data = self.store.claim(replica_id, choose)
+        if data is None:
+            return why[0] if why else "its row is gone"
+        claim = Claim.from_json(data)
+        busy = self._contended(replica_id, claim)
+        if busy is not None:
+            return busy
+        self.waiting.pop(replica_id, None)
+        return Grant(claim, replica_env(claim, self.inventory))
+
+    def _contended(self, replica_id: int, claim: Claim) -> str | None:
+        """Why a stored claim cannot be used yet: something in it is still held by a replica
+        being torn down (a claim handed over by :meth:`grant` with ``making_room``)."""
+        others = self.holders(without=replica_id)
+        used: dict[str, float] = {}
+        for h in others:
+            for address, share in h.claim.gpus.items():
+                used[address] = used.get(address, 0.0) + share
+        blockers = [
+            h
+            for h in others
+            if any(
+                a in h.claim.gpus and used[a] + share > 1.0 + _EPS
+                for a, share in claim.gpus.items()
+            )
+            or set(h.claim.cpu_ids) & set(claim.cpu_ids)
+        ]
+        if not blockers:
+            return None
+        names = ", ".join(f"{h.service} replica {h.replica_id}" for h in blockers)
+        return f"its devices are still held by {names}, which is being stopped"
+
+    def room(
+        self, replica_id: int, resources: Mapping[str, Any], candidates: list[int]
+    ) -> int | None:
+        """The first of ``candidates`` (replica ids, in the order to prefer) whose claim, once
+        free, lets this replica fit; its claim is handed over at once (see :meth:`grant`)."""
+        try:
+            ask = ask_of(resources)
+        except AskError:
+            return None
+        holders = self.holders(without=replica_id)
+        for candidate in candidates:
+            rest = [h for h in holders if h.replica_id != candidate]
+            if isinstance(place(ask, self.inventory, rest), Claim):
+                granted = self.grant(replica_id, resources, making_room=candidate)
+                if isinstance(granted, Grant) or "being stopped" in granted:
+                    return candidate
+        return None
+
+    def note_wait(self, replica_id: int, reason: str) -> bool:
+        """Remember why a replica waits; True the first time (the caller records one event)."""
+        first = replica_id not in self.waiting
+        self.waiting[replica_id] = reason
+        return first
+
+    # -- views --------------------------------------------------------------------------------
+
+    def devices(self) -> dict[int, dict[str, Any]]:
+        """Per replica id, what it holds (for status)."""
+        out = {}
+        for h in self.holders():
+            gpus = []
+            for address, share in h.claim.gpus.items():
+                gpu = self.inventory.gpu(address)
+                gpus.append(
+                    {
+                        "index": gpu.index if gpu else None,
+                        "uuid": gpu.uuid if gpu else None,
+                        "name": gpu.name if gpu else address,
+                        "share": share,
+                    }
+                )
+            out[h.replica_id] = {
+                "gpus": sorted(gpus, key=lambda g: (g["index"] is None, g["index"] or 0)),
+                "cpus": h.claim.cpus,
+                "cpu_ids": list(h.claim.cpu_ids),
+                "memory": h.claim.memory,
+            }
+        return out
+
+    def view(self) -> dict[str, Any]:
+        """The inventory and what holds each part of it (for /v1/daemon)."""
+        holders = self.holders()
+        gpus = []
+        for gpu in self.inventory.gpus:
+            held = [
+                {"service": h.service, "replica": h.replica_id, "share": h.claim.gpus[gpu.address]}
+                for h in holders
+                if gpu.address in h.claim.gpus
+            ]
+            gpus.append({**gpu.to_json(), "held_by": held})
+        pending = {r.id for r in self.store.replicas() if r.launch_state == "pending"}
+        for rid in [rid for rid in self.waiting if rid not in pending]:
+            self.waiting.pop(rid, None)
+        return {
+            **self.inventory.to_json(),
+            "gpus": gpus,
+            "cpus_held": sum(h.claim.cpus for h in holders),
+            "memory_held": sum(h.claim.memory for h in holders),
+            "waiting": {str(rid): reason for rid, reason in sorted(self.waiting.items())},
+        }
+
+    def metrics(self) -> bytes:
+        """``corral_gpu_held`` per device and holder, and ``corral_gpu_free`` per device."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_GpuCollector(self.inventory, self.holders()))
+        return generate_latest(registry)
+
+
+class _GpuCollector(Collector):
+    def __init__(self, inventory: Inventory, holders: list[Holder]) -> None:
+        self.inventory = inventory
+        self.holders = holders
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["gpu", "uuid", "model"]
+        held = GaugeMetricFamily(
+            "corral_gpu_held",
+            "Share of a GPU held by a replica (1: the whole device).",
+            labels=[*labels, "service", "replica"],
+        )
+        free = GaugeMetricFamily(
+            "corral_gpu_free", "Share of a GPU no replica holds.", labels=labels
+        )
+        for gpu in self.inventory.gpus:
+            device = [str(gpu.index), gpu.uuid or "", gpu.name]
+            used = 0.0
+            for h in self.holders:
+                share = h.claim.gpus.get(gpu.address)
+                if share:
+                    used += share
+                    held.add_metric([*device, h.service, str(h.replica_id)], share)
+            free.add_metric(device, max(0.0, 1.0 - used))
+        yield from (held, free)
