@@ -226,7 +226,9 @@ def status(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
             f"{ready}/{s['target']}",
         )
     out.print(table)
-    replicas = Table("SERVICE", "ID", "VERSION", "STATUS", "ENDPOINT", "AGE", "PID", box=None)
+    replicas = Table(
+        "SERVICE", "ID", "VERSION", "STATUS", "ENDPOINT", "AGE", "PID", "DEVICES", box=None
+    )
     for s in services:
         for r in s["replicas"]:
             replicas.add_row(
@@ -237,6 +239,7 @@ def status(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
                 r["endpoint"] or "-",
                 _age(r["age_seconds"]),
                 str(r["pid"] or "-"),
+                _devices(r.get("devices")),
             )
     out.print()
     out.print(replicas)
@@ -248,6 +251,9 @@ def status(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
                 soft_wrap=True,
             )
     for s in services:
+        for r in s["replicas"]:
+            if r.get("waiting"):
+                out.print(f"{s['name']} replica {r['id']} waits: {r['waiting']}", soft_wrap=True)
         if s.get("failure"):
             out.print(f"[red]{s['name']}:[/red] {s['failure']}", soft_wrap=True)
         for problem in s.get("balancer_errors") or ():
@@ -539,6 +545,25 @@ def daemon_status(ctx: click.Context) -> None:
         out.print(f"no daemon running on {_home(ctx)}")
         sys.exit(1)
     click.echo(json.dumps(client.request("GET", "/v1/daemon"), indent=2))
+
+
+def _devices(held: dict[str, Any] | None) -> str:
+    """``GPU 0,2 cpus 0-1``: what a replica holds (see corral.capacity)."""
+    if not held:
+        return "-"
+    parts = []
+    if held["gpus"]:
+        shares = [
+            f"{g['index']}" + (f"({g['share']:g})" if g["share"] < 1 else "") for g in held["gpus"]
+        ]
+        parts.append("GPU " + ",".join(shares))
+    if held["cpu_ids"]:
+        parts.append("CPU " + ",".join(map(str, held["cpu_ids"])))
+    elif held["cpus"]:
+        parts.append(f"{held['cpus']:g} CPUs")
+    if held["memory"]:
+        parts.append(f"{held['memory'] / 1024**3:.3g} GiB")
+    return " ".join(parts) or "-"
 
 
 def _fit_problem(spec: Any) -> str | None:

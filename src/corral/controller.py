@@ -816,11 +816,18 @@ class ServiceController:
         granted = capacity.grant(r.id, spec.resources.model_dump(exclude_none=True))
         if isinstance(granted, Grant):
             return granted
-        if capacity.note_wait(r.id, granted):
+        if capacity.note_wait(r.id, granted) and not self._told_waiting(r.id):
             self._event(r.id, "replica.waiting", granted)
             log.info("service %s: replica %d waits: %s", self.name, r.id, granted)
-        self.last_decision = f"replica {r.id} waits: {granted}"
         return None
+
+    def _told_waiting(self, replica_id: int) -> bool:
+        """Whether the event log already says this replica waits (a daemon restarted while it
+        waited): one event per wait, not one per daemon."""
+        return any(
+            e.replica_id == replica_id and e.action == "replica.waiting"
+            for e in self.store.events(self.name)
+        )
 
     def _make_room(self, version: int, rows: list[ReplicaRow]) -> None:
         """A rolling update on a full machine: when a new replica waits for capacity and no
