@@ -471,6 +471,10 @@ OPENAPI: dict[str, Any] = {
                     "failure": {"type": "string", "nullable": True},
                     "exit_code": {"type": "integer", "nullable": True},
                     "pid": {"type": "integer", "nullable": True},
+                    # What it holds on this machine (docs/gpus.md): gpus, cpus, cpu_ids, memory.
+                    "devices": {"type": "object", "nullable": True},
+                    # Why a PENDING replica waits (it does not fit now), else null.
+                    "waiting": {"type": "string", "nullable": True},
                 },
             },
             "Service": {

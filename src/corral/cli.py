@@ -109,9 +109,11 @@ def _wait_ready(client: Client, name: str, timeout: float | None) -> None:
 
     for service in _polled(client, name, timeout, late):
         for r in service["replicas"]:
-            if seen.get(r["id"]) != r["status"]:
-                seen[r["id"]] = r["status"]
-                detail = f" ({r['failure']})" if r.get("failure") else ""
+            # A PENDING replica that does not fit says why (docs/gpus.md), once per reason.
+            reason = r.get("failure") or r.get("waiting")
+            if seen.get(r["id"]) != f"{r['status']} {reason}":
+                seen[r["id"]] = f"{r['status']} {reason}"
+                detail = f" ({reason})" if reason else ""
                 out.print(f"  replica {r['id']}: {r['status']}{detail}", soft_wrap=True)
         status = service["status"]
         if status == "READY":

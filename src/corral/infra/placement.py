@@ -27,6 +27,7 @@ that many CPU ids no other replica is pinned to (the caller pins the replica to 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -162,23 +163,31 @@ def ask_of(resources: Mapping[str, Any]) -> Ask:
     return Ask(tuple(options), cpus, memory)
 
 
-def _tokens(text: str) -> list[str]:
+@functools.lru_cache(maxsize=4096)
+def _tokens(text: str) -> tuple[str, ...]:
+    """Cached: placement asks the same few names again on every reconcile step."""
     out = []
     for token in re.split(r"[\s\-_/]+", text.upper()):
         if not token:
             continue
         size = _SIZE_RE.fullmatch(token)
         out.append(f"{size.group(1)}GB" if size else token)
-    return out
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_pool(name: str) -> tuple[frozenset[str], bool]:
+    """A device name's tokens and neighbouring pairs, and whether it names a size."""
+    have = _tokens(name)
+    pool = frozenset(have) | {a + b for a, b in itertools.pairwise(have)}
+    return pool, any(_SIZE_RE.fullmatch(t) for t in have)
 
 
 def model_matches(model: str, gpu: Gpu) -> bool:
     """Whether an ask's model name (``H100``, ``A100-80GB``, ``GPU``) names this device."""
     if model.strip().upper() == ANY_GPU:
         return True
-    have = _tokens(gpu.name)
-    pool = set(have) | {a + b for a, b in itertools.pairwise(have)}
-    named_size = any(_SIZE_RE.fullmatch(t) for t in have)
+    pool, named_size = _name_pool(gpu.name)
     for token in _tokens(model):
         if token in pool:
             continue
