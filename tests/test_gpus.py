@@ -45,15 +45,22 @@ def gpu_home(corral_home: CorralHome, tmp_path: Path) -> CorralHome:
 
 
 def gpu_spec(
-    directory: Path, name: str, replicas: int, resources: str, *, version: str = "1"
+    directory: Path,
+    name: str,
+    replicas: int,
+    resources: str,
+    *,
+    version: str = "1",
+    envs: dict[str, str] | None = None,
 ) -> Path:
+    extra = "resources:\n" + "".join(f"  {line}\n" for line in resources.splitlines())
     text = spec_text(
         name,
         replicas,
         run=f"exec {sys.executable} {APPS / 'devices.py'}",
         workdir=APPS,
-        envs={"APP_VERSION": version},
-        extra="resources:\n" + "".join(f"  {line}\n" for line in resources.splitlines()),
+        envs={"APP_VERSION": version, **(envs or {})},
+        extra=extra if resources else "",
     )
     return write_spec(directory / f"{name}-v{version}.yaml", text)
 
@@ -84,13 +91,16 @@ def held_claims(home: CorralHome) -> Counter[str]:
 
 
 def fill_machine(home: CorralHome, tmp_path: Path) -> None:
-    """svc-a: 2x A100:1; svc-b: L4:1 pinned to 1 CPU; svc-c: {A10G, L4}:1 (takes the L4)."""
+    """svc-a: 2x A100:1; svc-b: L4:1 pinned to 1 CPU; svc-c: {A10G, L4}:1 (takes the L4), with
+    its own CUDA_VISIBLE_DEVICES in the spec (corral's wins); svc-e: asks for nothing."""
     home.run("up", "-d", str(gpu_spec(tmp_path, "svc-a", 2, "accelerators: A100:1")))
     home.run("up", "-d", str(gpu_spec(tmp_path, "svc-b", 1, "accelerators: L4:1\ncpus: 1")))
-    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-c", 1, "accelerators: {A10G: 1, L4: 1}")))
-    home.wait_replicas("svc-a", 2, timeout=60)
-    home.wait_replicas("svc-b", 1, timeout=60)
-    home.wait_replicas("svc-c", 1, timeout=60)
+    own = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    spec_c = gpu_spec(tmp_path, "svc-c", 1, "accelerators: {A10G: 1, L4: 1}", envs=own)
+    home.run("up", "-d", str(spec_c))
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-e", 1, "")))
+    for name, count in (("svc-a", 2), ("svc-b", 1), ("svc-c", 1), ("svc-e", 1)):
+        home.wait_replicas(name, count, timeout=60)
 
 
 def test_full_machine_waits_then_starts_and_survives_sigkill(
@@ -108,6 +118,11 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
             assert [g["uuid"] for g in r["devices"]["gpus"]] == visible(r)
     ((b_id, b),) = reports["svc-b"].items()
     assert len(b["affinity"]) == 1 and b["affinity"] == b["devices"]["cpu_ids"]
+    (e,) = seen(home, "svc-e").values()  # asked for nothing: sees no GPU
+    assert e["env"]["CUDA_VISIBLE_DEVICES"] == "" and e["env"]["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert e["devices"] is None
+    index = 2 + L4.index(visible(b)[0])
+    assert f"GPU {index} CPU {b['affinity'][0]}" in home.run("status", "svc-b").stdout
 
     # what holds each device: `corral daemon status` and /metrics
     info = json.loads(home.run("daemon", "status").stdout)["inventory"]
@@ -116,7 +131,6 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     metrics = http(
         home.api_url + "/metrics", headers={"Authorization": f"Bearer {home.token}"}
     ).body.decode()
-    index = 2 + L4.index(visible(b)[0])
     assert (
         f'corral_gpu_held{{gpu="{index}",model="NVIDIA L4",replica="{b_id}",service="svc-b",'
         f'uuid="{visible(b)[0]}"}} 1.0'
@@ -185,6 +199,12 @@ def test_rolling_update_on_a_full_machine_completes(gpu_home: CorralHome, tmp_pa
     home.wait_replicas("svc-r", 2, timeout=60)
     a_pids = {r["pid"] for r in home.service("svc-a")["replicas"]}
     old = set(seen(home, "svc-r"))
+    # another service waits for an L4 all along: the devices an old replica frees are handed
+    # to its successor, never taken by the waiter in between
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-w", 1, "accelerators: L4:1")))
+    wait_for(
+        lambda: (home.service("svc-w")["replicas"] or [{}])[0].get("waiting"), 30, "svc-w waits"
+    )
 
     spec = gpu_spec(tmp_path, "svc-r", 2, "accelerators: L4:1", version="2")
     update = home.popen("update", "svc-r", str(spec), "--mode", "rolling")
@@ -215,6 +235,8 @@ def test_rolling_update_on_a_full_machine_completes(gpu_home: CorralHome, tmp_pa
     assert all(r["version"] == "2" for r in new.values())
     assert {r["pid"] for r in home.service("svc-a")["replicas"]} == a_pids
     assert held_claims(home) == Counter(A100 + L4)
+    (w,) = home.service("svc-w")["replicas"]
+    assert w["status"] == "PENDING" and "svc-r replicas" in w["waiting"]
     events = home.api("GET", "/v1/services/svc-r/events").json()["events"]
     one_at_a_time = [e for e in events if "replacing one at a time" in (e["reason"] or "")]
     assert len(one_at_a_time) == 2
@@ -248,3 +270,21 @@ def test_asks_that_can_never_fit_are_refused(
     assert answer.status == 400, answer.body
     message = answer.json()["error"]
     assert "resources.accelerators" in message and why in message and "NVIDIA L4" in message
+    answer = gpu_home.api(
+        "POST", "/v1/services/good/versions", body={"spec": spec.read_text().replace("bad", "good")}
+    )
+    assert answer.status == 400, answer.body
+    assert why in answer.json()["error"]
+
+
+def test_daemon_refuses_a_bad_inventory(corral_home: CorralHome, tmp_path: Path) -> None:
+    path = tmp_path / "inventory.yaml"
+    path.write_text("gpus:\n  - {name: NVIDIA L4, index: -1}\n")
+    corral_home.env["CORRAL_INVENTORY"] = str(path)
+    result = corral_home.run("daemon", "run", check=False)
+    assert result.returncode == 1
+    assert "gpus[0].index: expected a whole number >= 0, got -1" in result.stderr
+    corral_home.env["CORRAL_INVENTORY"] = ""
+    result = corral_home.run("daemon", "run", "--gpus", "7", check=False)
+    assert result.returncode == 1
+    assert "CORRAL_GPUS (--gpus): no GPU '7' on this machine" in " ".join(result.stderr.split())

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from corral.capacity import fit_problem, replica_env
+from corral.capacity import Capacity, Grant, fit_problem, replica_env
 from corral.infra.inventory import Gpu, Inventory, InventoryError, load_inventory, read_nvml
 from corral.infra.placement import (
     AskError,
@@ -20,6 +20,7 @@ from corral.infra.placement import (
     never_fits,
     place,
 )
+from corral.state import Store
 
 GiB = 1024**3
 
@@ -279,3 +280,37 @@ def test_bad_declared_inventory(tmp_path: Path, text: str, env: dict, message: s
     with pytest.raises(InventoryError) as caught:
         load_inventory({"CORRAL_INVENTORY": str(path), **env})
     assert message in str(caught.value)
+
+
+def test_capacity_hands_a_retired_replicas_devices_to_its_successor(tmp_path: Path) -> None:
+    """A rolling update on a full machine (corral.capacity, real SQLite): the claim of the old
+    replica retired to make room goes to the new one, which launches only once the old one is
+    torn down; a replica of another service waiting for the same device never gets it."""
+    store = Store(tmp_path / "state.db")
+    machine = Inventory((Gpu(0, "NVIDIA L4", "GPU-l4"),), 2, GiB)
+    capacity = Capacity(store, machine)
+    for name in ("svc-r", "svc-w"):
+        store.create_service(name, "run: x\n", source=None, base_dir=None, lb_port=None)
+    ask = {"accelerators": ["L4:1"]}
+    old = store.add_replica("svc-r", 1, "local", "test")
+    assert isinstance(capacity.grant(old.id, ask), Grant)
+    new = store.add_replica("svc-r", 2, "local", "test")
+    waiter = store.add_replica("svc-w", 1, "local", "test")
+    held = "needs 1x L4; the machine has 1 L4, it is held by svc-r replica"
+    assert capacity.grant(new.id, ask) == f"{held} {old.id}"
+    assert capacity.grant(waiter.id, ask) == f"{held} {old.id}"
+
+    assert capacity.room(new.id, ask, [old.id]) == old.id
+    blocked = capacity.grant(new.id, ask)
+    assert (
+        blocked == f"its devices are still held by svc-r replica {old.id}, which is being stopped"
+    )
+    store.update_replica(old.id, teardown_state="succeeded")  # its teardown is done
+    assert capacity.grant(waiter.id, ask) == f"{held} {new.id}"
+    granted = capacity.grant(new.id, ask)
+    assert isinstance(granted, Grant) and dict(granted.claim.gpus) == {"GPU-l4": 1.0}
+    assert granted.env["CUDA_VISIBLE_DEVICES"] == "GPU-l4"
+    # the replica's row going (down, scale-down) frees its claim with it
+    store.delete_replica(new.id)
+    assert isinstance(capacity.grant(waiter.id, ask), Grant)
+    store.close()
