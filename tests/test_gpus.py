@@ -52,12 +52,13 @@ def gpu_spec(
     *,
     version: str = "1",
     envs: dict[str, str] | None = None,
+    run: str | None = None,
 ) -> Path:
     extra = "resources:\n" + "".join(f"  {line}\n" for line in resources.splitlines())
     text = spec_text(
         name,
         replicas,
-        run=f"exec {sys.executable} {APPS / 'devices.py'}",
+        run=run or f"exec {sys.executable} {APPS / 'devices.py'}",
         workdir=APPS,
         envs={"APP_VERSION": version, **(envs or {})},
         extra=extra if resources else "",
@@ -240,6 +241,36 @@ def test_rolling_update_on_a_full_machine_completes(gpu_home: CorralHome, tmp_pa
     events = home.api("GET", "/v1/services/svc-r/events").json()["events"]
     one_at_a_time = [e for e in events if "replacing one at a time" in (e["reason"] or "")]
     assert len(one_at_a_time) == 2
+
+
+def test_a_broken_version_on_a_full_machine_leaves_the_rest_serving(
+    gpu_home: CorralHome, tmp_path: Path
+) -> None:
+    """Only one old replica is replaced before the new version has a READY one: a version that
+    never becomes READY costs one replica, not the service."""
+    home = gpu_home
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-r", 2, "accelerators: L4:1")))
+    home.wait_replicas("svc-r", 2, timeout=60)
+    broken = gpu_spec(tmp_path, "svc-r", 2, "accelerators: L4:1", version="2", run="exit 3")
+    update = home.popen("update", "svc-r", str(broken), "--mode", "rolling")
+    lowest = 2
+
+    def gave_up() -> bool:
+        nonlocal lowest
+        svc = home.service("svc-r")
+        assert svc is not None
+        ready = [r for r in svc["replicas"] if r["status"] == "READY" and r["version"] == 1]
+        lowest = min(lowest, len(ready))
+        return "never became ready" in (svc["failure"] or "")
+
+    wait_for(gave_up, 90, "version 2 to be given up", interval=0.05)
+    time.sleep(4.5)  # two reconcile periods after giving up: nothing more is retired
+    gave_up()
+    assert lowest == 1
+    assert held_claims(home) == Counter(L4[:1]) or held_claims(home) == Counter(L4[1:])
+    assert update.wait(60) == 1
+    assert update.stdout is not None
+    assert b"not promoted" in update.stdout.read()
 
 
 @pytest.mark.parametrize(

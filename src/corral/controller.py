@@ -679,7 +679,7 @@ class ServiceController:
                     old_ready, len(old_ready) - keep, current_version=version
                 ):
                     self._retire(r, f"rolling update to version {version}")
-                self._make_room(version, rows)
+                self._make_room(version, rows, target, ready_new)
         if held != self._held_version:
             self._held_version = held
             self._publish_ready()
@@ -829,12 +829,16 @@ class ServiceController:
             for e in self.store.events(self.name)
         )
 
-    def _make_room(self, version: int, rows: list[ReplicaRow]) -> None:
+    def _make_room(
+        self, version: int, rows: list[ReplicaRow], target: int, ready_new: int
+    ) -> None:
         """A rolling update on a full machine: when a new replica waits for capacity and no
         other replacement is under way, retire ONE old replica whose claim lets it fit and
         hand that claim over (the new one launches once the old one is torn down). Surging
         is impossible without spare capacity; this never deadlocks, and READY dips by at most
-        one below the target while each replacement starts (docs/gpus.md)."""
+        one below the target while each replacement starts (docs/gpus.md). Until the new
+        version has a READY replica only one old replica is replaced, so a version that never
+        becomes READY leaves the others serving."""
         capacity = self.deps.capacity
         if capacity is None:
             return
@@ -854,6 +858,8 @@ class ServiceController:
             len(rows),
             current_version=version,
         )
+        if ready_new == 0 and len(old) < target:
+            return  # one replaced already; the next only once the new version proved itself
         new = waiting[0]
         resources = self.spec(new.version).resources.model_dump(exclude_none=True)
         victim = capacity.room(new.id, resources, [r.id for r in old])
