@@ -829,9 +829,7 @@ class ServiceController:
             for e in self.store.events(self.name)
         )
 
-    def _make_room(
-        self, version: int, rows: list[ReplicaRow], target: int, ready_new: int
-    ) -> None:
+    def _make_room(self, version: int, rows: list[ReplicaRow], target: int, ready_new: int) -> None:
         """A rolling update on a full machine: when a new replica waits for capacity and no
         other replacement is under way, retire ONE old replica whose claim lets it fit and
         hand that claim over (the new one launches once the old one is torn down). Surging
