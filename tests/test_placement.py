@@ -20,6 +20,7 @@ from corral.infra.placement import (
     never_fits,
     place,
 )
+from corral.spec import parse_spec
 from corral.state import Store
 
 GiB = 1024**3
@@ -313,4 +314,48 @@ def test_capacity_hands_a_retired_replicas_devices_to_its_successor(tmp_path: Pa
     # the replica's row going (down, scale-down) frees its claim with it
     store.delete_replica(new.id)
     assert isinstance(capacity.grant(waiter.id, ask), Grant)
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("written", "options"),
+    [
+        ('"{L4, A10G, A100}:1"', ["L4:1", "A10G:1", "A100:1"]),
+        ('"[A100, L4]:2"', ["A100:2", "L4:2"]),
+        ("{L4: 1, A100: 1}", ["L4:1", "A100:1"]),
+        ("[A100:1, L4:2]", ["A100:1", "L4:2"]),
+        ("A100:0.5", ["A100:0.5"]),
+    ],
+)
+def test_spec_forms_of_alternatives(written: str, options: list[str]) -> None:
+    spec = parse_spec(f"name: x\nrun: y\nresources:\n  accelerators: {written}\n", source="t")
+    assert spec.resources.accelerators == options
+    ask = ask_of(spec.resources.model_dump(exclude_none=True))
+    assert [f"{o.model}:{o.count:g}" for o in ask.options] == options
+
+
+def test_a_claim_survives_a_restart_and_is_never_given_twice(tmp_path: Path) -> None:
+    """What a relaunch after a daemon restart relies on: the same replica gets the claim it
+    already had (from the file, by a new Store), and a new replica only what is left."""
+    path = tmp_path / "state.db"
+    machine = Inventory((Gpu(0, "NVIDIA L4", "GPU-0"), Gpu(1, "NVIDIA L4", "GPU-1")), 2, GiB)
+    ask = {"accelerators": ["L4:1"]}
+    store = Store(path)
+    store.create_service("s", "run: x\n", source=None, base_dir=None, lb_port=None)
+    first = store.add_replica("s", 1, "local", "test")
+    granted = Capacity(store, machine).grant(first.id, ask)
+    assert isinstance(granted, Grant) and list(granted.claim.gpus) == ["GPU-0"]
+    store.close()
+
+    store = Store(path)  # the next daemon
+    capacity = Capacity(store, machine)
+    again = capacity.grant(first.id, ask)
+    assert isinstance(again, Grant) and again.claim == granted.claim
+    second = store.add_replica("s", 1, "local", "test")
+    other = capacity.grant(second.id, ask)
+    assert isinstance(other, Grant) and list(other.claim.gpus) == ["GPU-1"]
+    third = store.add_replica("s", 1, "local", "test")
+    assert capacity.grant(third.id, ask) == (
+        f"needs 1x L4; the machine has 2 L4, both held by s replicas {first.id} and {second.id}"
+    )
     store.close()
