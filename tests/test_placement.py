@@ -306,6 +306,7 @@ def test_capacity_hands_a_retired_replicas_devices_to_its_successor(tmp_path: Pa
     assert (
         blocked == f"its devices are still held by svc-r replica {old.id}, which is being stopped"
     )
+    assert capacity.room(new.id, ask, [old.id]) is None  # handed over once, never twice
     store.update_replica(old.id, teardown_state="succeeded")  # its teardown is done
     assert capacity.grant(waiter.id, ask) == f"{held} {new.id}"
     granted = capacity.grant(new.id, ask)

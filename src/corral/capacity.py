@@ -191,7 +191,9 @@ class Capacity:
             ask = ask_of(resources)
         except AskError:
             return None
-        holders = self.holders(without=replica_id)
+        holders = self.holders()
+        if any(h.replica_id == replica_id for h in holders):
+            return None  # it has its claim already (handed over, or waiting for a launch slot)
         for candidate in candidates:
             rest = [h for h in holders if h.replica_id != candidate]
             if isinstance(place(ask, self.inventory, rest), Claim):
