@@ -26,7 +26,7 @@ Waiting is visible: :attr:`Capacity.waiting` holds why each replica that does no
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,8 @@ from corral.infra.placement import (
     never_fits,
     place,
 )
-from corral.state import Store
+from corral.replicas import ReplicaStatus, is_live, replica_status, scale_down_victims
+from corral.state import ReplicaRow, Store
 
 __all__ = ["Capacity", "Grant", "fit_problem", "replica_env"]
 
@@ -202,11 +203,58 @@ class Capacity:
                     return candidate
         return None
 
-    def note_wait(self, replica_id: int, reason: str) -> bool:
-        """Remember why a replica waits; True the first time (the caller records one event)."""
+    def note_wait(self, service: str, replica_id: int, reason: str) -> bool:
+        """Remember why a replica waits; True when the caller should record the one event of
+        this wait (not when the event log has it already: a daemon restarted meanwhile)."""
         first = replica_id not in self.waiting
         self.waiting[replica_id] = reason
-        return first
+        return first and not any(
+            e.replica_id == replica_id and e.action == "replica.waiting"
+            for e in self.store.events(service)
+        )
+
+    def make_room(
+        self,
+        rows: Sequence[ReplicaRow],
+        version: int,
+        target: int,
+        ready_new: int,
+        resources: Mapping[str, Any],
+    ) -> tuple[ReplicaRow, ReplicaRow] | None:
+        """(old replica to retire, new replica it makes room for) in a rolling update to
+        ``version`` on a full machine, or None.
+
+        When a new replica waits for capacity and no other replacement is under way (no
+        replica starting, none of the old ones being torn down), the first old replica whose
+        claim lets it fit is picked, and that claim is handed over at once (:meth:`room`).
+        Surging is impossible without spare capacity; this never deadlocks, and READY is at
+        least target - 1 while each replacement starts. Until the new version has a READY
+        replica only one old replica is replaced, so a version that never becomes READY
+        leaves the others serving.
+        """
+        waiting = [r for r in rows if r.version == version and r.id in self.waiting]
+        starting = [
+            r
+            for r in rows
+            if is_live(r)
+            and replica_status(r) is not ReplicaStatus.READY
+            and r.id not in self.waiting
+        ]
+        stopping = [
+            r for r in rows if r.version != version and r.teardown_state not in (None, "succeeded")
+        ]
+        if not waiting or starting or stopping:
+            return None
+        old = scale_down_victims(
+            [r for r in rows if r.version != version and is_live(r)],
+            len(rows),
+            current_version=version,
+        )
+        if ready_new == 0 and len(old) < target:
+            return None  # one replaced already; the next once the new version proved itself
+        new = waiting[0]
+        victim = self.room(new.id, resources, [r.id for r in old])
+        return None if victim is None else (next(r for r in old if r.id == victim), new)
 
     # -- views --------------------------------------------------------------------------------
 

@@ -816,54 +816,24 @@ class ServiceController:
         granted = capacity.grant(r.id, spec.resources.model_dump(exclude_none=True))
         if isinstance(granted, Grant):
             return granted
-        if capacity.note_wait(r.id, granted) and not self._told_waiting(r.id):
+        if capacity.note_wait(self.name, r.id, granted):
             self._event(r.id, "replica.waiting", granted)
             log.info("service %s: replica %d waits: %s", self.name, r.id, granted)
         return None
 
-    def _told_waiting(self, replica_id: int) -> bool:
-        """Whether the event log already says this replica waits (a daemon restarted while it
-        waited): one event per wait, not one per daemon."""
-        return any(
-            e.replica_id == replica_id and e.action == "replica.waiting"
-            for e in self.store.events(self.name)
-        )
-
     def _make_room(self, version: int, rows: list[ReplicaRow], target: int, ready_new: int) -> None:
-        """A rolling update on a full machine: when a new replica waits for capacity and no
-        other replacement is under way, retire ONE old replica whose claim lets it fit and
-        hand that claim over (the new one launches once the old one is torn down). Surging
-        is impossible without spare capacity; this never deadlocks, and READY dips by at most
-        one below the target while each replacement starts (docs/gpus.md). Until the new
-        version has a READY replica only one old replica is replaced, so a version that never
-        becomes READY leaves the others serving."""
+        """A rolling update on a full machine: replace one old replica at a time instead of
+        surging (:meth:`corral.capacity.Capacity.make_room`; docs/gpus.md)."""
         capacity = self.deps.capacity
         if capacity is None:
             return
-        waiting = [r for r in rows if r.version == version and r.id in capacity.waiting]
-        in_flight = [
-            r
-            for r in rows
-            if is_live(r)
-            and replica_status(r) is not ReplicaStatus.READY
-            and r.id not in capacity.waiting
-        ]
-        stopping = [r for r in rows if r.version != version and r.teardown_state is not None]
-        if not waiting or in_flight or any(r.teardown_state != "succeeded" for r in stopping):
-            return
-        old = scale_down_victims(
-            [r for r in rows if r.version != version and is_live(r)],
-            len(rows),
-            current_version=version,
+        picked = capacity.make_room(
+            rows, version, target, ready_new, self.spec(version).resources.model_dump()
         )
-        if ready_new == 0 and len(old) < target:
-            return  # one replaced already; the next only once the new version proved itself
-        new = waiting[0]
-        resources = self.spec(new.version).resources.model_dump(exclude_none=True)
-        victim = capacity.room(new.id, resources, [r.id for r in old])
-        if victim is not None:
+        if picked is not None:
+            old, new = picked
             self._retire(
-                next(r for r in old if r.id == victim),
+                old,
                 f"rolling update to version {version}: no spare capacity, replacing one "
                 f"at a time (its devices go to replica {new.id})",
             )
