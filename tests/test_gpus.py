@@ -192,6 +192,47 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     assert held_claims(home) == Counter(A100 + L4)
 
 
+def test_sigkill_during_a_launch_keeps_its_devices(gpu_home: CorralHome, tmp_path: Path) -> None:
+    """A daemon killed while a replica's setup runs (its claim written, nothing recorded as
+    started): the next daemon launches it again on the same devices, and a replica waiting for
+    them still waits."""
+    home = gpu_home
+    marker = tmp_path / "setup-ran-once"
+    setup = f"test -f {marker} || {{ touch {marker}; sleep 120; }}"
+    text = spec_text(
+        "svc-x",
+        1,
+        run=f"exec {sys.executable} {APPS / 'devices.py'}",
+        setup=setup,
+        workdir=APPS,
+        extra="resources:\n  accelerators: A100:2\n",
+    )
+    home.run("up", "-d", str(write_spec(tmp_path / "svc-x.yaml", text)))
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-y", 1, "accelerators: A100:1")))
+
+    def provisioning() -> dict[str, Any] | None:
+        (r,) = home.service("svc-x")["replicas"]
+        return r if r["status"] == "PROVISIONING" and marker.exists() else None
+
+    x = wait_for(provisioning, 60, "svc-x's setup to run")
+    assert sorted(g["uuid"] for g in x["devices"]["gpus"]) == sorted(A100)
+    wait_for(lambda: home.service("svc-y")["replicas"][0]["waiting"], 30, "svc-y to wait")
+    home.stop_daemon(signal.SIGKILL)
+    assert held_claims(home) == Counter(A100)
+    home.start_daemon()
+    home.wait_replicas("svc-x", 1, timeout=90)
+    ((x_id, report),) = seen(home, "svc-x").items()
+    assert x_id == x["id"] and sorted(visible(report)) == sorted(A100)
+    events = home.api("GET", "/v1/services/svc-x/events").json()["events"]
+    assert any(e["action"] == "replica.relaunch" and e["replica_id"] == x_id for e in events)
+    (y,) = home.service("svc-y")["replicas"]
+    assert y["status"] == "PENDING"
+    assert (
+        y["waiting"] == f"needs 1x A100; the machine has 2 A100, both held by svc-x replica {x_id}"
+    )
+    assert held_claims(home) == Counter(A100)
+
+
 def test_rolling_update_on_a_full_machine_completes(gpu_home: CorralHome, tmp_path: Path) -> None:
     home = gpu_home
     home.run("up", "-d", str(gpu_spec(tmp_path, "svc-a", 2, "accelerators: A100:1")))
