@@ -4,9 +4,11 @@ the devices they were given (tests/apps/devices.py), real SQLite.
 
 What is shown: services with different asks fill the machine exactly, each device to one
 replica; the next replica waits with the reason (one event) and starts when a device frees; a
-daemon SIGKILL and restart leaves no device double-booked; a rolling update on a full machine
-completes, replacing one replica at a time with READY never below target - 1; asks that can
-never fit are refused by ``validate`` and ``up`` with the field and the inventory.
+daemon SIGKILL and restart (with replicas running, or during a launch) leaves no device
+double-booked; a rolling update on a full machine completes, replacing one replica at a time
+with READY never below target - 1, and a broken version costs one replica, not the service;
+asks that can never fit are refused by ``validate``, ``up`` and ``update`` with the field and
+the inventory; a bad declared inventory stops the daemon at start.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class Inventory:
 def read_nvml() -> tuple[list[Gpu], str]:
     """The GPUs NVML sees, and where they came from (or why there are none)."""
     try:
-        import pynvml  # type: ignore[import-untyped]
+        import pynvml
     except ImportError as exc:
         return [], f"no NVML library ({exc})"
     try:
