@@ -276,7 +276,9 @@ def _pin(cpus: float, inventory: Inventory, holders: Sequence[Holder]) -> tuple[
 
 def _why_not(option: Option, inventory: Inventory, holders: Sequence[Holder]) -> str:
     matching = [g for g in inventory.gpus if model_matches(option.model, g)]
-    model = "GPU" if option.model.upper() == ANY_GPU else option.model
+    model = option.model
+    if option.model.upper() == ANY_GPU:
+        model = "GPU" if len(matching) == 1 else "GPUs"
     if not matching:
         return f"the machine has no {model}"
     if option.count > len(matching):
