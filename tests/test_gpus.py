@@ -131,6 +131,7 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     info = json.loads(home.run("daemon", "status").stdout)["inventory"]
     assert [len(g["held_by"]) for g in info["gpus"]] == [1, 1, 1, 1]
     assert {g["held_by"][0]["service"] for g in info["gpus"][:2]} == {"svc-a"}
+    assert info["cpus_held"] == 1 and info["memory_held"] == 0
     metrics = http(
         home.api_url + "/metrics", headers={"Authorization": f"Bearer {home.token}"}
     ).body.decode()
@@ -159,6 +160,8 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     assert pending["status"] == "PENDING" and pending["devices"] is None
     assert reason in " ".join(home.run("status").stdout.split())
     d_id = pending["id"]
+    info = json.loads(home.run("daemon", "status").stdout)["inventory"]
+    assert info["waiting"] == {str(d_id): reason}
 
     def wait_events() -> list[dict[str, Any]]:
         events = home.api("GET", "/v1/services/svc-d/events").json()["events"]
