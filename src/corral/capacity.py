@@ -164,20 +164,7 @@ class Capacity:
     def _contended(self, replica_id: int, claim: Claim) -> str | None:
         """Why a stored claim cannot be used yet: something in it is still held by a replica
         being torn down (a claim handed over by :meth:`grant` with ``making_room``)."""
-        others = self.holders(without=replica_id)
-        used: dict[str, float] = {}
-        for h in others:
-            for address, share in h.claim.gpus.items():
-                used[address] = used.get(address, 0.0) + share
-        blockers = [
-            h
-            for h in others
-            if any(
-                a in h.claim.gpus and used[a] + share > 1.0 + _EPS
-                for a, share in claim.gpus.items()
-            )
-            or set(h.claim.cpu_ids) & set(claim.cpu_ids)
-        ]
+        blockers = _blockers(claim, self.holders(without=replica_id))
         if not blockers:
             return None
         names = ", ".join(f"{h.service} replica {h.replica_id}" for h in blockers)
@@ -187,14 +174,21 @@ class Capacity:
         self, replica_id: int, resources: Mapping[str, Any], candidates: list[int]
     ) -> int | None:
         """The first of ``candidates`` (replica ids, in the order to prefer) whose claim, once
-        free, lets this replica fit; its claim is handed over at once (see :meth:`grant`)."""
+        free, lets this replica fit; its claim is handed over at once (see :meth:`grant`).
+
+        A replica that holds a claim already gets no second one: if a candidate still holds
+        part of it, that is a handover whose retire was lost (a daemon killed between the two
+        writes), and that candidate, never another, is the one to retire."""
         try:
             ask = ask_of(resources)
         except AskError:
             return None
         holders = self.holders()
-        if any(h.replica_id == replica_id for h in holders):
-            return None  # it has its claim already (handed over, or waiting for a launch slot)
+        mine = next((h.claim for h in holders if h.replica_id == replica_id), None)
+        if mine is not None:
+            others = [h for h in holders if h.replica_id != replica_id]
+            held = {h.replica_id for h in _blockers(mine, others)}
+            return next((c for c in candidates if c in held), None)
         for candidate in candidates:
             rest = [h for h in holders if h.replica_id != candidate]
             if isinstance(place(ask, self.inventory, rest), Claim):
@@ -308,6 +302,23 @@ class Capacity:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_GpuCollector(self.inventory, self.holders()))
         return generate_latest(registry)
+
+
+def _blockers(claim: Claim, others: Sequence[Holder]) -> list[Holder]:
+    """The holders that keep ``claim`` from being used: a device shared beyond its whole, or a
+    pinned CPU held twice (only a handed-over claim overlaps a live one)."""
+    used: dict[str, float] = {}
+    for h in others:
+        for address, share in h.claim.gpus.items():
+            used[address] = used.get(address, 0.0) + share
+    return [
+        h
+        for h in others
+        if any(
+            a in h.claim.gpus and used[a] + share > 1.0 + _EPS for a, share in claim.gpus.items()
+        )
+        or set(h.claim.cpu_ids) & set(claim.cpu_ids)
+    ]
 
 
 class _GpuCollector(Collector):
