@@ -150,6 +150,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
 
     @routes.get("/v1/daemon")
     async def info(request: web.Request) -> web.Response:
+        capacity = daemon.deps.capacity
         return _json(
             {
                 "pid": os.getpid(),
@@ -160,6 +161,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
                 "balancer_workers": daemon.deps.dataplane.workers(),
                 "open_files": open_files(),
                 "confinement": daemon.confinement,
+                "inventory": capacity.view() if capacity is not None else None,
             }
         )
 
@@ -316,6 +318,8 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         """Prometheus exposition of every service's balancer (requests, errors, latency,
         in-flight per replica, retries), summed over the balancer workers' latest reports."""
         body = render(daemon.deps.dataplane.stats())
+        if daemon.deps.capacity is not None:  # corral_gpu_held / corral_gpu_free per device
+            body += daemon.deps.capacity.metrics()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @routes.get("/v1/openapi.json")
@@ -522,6 +526,10 @@ OPENAPI: dict[str, Any] = {
                     "failure": {"type": "string", "nullable": True},
                     "exit_code": {"type": "integer", "nullable": True},
                     "pid": {"type": "integer", "nullable": True},
+                    # What it holds on this machine (docs/gpus.md): gpus, cpus, cpu_ids, memory.
+                    "devices": {"type": "object", "nullable": True},
+                    # Why a PENDING replica waits (it does not fit now), else null.
+                    "waiting": {"type": "string", "nullable": True},
                 },
             },
             "Service": {

@@ -401,6 +401,8 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
     spec = _load(file, name)
     summary = spec.summary()
     problem = local_port_problem(spec) if spec.infra == "local" else None
+    if spec.infra == "local" and problem is None:
+        problem = _fit_problem(spec)
     if as_json:
         click.echo(
             json.dumps(
@@ -441,6 +443,19 @@ def dashboard(ctx: click.Context, open_browser: bool) -> None:
         import webbrowser
 
         webbrowser.open(url)
+
+
+def _fit_problem(spec: Any) -> str | None:
+    """Whether the spec's resources can ever fit on this machine, read the way the daemon
+    reads it (NVML, CORRAL_INVENTORY, CORRAL_GPUS): no daemon needed."""
+    from corral.capacity import fit_problem  # psutil, pynvml: only when validating
+    from corral.infra.inventory import InventoryError, load_inventory
+
+    try:
+        inventory = load_inventory()
+    except InventoryError as exc:
+        return f"the machine's inventory cannot be read: {exc}"
+    return fit_problem(spec.resources.model_dump(exclude_none=True), inventory)
 
 
 def _load(file: Path, name: str | None) -> Any:

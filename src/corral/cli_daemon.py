@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,12 @@ def daemon() -> None:
     default=None,
     help="PEM private key of --tls-cert.",
 )
+@click.option(
+    "--gpus",
+    default=None,
+    help="GPUs corral may give replicas: indices or UUIDs (0,1,4), or 'none' "
+    "(sets CORRAL_GPUS; see docs/gpus.md).",
+)
 @click.pass_context
 def daemon_run(
     ctx: click.Context,
@@ -44,6 +51,7 @@ def daemon_run(
     port: int,
     tls_cert: Path | None,
     tls_key: Path | None,
+    gpus: str | None,
 ) -> None:
     """Run the daemon in the foreground.
 
@@ -59,6 +67,8 @@ def daemon_run(
             "would cross the network in clear. Pass --tls-cert FILE --tls-key FILE (clients "
             "verify that certificate), or keep the default --host 127.0.0.1."
         )
+    if gpus is not None:
+        os.environ["CORRAL_GPUS"] = gpus  # read with the rest of the inventory at start
     from corral.daemon import (  # heavy: imported only here
         DaemonError,
         DaemonRunning,

@@ -75,9 +75,11 @@ class _Progress:
     def replicas(self, service: dict[str, Any]) -> None:
         changed = False
         for r in service["replicas"]:
-            if self.seen.get(r["id"]) != r["status"]:
-                self.seen[r["id"]] = r["status"]
-                detail = f" ({r['failure']})" if r.get("failure") else ""
+            # A PENDING replica that does not fit says why (docs/gpus.md), once per reason.
+            reason = r.get("failure") or r.get("waiting")
+            if self.seen.get(r["id"]) != f"{r['status']} {reason}":
+                self.seen[r["id"]] = f"{r['status']} {reason}"
+                detail = f" ({reason})" if reason else ""
                 out.print(
                     f"  {self.stamp()} replica {r['id']} (v{r['version']}): {r['status']}{detail}",
                     soft_wrap=True,

@@ -98,6 +98,25 @@ def services_table(services: list[dict[str, Any]]) -> Table:
     return table
 
 
+def devices_text(held: dict[str, Any] | None) -> str:
+    """``GPU 0,2 cpus 0-1``: what a replica holds (see corral.capacity)."""
+    if not held:
+        return "-"
+    parts = []
+    if held["gpus"]:
+        shares = [
+            f"{g['index']}" + (f"({g['share']:g})" if g["share"] < 1 else "") for g in held["gpus"]
+        ]
+        parts.append("GPU " + ",".join(shares))
+    if held["cpu_ids"]:
+        parts.append("CPU " + ",".join(map(str, held["cpu_ids"])))
+    elif held["cpus"]:
+        parts.append(f"{held['cpus']:g} CPUs")
+    if held["memory"]:
+        parts.append(f"{held['memory'] / 1024**3:.3g} GiB")
+    return " ".join(parts) or "-"
+
+
 def replicas_table(services: list[dict[str, Any]], verbose: bool) -> tuple[Table, list[str]]:
     """The replicas of ``services``, and a note per service whose failed replicas were folded."""
     rows: list[tuple[str, ...]] = []
@@ -113,6 +132,7 @@ def replicas_table(services: list[dict[str, Any]], verbose: bool) -> tuple[Table
                 r["endpoint"] or "-",
                 age(float(r["age_seconds"])),
                 str(r["pid"] or "-"),
+                devices_text(r.get("devices")),
             )
             rows.append(row + ((r.get("failure") or "",) if verbose else ()))
         if folded:
@@ -126,6 +146,7 @@ def replicas_table(services: list[dict[str, Any]], verbose: bool) -> tuple[Table
     table.add_column("ENDPOINT", no_wrap=True, min_width=_width([row[4] for row in rows]))
     table.add_column("AGE", no_wrap=True)
     table.add_column("PID", no_wrap=True)
+    table.add_column("DEVICES", overflow="fold")
     if verbose:
         table.add_column("FAILURE", overflow="fold")
     for row in rows:
@@ -147,6 +168,9 @@ def service_notes(service: dict[str, Any]) -> list[tuple[str, str]]:
         notes.append(
             ("", f"{name}: version {held} (blue-green) gets traffic once enough of it is READY")
         )
+    for r in service.get("replicas") or ():
+        if r.get("waiting"):
+            notes.append(("", f"{name} replica {r['id']} waits: {r['waiting']}"))
     if service.get("failure"):
         notes.append(("red", f"{name}: {service['failure']}"))
     if service.get("last_update_failure"):

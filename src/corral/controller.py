@@ -28,6 +28,7 @@ import aiohttp
 
 from corral import capture, logfiles
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
+from corral.capacity import Capacity, Grant
 from corral.dataplane.plane import DataPlane, ServiceRoute
 from corral.dataplane.protocol import Route
 from corral.infra.base import (
@@ -91,6 +92,8 @@ class ControllerDeps:
     log_max_bytes: int = logfiles.DEFAULT_MAX_BYTES
     # A service's fair share of the launch lane (see LAUNCHES_PER_SERVICE).
     launches_per_service: int = LAUNCHES_PER_SERVICE
+    # The machine's GPUs, CPUs and memory, and who holds them (local replicas; None: unplaced).
+    capacity: Capacity | None = None
 
 
 @dataclass
@@ -169,6 +172,8 @@ class ServiceController:
         self._held_version: int | None = None
         self.dir = deps.home / "services" / name
         self.logs = self.dir / "logs"
+        if deps.capacity is not None:
+            deps.capacity.watch(name, self.wake)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -573,6 +578,9 @@ class ServiceController:
         except StateError as exc:
             log.warning("service %s: removal postponed: %s", self.name, exc)
             return False
+        if self.deps.capacity is not None:
+            self.deps.capacity.unwatch(self.name)
+            self.deps.capacity.freed()
         if self._on_removed is not None:
             self._on_removed(self.name)
         return True
@@ -709,6 +717,7 @@ class ServiceController:
                     old_ready, len(old_ready) - keep, current_version=version
                 ):
                     self._retire(r, f"rolling update to version {version}")
+                self._make_room(version, rows, target, ready_new)
         if held != self._held_version:
             self._held_version = held
             self._publish_ready()
@@ -793,6 +802,9 @@ class ServiceController:
             return
         if len(self._rt.launches) >= self.deps.launches_per_service:
             return  # a fair share of the launch lane: it stays PENDING, a later step launches it
+        grant = self._grant(r, spec)
+        if grant is None:
+            return  # it does not fit now: PENDING with the reason; a freed claim wakes us
         infra = self._infra_for(r)
         self.store.event(self.name, "replica.launch", f"on {r.infra}", replica_id=r.id)
         vrow = self.store.version(self.name, r.version)
@@ -812,7 +824,7 @@ class ServiceController:
             version=r.version,
             run=spec.run or "",
             setup=spec.setup,
-            envs=dict(spec.envs),
+            envs={**spec.envs, **grant.env},
             workdir=workdir,
             replica_dir=replica_dir,
             log_path=self.replica_log(r.id),
@@ -822,6 +834,7 @@ class ServiceController:
             on_started=functools.partial(self._record_handle, r.id),
             setup_timeout=spec.service.setup_timeout_seconds,
             display_id=r.seq or None,
+            cpu_ids=grant.claim.cpu_ids,
         )
         job = self.deps.pool.submit(
             self._run_launch,
@@ -833,6 +846,37 @@ class ServiceController:
         )
         self._rt.launches[r.id] = job
         job.add_done_callback(functools.partial(self._from_thread, self._launch_done, r.id))
+
+    def _grant(self, r: ReplicaRow, spec: ServiceSpec) -> Grant | None:
+        """What the replica may hold (written before its launch), or None while it waits: the
+        first time with a ``replica.waiting`` event, the reason kept for status."""
+        capacity = self.deps.capacity
+        if capacity is None or r.infra != "local":
+            return Grant()
+        granted = capacity.grant(r.id, spec.resources.model_dump(exclude_none=True))
+        if isinstance(granted, Grant):
+            return granted
+        if capacity.note_wait(self.name, r.id, granted):
+            self._event(r.id, "replica.waiting", granted)
+            log.info("service %s: replica %d waits: %s", self.name, r.id, granted)
+        return None
+
+    def _make_room(self, version: int, rows: list[ReplicaRow], target: int, ready_new: int) -> None:
+        """A rolling update on a full machine: replace one old replica at a time instead of
+        surging (:meth:`corral.capacity.Capacity.make_room`; docs/gpus.md)."""
+        capacity = self.deps.capacity
+        if capacity is None:
+            return
+        picked = capacity.make_room(
+            rows, version, target, ready_new, self.spec(version).resources.model_dump()
+        )
+        if picked is not None:
+            old, new = picked
+            self._retire(
+                old,
+                f"rolling update to version {version}: no spare capacity, replacing one "
+                f"at a time (its devices go to replica {new.id})",
+            )
 
     def _run_launch(self, infra: Infra, request: LaunchRequest) -> ReplicaHandle:
         """The launch job (on a JobPool thread). The row turns PROVISIONING only here, when a
@@ -935,6 +979,7 @@ class ServiceController:
                 # Event first, as in _teardown_done: a kill between leaves the row to redo.
                 self.store.event(self.name, "replica.removed", reason, replica_id=r.id)
                 self.store.delete_replica(r.id)
+            self._freed()
             self._wake.set()
             return
         if r.infra not in self.deps.infras:
@@ -981,6 +1026,12 @@ class ServiceController:
         self._rt.teardowns[r.id] = job
         job.add_done_callback(functools.partial(self._from_thread, self._teardown_done, r.id))
         self._loop.call_later(self.deps.teardown_timeout, self._teardown_overdue, r.id, job)
+
+    def _freed(self) -> None:
+        """A replica's claim (if any) is let go: replicas waiting for it, of any service, may
+        fit now."""
+        if self.deps.capacity is not None:
+            self.deps.capacity.freed()
 
     def _teardown_overdue(self, replica_id: int, job: Job) -> None:
         """Bound a teardown job: one running longer than ``teardown_timeout`` is abandoned.
@@ -1045,6 +1096,7 @@ class ServiceController:
                 # state without a word in the event log.
                 self.store.event(self.name, "replica.terminated", None, replica_id=replica_id)
                 self.store.delete_replica(replica_id)
+            self._freed()
         else:
             detail = f"teardown failed: {job.exception()!r}; see {self.launch_log(replica_id)}"
             # The replica's own failure stays in the text: it is why it was torn down.
@@ -1270,6 +1322,9 @@ class ServiceController:
         rows = self.store.replicas(self.name)
         statuses = [replica_status(r) for r in rows]
         decision = self._decision
+        capacity = self.deps.capacity
+        devices = capacity.devices() if capacity is not None else {}
+        waiting = capacity.waiting if capacity is not None else {}
         try:
             policy = self.spec(svc.current_version).service.replica_policy.model_dump()
         except Exception as exc:  # a stored spec this corral cannot read any more
@@ -1326,14 +1381,29 @@ class ServiceController:
             "last_decision": self.last_decision,
             "created_at": svc.created_at,
             "replicas": [
-                self._replica_view(r, status_, now)
+                self._replica_view(
+                    r,
+                    status_,
+                    now,
+                    devices=devices.get(r.id),
+                    waiting=waiting.get(r.id) if status_ is ReplicaStatus.PENDING else None,
+                )
                 for r, status_ in zip(rows, statuses, strict=True)
             ],
         }
 
-    def _replica_view(self, r: ReplicaRow, status: ReplicaStatus, now: float) -> dict[str, Any]:
+    def _replica_view(
+        self,
+        r: ReplicaRow,
+        status: ReplicaStatus,
+        now: float,
+        *,
+        devices: Any = None,
+        waiting: str | None = None,
+    ) -> dict[str, Any]:
         """One replica as the API shows it: ``id`` is its number within the service (what
-        users type); ``uid`` the internal id (events, the state file)."""
+        users type); ``uid`` the internal id (events, the state file); ``devices`` what it
+        holds on this machine, ``waiting`` why a PENDING one does not fit yet."""
         view: dict[str, Any] = {
             "id": r.seq or r.id,
             "uid": r.id,
@@ -1345,6 +1415,8 @@ class ServiceController:
             "failure": r.failure,
             "exit_code": r.exit_code,
             "pid": (r.handle_data or {}).get("data", {}).get("pid"),
+            "devices": devices,
+            "waiting": waiting,
         }
         if status is ReplicaStatus.STARTING and r.launched_at is not None:
             # How long it has been trying, against how long it may (then FAILED_INITIAL_DELAY).

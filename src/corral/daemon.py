@@ -39,6 +39,7 @@ import aiohttp
 
 from corral import capture, logfiles
 from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
+from corral.capacity import Capacity, fit_problem
 from corral.controller import (
     LAUNCHES_PER_SERVICE,
     ControllerDeps,
@@ -51,6 +52,7 @@ from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
 from corral.infra.base import Infra, ReplicaHandle
+from corral.infra.inventory import InventoryError, load_inventory
 from corral.infra.local import LocalInfra, replica_key
 from corral.jobs import JobPool
 from corral.limits import raise_open_files, undumpable
@@ -251,6 +253,10 @@ class Daemon:
             )
         if spec.infra == "local":
             problem = local_port_problem(spec)
+            capacity = self.deps.capacity
+            if not problem and capacity is not None:
+                resources = spec.resources.model_dump(exclude_none=True)
+                problem = fit_problem(resources, capacity.inventory)
             if problem:
                 raise RequestError(400, problem)
         return spec
@@ -503,6 +509,12 @@ async def serve(
     home_marker = _home_id(home)
     with contextlib.suppress(FileNotFoundError):
         (home / STOPPED_MARKER).unlink()
+    try:
+        inventory = await asyncio.to_thread(load_inventory)
+    except InventoryError as exc:
+        lock.close()
+        raise DaemonError(str(exc)) from None
+    log.info("inventory: %s", inventory.describe())
     store = Store(home / "state.db")
     pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
     if infras is None:
@@ -546,6 +558,7 @@ async def serve(
             teardown_timeout=_env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
             log_max_bytes=_env_bytes("CORRAL_LOG_MAX_BYTES"),
             launches_per_service=_env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
+            capacity=Capacity(store, inventory),
         )
         daemon = Daemon(home, store, deps)
         daemon.confinement = confinement

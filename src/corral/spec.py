@@ -467,9 +467,15 @@ class Resources(_Section):
         items: list[tuple[Any, Any]]
         if isinstance(value, str):
             text = value.strip()
+            shared = None  # "{L4, A10G}:1": one count for every model of the set
+            grouped = re.fullmatch(r"([{\[].*[}\]])\s*:\s*([^\s:]+)", text)
+            if grouped:
+                text, shared = grouped.group(1), grouped.group(2)
             if text[:1] in "{[" and text[-1:] in "}]":
                 text = text[1:-1]
             items = [(part.strip().strip("'\""), None) for part in text.split(",") if part.strip()]
+            if shared is not None:
+                items = [(f"{name}:{shared}", None) for name, _ in items]
         elif isinstance(value, list):
             items = [(item, None) for item in value]
         elif isinstance(value, dict):

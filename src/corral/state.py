@@ -40,7 +40,7 @@ from corral.backup import take_backup
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Each entry migrates from version i to i+1; a new schema change appends one entry.
 _MIGRATIONS: list[str] = [
@@ -125,6 +125,17 @@ _MIGRATIONS: list[str] = [
     UPDATE services SET next_replica_seq = 1 + COALESCE(
         (SELECT MAX(seq) FROM replicas WHERE replicas.service = services.name), 0);
     CREATE UNIQUE INDEX replicas_by_seq ON replicas(service, seq)
+    """,
+    # 5: placement on the local backend (corral.capacity). What a replica holds (devices, CPUs,
+    # memory) is written before it is launched and held until its teardown succeeded; the row
+    # goes with its replica.
+    """
+    CREATE TABLE placements (
+        replica_id INTEGER PRIMARY KEY REFERENCES replicas(id) ON DELETE CASCADE,
+        service TEXT NOT NULL,
+        claim_json TEXT NOT NULL,
+        created_at REAL NOT NULL
+    )
     """,
 ]
 
@@ -603,6 +614,45 @@ class Store:
     def delete_replica(self, replica_id: int) -> None:
         self._execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
 
+    # -- placements (corral.capacity) ---------------------------------------------------------
+
+    def held_claims(self) -> list[HeldClaim]:
+        """Every claim of a replica whose teardown has not succeeded."""
+        return [_held_claim(r) for r in self._query(_HELD_CLAIMS)]
+
+    def claim(
+        self,
+        replica_id: int,
+        choose: Callable[[list[HeldClaim]], dict[str, Any] | None],
+    ) -> dict[str, Any] | None:
+        """The replica's claim: the one stored, else ``choose(held claims)`` stored in the same
+        transaction (so two replicas can never be given the same free device); None when
+        ``choose`` finds nothing."""
+
+        def claim(db: sqlite3.Connection) -> dict[str, Any] | None:
+            row = db.execute(
+                "SELECT p.claim_json, r.service FROM placements p JOIN replicas r"
+                " ON r.id = p.replica_id WHERE p.replica_id = ?",
+                (replica_id,),
+            ).fetchone()
+            if row is not None:
+                return dict(json.loads(row[0]))
+            service = db.execute("SELECT service FROM replicas WHERE id = ?", (replica_id,))
+            found = service.fetchone()
+            if found is None:
+                return None
+            held = [_held_claim(r) for r in db.execute(_HELD_CLAIMS).fetchall()]
+            chosen = choose(held)
+            if chosen is not None:
+                db.execute(
+                    "INSERT INTO placements (replica_id, service, claim_json, created_at)"
+                    " VALUES (?, ?, ?, ?)",
+                    (replica_id, found[0], json.dumps(chosen), time.time()),
+                )
+            return chosen
+
+        return self._transaction(claim)
+
     # -- events -------------------------------------------------------------------------------
 
     def event(
@@ -644,6 +694,22 @@ class Store:
 
     def delete_worker(self, slot: int) -> None:
         self._execute("DELETE FROM balancer_workers WHERE slot = ?", (slot,))
+
+
+# (service, replica id, the replica's number within its service, claim)
+HeldClaim = tuple[str, int, int, dict[str, Any]]
+
+
+def _held_claim(row: sqlite3.Row) -> HeldClaim:
+    rid = int(row["replica_id"])
+    return row["service"], rid, int(row["seq"] or rid), json.loads(row["claim_json"])
+
+
+_HELD_CLAIMS = (
+    "SELECT p.replica_id, r.service, r.seq, p.claim_json FROM placements p JOIN replicas r"
+    " ON r.id = p.replica_id WHERE r.teardown_state IS NULL OR r.teardown_state != 'succeeded'"
+    " ORDER BY p.replica_id"
+)
 
 
 def _split(script: str) -> list[str]:

@@ -74,6 +74,8 @@ class LaunchRequest:
     # The id users see (the replica's number within its service); the replica gets it as
     # CORRAL_REPLICA_ID so its own output names it as `corral status` does.
     display_id: int | None = None
+    # CPUs the replica is pinned to (its own, see corral.capacity); empty: not pinned.
+    cpu_ids: tuple[int, ...] = ()
 
 
 class Infra(Protocol):

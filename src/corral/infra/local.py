@@ -338,6 +338,18 @@ def _chain(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
     return run
 
 
+def _pin(cpu_ids: tuple[int, ...]) -> Callable[[], None] | None:
+    """A ``preexec_fn`` step pinning the replica to its CPUs (inherited by all it starts)."""
+    if not cpu_ids:
+        return None
+    wanted = set(cpu_ids)
+
+    def pin() -> None:
+        os.sched_setaffinity(0, wanted)
+
+    return pin
+
+
 def _safe_group(pgid: int) -> bool:
     """False for groups that must never be signalled as a whole: init's and the daemon's own."""
     return pgid > 1 and pgid != os.getpgrp()
@@ -589,7 +601,7 @@ class LocalInfra:
                 f"working directory {cwd} is inside corral's home {sandbox.hidden}, which "
                 "replicas cannot see; put the service's files elsewhere"
             )
-        confined = sandbox.preexec() if sandbox is not None else None
+        confined = _chain(_pin(request.cpu_ids), sandbox.preexec() if sandbox is not None else None)
         shell = _shell()
         env = _replica_env(request, port, key)
         log_path = Path(request.log_path)
@@ -603,6 +615,8 @@ class LocalInfra:
         print(
             f"[corral] environment: the daemon's (minus CORRAL_*) + {', '.join(shown)}", flush=True
         )
+        if request.cpu_ids:
+            print(f"[corral] pinned to CPUs {list(request.cpu_ids)}", flush=True)
         if sandbox is not None:
             print(f"[corral] confined: {sandbox.describe()}", flush=True)
         else:

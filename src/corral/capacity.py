@@ -1,0 +1,350 @@
+"""The machine's capacity shared by every service of one daemon: who holds which GPU, CPUs and
+memory, on the local backend.
+
+One :class:`Capacity` per daemon, handed to every controller. Its facts live in SQLite
+(``placements``: one claim per replica, see :meth:`corral.state.Store.claim`), written in one
+transaction with the check against every other claim and before the replica is launched, so a
+daemon killed at any point restarts into the same assignment: a replica relaunched after a
+restart gets the claim it already had, and a new one only what no live claim holds. A claim is
+held until its replica's teardown succeeded (a process that is still stopping may still hold
+GPU memory), and goes with the replica's row.
+
+What is enforced and what only accounted (docs/gpus.md says the same):
+
+* GPUs: enforced as far as CUDA goes: a replica's ``CUDA_VISIBLE_DEVICES`` and
+  ``NVIDIA_VISIBLE_DEVICES`` name only its devices (by UUID where known), and a replica that
+  asked for none sees none while the inventory has GPUs. A process that ignores the variables
+  (opens ``/dev/nvidia*`` itself) is not stopped.
+* CPUs: accounted (the asks of live replicas stay within the inventory); a whole ``cpus`` ask
+  is also pinned to that many CPUs of its own (``sched_setaffinity`` before the replica runs).
+* memory: accounted only.
+
+Waiting is visible: :attr:`Capacity.waiting` holds why each replica that does not fit waits
+(shown in status), and every controller is woken when a claim is freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from corral.infra.inventory import Inventory
+from corral.infra.placement import (
+    AskError,
+    Claim,
+    Holder,
+    NoFit,
+    ask_of,
+    never_fits,
+    place,
+)
+from corral.replicas import ReplicaStatus, is_live, replica_status, scale_down_victims
+from corral.state import HeldClaim, ReplicaRow, Store
+
+__all__ = ["Capacity", "Grant", "fit_problem", "replica_env"]
+
+log = logging.getLogger("corral.capacity")
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a replica may launch with: its claim and the environment that tells it so."""
+
+    claim: Claim = field(default_factory=Claim)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def replica_env(claim: Claim, inventory: Inventory) -> dict[str, str]:
+    """The device variables of a replica. Devices are listed in NVML index order; a device
+    without a known UUID is named by index, and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` then makes
+    CUDA count the way NVML does."""
+    if not claim.gpus:
+        if not inventory.gpus:
+            return {}
+        # Asked for none on a machine that has some: it must not grab GPU 0 from its owner.
+        return {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
+    gpus = sorted(
+        (g for g in inventory.gpus if g.address in claim.gpus),
+        key=lambda g: g.index,
+    )
+    names = ",".join(g.address for g in gpus)
+    env = {"CUDA_VISIBLE_DEVICES": names, "NVIDIA_VISIBLE_DEVICES": names}
+    if any(g.uuid is None for g in gpus):
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def fit_problem(resources: Mapping[str, Any], inventory: Inventory) -> str | None:
+    """Why a local spec's ``resources`` can never run on this machine (the field named, the
+    inventory listed), or None."""
+    try:
+        ask = ask_of(resources)
+    except AskError as exc:
+        return f"{exc}; this machine: {inventory.describe()}"
+    problem = never_fits(ask, inventory)
+    return None if problem is None else str(problem)
+
+
+class Capacity:
+    """The inventory and the claims on it, for every controller of one daemon."""
+
+    def __init__(self, store: Store, inventory: Inventory) -> None:
+        self.store = store
+        self.inventory = inventory
+        # replica id -> why it waits (the newest reason); shown by status and /v1/daemon.
+        self.waiting: dict[int, str] = {}
+        self._watchers: dict[str, Callable[[], None]] = {}
+
+    # -- controllers --------------------------------------------------------------------------
+
+    def watch(self, service: str, wake: Callable[[], None]) -> None:
+        self._watchers[service] = wake
+
+    def unwatch(self, service: str) -> None:
+        self._watchers.pop(service, None)
+
+    def freed(self) -> None:
+        """A claim was let go: every controller looks at its waiting replicas now."""
+        for wake in list(self._watchers.values()):
+            wake()
+
+    def holders(self, *, without: int | None = None) -> list[Holder]:
+        return [
+            Holder(service, rid, Claim.from_json(data), number)
+            for service, rid, number, data in self.store.held_claims()
+            if rid != without
+        ]
+
+    def grant(
+        self, replica_id: int, resources: Mapping[str, Any], *, making_room: int | None = None
+    ) -> Grant | str:
+        """The replica's claim (stored before its launch), or why it waits.
+
+        ``making_room``: a replica being retired to make room (a rolling update on a full
+        machine): the new claim may take what it holds, and the launch then waits for its
+        teardown (:meth:`_contended`), so the device goes to this replica and no other.
+        """
+        try:
+            ask = ask_of(resources)
+        except AskError as exc:
+            return f"cannot be placed: {exc}"
+        if ask.empty:
+            self.waiting.pop(replica_id, None)
+            return Grant(Claim(), replica_env(Claim(), self.inventory))
+        why: list[str] = []
+
+        def choose(held: list[HeldClaim]) -> dict[str, Any] | None:
+            holders = [
+                Holder(s, rid, Claim.from_json(d), number)
+                for s, rid, number, d in held
+                if rid != making_room
+            ]
+            outcome = place(ask, self.inventory, holders)
+            if isinstance(outcome, NoFit):
+                why.append(outcome.reason)
+                return None
+            return outcome.to_json()
+
+        data = self.store.claim(replica_id, choose)
+        if data is None:
+            return why[0] if why else "its row is gone"
+        claim = Claim.from_json(data)
+        busy = self._contended(replica_id, claim)
+        if busy is not None:
+            return busy
+        self.waiting.pop(replica_id, None)
+        return Grant(claim, replica_env(claim, self.inventory))
+
+    def _contended(self, replica_id: int, claim: Claim) -> str | None:
+        """Why a stored claim cannot be used yet: something in it is still held by a replica
+        being torn down (a claim handed over by :meth:`grant` with ``making_room``)."""
+        blockers = _blockers(claim, self.holders(without=replica_id))
+        if not blockers:
+            return None
+        names = ", ".join(f"{h.service} replica {h.replica_id}" for h in blockers)
+        return f"its devices are still held by {names}, which is being stopped"
+
+    def room(
+        self, replica_id: int, resources: Mapping[str, Any], candidates: list[int]
+    ) -> int | None:
+        """The first of ``candidates`` (replica ids, in the order to prefer) whose claim, once
+        free, lets this replica fit; its claim is handed over at once (see :meth:`grant`).
+
+        A replica that holds a claim already gets no second one: if a candidate still holds
+        part of it, that is a handover whose retire was lost (a daemon killed between the two
+        writes), and that candidate, never another, is the one to retire."""
+        try:
+            ask = ask_of(resources)
+        except AskError:
+            return None
+        holders = self.holders()
+        mine = next((h.claim for h in holders if h.replica_id == replica_id), None)
+        if mine is not None:
+            others = [h for h in holders if h.replica_id != replica_id]
+            held = {h.replica_id for h in _blockers(mine, others)}
+            return next((c for c in candidates if c in held), None)
+        for candidate in candidates:
+            rest = [h for h in holders if h.replica_id != candidate]
+            if isinstance(place(ask, self.inventory, rest), Claim):
+                granted = self.grant(replica_id, resources, making_room=candidate)
+                if isinstance(granted, Grant) or "being stopped" in granted:
+                    return candidate
+        return None
+
+    def note_wait(self, service: str, replica_id: int, reason: str) -> bool:
+        """Remember why a replica waits; True when the caller should record the one event of
+        this wait (not when the event log has it already: a daemon restarted meanwhile)."""
+        first = replica_id not in self.waiting
+        self.waiting[replica_id] = reason
+        return first and not any(
+            e.replica_id == replica_id and e.action == "replica.waiting"
+            for e in self.store.events(service)
+        )
+
+    def make_room(
+        self,
+        rows: Sequence[ReplicaRow],
+        version: int,
+        target: int,
+        ready_new: int,
+        resources: Mapping[str, Any],
+    ) -> tuple[ReplicaRow, ReplicaRow] | None:
+        """(old replica to retire, new replica it makes room for) in a rolling update to
+        ``version`` on a full machine, or None.
+
+        When a new replica waits for capacity and no other replacement is under way (no
+        replica starting, none of the old ones being torn down), the first old replica whose
+        claim lets it fit is picked, and that claim is handed over at once (:meth:`room`).
+        Surging is impossible without spare capacity; this never deadlocks, and READY is at
+        least target - 1 while each replacement starts. Until the new version has a READY
+        replica only one old replica is replaced, so a version that never becomes READY
+        leaves the others serving.
+        """
+        waiting = [r for r in rows if r.version == version and r.id in self.waiting]
+        starting = [
+            r
+            for r in rows
+            if is_live(r)
+            and replica_status(r) is not ReplicaStatus.READY
+            and r.id not in self.waiting
+        ]
+        stopping = [
+            r for r in rows if r.version != version and r.teardown_state not in (None, "succeeded")
+        ]
+        if not waiting or starting or stopping:
+            return None
+        old = scale_down_victims(
+            [r for r in rows if r.version != version and is_live(r)],
+            len(rows),
+            current_version=version,
+        )
+        if ready_new == 0 and len(old) < target:
+            return None  # one replaced already; the next once the new version proved itself
+        new = waiting[0]
+        victim = self.room(new.id, resources, [r.id for r in old])
+        return None if victim is None else (next(r for r in old if r.id == victim), new)
+
+    # -- views --------------------------------------------------------------------------------
+
+    def devices(self) -> dict[int, dict[str, Any]]:
+        """Per replica id, what it holds (for status)."""
+        out = {}
+        for h in self.holders():
+            gpus = []
+            for address, share in h.claim.gpus.items():
+                gpu = self.inventory.gpu(address)
+                gpus.append(
+                    {
+                        "index": gpu.index if gpu else None,
+                        "uuid": gpu.uuid if gpu else None,
+                        "name": gpu.name if gpu else address,
+                        "share": share,
+                    }
+                )
+            out[h.replica_id] = {
+                "gpus": sorted(gpus, key=lambda g: (g["index"] is None, g["index"] or 0)),
+                "cpus": h.claim.cpus,
+                "cpu_ids": list(h.claim.cpu_ids),
+                "memory": h.claim.memory,
+            }
+        return out
+
+    def view(self) -> dict[str, Any]:
+        """The inventory and what holds each part of it (for /v1/daemon)."""
+        holders = self.holders()
+        gpus = []
+        for gpu in self.inventory.gpus:
+            held = [
+                {"service": h.service, "replica": h.shown, "share": h.claim.gpus[gpu.address]}
+                for h in holders
+                if gpu.address in h.claim.gpus
+            ]
+            gpus.append({**gpu.to_json(), "held_by": held})
+        pending = {r.id for r in self.store.replicas() if r.launch_state == "pending"}
+        for rid in [rid for rid in self.waiting if rid not in pending]:
+            self.waiting.pop(rid, None)
+        return {
+            **self.inventory.to_json(),
+            "gpus": gpus,
+            "cpus_held": sum(h.claim.cpus for h in holders),
+            "memory_held": sum(h.claim.memory for h in holders),
+            "waiting": {str(rid): reason for rid, reason in sorted(self.waiting.items())},
+        }
+
+    def metrics(self) -> bytes:
+        """``corral_gpu_held`` per device and holder, and ``corral_gpu_free`` per device."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_GpuCollector(self.inventory, self.holders()))
+        return generate_latest(registry)
+
+
+def _blockers(claim: Claim, others: Sequence[Holder]) -> list[Holder]:
+    """The holders that keep ``claim`` from being used: a device shared beyond its whole, or a
+    pinned CPU held twice (only a handed-over claim overlaps a live one)."""
+    used: dict[str, float] = {}
+    for h in others:
+        for address, share in h.claim.gpus.items():
+            used[address] = used.get(address, 0.0) + share
+    return [
+        h
+        for h in others
+        if any(
+            a in h.claim.gpus and used[a] + share > 1.0 + _EPS for a, share in claim.gpus.items()
+        )
+        or set(h.claim.cpu_ids) & set(claim.cpu_ids)
+    ]
+
+
+class _GpuCollector(Collector):
+    def __init__(self, inventory: Inventory, holders: list[Holder]) -> None:
+        self.inventory = inventory
+        self.holders = holders
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["gpu", "uuid", "model"]
+        held = GaugeMetricFamily(
+            "corral_gpu_held",
+            "Share of a GPU held by a replica (1: the whole device).",
+            labels=[*labels, "service", "replica"],
+        )
+        free = GaugeMetricFamily(
+            "corral_gpu_free", "Share of a GPU no replica holds.", labels=labels
+        )
+        for gpu in self.inventory.gpus:
+            device = [str(gpu.index), gpu.uuid or "", gpu.name]
+            used = 0.0
+            for h in self.holders:
+                share = h.claim.gpus.get(gpu.address)
+                if share:
+                    used += share
+                    held.add_metric([*device, h.service, str(h.replica_id)], share)
+            free.add_metric(device, max(0.0, 1.0 - used))
+        yield from (held, free)

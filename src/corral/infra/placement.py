@@ -1,0 +1,342 @@
+"""Where a replica fits on this machine: a spec's ``resources`` against the inventory and what
+the other replicas hold. Pure (no I/O, no clock), so every rule is tested from a table.
+
+Matching a model name (``A100:1``) to a device (NVML's "NVIDIA A100-SXM4-80GB"):
+
+* Both are cut into tokens at spaces, ``-``, ``_`` and ``/``, upper-cased; sizes are written
+  one way (``80G``, ``80GiB`` -> ``80GB``). Every token of the ask must be a token of the device
+  name, or two neighbouring tokens joined (``RTX4090`` is "GeForce RTX 4090"). So ``H100``
+  matches "NVIDIA H100 80GB HBM3", ``A100-80GB`` matches "NVIDIA A100-SXM4-80GB" and "NVIDIA
+  A100 80GB PCIe" but not "NVIDIA A100-SXM4-40GB", and ``A10`` never matches an ``A10G`` or an
+  ``A100``. A size the device name lacks is compared with the device's memory (within 10 %).
+* ``A100`` (no size) matches every A100. Among the free devices that match, the smallest memory
+  is taken first, so a plain ``A100`` ask takes a 40 GB card before an 80 GB one and leaves the
+  80 GB cards to the asks that need them; when only 80 GB cards are free, it takes one.
+* ``GPU:N`` matches any device.
+
+Counts: a whole number takes that many devices nobody else holds; a fraction below 1
+(``A100:0.5``) takes that share of one device, next to other fractional asks (the fullest
+device that still has room first, so whole devices stay whole). Anything else (``A100:1.5``) is
+refused. A set or list of options (``{L4, A100}:1``, ``[A100:1, L4:2]``) is tried in the order
+written; the first that fits now is taken.
+
+``cpus`` and ``memory`` are sums: the asks of every replica holding them stay within the
+inventory (``4+`` asks 4). A whole ``cpus`` ask on an inventory with real CPU ids also gets
+that many CPU ids no other replica is pinned to (the caller pins the replica to them).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.infra._ray_resources import parse_cpus, parse_memory
+from corral.infra.inventory import Gpu, Inventory
+
+__all__ = [
+    "Ask",
+    "AskError",
+    "Claim",
+    "Holder",
+    "NoFit",
+    "Option",
+    "ask_of",
+    "model_matches",
+    "never_fits",
+    "place",
+]
+
+ANY_GPU = "GPU"
+_EPS = 1e-9
+_SIZE_RE = re.compile(r"(\d+)G(?:I?B)?")
+
+
+class AskError(ValueError):
+    """A ``resources`` value placement cannot use; ``field`` is its path in the spec."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        super().__init__(f"{field_path}: {message}")
+        self.field = field_path
+
+
+@dataclass(frozen=True)
+class Option:
+    model: str  # as the spec writes it ("A100-80GB"), or "GPU" for any device
+    count: float
+
+    def describe(self) -> str:
+        model = "GPU (any model)" if self.model.upper() == ANY_GPU else self.model
+        if self.count < 1:
+            return f"{self.count:g} of one {model}"
+        return f"{self.count:g}x {model}"
+
+
+@dataclass(frozen=True)
+class Ask:
+    options: tuple[Option, ...] = ()
+    cpus: float = 0.0
+    memory: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.options and not self.cpus and not self.memory
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one replica holds; stored as JSON with its row before it is launched."""
+
+    gpus: Mapping[str, float] = field(default_factory=dict)  # device address -> share (1: whole)
+    cpus: float = 0.0
+    memory: int = 0
+    cpu_ids: tuple[int, ...] = ()
+    option: str | None = None  # the option that was taken, as the spec wrote it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpus": dict(self.gpus),
+            "cpus": self.cpus,
+            "memory": self.memory,
+            "cpu_ids": list(self.cpu_ids),
+            "option": self.option,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Claim:
+        return cls(
+            gpus={str(k): float(v) for k, v in dict(data.get("gpus") or {}).items()},
+            cpus=float(data.get("cpus") or 0.0),
+            memory=int(data.get("memory") or 0),
+            cpu_ids=tuple(int(c) for c in data.get("cpu_ids") or ()),
+            option=data.get("option"),
+        )
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A replica that holds a claim (alive, or not yet torn down)."""
+
+    service: str
+    replica_id: int
+    claim: Claim
+    number: int | None = None  # its number within the service, what users see
+
+    @property
+    def shown(self) -> int:
+        return self.number if self.number is not None else self.replica_id
+
+
+@dataclass(frozen=True)
+class NoFit:
+    reason: str
+
+
+def ask_of(resources: Mapping[str, Any]) -> Ask:
+    """A spec's ``resources`` (``Resources.model_dump()``) as an :class:`Ask`; AskError names
+    the field of a value placement cannot use."""
+    options = []
+    for text in resources.get("accelerators") or ():
+        name, _, count_text = str(text).partition(":")
+        try:
+            count = float(count_text) if count_text else 1.0
+        except ValueError:
+            raise AskError("resources.accelerators", f"bad count in {text!r}") from None
+        if not (0 < count < math.inf) or (count > 1 and not count.is_integer()):
+            raise AskError(
+                "resources.accelerators",
+                f"{text!r}: a count is a whole number of devices, or a fraction below 1 of "
+                "one device (A100:0.5)",
+            )
+        options.append(Option(name.strip(), count))
+    cpus = 0.0
+    if resources.get("cpus") is not None:
+        try:
+            cpus = parse_cpus(str(resources["cpus"]))
+        except ValueError as exc:
+            raise AskError("resources.cpus", str(exc).partition(": ")[2]) from None
+    memory = 0
+    if resources.get("memory") is not None:
+        try:
+            memory = parse_memory(str(resources["memory"]))
+        except ValueError as exc:
+            raise AskError("resources.memory", str(exc).partition(": ")[2]) from None
+    return Ask(tuple(options), cpus, memory)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tokens(text: str) -> tuple[str, ...]:
+    """Cached: placement asks the same few names again on every reconcile step."""
+    out = []
+    for token in re.split(r"[\s\-_/]+", text.upper()):
+        if not token:
+            continue
+        size = _SIZE_RE.fullmatch(token)
+        out.append(f"{size.group(1)}GB" if size else token)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_pool(name: str) -> tuple[frozenset[str], bool]:
+    """A device name's tokens and neighbouring pairs, and whether it names a size."""
+    have = _tokens(name)
+    pool = frozenset(have) | {a + b for a, b in itertools.pairwise(have)}
+    return pool, any(_SIZE_RE.fullmatch(t) for t in have)
+
+
+def model_matches(model: str, gpu: Gpu) -> bool:
+    """Whether an ask's model name (``H100``, ``A100-80GB``, ``GPU``) names this device."""
+    if model.strip().upper() == ANY_GPU:
+        return True
+    pool, named_size = _name_pool(gpu.name)
+    for token in _tokens(model):
+        if token in pool:
+            continue
+        size = _SIZE_RE.fullmatch(token)
+        if size and not named_size and gpu.memory:
+            wanted = float(size.group(1))
+            if abs(gpu.memory / 1024**3 - wanted) <= 0.1 * wanted:
+                continue
+        return False
+    return True
+
+
+def _used(holders: Iterable[Holder]) -> dict[str, float]:
+    used: dict[str, float] = {}
+    for holder in holders:
+        for address, share in holder.claim.gpus.items():
+            used[address] = used.get(address, 0.0) + share
+    return used
+
+
+def _choose(option: Option, gpus: Sequence[Gpu], used: Mapping[str, float]) -> dict[str, float]:
+    """The devices this option takes now, or {} when it does not fit."""
+    matching = sorted(
+        (g for g in gpus if model_matches(option.model, g)),
+        key=lambda g: (g.memory or 0, g.index),
+    )
+    if option.count < 1:
+        room = [g for g in matching if 1.0 - used.get(g.address, 0.0) >= option.count - _EPS]
+        if not room:
+            return {}
+        fullest = min(room, key=lambda g: 1.0 - used.get(g.address, 0.0))
+        return {fullest.address: option.count}
+    free = [g for g in matching if used.get(g.address, 0.0) <= _EPS]
+    wanted = int(option.count)
+    return {g.address: 1.0 for g in free[:wanted]} if len(free) >= wanted else {}
+
+
+def place(ask: Ask, inventory: Inventory, holders: Sequence[Holder]) -> Claim | NoFit:
+    """What ``ask`` gets now, next to ``holders``, or why it must wait (naming who holds what)."""
+    cpus_used = sum(h.claim.cpus for h in holders)
+    if ask.cpus and cpus_used + ask.cpus > inventory.cpus + _EPS:
+        holding = [h for h in holders if h.claim.cpus]
+        return NoFit(
+            f"needs {ask.cpus:g} CPUs; the machine has {inventory.cpus:g}, "
+            f"{max(0.0, inventory.cpus - cpus_used):g} free "
+            f"({_held_by(holding, lambda h: f'{h.claim.cpus:g}')})"
+        )
+    memory_used = sum(h.claim.memory for h in holders)
+    if ask.memory and memory_used + ask.memory > inventory.memory:
+        holding = [h for h in holders if h.claim.memory]
+        return NoFit(
+            f"needs {_gib(ask.memory)} of memory; the machine has {_gib(inventory.memory)}, "
+            f"{_gib(max(0, inventory.memory - memory_used))} free "
+            f"({_held_by(holding, lambda h: _gib(h.claim.memory))})"
+        )
+    gpus: dict[str, float] = {}
+    taken: Option | None = None
+    if ask.options:
+        used = _used(holders)
+        for option in ask.options:
+            gpus = _choose(option, inventory.gpus, used)
+            if gpus:
+                taken = option
+                break
+        else:
+            wants = " or ".join(o.describe() for o in ask.options)
+            why = "; ".join(_why_not(o, inventory, holders) for o in ask.options)
+            return NoFit(f"needs {wants}; {why}")
+    return Claim(
+        gpus=gpus,
+        cpus=ask.cpus,
+        memory=ask.memory,
+        cpu_ids=_pin(ask.cpus, inventory, holders),
+        option=f"{taken.model}:{taken.count:g}" if taken else None,
+    )
+
+
+def _pin(cpus: float, inventory: Inventory, holders: Sequence[Holder]) -> tuple[int, ...]:
+    """CPU ids for a whole ``cpus`` ask (none for fractions, or on a declared CPU count)."""
+    if not cpus or not cpus.is_integer() or not inventory.cpu_ids:
+        return ()
+    pinned = {c for h in holders for c in h.claim.cpu_ids}
+    free = [c for c in inventory.cpu_ids if c not in pinned]
+    return tuple(free[: int(cpus)]) if len(free) >= cpus else ()
+
+
+def _why_not(option: Option, inventory: Inventory, holders: Sequence[Holder]) -> str:
+    matching = [g for g in inventory.gpus if model_matches(option.model, g)]
+    model = option.model
+    if option.model.upper() == ANY_GPU:
+        model = "GPU" if len(matching) == 1 else "GPUs"
+    if not matching:
+        return f"the machine has no {model}"
+    if option.count > len(matching):
+        return f"the machine has {len(matching)} {model}"
+    addresses = {g.address for g in matching}
+    holding = [h for h in holders if addresses & set(h.claim.gpus)]
+    used = _used(holding)
+    busy = sum(1 for a in addresses if used.get(a, 0.0) > _EPS)
+    if busy == len(matching):
+        every = {1: "it is", 2: "both"}.get(len(matching), f"all {len(matching)}")
+        return f"the machine has {len(matching)} {model}, {every} held by {_replicas(holding)}"
+    return (
+        f"the machine has {len(matching)} {model}, {len(matching) - busy} free, "
+        f"{busy} held by {_replicas(holding)}"
+    )
+
+
+def _replicas(holders: Sequence[Holder]) -> str:
+    """``svc-a replicas 1 and 2, svc-b replica 5``"""
+    by_service: dict[str, list[int]] = {}
+    for h in holders:
+        by_service.setdefault(h.service, []).append(h.shown)
+    parts = []
+    for service, ids in by_service.items():
+        ids = sorted(ids)
+        if len(ids) == 1:
+            parts.append(f"{service} replica {ids[0]}")
+        else:
+            shown = ", ".join(map(str, ids[:-1])) + f" and {ids[-1]}"
+            parts.append(f"{service} replicas {shown}")
+    return ", ".join(parts) if parts else "nobody"
+
+
+def _held_by(holders: Sequence[Holder], amount: Any) -> str:
+    if not holders:
+        return "nothing held"
+    return "held: " + ", ".join(f"{amount(h)} by {h.service} replica {h.shown}" for h in holders)
+
+
+def _gib(size: int) -> str:
+    return f"{size / 1024**3:.3g} GiB"
+
+
+def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
+    """Why ``ask`` cannot fit even on this machine with nothing running, naming the field and
+    listing the inventory; None when it can."""
+    listing = f"this machine: {inventory.describe()}"
+    if ask.cpus > inventory.cpus + _EPS:
+        return AskError("resources.cpus", f"needs {ask.cpus:g} CPUs; {listing}")
+    if ask.memory > inventory.memory:
+        return AskError("resources.memory", f"needs {_gib(ask.memory)}; {listing}")
+    if ask.options and not any(_choose(o, inventory.gpus, {}) for o in ask.options):
+        wants = " or ".join(o.describe() for o in ask.options)
+        why = "; ".join(_why_not(o, inventory, ()) for o in ask.options)
+        return AskError("resources.accelerators", f"needs {wants}: {why}; {listing}")
+    return None
