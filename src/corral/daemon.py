@@ -37,7 +37,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from corral import capture, logfiles
+from corral import capture, deploy, logfiles, versionfiles
 from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
 from corral.controller import (
     LAUNCHES_PER_SERVICE,
@@ -48,12 +48,20 @@ from corral.controller import (
 )
 from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
+from corral.deploy import KEEP_VERSIONS
 from corral.home import ensure_token, is_loopback, read_info
 from corral.infra.base import Infra, ReplicaHandle
 from corral.infra.local import LocalInfra, replica_key
 from corral.jobs import JobPool
 from corral.limits import raise_open_files, undumpable
-from corral.spec import ServiceSpec, SpecError, local_port_problem, parse_spec, validate_name
+from corral.spec import (
+    ServiceSpec,
+    SpecError,
+    local_port_problem,
+    parse_spec,
+    redact_secrets,
+    validate_name,
+)
 from corral.state import StateError, Store
 
 log = logging.getLogger("corral.daemon")
@@ -75,6 +83,31 @@ class RequestError(Exception):
         self.status = status
         self.message = message
         self.details = details
+
+
+def _spec_refused(exc: SpecError) -> RequestError:
+    return RequestError(
+        400,
+        "invalid service spec",
+        issues=[i.as_json() | {"loc": i.loc} for i in exc.issues],
+        text=str(exc),
+    )
+
+
+def _check_inputs(
+    spec: ServiceSpec,
+    *,
+    source: str | None,
+    base_dir: str | None,
+    envs: Mapping[str, str],
+    secrets: Mapping[str, str],
+) -> None:
+    try:
+        deploy.check(
+            spec, source=source or "<request>", base_dir=base_dir, envs=envs, secrets=secrets
+        )
+    except SpecError as exc:
+        raise _spec_refused(exc) from None
 
 
 def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
@@ -124,6 +157,7 @@ class Daemon:
         self.stop_requested = asyncio.Event()
         # `corral daemon stop --all`: the balancer workers stop too (else they keep serving).
         self.stop_workers = False
+        self._deploy_locks: dict[str, asyncio.Lock] = {}
 
     async def start_controllers(self) -> None:
         for svc in self.store.services():
@@ -149,18 +183,34 @@ class Daemon:
     # -- operations ---------------------------------------------------------------------------
 
     async def create(
-        self, spec_text: str, *, name: str | None, source: str | None, base_dir: str | None
+        self,
+        spec_text: str,
+        *,
+        name: str | None,
+        source: str | None,
+        base_dir: str | None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
+        envs, secrets = envs or {}, secrets or {}
         spec = await self._check_off_loop(spec_text, source=source, name=name)
         assert spec.name is not None
-        if spec.name in self.controllers or self.store.service(spec.name) is not None:
-            raise RequestError(409, f"service {spec.name!r} already exists")
-        try:
-            self.store.create_service(
-                spec.name, spec_text, source=source, base_dir=base_dir, lb_port=free_port()
-            )
-        except KeyError:
-            raise RequestError(409, f"service {spec.name!r} already exists") from None
+        _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
+        async with self._deploy_lock(spec.name):
+            if spec.name in self.controllers or self.store.service(spec.name) is not None:
+                raise RequestError(409, f"service {spec.name!r} already exists")
+            # The version's files exist before its row does: a replica never finds them missing.
+            await self._prepare(spec.name, 1, spec, base_dir, envs, secrets)
+            try:
+                self.store.create_service(
+                    spec.name,
+                    redact_secrets(spec_text),
+                    source=source,
+                    base_dir=base_dir,
+                    lb_port=free_port(),
+                )
+            except KeyError:
+                raise RequestError(409, f"service {spec.name!r} already exists") from None
         controller = await self._start_controller(spec.name, spec)
         if controller.balancer is not None and not await controller.balancer.wait_serving():
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)
@@ -175,12 +225,39 @@ class Daemon:
         source: str | None,
         base_dir: str | None,
         from_version: int | None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Store a new version of a service and let its controller roll it out.
 
         ``from_version`` re-deploys a stored version's spec (a rollback) as a new version, so
-        the history only grows and every rollout is in the event log.
+        the history only grows and every rollout is in the event log; it reuses that
+        version's files (workdir copy, values).
         """
+        async with self._deploy_lock(name):
+            return await self._update(
+                name,
+                spec_text,
+                mode=mode,
+                source=source,
+                base_dir=base_dir,
+                from_version=from_version,
+                envs=envs or {},
+                secrets=secrets or {},
+            )
+
+    async def _update(
+        self,
+        name: str,
+        spec_text: str | None,
+        *,
+        mode: str,
+        source: str | None,
+        base_dir: str | None,
+        from_version: int | None,
+        envs: Mapping[str, str],
+        secrets: Mapping[str, str],
+    ) -> dict[str, Any]:
         controller = self.controller(name)
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down":
@@ -193,10 +270,14 @@ class Daemon:
             old = self.store.version(name, from_version)
             if old is None:
                 raise RequestError(404, f"service {name!r} has no version {from_version}")
+            if envs or secrets:
+                raise RequestError(400, "a rollback reuses the version's values: no envs/secrets")
             spec_text, source, base_dir = old.spec_yaml, old.source, old.base_dir
         if spec_text is None:
             raise RequestError(400, "field 'spec' (the service YAML) or 'from_version' is required")
         spec = await self._check_off_loop(spec_text, source=source, name=name)
+        if from_version is None:
+            _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
         # The service may have been taken down or updated while the spec was being checked.
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
@@ -208,19 +289,88 @@ class Daemon:
                 f"an update cannot move a service from infra "
                 f"{current.infra!r} to {spec.infra!r}; bring up a new service",
             )
+        next_version = max(v.version for v in self.store.versions(name)) + 1
+        if from_version is not None:
+            cloned = await asyncio.to_thread(
+                versionfiles.clone_version, self.home, name, from_version, next_version
+            )
+            if not cloned and versionfiles.has_files(self.home, name):
+                raise RequestError(
+                    409,
+                    f"the files of version {from_version} were removed (the last "
+                    f"{KEEP_VERSIONS} versions are kept): deploy it from its spec file with "
+                    "`corral update`",
+                )
+        else:
+            await self._prepare(name, next_version, spec, base_dir, envs, secrets)
+        stored_text = redact_secrets(spec_text)
         # Only the `service:` section changed (policy, probe): keep the running replicas.
         current_row = self.store.version(name, svc.current_version)
+        same_files = versionfiles.fingerprint(
+            self.home, name, next_version
+        ) == versionfiles.fingerprint(self.home, name, svc.current_version)
+        stored_spec = parse_spec(stored_text, source=source or "<request>", name=name)
         same_replicas = (
             current_row is not None
             and current_row.base_dir == base_dir
-            and spec.model_dump(exclude={"service"}) == current.model_dump(exclude={"service"})
+            and same_files
+            and stored_spec.model_dump(exclude={"service"})
+            == current.model_dump(exclude={"service"})
         )
         version = self.store.add_version(
-            name, spec_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
+            name, stored_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
         )
+        if version != next_version:  # nothing else adds versions; never seen
+            log.error("service %s: version %d stored as %d", name, next_version, version)
+        await asyncio.to_thread(self._prune_files, name)
         controller.remember(version, spec)
         controller.updated()
         return controller.snapshot()
+
+    def _deploy_lock(self, name: str) -> asyncio.Lock:
+        """One create/update of a service at a time: the next version's number is taken, and
+        its directory made, before the version is stored."""
+        return self._deploy_locks.setdefault(name, asyncio.Lock())
+
+    async def _prepare(
+        self,
+        name: str,
+        version: int,
+        spec: ServiceSpec,
+        base_dir: str | None,
+        envs: Mapping[str, str],
+        secrets: Mapping[str, str],
+    ) -> None:
+        try:
+            files = await asyncio.to_thread(
+                deploy.prepare,
+                self.home,
+                name,
+                version,
+                spec,
+                base_dir=base_dir,
+                envs=envs,
+                secrets=secrets,
+            )
+        except OSError as exc:
+            raise RequestError(
+                400, f"service {name}: cannot copy the workdir of version {version}: {exc}"
+            ) from None
+        if spec.workdir:
+            log.info(
+                "service %s: version %d: workdir copied (%d files, %d bytes)",
+                name,
+                version,
+                files.files,
+                files.bytes,
+            )
+
+    def _prune_files(self, name: str) -> None:
+        """Drop the files of versions no replica runs and past the rollback window."""
+        versions = [v.version for v in self.store.versions(name)]
+        keep = set(versions[-KEEP_VERSIONS:]) | {r.version for r in self.store.replicas(name)}
+        if versionfiles.prune_versions(self.home, name, keep):
+            versionfiles.collect_garbage(self.home)
 
     async def _check_off_loop(
         self, spec_text: str, *, source: str | None, name: str | None
@@ -234,12 +384,7 @@ class Daemon:
         try:
             spec = parse_spec(spec_text, source=source or "<request>", name=name)
         except SpecError as exc:
-            raise RequestError(
-                400,
-                "invalid service spec",
-                issues=[{"loc": i.loc, "message": i.message, "line": i.line} for i in exc.issues],
-                text=str(exc),
-            ) from None
+            raise _spec_refused(exc) from None
         if not spec.name:
             raise RequestError(400, "the service needs a name: set `name:` in the spec or pass -n")
         if spec.infra not in self.deps.infras:

@@ -51,6 +51,7 @@ import json
 import math
 import os
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,7 @@ __all__ = [
     "SpecError",
     "SpecIssue",
     "TlsSettings",
+    "generated_name",
     "load_spec",
     "local_port_problem",
     "missing_values",
@@ -993,6 +995,12 @@ def local_port_problem(spec: ServiceSpec) -> str | None:
         "(e.g. `--port $PORT`). If the program already reads the PORT environment variable, "
         "say so in run (e.g. `PORT=$PORT python3 server.py`)."
     )
+
+
+def generated_name() -> str:
+    """A name for a service started without one, shaped as SkyServe makes them
+    (``sky-service-`` and 4 hex digits there): ``corral-service-`` and 4 random hex digits."""
+    return f"corral-service-{secrets.token_hex(2)}"
 
 
 def value_flag(field: str) -> str:

@@ -57,6 +57,8 @@ __all__ = [
     "VersionFiles",
     "clone_version",
     "collect_garbage",
+    "fingerprint",
+    "has_files",
     "prepare_version",
     "prune_versions",
     "read_values",
@@ -281,6 +283,12 @@ def clone_version(home: Path, service: str, old: int, new: int) -> bool:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return True
+
+
+def has_files(home: Path, service: str) -> bool:
+    """Whether any version of the service has a directory (none: made by an older corral)."""
+    root = home / "services" / service / "versions"
+    return root.is_dir() and any(entry.name.isdigit() for entry in root.iterdir())
 
 
 def prune_versions(home: Path, service: str, keep: set[int]) -> list[int]:
