@@ -1046,7 +1046,9 @@ def redact_secrets(text: str) -> str:
         if not (isinstance(value, ScalarNode) and value.tag == "tag:yaml.org,2002:null")
     ]
     for start, end in sorted(spans, reverse=True):
-        text = text[:start] + REDACTED + text[end:]
+        # A block scalar's span takes its lines (and the line break after it): keep as many
+        # breaks, so the YAML stays valid and every later line keeps its number.
+        text = text[:start] + REDACTED + "\n" * text.count("\n", start, end) + text[end:]
     return text
 
 

@@ -158,8 +158,9 @@ def _stored(source: Path, info: os.stat_result, store: Path) -> Path:
     return final
 
 
-def _snapshot(source: Path, dest: Path, store: Path) -> tuple[list[str], int, int]:
-    """Copy ``source`` to ``dest`` through the store; the manifest lines, files and bytes."""
+def _snapshot(source: Path, dest: Path, store: Path, home: Path) -> tuple[list[str], int, int]:
+    """Copy ``source`` to ``dest`` through the store; the manifest lines, files and bytes.
+    The corral home is never copied (a workdir may contain it: the token, the store itself)."""
     ignored = _Ignored(source)
     manifest: list[str] = []
     files = size = 0
@@ -172,7 +173,7 @@ def _snapshot(source: Path, dest: Path, store: Path) -> tuple[list[str], int, in
         keep = []
         for name in sorted(dirnames):
             rel = f"{rel_dir}/{name}" if rel_dir else name
-            if ignored(rel, is_dir=True):
+            if ignored(rel, is_dir=True) or (here / name).resolve() == home:
                 continue
             if (here / name).is_symlink():
                 os.symlink(os.readlink(here / name), dest / rel)
@@ -242,7 +243,7 @@ def prepare_version(
         files = size = 0
         if workdir is not None:
             with _STORE_LOCK:
-                manifest, files, size = _snapshot(workdir, temp / WORKDIR, store)
+                manifest, files, size = _snapshot(workdir, temp / WORKDIR, store, home.resolve())
         _write_values(temp, envs, secrets)
         values = json.dumps([sorted(envs.items()), sorted(secrets.items())])
         digest = hashlib.sha256("\n".join([values, *manifest]).encode("utf-8", "surrogateescape"))
