@@ -200,6 +200,8 @@ def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
     # Those that fail do so for a field corral cannot honour here, or one SkyPilot itself no
     # longer reads (with "did you mean"); a fixed port for several replicas on one machine is
     # the common case (`run` must use $PORT).
+    assert sum(1 for fields in outcomes.values() if not fields) == 5
+    assert sum(1 for fields in outcomes.values() if fields == ["run"]) == 14
     assert outcomes["minimal.yaml"] == []
     assert outcomes["http_server__task.yaml"] == ["run"]
     assert outcomes["stable_diffusion_service.yaml"] == ["resources.load_balancing_policy"]
