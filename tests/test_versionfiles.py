@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from corral.cli import main
+from corral.deploy import prepare
 from corral.envflags import given_values, read_env_file
-from corral.spec import REDACTED, missing_values, parse_spec, redact_secrets
+from corral.spec import REDACTED, missing_values, parse_spec, path_issues, redact_secrets
 from corral.versionfiles import (
     clone_version,
     collect_garbage,
@@ -206,3 +207,27 @@ def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
     assert outcomes["http_server__task.yaml"] == ["run"]
     assert outcomes["stable_diffusion_service.yaml"] == ["resources.load_balancing_policy"]
     assert outcomes["auth-server.yaml"] == ["service.auth_key"]
+
+
+def test_file_mounts_on_local_are_copied_in_or_refused(tmp_path: Path) -> None:
+    make(tmp_path, {"app/server.py": "s", "models/m.bin": "m", "config.yaml": "c"})
+    text = "run: x\nworkdir: app\nfile_mounts:\n  models: models\n  conf/config.yaml: config.yaml\n"
+    spec = parse_spec(text)
+    assert path_issues(spec, tmp_path) == []
+    files = prepare(tmp_path / "home", "svc", 1, spec, base_dir=str(tmp_path), envs={}, secrets={})
+    assert tree(files.path / "workdir") == [
+        "conf",
+        "conf/config.yaml",
+        "models",
+        "models/m.bin",
+        "server.py",
+    ]
+    refused = parse_spec(
+        "run: x\nfile_mounts:\n  /data: models\n  bucket: s3://b/k\n  gone: nowhere\n"
+    )
+    issues = {i.loc: i for i in path_issues(refused, tmp_path)}
+    assert set(issues) == {"file_mounts./data", "file_mounts.bucket", "file_mounts.gone"}
+    assert issues["file_mounts./data"].line == 2
+    assert "relative destination" in (issues["file_mounts./data"].hint or "")
+    assert "only a local path" in issues["file_mounts.bucket"].message
+    assert "does not exist" in issues["file_mounts.gone"].message

@@ -18,6 +18,7 @@ from corral.spec import (
     ServiceSpec,
     SpecError,
     SpecIssue,
+    local_mounts,
     missing_values,
     path_issues,
 )
@@ -94,6 +95,7 @@ def prepare(
 ) -> VersionFiles:
     """Make version ``version``'s directory (blocking: run it off the event loop). The
     secrets stored are the spec's own values and the given ones (the given win)."""
+    mounts = local_mounts(spec, base_dir or "/") if spec.infra == "local" else {}
     return prepare_version(
         home,
         name,
@@ -101,6 +103,7 @@ def prepare(
         workdir=workdir_of(spec, base_dir),
         envs=dict(envs),
         secrets={**spec.secrets, **secrets},
+        mounts=mounts,
     )
 
 
@@ -113,5 +116,5 @@ def launch_inputs(
         # Stored before versions had files (or by a client writing state directly).
         return workdir_of(spec, base_dir), dict(spec.envs)
     envs, secrets = read_values(directory)
-    workdir = directory / "workdir" if spec.workdir else None
+    workdir = directory / "workdir" if (directory / "workdir").is_dir() else None
     return workdir, {**spec.envs, **envs, **secrets}

@@ -102,6 +102,7 @@ __all__ = [
     "TlsSettings",
     "generated_name",
     "load_spec",
+    "local_mounts",
     "local_port_problem",
     "missing_values",
     "parse_spec",
@@ -897,7 +898,7 @@ class ServiceSpec(_Section):
     def warnings(self) -> list[str]:
         """Fields kept but without effect here, old spellings read, values filled in."""
         meaningless = f"has no meaning on infra {self.infra}; kept but not used"
-        # On local, file_mounts is an error (path_issues), not a note.
+        # On local, file_mounts is honoured (relative destinations) or an error, not a note.
         top = [
             p for p in self._placement_set("") if not (p == "file_mounts" and self.infra == "local")
         ]
@@ -1075,16 +1076,58 @@ def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spe
                 )
             )
     if spec.file_mounts and spec.infra == "local":
-        issues.append(
-            SpecIssue(
-                "file_mounts",
-                "cannot be honoured on infra local: replicas share this machine's filesystem, "
-                "so a mount destination would be one path for every replica and version",
-                spec.line_of("file_mounts"),
-                "put the files in workdir (copied with each version, relative paths work from "
-                "the replica's working directory) and remove file_mounts",
+        issues += _local_mount_issues(spec, Path(base_dir))
+    return issues
+
+
+def local_mounts(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """``file_mounts`` as the local backend honours them: a destination relative to the
+    replica's working directory -> an absolute local path (copied with the version)."""
+    mounts = spec.file_mounts if isinstance(spec.file_mounts, dict) else {}
+    return {
+        str(dest): Path(base_dir, Path(str(src)).expanduser()).resolve()
+        for dest, src in mounts.items()
+    }
+
+
+def _local_mount_issues(spec: ServiceSpec, base_dir: Path) -> list[SpecIssue]:
+    line = spec.line_of("file_mounts")
+    if not isinstance(spec.file_mounts, dict):
+        return [SpecIssue("file_mounts", "expected a mapping of destination: source", line)]
+    issues = []
+    for dest, src in spec.file_mounts.items():
+        field = f"file_mounts.{_key_text(dest)}"
+        dest_text = str(dest)
+        if not isinstance(src, str) or "://" in src:
+            issues.append(
+                SpecIssue(
+                    field,
+                    "only a local path can be mounted on infra local (not a bucket or a "
+                    "storage mapping)",
+                    line,
+                    "download it in `setup` instead",
+                )
             )
-        )
+        elif dest_text.startswith(("/", "~")) or ".." in Path(dest_text).parts:
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"cannot be honoured on infra local: {dest_text} would be one path of this "
+                    "machine for every replica and version",
+                    line,
+                    "give a relative destination (placed in the replica's working directory, "
+                    "copied with each version), or put the files in workdir",
+                )
+            )
+        elif not Path(base_dir, Path(src).expanduser()).exists():
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"{Path(base_dir, src)} does not exist (relative paths are taken from the "
+                    "directory corral is run in)",
+                    line,
+                )
+            )
     return issues
 
 

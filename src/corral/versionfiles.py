@@ -201,6 +201,36 @@ def _snapshot(source: Path, dest: Path, store: Path, home: Path) -> tuple[list[s
     return manifest, files, size
 
 
+def _copy_all(
+    workdir: Path | None, mounts: Mapping[str, Path], dest: Path, store: Path, home: Path
+) -> tuple[list[str], int, int]:
+    """The workdir, then each mount at its place inside it (replacing what was there, as a
+    mount would hide it)."""
+    manifest: list[str] = []
+    files = size = 0
+    if workdir is not None:
+        manifest, files, size = _snapshot(workdir, dest, store, home.resolve())
+    else:
+        dest.mkdir()
+    for target, source in sorted(mounts.items()):
+        place = dest / target
+        if place.is_dir() and not place.is_symlink():
+            shutil.rmtree(place)
+        elif place.exists() or place.is_symlink():
+            place.unlink()
+        place.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            lines, count, total = _snapshot(source, place, store, home.resolve())
+            manifest += [f"m {target} {line}" for line in lines]
+        else:
+            stored = _stored(source, source.stat(), store)
+            os.link(stored, place)
+            manifest.append(f"m {target} {stored.name}")
+            count, total = 1, source.stat().st_size
+        files, size = files + count, size + total
+    return manifest, files, size
+
+
 def _write_values(directory: Path, envs: Mapping[str, str], secrets: Mapping[str, str]) -> None:
     data = json.dumps({"envs": dict(envs), "secrets": dict(secrets)}, sort_keys=True)
     fd = os.open(directory / VALUES_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -225,8 +255,10 @@ def prepare_version(
     workdir: Path | None,
     envs: Mapping[str, str],
     secrets: Mapping[str, str],
+    mounts: Mapping[str, Path] | None = None,
 ) -> VersionFiles:
-    """Make version ``version``'s directory: a copy of ``workdir`` (if any) and its values.
+    """Make version ``version``'s directory: a copy of ``workdir`` (if any) with ``mounts``
+    (a relative destination -> a local file or directory) copied into it, and its values.
 
     Built beside the final place and renamed into it, so the directory is whole or absent; a
     leftover of an earlier attempt at the same version (a daemon killed before it stored the
@@ -241,9 +273,11 @@ def prepare_version(
     try:
         manifest: list[str] = []
         files = size = 0
-        if workdir is not None:
+        if workdir is not None or mounts:
             with _STORE_LOCK:
-                manifest, files, size = _snapshot(workdir, temp / WORKDIR, store, home.resolve())
+                manifest, files, size = _copy_all(
+                    workdir, mounts or {}, temp / WORKDIR, store, home
+                )
         _write_values(temp, envs, secrets)
         values = json.dumps([sorted(envs.items()), sorted(secrets.items())])
         digest = hashlib.sha256("\n".join([values, *manifest]).encode("utf-8", "surrogateescape"))
