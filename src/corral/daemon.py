@@ -196,22 +196,30 @@ class Daemon:
         spec = await self._check_off_loop(spec_text, source=source, name=name)
         assert spec.name is not None
         _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
-        async with self._deploy_lock(spec.name):
-            if spec.name in self.controllers or self.store.service(spec.name) is not None:
-                raise RequestError(409, f"service {spec.name!r} already exists")
+        svc_name = spec.name
+        stored_text = await asyncio.to_thread(redact_secrets, spec_text)
+        # The controller keeps the spec as stored: secret values live only in the values file.
+        stored = spec
+        if spec.secrets:
+            stored = await asyncio.to_thread(
+                parse_spec, stored_text, source=source or "<request>", name=name
+            )
+        async with self._deploy_lock(svc_name):
+            if svc_name in self.controllers or self.store.service(svc_name) is not None:
+                raise RequestError(409, f"service {svc_name!r} already exists")
             # The version's files exist before its row does: a replica never finds them missing.
-            await self._prepare(spec.name, 1, spec, base_dir, envs, secrets)
+            await self._prepare(svc_name, 1, spec, base_dir, envs, secrets)
             try:
                 self.store.create_service(
-                    spec.name,
-                    redact_secrets(spec_text),
+                    svc_name,
+                    stored_text,
                     source=source,
                     base_dir=base_dir,
                     lb_port=free_port(),
                 )
             except KeyError:
-                raise RequestError(409, f"service {spec.name!r} already exists") from None
-        controller = await self._start_controller(spec.name, spec)
+                raise RequestError(409, f"service {svc_name!r} already exists") from None
+        controller = await self._start_controller(svc_name, stored)
         if controller.balancer is not None and not await controller.balancer.wait_serving():
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
@@ -303,13 +311,16 @@ class Daemon:
                 )
         else:
             await self._prepare(name, next_version, spec, base_dir, envs, secrets)
-        stored_text = redact_secrets(spec_text)
+        # Off the loop, as every parse: the largest spec takes up to a second to read.
+        stored_text = await asyncio.to_thread(redact_secrets, spec_text)
         # Only the `service:` section changed (policy, probe): keep the running replicas.
         current_row = self.store.version(name, svc.current_version)
         same_files = versionfiles.fingerprint(
             self.home, name, next_version
         ) == versionfiles.fingerprint(self.home, name, svc.current_version)
-        stored_spec = parse_spec(stored_text, source=source or "<request>", name=name)
+        stored_spec = await asyncio.to_thread(
+            parse_spec, stored_text, source=source or "<request>", name=name
+        )
         same_replicas = (
             current_row is not None
             and current_row.base_dir == base_dir
@@ -317,13 +328,16 @@ class Daemon:
             and stored_spec.model_dump(exclude={"service"})
             == current.model_dump(exclude={"service"})
         )
+        svc = self.store.service(name)
+        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
+            raise RequestError(409, f"service {name!r} is shutting down")
         version = self.store.add_version(
             name, stored_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
         )
         if version != next_version:  # nothing else adds versions; never seen
             log.error("service %s: version %d stored as %d", name, next_version, version)
         await asyncio.to_thread(self._prune_files, name)
-        controller.remember(version, spec)
+        controller.remember(version, stored_spec)  # secrets: only in the version's values
         controller.updated()
         return controller.snapshot()
 
