@@ -1256,8 +1256,9 @@ class ServiceController:
 def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route:
     """The data plane's route of a service (everything but the ready set) from its spec.
 
-    Relative TLS file paths are taken from the spec file's directory (``base_dir``), as
-    ``workdir`` is: the workers run elsewhere, and the path must mean the same file to them."""
+    Relative TLS file paths are taken from the directory the CLI ran in (``base_dir``), as
+    ``workdir`` is (SkyPilot's rule): the workers run elsewhere, and the path must mean the
+    same file to them."""
     lb = spec.service.load_balancer
     tls = spec.service.tls
 
