@@ -28,7 +28,8 @@ CODE = "{code}"
 
 def writable():
     try:
-        with open("server.py", "a"):
+        with open("data/kept.txt", "a") as handle:
+            handle.write(" touched")
             return True
     except OSError:
         return False
@@ -149,11 +150,15 @@ def test_a_version_runs_from_its_own_copy_until_update(
         False,
         True,
     )
+    stored = corral_home.path / "services" / "web" / "versions" / "1" / "workdir"
     daemon = corral_home.api("GET", "/v1/daemon").json()
     if daemon["confinement"]["confined"] or os.geteuid() != 0:
-        # Read-only bind (confined) or read-only files (a non-root daemon): no write reaches
-        # a stored file. An unconfined root daemon's replicas can (docs/spec.md says so).
-        assert first["can_write_own_file"] is False
+        # The replica's writes go to its own overlay (or are refused where there is none),
+        # never to the stored file other versions share. An unconfined root daemon's
+        # replicas could write to it (docs/spec.md says so).
+        assert (stored / "data" / "kept.txt").read_text() == "kept"
+    if daemon["confinement"]["confined"] and os.geteuid() == 0:
+        assert first["can_write_own_file"] is True  # copy-on-write: an overlay
 
     # Edit the live directory, then make the replica die: its replacement serves version 1's
     # copy, not the edit.
@@ -175,6 +180,7 @@ def test_a_version_runs_from_its_own_copy_until_update(
     versions = corral_home.path / "services" / "web" / "versions"
     kept = [versions / v / "workdir" / "data" / "kept.txt" for v in ("1", "2")]
     assert kept[0].stat().st_ino == kept[1].stat().st_ino
+    assert kept[1].read_text() == "kept"
     assert stat.S_IMODE(kept[0].stat().st_mode) == 0o444
     corral_home.run("down", "web")
     assert not versions.exists()

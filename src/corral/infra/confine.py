@@ -105,15 +105,20 @@ class Confinement:
             f" no mounts, no access to other processes' /proc entries{signals}"
         )
 
-    def preexec(self, bind: tuple[Path, Path] | None = None) -> Callable[[], None]:
+    def preexec(
+        self, bind: tuple[Path, Path] | None = None, scratch: Path | None = None
+    ) -> Callable[[], None]:
         """The ``preexec_fn`` that confines the child. Everything it needs (the C library, the
         strings, the ruleset structure) is made here, in the parent: the child only makes
         system calls, and takes no lock a thread of the parent could hold across the fork.
 
-        ``bind`` (a directory inside the home, a directory outside it): the first is mounted
-        read-only on the second before the home is covered, and the child starts there. This
-        is how a replica sees its version's files (corral.versionfiles) and nothing else of
-        the home; read-only because those files are shared with other versions."""
+        ``bind`` (a directory inside the home, a directory outside it): the first is shown at
+        the second before the home is covered, and the child starts there. This is how a
+        replica sees its version's files (corral.versionfiles) and nothing else of the home.
+        Those files are shared with other versions, so they are never written: with
+        ``scratch`` (a directory of the replica's own) the view is an overlay whose writes go
+        to ``scratch`` (copy-on-write: the replica may write to its working directory, as on
+        a SkyPilot replica); where the kernel refuses an overlay, a read-only bind mount."""
         c = libc()
         syscall, unshare, mount, prctl = c.syscall, c.unshare, c.mount, c.prctl
         target = os.fsencode(self.hidden)
@@ -131,10 +136,20 @@ class Confinement:
         userns = self.userns
         source = target_dir = None
         remount = 0
+        overlays: list[bytes] = []
         if bind is not None:
             source, target_dir = os.fsencode(bind[0]), os.fsencode(bind[1])
             # A remount in a user namespace must keep the flags the mount already has.
             remount = MS_REMOUNT | MS_BIND | MS_RDONLY | _kept_flags(bind[0])
+            if scratch is not None and not any(
+                c in str(p) for p in (bind[0], scratch) for c in ",:\\"
+            ):
+                (scratch / "upper").mkdir(parents=True, exist_ok=True)
+                (scratch / "work").mkdir(parents=True, exist_ok=True)
+                options = f"lowerdir={bind[0]},upperdir={scratch}/upper,workdir={scratch}/work"
+                # Unprivileged overlays keep their bookkeeping in user.* attributes.
+                tries = [options + ",userxattr", options] if userns else [options]
+                overlays = [os.fsencode(t) for t in tries]
 
         def fail(step: str) -> None:
             code = ctypes.get_errno()
@@ -159,7 +174,9 @@ class Confinement:
                 write("/proc/self/gid_map", gid_map)
             if mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
                 fail("making mounts private")
-            if source is not None:
+            if source is not None and not any(
+                mount(b"overlay", target_dir, b"overlay", 0, opts) == 0 for opts in overlays
+            ):
                 if mount(source, target_dir, None, MS_BIND | MS_REC, None) != 0:
                     fail("showing the version's files")
                 if mount(None, target_dir, None, remount, None) != 0:

@@ -622,7 +622,9 @@ class LocalInfra:
             _private_parent(replica_dir)
             replica_dir.mkdir(parents=True, exist_ok=True)
             bind, cwd = (cwd.resolve(), replica_dir), replica_dir
-        confined = sandbox.preexec(bind) if sandbox is not None else None
+        # Where the replica's own writes to its working directory go (copy-on-write).
+        scratch = Path(request.replica_dir).with_name(f"{request.replica_id}.writes")
+        confined = sandbox.preexec(bind, scratch if bind else None) if sandbox else None
         shell = _shell()
         env = _replica_env(request, port, key)
         log_path = Path(request.log_path)
@@ -639,7 +641,11 @@ class LocalInfra:
             flush=True,
         )
         if bind is not None:
-            print(f"[corral] files: {bind[0]} shown read-only at {cwd}", flush=True)
+            print(
+                f"[corral] files: {bind[0]} shown at {cwd}; the replica's writes there go to "
+                f"{scratch} (a read-only view where the kernel has no overlay)",
+                flush=True,
+            )
         if sandbox is not None:
             print(f"[corral] confined: {sandbox.describe()}", flush=True)
         else:
