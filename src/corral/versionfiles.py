@@ -17,12 +17,12 @@ filesystem. A store file whose only link left is the store's own is garbage
 Why shared inodes are safe: a write through any link would change the file for every version
 that shares it, so stored files are read-only (0444, or 0555 for executables), which stops an
 accidental in-place write by a replica of a non-root daemon; and a confined replica (the usual
-case, :mod:`corral.infra.confine`) sees its version's tree only through a read-only bind mount,
-which stops every writer, root included, and cannot be lifted from inside (Landlock forbids
-mounts). Copy-on-write (reflinks, overlayfs) would let replicas write to their working
-directory too, but neither is available everywhere corral runs; a version is an image, and a
-replica that needs scratch space writes to ``$TMPDIR`` or its own paths. Replacing or deleting
-a file (what editors and ``git checkout`` do) only ever touches one version's directory entry.
+case, :mod:`corral.infra.confine`) sees its version's tree only through an overlay whose writes
+go copy-on-write to a scratch directory of its own (so it may write to its working directory,
+as on a SkyPilot replica), or, where the kernel refuses an overlay, a read-only bind mount.
+Either stops every writer, root included, and cannot be lifted from inside (Landlock forbids
+mounts). Replacing or deleting a file (what editors and ``git checkout`` do) only ever touches
+one version's directory entry.
 
 What is left out, as SkyPilot does: with a ``.skyignore`` at the workdir's top, what it
 matches; otherwise what the ``.gitignore`` files of the tree (and ``.git/info/exclude``) match,
