@@ -289,3 +289,33 @@ def test_every_problem_at_once_in_text_and_json(corral_home: CorralHome, tmp_pat
     )
     assert [e["field"] for e in missing["errors"]] == ["workdir"]
     assert missing["errors"][0]["line"] == 2 and missing["spec"]["name"] is None
+
+
+def test_old_versions_files_are_pruned_and_rollback_says_so(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    make_app(tmp_path, "v1")
+
+    def text(timeout: int) -> str:
+        return (
+            f"workdir: app\nrun: exec {sys.executable} server.py\n"
+            "service:\n  readiness_probe:\n    path: /\n    period_seconds: 0.2\n"
+            f"    timeout_seconds: {timeout}\n  replicas: 1\n"
+        )
+
+    write_spec(tmp_path / "small.yaml", text(2))
+    corral_home.run("up", str(tmp_path / "small.yaml"), "-n", "hist", cwd=tmp_path)
+    # Twelve updates of the service section only: the replica is kept (relabelled), and every
+    # version gets its own copy (sharing every file).
+    for timeout in range(3, 15):
+        body = {"spec": text(timeout), "base_dir": str(tmp_path)}
+        answer = corral_home.api("POST", "/v1/services/hist/versions", body=body)
+        assert answer.status == 201, answer.body
+    versions = corral_home.path / "services" / "hist" / "versions"
+    kept = sorted(int(p.name) for p in versions.iterdir())
+    assert kept == list(range(4, 14)), kept  # the last 10 (the replica runs version 13)
+    gone = corral_home.api("POST", "/v1/services/hist/versions", body={"from_version": 2})
+    assert gone.status == 409 and "files of version 2 were removed" in gone.json()["error"]
+    back = corral_home.api("POST", "/v1/services/hist/versions", body={"from_version": 5})
+    assert back.status == 201, back.body
+    assert (versions / "14" / "workdir" / "server.py").read_text() == SERVER.format(code="v1")
