@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -367,6 +368,17 @@ class Daemon:
                 secrets=secrets,
             )
         except OSError as exc:
+            # The home's disk full or read-only is the daemon's trouble (retry later); anything
+            # else (an unreadable file of the workdir) is the request's.
+            home_trouble = {errno.ENOSPC: "disk is full", errno.EDQUOT: "disk is full"}
+            home_trouble[errno.EROFS] = "home is read-only"
+            trouble = home_trouble.get(exc.errno or 0)
+            if trouble is not None:
+                raise RequestError(
+                    503,
+                    f"service {name}: the version's files cannot be written: the {trouble} "
+                    f"({exc}); nothing was changed, retry",
+                ) from None
             raise RequestError(
                 400, f"service {name}: cannot copy the workdir of version {version}: {exc}"
             ) from None

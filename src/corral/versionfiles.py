@@ -144,10 +144,14 @@ def _stored(source: Path, info: os.stat_result, store: Path) -> Path:
     executable = bool(info.st_mode & stat.S_IXUSR)
     temp = store / f".tmp-{random.token_hex(8)}"
     digest = hashlib.sha256()
-    with open(source, "rb") as reader, open(temp, "xb") as writer:
-        while chunk := reader.read(_CHUNK):
-            digest.update(chunk)
-            writer.write(chunk)
+    try:
+        with open(source, "rb") as reader, open(temp, "xb") as writer:
+            while chunk := reader.read(_CHUNK):
+                digest.update(chunk)
+                writer.write(chunk)
+    except BaseException:
+        temp.unlink(missing_ok=True)  # a full disk, an unreadable file: no half copy stays
+        raise
     name = digest.hexdigest() + ("-x" if executable else "")
     final = store / name
     if final.exists():
