@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from corral.cli import main
-from corral.deploy import prepare
+from corral.deploy import launch_inputs, prepare
 from corral.envflags import given_values, read_env_file
 from corral.spec import REDACTED, missing_values, parse_spec, path_issues, redact_secrets
 from corral.versionfiles import (
@@ -231,3 +231,21 @@ def test_file_mounts_on_local_are_copied_in_or_refused(tmp_path: Path) -> None:
     assert "relative destination" in (issues["file_mounts./data"].hint or "")
     assert "only a local path" in issues["file_mounts.bucket"].message
     assert "does not exist" in issues["file_mounts.gone"].message
+
+
+def test_launch_inputs_come_from_the_version_files(tmp_path: Path) -> None:
+    make(tmp_path, {"app/server.py": "s"})
+    home = tmp_path / "home"
+    spec = parse_spec("run: x\nworkdir: app\nenvs:\n  A: spec\n  B: spec\nsecrets:\n  S: v\n")
+    # A version stored before versions had files runs as it did: the live directory.
+    assert launch_inputs(home, "svc", 1, spec, str(tmp_path)) == (
+        tmp_path / "app",
+        {"A": "spec", "B": "spec"},
+    )
+    prepare(home, "svc", 1, spec, base_dir=str(tmp_path), envs={"B": "flag"}, secrets={})
+    workdir, env = launch_inputs(home, "svc", 1, spec, str(tmp_path))
+    assert workdir == version_dir(home, "svc", 1) / "workdir"
+    assert env == {"A": "spec", "B": "flag", "S": "v"}
+    # Files of this version gone while the service has others: never the live directory.
+    workdir, _ = launch_inputs(home, "svc", 7, spec, str(tmp_path))
+    assert workdir == version_dir(home, "svc", 7) / "workdir" and not workdir.exists()

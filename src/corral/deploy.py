@@ -22,7 +22,13 @@ from corral.spec import (
     missing_values,
     path_issues,
 )
-from corral.versionfiles import VersionFiles, prepare_version, read_values, version_dir
+from corral.versionfiles import (
+    VersionFiles,
+    has_files,
+    prepare_version,
+    read_values,
+    version_dir,
+)
 
 __all__ = ["KEEP_VERSIONS", "check", "launch_inputs", "prepare", "workdir_of"]
 
@@ -113,6 +119,10 @@ def launch_inputs(
     """Where a replica of ``version`` runs and its environment from the spec and the values."""
     directory = version_dir(home, name, version)
     if not directory.is_dir():
+        if has_files(home, name):
+            # Its files are gone (a state file restored from before they were pruned): never
+            # fall back to the live directory; the launch fails saying this path is missing.
+            return (directory / "workdir" if spec.workdir else None), dict(spec.envs)
         # Stored before versions had files (or by a client writing state directly).
         return workdir_of(spec, base_dir), dict(spec.envs)
     envs, secrets = read_values(directory)
