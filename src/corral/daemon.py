@@ -300,34 +300,16 @@ class Daemon:
             )
         next_version = max(v.version for v in self.store.versions(name)) + 1
         if from_version is not None:
-            cloned = await asyncio.to_thread(
-                versionfiles.clone_version, self.home, name, from_version, next_version
-            )
-            if not cloned and versionfiles.has_files(self.home, name):
-                raise RequestError(
-                    409,
-                    f"the files of version {from_version} were removed (the last "
-                    f"{KEEP_VERSIONS} versions are kept): deploy it from its spec file with "
-                    "`corral update`",
-                )
+            await self._reuse_files(name, from_version, next_version)
         else:
             await self._prepare(name, next_version, spec, base_dir, envs, secrets)
         # Off the loop, as every parse: the largest spec takes up to a second to read.
         stored_text = await asyncio.to_thread(redact_secrets, spec_text)
-        # Only the `service:` section changed (policy, probe): keep the running replicas.
-        current_row = self.store.version(name, svc.current_version)
-        same_files = versionfiles.fingerprint(
-            self.home, name, next_version
-        ) == versionfiles.fingerprint(self.home, name, svc.current_version)
         stored_spec = await asyncio.to_thread(
             parse_spec, stored_text, source=source or "<request>", name=name
         )
-        same_replicas = (
-            current_row is not None
-            and current_row.base_dir == base_dir
-            and same_files
-            and stored_spec.model_dump(exclude={"service"})
-            == current.model_dump(exclude={"service"})
+        same_replicas = self._same_replicas(
+            name, svc.current_version, next_version, base_dir, current, stored_spec
         )
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
@@ -390,6 +372,38 @@ class Daemon:
                 files.files,
                 files.bytes,
             )
+
+    async def _reuse_files(self, name: str, old: int, new: int) -> None:
+        """A rollback's files: version ``old``'s, shared."""
+        cloned = await asyncio.to_thread(versionfiles.clone_version, self.home, name, old, new)
+        if not cloned and versionfiles.has_files(self.home, name):
+            raise RequestError(
+                409,
+                f"the files of version {old} were removed (the last {KEEP_VERSIONS} versions "
+                "are kept): deploy it from its spec file with `corral update`",
+            )
+
+    def _same_replicas(
+        self,
+        name: str,
+        current: int,
+        new: int,
+        base_dir: str | None,
+        current_spec: ServiceSpec,
+        new_spec: ServiceSpec,
+    ) -> bool:
+        """Whether version ``new`` differs from ``current`` only in the `service:` section
+        (policy, probe): then the running replicas are kept, relabelled. The same files
+        (workdir copy, env and secret values) are part of "the same"."""
+        row = self.store.version(name, current)
+        fingerprint = versionfiles.fingerprint
+        return (
+            row is not None
+            and row.base_dir == base_dir
+            and fingerprint(self.home, name, new) == fingerprint(self.home, name, current)
+            and new_spec.model_dump(exclude={"service"})
+            == current_spec.model_dump(exclude={"service"})
+        )
 
     def _prune_files(self, name: str) -> None:
         """Drop the files of versions no replica runs and past the rollback window."""
