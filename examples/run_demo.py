@@ -27,6 +27,7 @@ def corral(*args: str, capture: bool = False) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "corral", *args],
         env=ENV,
+        cwd=HERE.parent,  # the spec's relative workdir is taken from here, as in SkyPilot
         check=True,
         text=True,
         stdout=subprocess.PIPE if capture else None,

@@ -295,15 +295,21 @@ class CorralHome:
         return [sys.executable, "-m", "corral", *args]
 
     def run(
-        self, *args: str, check: bool = True, timeout: float = CLI_TIMEOUT
+        self,
+        *args: str,
+        check: bool = True,
+        timeout: float = CLI_TIMEOUT,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``corral ARGS``; with ``check``, fail the test (showing its output) unless it
-        exits 0. The result has ``returncode``, ``stdout`` and ``stderr`` (text)."""
+        """Run ``corral ARGS`` (in ``cwd``, default the test's directory; ``env`` added to the
+        environment); with ``check``, fail the test (showing its output) unless it exits 0.
+        The result has ``returncode``, ``stdout`` and ``stderr`` (text)."""
         try:
             result = subprocess.run(
                 self.cli(*args),
-                env=self.env,
-                cwd=self.path.parent,
+                env={**self.env, **(env or {})},
+                cwd=cwd or self.path.parent,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 text=True,

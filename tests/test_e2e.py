@@ -97,9 +97,10 @@ def port_free(port: int) -> bool:
 
 
 def test_up_three_replicas_serves_through_endpoint(corral_home: CorralHome) -> None:
-    # The shipped example, as is: its relative workdir is resolved against the spec's folder.
+    # The shipped example, as is, from the repository root: its relative workdir is taken
+    # from the directory corral runs in, as in SkyPilot.
     spec = EXAMPLES / "demo.yaml"
-    result = corral_home.run("up", str(spec), "-n", "trio")
+    result = corral_home.run("up", str(spec), "-n", "trio", cwd=EXAMPLES.parent)
     endpoint = endpoint_of(result.stdout)
 
     service = corral_home.wait_replicas("trio", 3)
@@ -124,7 +125,7 @@ def test_up_three_replicas_serves_through_endpoint(corral_home: CorralHome) -> N
 
     table = corral_home.run("status").stdout
     assert "trio" in table and endpoint in table and "3/3" in table, table
-    again = corral_home.run("up", str(spec), "-n", "trio", check=False)
+    again = corral_home.run("up", str(spec), "-n", "trio", check=False, cwd=EXAMPLES.parent)
     assert again.returncode != 0 and "already exists" in again.stderr, again
     unchanged = corral_home.service("trio")
     assert unchanged is not None and len(unchanged["replicas"]) == 3
@@ -322,7 +323,8 @@ def test_spec_errors(corral_home: CorralHome, tmp_path: Path) -> None:
     assert f"{typo}:5:" in message, message
     assert "did you mean 'replicas'" in message, message
 
-    assert corral_home.run("validate", str(EXAMPLES / "demo.yaml")).returncode == 0
+    demo = str(EXAMPLES / "demo.yaml")
+    assert corral_home.run("validate", demo, cwd=EXAMPLES.parent).returncode == 0
 
     fixed = write_spec(
         tmp_path / "fixed.yaml",

@@ -214,7 +214,8 @@ def test_launch_serves_http_with_a_clean_environment(
 ) -> None:
     monkeypatch.setenv("CORRAL_TOKEN", "secret")
     monkeypatch.setenv("CORRAL_HOME", "/somewhere")
-    monkeypatch.setenv("UNRELATED_VAR", "kept")
+    monkeypatch.setenv("UNRELATED_VAR", "not inherited")
+    monkeypatch.setenv("LC_TIME", "C.UTF-8")
     workdir = env.tmp / "wd"
     workdir.mkdir()
     dump = py_cmd("import json, os; json.dump(dict(os.environ), open('env.json', 'w'))")
@@ -238,7 +239,10 @@ def test_launch_serves_http_with_a_clean_environment(
     child_env = json.loads((workdir / "env.json").read_text())
     assert child_env["PORT"] == str(port)
     assert child_env["APP_MODE"] == "fast"
-    assert child_env["UNRELATED_VAR"] == "kept"
+    # Only the documented short list comes from the daemon's environment.
+    assert "UNRELATED_VAR" not in child_env
+    assert child_env["LC_TIME"] == "C.UTF-8"
+    assert child_env["PATH"] == os.environ["PATH"]
     assert {k for k in child_env if k.startswith("CORRAL_")} == {
         "CORRAL_FROM_SPEC",
         "CORRAL_REPLICA_ID",

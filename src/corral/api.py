@@ -192,7 +192,14 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         name = _optional_str(body, "name")
         source = _optional_str(body, "source")
         base_dir = _optional_str(body, "base_dir")
-        service = await daemon.create(spec, name=name, source=source, base_dir=base_dir)
+        service = await daemon.create(
+            spec,
+            name=name,
+            source=source,
+            base_dir=base_dir,
+            envs=_optional_values(body, "envs"),
+            secrets=_optional_values(body, "secrets"),
+        )
         return _json(service, status=201)
 
     @routes.post("/v1/services/{name}/versions")
@@ -214,6 +221,8 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
             source=_optional_str(body, "source"),
             base_dir=_optional_str(body, "base_dir"),
             from_version=from_version,
+            envs=_optional_values(body, "envs"),
+            secrets=_optional_values(body, "secrets"),
         )
         return _json(service, status=201)
 
@@ -418,6 +427,23 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _optional_values(body: dict[str, Any], key: str) -> dict[str, str]:
+    """A mapping of environment variable names to values (``envs``, ``secrets``), or {}."""
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise RequestError(400, f"field {key!r} must map names to strings")
+    for name, text in value.items():
+        if "\0" in name or "\0" in text or not name.isascii():
+            raise RequestError(400, f"field {key!r}: names and values cannot hold NUL")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(400, f"field {key!r}: values must be valid text") from None
+    return dict(value)
+
+
 def _optional_str(body: dict[str, Any], key: str) -> str | None:
     """A text field of a request body, or None.
 
@@ -471,6 +497,8 @@ def _int_param(request: web.Request, key: str, default: int) -> int:
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _COUNT = {"type": "integer", "minimum": 0, "maximum": MAX_INT}
 _SERVICE = {"$ref": "#/components/schemas/Service"}
+# --env / --secret values; never echoed back by any route.
+_VALUES = {"type": "object", "additionalProperties": {"type": "string"}}
 _NAME = {
     "name": "name",
     "in": "path",
@@ -626,6 +654,8 @@ OPENAPI: dict[str, Any] = {
                                     "name": {"type": "string"},
                                     "source": {"type": "string"},
                                     "base_dir": {"type": "string"},
+                                    "envs": _VALUES,
+                                    "secrets": _VALUES,
                                 },
                             }
                         }
@@ -663,6 +693,8 @@ OPENAPI: dict[str, Any] = {
                                     },
                                     "source": {"type": "string"},
                                     "base_dir": {"type": "string"},
+                                    "envs": _VALUES,
+                                    "secrets": _VALUES,
                                 },
                             }
                         }

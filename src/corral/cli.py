@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +18,18 @@ from corral.cli_common import client_error_text, client_of, err, fail, home_of, 
 from corral.cli_daemon import daemon
 from corral.cli_wait import interrupted, keeps_running, wait_down, wait_ready, wait_rollout
 from corral.client import Client, ClientError, DaemonUnreachable
+from corral.deploy import check
+from corral.envflags import given_values, values_options
 from corral.home import EXIT_BAD_HOME, default_home, home_problem
-from corral.spec import SpecError, load_spec, local_port_problem
+from corral.spec import (
+    ServiceSpec,
+    SpecError,
+    SpecIssue,
+    generated_name,
+    load_spec,
+    local_port_problem,
+    path_issues,
+)
 
 # Tables are laid out this wide at most, whatever the terminal (rows are never cut).
 WIDE = 400
@@ -60,10 +71,11 @@ main.add_command(daemon)
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-n", "--name", help="Service name (overrides the spec's `name`).")
+@click.option("-n", "--name", help="Service name (default: the spec's `name`, else a new one).")
 @click.option("-d", "--detach", is_flag=True, help="Return once the service is accepted.")
 @click.option("--timeout", type=float, default=None, help="Give up waiting after this many s.")
 @_yes_option("starting (corral does not ask: accepted as `sky serve up -y` is)")
+@values_options
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -72,12 +84,17 @@ def up(
     detach: bool,
     timeout: float | None,
     yes: bool,
+    env: tuple[str, ...],
+    env_file: tuple[Path, ...],
+    secret: tuple[str, ...],
 ) -> None:
-    """Start a service from FILE and wait until its first replica is READY."""
-    spec = _load(file, name)
-    problem = local_port_problem(spec) if spec.infra == "local" else None
-    if problem:
-        _fail(problem)
+    """Start a service from FILE and wait until its first replica is READY.
+
+    Relative paths in FILE (workdir) are taken from the current directory, as in SkyPilot;
+    the workdir is copied now, so later edits reach the service only with `corral update`."""
+    spec = _load(file, name, need_name=False)
+    envs, secrets = given_values(env, env_file, secret)
+    _check_deployable(file, spec, envs, secrets)
     try:
         client = _client(ctx, start=True)
     except KeyboardInterrupt:
@@ -85,20 +102,33 @@ def up(
             "while the daemon was starting: it may keep starting in the "
             "background (`corral daemon status`); no service was created"
         )
-    try:
-        service = client.create(
-            file.read_text(),
-            name=name,
-            source=str(file.resolve()),
-            base_dir=str(file.resolve().parent),
-        )
-    except ClientError as exc:
-        _fail(_client_error_text(exc))
-    except KeyboardInterrupt:
-        interrupted(
-            f"before the daemon answered: `corral status {name or spec.name}` "
-            "shows whether the service was created"
-        )
+    generated = name is None and not spec.name
+    for _attempt in range(5):
+        if generated:
+            name = generated_name()
+            out.print(f"service name: [bold]{name}[/bold] (generated; pass -n NAME to choose)")
+        try:
+            service = client.create(
+                file.read_text(),
+                name=name,
+                source=str(file.resolve()),
+                base_dir=os.getcwd(),
+                envs=envs,
+                secrets=secrets,
+            )
+            break
+        except ClientError as exc:
+            if not (generated and exc.status == 409):
+                _fail(_client_error_text(exc))
+                return
+        except KeyboardInterrupt:
+            interrupted(
+                f"before the daemon answered: `corral status {name or spec.name}` "
+                "shows whether the service was created"
+            )
+    else:
+        _fail("five generated names were all taken; pass -n NAME")
+        return
     svc_name = service["name"]
     out.print(f"service [bold]{svc_name}[/bold] accepted; endpoint {service['endpoint']}")
     if detach:
@@ -124,6 +154,7 @@ def up(
 @click.option("-d", "--detach", is_flag=True, help="Return once the new version is accepted.")
 @click.option("--timeout", type=float, default=None, help="Give up waiting after this many s.")
 @_yes_option("updating (corral does not ask: accepted as `sky serve update -y` is)")
+@values_options
 @click.pass_context
 def update(
     ctx: click.Context,
@@ -134,21 +165,34 @@ def update(
     detach: bool,
     timeout: float | None,
     yes: bool,
+    env: tuple[str, ...],
+    env_file: tuple[Path, ...],
+    secret: tuple[str, ...],
 ) -> None:
-    """Roll out a new version of service NAME from FILE (or --to-version N)."""
+    """Roll out a new version of service NAME from FILE (or --to-version N).
+
+    The workdir is copied again now: this is how edits to it reach the service."""
     if (file is None) == (to_version is None):
         _fail("give the new spec FILE, or --to-version N to roll back")
     text = source = base_dir = None
+    envs, secrets = given_values(env, env_file, secret)
     if file is not None:
         spec = _load(file, name)
-        problem = local_port_problem(spec) if spec.infra == "local" else None
-        if problem:
-            _fail(problem)
-        text, source, base_dir = file.read_text(), str(file.resolve()), str(file.resolve().parent)
+        _check_deployable(file, spec, envs, secrets)
+        text, source, base_dir = file.read_text(), str(file.resolve()), os.getcwd()
+    elif envs or secrets:
+        _fail("--to-version reuses that version's env and secret values: no --env/--secret")
     client = _client(ctx, start=False)
     try:
         service = client.update(
-            name, text, mode=mode, source=source, base_dir=base_dir, from_version=to_version
+            name,
+            text,
+            mode=mode,
+            source=source,
+            base_dir=base_dir,
+            from_version=to_version,
+            envs=envs,
+            secrets=secrets,
         )
     except ClientError as exc:
         _fail(_client_error_text(exc))
@@ -395,34 +439,73 @@ def _down_replica(client: Client, name: str, replica: int, *, purge: bool, yes: 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-n", "--name", help="Service name (overrides the spec's `name`).")
-@click.option("--json", "as_json", is_flag=True, help="Print the normalised spec as JSON.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='JSON, also for a bad spec: {"valid", "spec", "warnings", "errors": [{field, line, '
+    "message, hint}]}.",
+)
 def validate(file: Path, name: str | None, as_json: bool) -> None:
-    """Check a service spec and print its normalised form."""
-    spec = _load(file, name)
-    summary = spec.summary()
-    problem = local_port_problem(spec) if spec.infra == "local" else None
-    if spec.infra == "local" and problem is None:
-        problem = _fit_problem(spec)
+    """Check a service spec: every problem at once, or its normalised form.
+
+    No name is needed (`up` makes one up). Relative paths are taken from the current
+    directory, as `up` takes them."""
+    spec = None
+    try:
+        spec = load_spec(file, name=name)
+        issues = _deploy_issues(spec)
+    except SpecError as exc:
+        issues = exc.issues
+    source = str(file)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "spec": summary,
-                    "warnings": list(spec.warnings),
-                    "errors": [problem] if problem else [],
-                },
-                indent=2,
-                default=str,
-            )
-        )
-    else:
-        out.print(f"[green]{file}: valid[/green]")
-        for key, value in summary.items():
-            out.print(f"  {key}: {json.dumps(value, default=str)}", soft_wrap=True)
+        document = {
+            "valid": not issues,
+            "spec": spec.summary() if spec is not None else None,
+            "warnings": list(spec.warnings) if spec is not None else [],
+            "errors": [issue.as_json() for issue in issues],
+        }
+        click.echo(json.dumps(document, indent=2, default=str))
+        if issues:
+            sys.exit(1)
+        return
+    if spec is not None:
         for warning in spec.warnings:
             err.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
+    if issues:
+        err.print(str(SpecError(issues, source)), soft_wrap=True, markup=False)
+        err.print(f"[red]{file}: {len(issues)} problem(s)[/red]")
+        sys.exit(1)
+    assert spec is not None
+    out.print(f"[green]{file}: valid[/green]")
+    for key, value in spec.summary().items():
+        out.print(f"  {key}: {json.dumps(value, default=str)}", soft_wrap=True)
+
+
+def _deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
+    """What stops a parsed spec from being deployed from here: its paths, and this backend."""
+    issues = path_issues(spec, os.getcwd())
+    problem = local_port_problem(spec) if spec.infra == "local" else None
     if problem:
-        _fail(problem)
+        issues.append(SpecIssue("run", problem, spec.line_of("run")))
+    fit = _fit_problem(spec) if spec.infra == "local" else None
+    if fit:
+        issues.append(SpecIssue("resources", fit, spec.line_of("resources")))
+    return issues
+
+
+def _check_deployable(
+    file: Path, spec: ServiceSpec, envs: dict[str, str], secrets: dict[str, str]
+) -> None:
+    """Every problem of the spec with these values, before anything is sent."""
+    issues = _deploy_issues(spec)
+    try:
+        check(spec, source=str(file), base_dir=os.getcwd(), envs=envs, secrets=secrets)
+    except SpecError as exc:
+        issues += [i for i in exc.issues if i not in issues]
+    if issues:
+        err.print(str(SpecError(issues, str(file))), soft_wrap=True, markup=False)
+        sys.exit(1)
 
 
 @main.command()
@@ -458,12 +541,12 @@ def _fit_problem(spec: Any) -> str | None:
     return fit_problem(spec.resources.model_dump(exclude_none=True), inventory)
 
 
-def _load(file: Path, name: str | None) -> Any:
+def _load(file: Path, name: str | None, *, need_name: bool = True) -> ServiceSpec:
     try:
         spec = load_spec(file, name=name)
     except SpecError as exc:
         err.print(str(exc), soft_wrap=True, markup=False)
         sys.exit(1)
-    if not spec.name:
+    if need_name and not spec.name:
         _fail(f"{file}: the service needs a name: set `name:` in the spec or pass -n NAME")
     return spec

@@ -359,9 +359,23 @@ class Client:
         return dict(self.request("GET", f"/v1/services/{quote(name, safe='')}"))
 
     def create(
-        self, spec: str, *, name: str | None, source: str | None, base_dir: str | None
+        self,
+        spec: str,
+        *,
+        name: str | None,
+        source: str | None,
+        base_dir: str | None,
+        envs: dict[str, str] | None = None,
+        secrets: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        body = {"spec": spec, "name": name, "source": source, "base_dir": base_dir}
+        body = {
+            "spec": spec,
+            "name": name,
+            "source": source,
+            "base_dir": base_dir,
+            "envs": envs or {},
+            "secrets": secrets or {},
+        }
         return dict(self.request("POST", "/v1/services", body))
 
     def update(
@@ -373,6 +387,8 @@ class Client:
         source: str | None = None,
         base_dir: str | None = None,
         from_version: int | None = None,
+        envs: dict[str, str] | None = None,
+        secrets: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         body = {
             "spec": spec,
@@ -380,6 +396,8 @@ class Client:
             "source": source,
             "base_dir": base_dir,
             "from_version": from_version,
+            "envs": envs or {},
+            "secrets": secrets or {},
         }
         return dict(self.request("POST", f"/v1/services/{quote(name, safe='')}/versions", body))
 

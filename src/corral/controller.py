@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from corral import capture, logfiles
+from corral import capture, deploy, logfiles
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
 from corral.capacity import Capacity, Grant
 from corral.dataplane.plane import DataPlane, ServiceRoute
@@ -53,6 +53,7 @@ from corral.replicas import (
 )
 from corral.spec import ServiceSpec, parse_spec
 from corral.state import ReplicaRow, StateError, Store
+from corral.versionfiles import remove_service_files
 
 log = logging.getLogger("corral.controller")
 
@@ -570,6 +571,8 @@ class ServiceController:
         # row goes: from then until the daemon forgets this controller, nothing may await.
         scratch = scratch_root(self.deps.home_marker) / self.name
         await asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)
+        # Every version's copy of the workdir and its values (secrets) go with the service.
+        await asyncio.to_thread(remove_service_files, self.deps.home, self.name)
         try:
             if self.store.service(self.name) is not None:
                 self.store.event(self.name, "service.removed", "all replicas torn down")
@@ -808,12 +811,9 @@ class ServiceController:
         infra = self._infra_for(r)
         self.store.event(self.name, "replica.launch", f"on {r.infra}", replica_id=r.id)
         vrow = self.store.version(self.name, r.version)
-        base = Path(vrow.base_dir) if vrow and vrow.base_dir else self.dir
-        workdir = None
-        if spec.workdir:
-            workdir = Path(spec.workdir).expanduser()
-            if not workdir.is_absolute():
-                workdir = (base / workdir).resolve()
+        base = vrow.base_dir if vrow and vrow.base_dir else str(self.dir)
+        # The version's own copy of its workdir, and its env and secret values.
+        workdir, envs = deploy.launch_inputs(self.deps.home, self.name, r.version, spec, base)
         replica_dir = scratch_root(self.deps.home_marker) / self.name / str(r.id)
         port = None
         if "PORT" not in (spec.run or ""):
@@ -824,7 +824,7 @@ class ServiceController:
             version=r.version,
             run=spec.run or "",
             setup=spec.setup,
-            envs={**spec.envs, **grant.env},
+            envs={**envs, **grant.env},  # corral's device variables win
             workdir=workdir,
             replica_dir=replica_dir,
             log_path=self.replica_log(r.id),
@@ -1433,8 +1433,9 @@ def _initial_delay(spec: ServiceSpec) -> float:
 def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route:
     """The data plane's route of a service (everything but the ready set) from its spec.
 
-    Relative TLS file paths are taken from the spec file's directory (``base_dir``), as
-    ``workdir`` is: the workers run elsewhere, and the path must mean the same file to them."""
+    Relative TLS file paths are taken from the directory the CLI ran in (``base_dir``), as
+    ``workdir`` is (SkyPilot's rule): the workers run elsewhere, and the path must mean the
+    same file to them."""
     lb = spec.service.load_balancer
     tls = spec.service.tls
 

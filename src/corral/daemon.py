@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -37,7 +38,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from corral import capture, logfiles
+from corral import capture, deploy, logfiles, versionfiles
 from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
 from corral.capacity import Capacity, fit_problem
 from corral.controller import (
@@ -50,13 +51,21 @@ from corral.controller import (
 )
 from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
+from corral.deploy import KEEP_VERSIONS
 from corral.home import ensure_token, is_loopback, read_info
 from corral.infra.base import Infra, ReplicaHandle
 from corral.infra.inventory import InventoryError, load_inventory
 from corral.infra.local import LocalInfra, replica_key
 from corral.jobs import JobPool
 from corral.limits import raise_open_files, undumpable
-from corral.spec import ServiceSpec, SpecError, local_port_problem, parse_spec, validate_name
+from corral.spec import (
+    ServiceSpec,
+    SpecError,
+    local_port_problem,
+    parse_spec,
+    redact_secrets,
+    validate_name,
+)
 from corral.state import StateError, Store
 
 log = logging.getLogger("corral.daemon")
@@ -78,6 +87,31 @@ class RequestError(Exception):
         self.status = status
         self.message = message
         self.details = details
+
+
+def _spec_refused(exc: SpecError) -> RequestError:
+    return RequestError(
+        400,
+        "invalid service spec",
+        issues=[i.as_json() | {"loc": i.loc} for i in exc.issues],
+        text=str(exc),
+    )
+
+
+def _check_inputs(
+    spec: ServiceSpec,
+    *,
+    source: str | None,
+    base_dir: str | None,
+    envs: Mapping[str, str],
+    secrets: Mapping[str, str],
+) -> None:
+    try:
+        deploy.check(
+            spec, source=source or "<request>", base_dir=base_dir, envs=envs, secrets=secrets
+        )
+    except SpecError as exc:
+        raise _spec_refused(exc) from None
 
 
 def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
@@ -127,6 +161,7 @@ class Daemon:
         self.stop_requested = asyncio.Event()
         # `corral daemon stop --all`: the balancer workers stop too (else they keep serving).
         self.stop_workers = False
+        self._deploy_locks: dict[str, asyncio.Lock] = {}
 
     async def start_controllers(self) -> None:
         for svc in self.store.services():
@@ -152,19 +187,43 @@ class Daemon:
     # -- operations ---------------------------------------------------------------------------
 
     async def create(
-        self, spec_text: str, *, name: str | None, source: str | None, base_dir: str | None
+        self,
+        spec_text: str,
+        *,
+        name: str | None,
+        source: str | None,
+        base_dir: str | None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
+        envs, secrets = envs or {}, secrets or {}
         spec = await self._check_off_loop(spec_text, source=source, name=name)
         assert spec.name is not None
-        if spec.name in self.controllers or self.store.service(spec.name) is not None:
-            raise RequestError(409, f"service {spec.name!r} already exists")
-        try:
-            self.store.create_service(
-                spec.name, spec_text, source=source, base_dir=base_dir, lb_port=free_port()
+        _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
+        svc_name = spec.name
+        stored_text = await asyncio.to_thread(redact_secrets, spec_text)
+        # The controller keeps the spec as stored: secret values live only in the values file.
+        stored = spec
+        if spec.secrets:
+            stored = await asyncio.to_thread(
+                parse_spec, stored_text, source=source or "<request>", name=name
             )
-        except KeyError:
-            raise RequestError(409, f"service {spec.name!r} already exists") from None
-        controller = await self._start_controller(spec.name, spec)
+        async with self._deploy_lock(svc_name):
+            if svc_name in self.controllers or self.store.service(svc_name) is not None:
+                raise RequestError(409, f"service {svc_name!r} already exists")
+            # The version's files exist before its row does: a replica never finds them missing.
+            await self._prepare(svc_name, 1, spec, base_dir, envs, secrets)
+            try:
+                self.store.create_service(
+                    svc_name,
+                    stored_text,
+                    source=source,
+                    base_dir=base_dir,
+                    lb_port=free_port(),
+                )
+            except KeyError:
+                raise RequestError(409, f"service {svc_name!r} already exists") from None
+        controller = await self._start_controller(svc_name, stored)
         if controller.balancer is not None and not await controller.balancer.wait_serving():
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
@@ -178,12 +237,39 @@ class Daemon:
         source: str | None,
         base_dir: str | None,
         from_version: int | None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Store a new version of a service and let its controller roll it out.
 
         ``from_version`` re-deploys a stored version's spec (a rollback) as a new version, so
-        the history only grows and every rollout is in the event log.
+        the history only grows and every rollout is in the event log; it reuses that
+        version's files (workdir copy, values).
         """
+        async with self._deploy_lock(name):
+            return await self._update(
+                name,
+                spec_text,
+                mode=mode,
+                source=source,
+                base_dir=base_dir,
+                from_version=from_version,
+                envs=envs or {},
+                secrets=secrets or {},
+            )
+
+    async def _update(
+        self,
+        name: str,
+        spec_text: str | None,
+        *,
+        mode: str,
+        source: str | None,
+        base_dir: str | None,
+        from_version: int | None,
+        envs: Mapping[str, str],
+        secrets: Mapping[str, str],
+    ) -> dict[str, Any]:
         controller = self.controller(name)
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down":
@@ -196,10 +282,14 @@ class Daemon:
             old = self.store.version(name, from_version)
             if old is None:
                 raise RequestError(404, f"service {name!r} has no version {from_version}")
+            if envs or secrets:
+                raise RequestError(400, "a rollback reuses the version's values: no envs/secrets")
             spec_text, source, base_dir = old.spec_yaml, old.source, old.base_dir
         if spec_text is None:
             raise RequestError(400, "field 'spec' (the service YAML) or 'from_version' is required")
         spec = await self._check_off_loop(spec_text, source=source, name=name)
+        if from_version is None:
+            _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
         # The service may have been taken down or updated while the spec was being checked.
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
@@ -211,19 +301,119 @@ class Daemon:
                 f"an update cannot move a service from infra "
                 f"{current.infra!r} to {spec.infra!r}; bring up a new service",
             )
-        # Only the `service:` section changed (policy, probe): keep the running replicas.
-        current_row = self.store.version(name, svc.current_version)
-        same_replicas = (
-            current_row is not None
-            and current_row.base_dir == base_dir
-            and spec.model_dump(exclude={"service"}) == current.model_dump(exclude={"service"})
+        next_version = max(v.version for v in self.store.versions(name)) + 1
+        if from_version is not None:
+            await self._reuse_files(name, from_version, next_version)
+        else:
+            await self._prepare(name, next_version, spec, base_dir, envs, secrets)
+        # Off the loop, as every parse: the largest spec takes up to a second to read.
+        stored_text = await asyncio.to_thread(redact_secrets, spec_text)
+        stored_spec = await asyncio.to_thread(
+            parse_spec, stored_text, source=source or "<request>", name=name
         )
+        same_replicas = self._same_replicas(
+            name, svc.current_version, next_version, base_dir, current, stored_spec
+        )
+        svc = self.store.service(name)
+        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
+            raise RequestError(409, f"service {name!r} is shutting down")
         version = self.store.add_version(
-            name, spec_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
+            name, stored_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
         )
-        controller.remember(version, spec)
+        if version != next_version:  # nothing else adds versions; never seen
+            log.error("service %s: version %d stored as %d", name, next_version, version)
+        await asyncio.to_thread(self._prune_files, name)
+        controller.remember(version, stored_spec)  # secrets: only in the version's values
         controller.updated()
         return controller.snapshot()
+
+    def _deploy_lock(self, name: str) -> asyncio.Lock:
+        """One create/update of a service at a time: the next version's number is taken, and
+        its directory made, before the version is stored."""
+        return self._deploy_locks.setdefault(name, asyncio.Lock())
+
+    async def _prepare(
+        self,
+        name: str,
+        version: int,
+        spec: ServiceSpec,
+        base_dir: str | None,
+        envs: Mapping[str, str],
+        secrets: Mapping[str, str],
+    ) -> None:
+        try:
+            files = await asyncio.to_thread(
+                deploy.prepare,
+                self.home,
+                name,
+                version,
+                spec,
+                base_dir=base_dir,
+                envs=envs,
+                secrets=secrets,
+            )
+        except OSError as exc:
+            # The home's disk full or read-only is the daemon's trouble (retry later); anything
+            # else (an unreadable file of the workdir) is the request's.
+            home_trouble = {errno.ENOSPC: "disk is full", errno.EDQUOT: "disk is full"}
+            home_trouble[errno.EROFS] = "home is read-only"
+            trouble = home_trouble.get(exc.errno or 0)
+            if trouble is not None:
+                raise RequestError(
+                    503,
+                    f"service {name}: the version's files cannot be written: the {trouble} "
+                    f"({exc}); nothing was changed, retry",
+                ) from None
+            raise RequestError(
+                400, f"service {name}: cannot copy the workdir of version {version}: {exc}"
+            ) from None
+        if spec.workdir:
+            log.info(
+                "service %s: version %d: workdir copied (%d files, %d bytes)",
+                name,
+                version,
+                files.files,
+                files.bytes,
+            )
+
+    async def _reuse_files(self, name: str, old: int, new: int) -> None:
+        """A rollback's files: version ``old``'s, shared."""
+        cloned = await asyncio.to_thread(versionfiles.clone_version, self.home, name, old, new)
+        if not cloned and versionfiles.has_files(self.home, name):
+            raise RequestError(
+                409,
+                f"the files of version {old} were removed (the last {KEEP_VERSIONS} versions "
+                "are kept): deploy it from its spec file with `corral update`",
+            )
+
+    def _same_replicas(
+        self,
+        name: str,
+        current: int,
+        new: int,
+        base_dir: str | None,
+        current_spec: ServiceSpec,
+        new_spec: ServiceSpec,
+    ) -> bool:
+        """Whether version ``new`` differs from ``current`` only in the `service:` section
+        (policy, probe): then the running replicas are kept, relabelled. The same files
+        (workdir copy, env and secret values) are part of "the same"."""
+        row = self.store.version(name, current)
+        fingerprint = versionfiles.fingerprint
+        return (
+            row is not None
+            and row.base_dir == base_dir
+            and fingerprint(self.home, name, new) == fingerprint(self.home, name, current)
+            and new_spec.model_dump(exclude={"service"})
+            == current_spec.model_dump(exclude={"service"})
+        )
+
+    def _prune_files(self, name: str) -> None:
+        """Drop the files of versions no replica runs and past the rollback window."""
+        versions = [v.version for v in self.store.versions(name)]
+        keep = set(versions[-KEEP_VERSIONS:]) | {r.version for r in self.store.replicas(name)}
+        if versionfiles.prune_versions(self.home, name, keep):
+            versionfiles.collect_garbage(self.home)
 
     async def _check_off_loop(
         self, spec_text: str, *, source: str | None, name: str | None
@@ -237,12 +427,7 @@ class Daemon:
         try:
             spec = parse_spec(spec_text, source=source or "<request>", name=name)
         except SpecError as exc:
-            raise RequestError(
-                400,
-                "invalid service spec",
-                issues=[{"loc": i.loc, "message": i.message, "line": i.line} for i in exc.issues],
-                text=str(exc),
-            ) from None
+            raise _spec_refused(exc) from None
         if not spec.name:
             raise RequestError(400, "the service needs a name: set `name:` in the spec or pass -n")
         if spec.infra not in self.deps.infras:

@@ -51,8 +51,10 @@ import json
 import math
 import os
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 import yaml
@@ -98,10 +100,16 @@ __all__ = [
     "SpecError",
     "SpecIssue",
     "TlsSettings",
+    "generated_name",
     "load_spec",
+    "local_mounts",
     "local_port_problem",
+    "missing_values",
     "parse_spec",
+    "path_issues",
+    "redact_secrets",
     "validate_name",
+    "value_flag",
 ]
 
 DEFAULT_READINESS_PATH = "/"
@@ -159,6 +167,8 @@ class SpecIssue:
     loc: str
     message: str
     line: int | None = None
+    # What to do about it, when there is one clear fix ("did you mean 'min_replicas'?").
+    hint: str | None = None
 
     def format(self, source: str) -> str:
         """Render as ``FILE:LINE: loc: message``, the shape compilers use and editors parse."""
@@ -166,7 +176,12 @@ class SpecIssue:
         if self.line is not None:
             where = f"{source}:{self.line}" if source else f"line {self.line}"
         parts = [p for p in (where, self.loc, self.message) if p]
-        return ": ".join(parts)
+        text = ": ".join(parts)
+        return f"{text}; {self.hint}" if self.hint else text
+
+    def as_json(self) -> dict[str, Any]:
+        """The shape of ``corral validate --json`` and of the API's error issues."""
+        return {"field": self.loc, "line": self.line, "message": self.message, "hint": self.hint}
 
 
 class SpecError(ValueError):
@@ -794,6 +809,8 @@ class ServiceSpec(_Section):
     run: str | None = Field(default=None, validate_default=True)
     setup: str | None = None
     envs: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    # SkyPilot's secrets: env vars whose values never show (state, status, logs, events).
+    secrets: dict[EnvName, EnvValue] = Field(default_factory=dict)
     workdir: str | None = None
     infra: InfraName = "local"
     num_nodes: int = 1
@@ -804,17 +821,44 @@ class ServiceSpec(_Section):
     volumes: Any = None
     config: Any = None
 
-    _null_envs: list[str] = PrivateAttr(default_factory=list)
+    # "envs.NAME" / "secrets.NAME" of keys written without a value -> their line in the file.
+    _unset: dict[str, int | None] = PrivateAttr(default_factory=dict)
+    # Lines of the top-level keys, for problems found after parsing (a missing workdir).
+    _lines: dict[str, int | None] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
-    def _remember_null_envs(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
-        # ``HF_TOKEN:`` with no value is how SkyPilot examples say "fill me in"; it becomes "",
-        # and the warning keeps that from passing unnoticed.
+    def _remember_unset(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        # ``HF_TOKEN:`` with no value is how SkyPilot says "give it at launch" (``--env``,
+        # ``--secret``): such keys are left out here and must be given at up/update.
+        unset: list[str] = []
+        if isinstance(data, dict):
+            data = dict(data)
+            for section in ("envs", "secrets"):
+                values = data.get(section)
+                if isinstance(values, dict):
+                    unset += [f"{section}.{k}" for k, v in values.items() if v is None]
+                    data[section] = {k: v for k, v in values.items() if v is not None}
         spec = handler(data)
-        if isinstance(data, dict) and isinstance(data.get("envs"), dict):
-            spec._null_envs = [str(k) for k, v in data["envs"].items() if v is None]
+        spec._unset = dict.fromkeys(unset)
         return spec
+
+    @model_validator(mode="after")
+    def _secrets_apart(self) -> Self:
+        both = sorted(set(self.envs) & set(self.secrets))
+        if both:
+            raise ValueError(
+                f"{', '.join(both)} given in both envs and secrets: a name is one or the other"
+            )
+        return self
+
+    def unset_values(self) -> dict[str, int | None]:
+        """``envs.NAME``/``secrets.NAME`` left without a value in the file, with their line."""
+        return dict(self._unset)
+
+    def line_of(self, key: str) -> int | None:
+        """The line of top-level field ``key`` in the file it was read from, if known."""
+        return self._lines.get(key)
 
     @field_validator("name")
     @classmethod
@@ -860,12 +904,17 @@ class ServiceSpec(_Section):
     def warnings(self) -> list[str]:
         """Fields kept but without effect here, old spellings read, values filled in."""
         meaningless = f"has no meaning on infra {self.infra}; kept but not used"
-        notes = [f"{path}: {meaningless}" for path in self._placement_set("")]
+        # On local, file_mounts is honoured (relative destinations) or an error, not a note.
+        top = [
+            p for p in self._placement_set("") if not (p == "file_mounts" and self.infra == "local")
+        ]
+        notes = [f"{path}: {meaningless}" for path in top]
         notes += [f"{path}: {meaningless}" for path in self.resources._placement_set("resources.")]
         notes += self.service._notes(meaningless)
         notes += [
-            f"envs.{name}: has no value in the spec; set to an empty string"
-            for name in self._null_envs
+            f"{field}: has no value in the spec: give it at `corral up`/`update` with "
+            f"{value_flag(field)} {field.split('.', 1)[1]}=VALUE"
+            for field in self._unset
         ]
         return notes
 
@@ -894,6 +943,8 @@ class ServiceSpec(_Section):
             "setup": self.setup,
             "workdir": self.workdir,
             "envs": sorted(self.envs),
+            "secrets": sorted(self.secrets),
+            "unset": sorted(self._unset),
             "resources": {
                 "ports": [_format_range(r) for r in self.resources.ports],
                 "cpus": self.resources.cpus,
@@ -953,6 +1004,139 @@ def local_port_problem(spec: ServiceSpec) -> str | None:
     )
 
 
+def generated_name() -> str:
+    """A name for a service started without one, shaped as SkyServe makes them
+    (``sky-service-`` and 4 hex digits there): ``corral-service-`` and 4 random hex digits."""
+    return f"corral-service-{secrets.token_hex(2)}"
+
+
+def value_flag(field: str) -> str:
+    """The flag that gives a value to ``envs.NAME`` (``--env``) or ``secrets.NAME``."""
+    return "--secret" if field.startswith("secrets.") else "--env"
+
+
+def missing_values(
+    spec: ServiceSpec, envs: Iterable[str] = (), secrets: Iterable[str] = ()
+) -> list[SpecIssue]:
+    """Keys the spec leaves without a value that ``envs``/``secrets`` (the names given on the
+    command line) do not give either: each is an error at up/update, naming the flag."""
+    given = {f"envs.{k}" for k in envs} | {f"secrets.{k}" for k in secrets}
+    issues = []
+    for field, line in spec.unset_values().items():
+        if field in given:
+            continue
+        flag, key = value_flag(field), field.split(".", 1)[1]
+        issues.append(
+            SpecIssue(
+                field,
+                "has no value in the spec and none was given",
+                line,
+                f"pass {flag} {key}=VALUE (or {flag} {key} to take it from your environment)",
+            )
+        )
+    return issues
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with the value of every ``secrets:`` key replaced: what is stored and shown of a
+    spec. Only the value's characters change, so every line keeps its number."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return text
+    section = _child(root, "secrets")
+    if not isinstance(section, MappingNode):
+        return text
+    spans = [
+        (value.start_mark.index, value.end_mark.index)
+        for _, value in section.value
+        if not (isinstance(value, ScalarNode) and value.tag == "tag:yaml.org,2002:null")
+    ]
+    for start, end in sorted(spans, reverse=True):
+        # A block scalar's span takes its lines (and the line break after it): keep as many
+        # breaks, so the YAML stays valid and every later line keeps its number.
+        text = text[:start] + REDACTED + "\n" * text.count("\n", start, end) + text[end:]
+    return text
+
+
+REDACTED = "'<redacted>'"
+
+
+def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[SpecIssue]:
+    """Local paths of the spec that do not exist, relative ones taken from ``base_dir`` (the
+    directory corral was called from, as SkyPilot does); and ``file_mounts`` this backend
+    cannot honour."""
+    issues = []
+    if spec.workdir:
+        where = Path(base_dir, Path(spec.workdir).expanduser())
+        if not where.is_dir():
+            what = "is not a directory" if where.exists() else "does not exist"
+            issues.append(
+                SpecIssue(
+                    "workdir",
+                    f"{where} {what} (a relative workdir is taken from the directory corral "
+                    f"is run in, {base_dir}, as in SkyPilot)",
+                    spec.line_of("workdir"),
+                    "run corral from the directory the path is relative to, or give an "
+                    "absolute path",
+                )
+            )
+    if spec.file_mounts and spec.infra == "local":
+        issues += _local_mount_issues(spec, Path(base_dir))
+    return issues
+
+
+def local_mounts(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """``file_mounts`` as the local backend honours them: a destination relative to the
+    replica's working directory -> an absolute local path (copied with the version)."""
+    mounts = spec.file_mounts if isinstance(spec.file_mounts, dict) else {}
+    return {
+        str(dest): Path(base_dir, Path(str(src)).expanduser()).resolve()
+        for dest, src in mounts.items()
+    }
+
+
+def _local_mount_issues(spec: ServiceSpec, base_dir: Path) -> list[SpecIssue]:
+    line = spec.line_of("file_mounts")
+    if not isinstance(spec.file_mounts, dict):
+        return [SpecIssue("file_mounts", "expected a mapping of destination: source", line)]
+    issues = []
+    for dest, src in spec.file_mounts.items():
+        field = f"file_mounts.{_key_text(dest)}"
+        dest_text = str(dest)
+        if not isinstance(src, str) or "://" in src:
+            issues.append(
+                SpecIssue(
+                    field,
+                    "only a local path can be mounted on infra local (not a bucket or a "
+                    "storage mapping)",
+                    line,
+                    "download it in `setup` instead",
+                )
+            )
+        elif dest_text.startswith(("/", "~")) or ".." in Path(dest_text).parts:
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"cannot be honoured on infra local: {dest_text} would be one path of this "
+                    "machine for every replica and version",
+                    line,
+                    "give a relative destination (placed in the replica's working directory, "
+                    "copied with each version), or put the files in workdir",
+                )
+            )
+        elif not Path(base_dir, Path(src).expanduser()).exists():
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"{Path(base_dir, src)} does not exist (relative paths are taken from the "
+                    "directory corral is run in)",
+                    line,
+                )
+            )
+    return issues
+
+
 def validate_name(name: str) -> None:
     """Check a service name (from a spec or the command line) before it reaches paths or URLs."""
     problem = _name_problem(name)
@@ -994,7 +1178,6 @@ _UNSUPPORTED = {
     ),
     "pool": "SkyPilot worker pools are not supported; size a service with replicas",
     "workers": "SkyPilot worker pools are not supported; size a service with replicas",
-    "secrets": "secrets are not supported; pass the values in envs",
 }
 _LITERAL_ALIASES = {"k8s": "kubernetes", "rr": "round_robin", "least_loaded": "least_load"}
 
@@ -1453,14 +1636,28 @@ def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSp
             dotted, line = _locate(root, loc)
             if name_given and loc[:1] == ("name",):
                 line = None  # the override did not come from the file
-            issues.append(SpecIssue(dotted, _explain(error, loc), line))
+            issues.append(_issue(dotted, _explain(error, loc), line))
         raise SpecError(issues, source) from None
     for loc, message in _cross_section_issues(spec):
         dotted, line = _locate(root, loc)
-        issues.append(SpecIssue(dotted, message, line))
+        issues.append(_issue(dotted, message, line))
     if issues:
         raise SpecError(issues, source)
+    spec._lines = {str(k): _locate(root, (k,))[1] for k in data}
+    spec._unset = {field: _locate(root, field.split(".", 1))[1] for field in spec._unset}
     return spec
+
+
+# The parts of a message that say what to do, shown as the issue's hint.
+_HINT_MARKERS = ("; did you mean ", ": it belongs under ")
+
+
+def _issue(loc: str, message: str, line: int | None) -> SpecIssue:
+    for marker in _HINT_MARKERS:
+        head, found, tail = message.partition(marker)
+        if found:
+            return SpecIssue(loc, head, line, f"{marker.lstrip(';: ')}{tail}")
+    return SpecIssue(loc, message, line)
 
 
 def _sorted(issues: Iterable[SpecIssue]) -> list[SpecIssue]:

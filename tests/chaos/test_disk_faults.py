@@ -361,11 +361,12 @@ def _fill(directory: Path) -> Path:
     """Take every free byte of ``directory``'s filesystem; return the filler file."""
     filler = directory / "filler.bin"
     chunk = b"\0" * (1 << 16)
-    with open(filler, "wb") as f:
+    # Unbuffered: a buffered file keeps what a short write left, and its close() then fails
+    # with ENOSPC itself (seen when the free space was not a multiple of the chunk).
+    with open(filler, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(chunk)
-                f.flush()
         except OSError as exc:
             assert "No space left" in str(exc), exc
     # What the buffer held when the disk filled: written byte by byte until nothing fits.

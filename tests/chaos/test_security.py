@@ -191,9 +191,11 @@ def app_spec(directory: Path, name: str) -> Path:
     work = directory / f"work-{name}"
     work.mkdir(parents=True, exist_ok=True)
     run = f"exec {sys.executable} {EXAMPLES / 'app.py'}"
+    # Written by absolute path into the live directory: the replica's working directory is
+    # the version's copy, whose writes stay in the replica's own overlay.
     setup = (
-        "tr '\\0' '\\n' < /proc/$$/environ > setup.env; "
-        "{ readlink /proc/$$/fd/* || true; } > setup.fds"
+        f"tr '\\0' '\\n' < /proc/$$/environ > {work}/setup.env; "
+        f"{{ readlink /proc/$$/fd/* || true; }} > {work}/setup.fds"
     )
     text = spec_text(name, 1, run=run, setup=setup, workdir=work)
     return write_spec(directory / f"{name}.yaml", text)

@@ -50,7 +50,12 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
 MS_REC = 16384
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_RELATIME = 1 << 21
 MS_SLAVE = 1 << 19
 SYS_LANDLOCK_CREATE_RULESET = 444
 SYS_LANDLOCK_RESTRICT_SELF = 446
@@ -100,10 +105,20 @@ class Confinement:
             f" no mounts, no access to other processes' /proc entries{signals}"
         )
 
-    def preexec(self) -> Callable[[], None]:
+    def preexec(
+        self, bind: tuple[Path, Path] | None = None, scratch: Path | None = None
+    ) -> Callable[[], None]:
         """The ``preexec_fn`` that confines the child. Everything it needs (the C library, the
         strings, the ruleset structure) is made here, in the parent: the child only makes
-        system calls, and takes no lock a thread of the parent could hold across the fork."""
+        system calls, and takes no lock a thread of the parent could hold across the fork.
+
+        ``bind`` (a directory inside the home, a directory outside it): the first is shown at
+        the second before the home is covered, and the child starts there. This is how a
+        replica sees its version's files (corral.versionfiles) and nothing else of the home.
+        Those files are shared with other versions, so they are never written: with
+        ``scratch`` (a directory of the replica's own) the view is an overlay whose writes go
+        to ``scratch`` (copy-on-write: the replica may write to its working directory, as on
+        a SkyPilot replica); where the kernel refuses an overlay, a read-only bind mount."""
         c = libc()
         syscall, unshare, mount, prctl = c.syscall, c.unshare, c.mount, c.prctl
         target = os.fsencode(self.hidden)
@@ -119,6 +134,22 @@ class Confinement:
         attr_size = 8 if self.abi < 4 else 16 if self.abi < 6 else 24
         flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
         userns = self.userns
+        source = target_dir = None
+        remount = 0
+        overlays: list[bytes] = []
+        if bind is not None:
+            source, target_dir = os.fsencode(bind[0]), os.fsencode(bind[1])
+            # A remount in a user namespace must keep the flags the mount already has.
+            remount = MS_REMOUNT | MS_BIND | MS_RDONLY | _kept_flags(bind[0])
+            if scratch is not None and not any(
+                c in str(p) for p in (bind[0], scratch) for c in ",:\\"
+            ):
+                (scratch / "upper").mkdir(parents=True, exist_ok=True)
+                (scratch / "work").mkdir(parents=True, exist_ok=True)
+                options = f"lowerdir={bind[0]},upperdir={scratch}/upper,workdir={scratch}/work"
+                # Unprivileged overlays keep their bookkeeping in user.* attributes.
+                tries = [options + ",userxattr", options] if userns else [options]
+                overlays = [os.fsencode(t) for t in tries]
 
         def fail(step: str) -> None:
             code = ctypes.get_errno()
@@ -143,8 +174,17 @@ class Confinement:
                 write("/proc/self/gid_map", gid_map)
             if mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
                 fail("making mounts private")
+            if source is not None and not any(
+                mount(b"overlay", target_dir, b"overlay", 0, opts) == 0 for opts in overlays
+            ):
+                if mount(source, target_dir, None, MS_BIND | MS_REC, None) != 0:
+                    fail("showing the version's files")
+                if mount(None, target_dir, None, remount, None) != 0:
+                    fail("making the version's files read-only")
             if mount(b"corral-hidden", target, b"tmpfs", flags, b"size=4k,mode=0555") != 0:
                 fail(f"covering {self.hidden}")
+            if target_dir is not None:
+                os.chdir(target_dir)  # the cwd set before this was the directory under the mount
             fd = syscall(
                 ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
                 ctypes.byref(attr),
@@ -160,6 +200,20 @@ class Confinement:
                 os.close(fd)
 
         return confine
+
+
+def _kept_flags(path: Path) -> int:
+    """The mount flags of the filesystem holding ``path`` that a remount must repeat."""
+    have = os.statvfs(path).f_flag
+    pairs = (
+        (os.ST_NOSUID, MS_NOSUID),
+        (os.ST_NODEV, MS_NODEV),
+        (os.ST_NOEXEC, MS_NOEXEC),
+        (os.ST_NOATIME, MS_NOATIME),
+        (os.ST_NODIRATIME, MS_NODIRATIME),
+        (os.ST_RELATIME, MS_RELATIME),
+    )
+    return sum(mount_flag for st_flag, mount_flag in pairs if have & st_flag)
 
 
 def plan(home: Path) -> tuple[Confinement | None, str]:

@@ -286,12 +286,25 @@ _CORRAL_SET = (
 )
 
 
+# What a replica takes from the daemon's environment: what a program needs to find commands and
+# speak the user's language, nothing else. The daemon is started by whatever shell first ran a
+# corral command; its other variables (cloud keys, tokens, a virtualenv of the moment) are that
+# shell's business, not the service's: a replica gets them only through envs or secrets.
+INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR")
+INHERITED_ENV_PREFIXES = ("LC_",)
+
+
+def _inherited(name: str) -> bool:
+    return name in INHERITED_ENV or name.startswith(INHERITED_ENV_PREFIXES)
+
+
 def _replica_env(request: LaunchRequest, port: int, key: str) -> dict[str, str]:
-    """The daemon's environment without its own ``CORRAL_*`` variables (its token and home must
-    never reach a replica), plus the spec's envs, plus what corral tells every replica. corral's
-    own variables win over the spec's: PORT must be the port the daemon probes, and the marker
-    and key are what ``sweep`` and ``terminate`` trust."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    """The short list of the daemon's environment (:data:`INHERITED_ENV`, ``LC_*``; never a
+    ``CORRAL_*`` variable: the token and home must not reach a replica), plus the version's
+    envs and secrets, plus what corral tells every replica. corral's own variables win over
+    the spec's: PORT must be the port the daemon probes, and the marker and key are what
+    ``sweep`` and ``terminate`` trust."""
+    env = {k: v for k, v in os.environ.items() if _inherited(k)}
     env.update({str(k): str(v) for k, v in request.envs.items()})
     env.update(
         {
@@ -304,6 +317,18 @@ def _replica_env(request: LaunchRequest, port: int, key: str) -> dict[str, str]:
         }
     )
     return env
+
+
+def _is_version_copy(path: Path, home: Path) -> bool:
+    """Whether ``path`` is a version's copy of its workdir: ``HOME/services/S/versions/N/
+    workdir`` or below (see corral.versionfiles), the one part of the home a replica sees."""
+    parts = path.relative_to(home).parts
+    return (
+        len(parts) >= 5
+        and parts[0] == "services"
+        and parts[2] == "versions"
+        and (parts[3].isdigit() and parts[4] == "workdir")
+    )
 
 
 def _private_parent(replica_dir: Path) -> None:
@@ -596,12 +621,25 @@ class LocalInfra:
             _private_parent(cwd)
             cwd.mkdir(parents=True, exist_ok=True)
         sandbox = self.confinement
+        bind: tuple[Path, Path] | None = None
         if sandbox is not None and cwd.resolve().is_relative_to(sandbox.hidden):
-            raise ValueError(
-                f"working directory {cwd} is inside corral's home {sandbox.hidden}, which "
-                "replicas cannot see; put the service's files elsewhere"
-            )
-        confined = _chain(_pin(request.cpu_ids), sandbox.preexec() if sandbox is not None else None)
+            if not _is_version_copy(cwd.resolve(), sandbox.hidden):
+                raise ValueError(
+                    f"working directory {cwd} is inside corral's home {sandbox.hidden}, which "
+                    "replicas cannot see; put the service's files elsewhere"
+                )
+            # A version's copy of its workdir: shown to the replica, read-only, at its own
+            # directory outside the home (the rest of the home stays covered).
+            replica_dir = Path(request.replica_dir)
+            _private_parent(replica_dir)
+            replica_dir.mkdir(parents=True, exist_ok=True)
+            bind, cwd = (cwd.resolve(), replica_dir), replica_dir
+        # Where the replica's own writes to its working directory go (copy-on-write).
+        scratch = Path(request.replica_dir).with_name(f"{request.replica_id}.writes")
+        confined = _chain(
+            _pin(request.cpu_ids),
+            sandbox.preexec(bind, scratch if bind else None) if sandbox else None,
+        )
         shell = _shell()
         env = _replica_env(request, port, key)
         log_path = Path(request.log_path)
@@ -613,10 +651,18 @@ class LocalInfra:
         # Keys only: values may be secrets, and this log is shown to anyone who asks for it.
         shown = sorted(set(request.envs) | set(_CORRAL_SET))
         print(
-            f"[corral] environment: the daemon's (minus CORRAL_*) + {', '.join(shown)}", flush=True
+            f"[corral] environment: {', '.join(INHERITED_ENV)}, LC_* of the daemon's + "
+            f"{', '.join(shown)}",
+            flush=True,
         )
         if request.cpu_ids:
             print(f"[corral] pinned to CPUs {list(request.cpu_ids)}", flush=True)
+        if bind is not None:
+            print(
+                f"[corral] files: {bind[0]} shown at {cwd}; the replica's writes there go to "
+                f"{scratch} (a read-only view where the kernel has no overlay)",
+                flush=True,
+            )
         if sandbox is not None:
             print(f"[corral] confined: {sandbox.describe()}", flush=True)
         else:

@@ -51,10 +51,11 @@ outlive its cluster, so the connection is made with that exit disabled, every GC
 through :func:`_bounded` (a timeout, and a cap on calls left hanging), and every ``ray.get``
 has a timeout.
 
-Limits: ``workdir`` must exist at the same path on the nodes (shared filesystem or synced
-checkout); ``ports`` in the spec fixes the port on every node (two replicas on one node then
-collide); a child that escapes the actor's process group and drops ``CORRAL_REPLICA_KEY`` from
-its environment outlives an abruptly killed actor; ``labels`` need Ray >= 2.49; one Ray
+Limits: ``workdir`` (a version's copy in the corral home, see corral.versionfiles) must
+exist at the same path on the nodes (the home on a shared filesystem, or one node); ``ports``
+in the spec fixes the port on every node (two replicas on one node then collide); a child
+that escapes the actor's process group and drops ``CORRAL_REPLICA_KEY`` from its environment
+outlives an abruptly killed actor; ``labels`` need Ray >= 2.49; one Ray
 connection per process, so one cluster per daemon.
 """
 

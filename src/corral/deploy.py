@@ -1,0 +1,130 @@
+"""From a checked spec and the values given with it (``--env``, ``--secret``) to a version's
+files, and back from those files to what a replica is launched with.
+
+The daemon calls :func:`check` before it stores anything (every problem at once, as a
+:class:`SpecError`), :func:`prepare` to make the version's directory (a copy of the workdir and
+the values file, see :mod:`corral.versionfiles`), and :func:`launch_inputs` when a replica of
+that version starts. A version stored by an older corral has no directory: its replicas run as
+they did then (the workdir in place, the spec's envs).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from corral.spec import (
+    ServiceSpec,
+    SpecError,
+    SpecIssue,
+    local_mounts,
+    missing_values,
+    path_issues,
+)
+from corral.versionfiles import (
+    VersionFiles,
+    has_files,
+    prepare_version,
+    read_values,
+    version_dir,
+)
+
+__all__ = ["KEEP_VERSIONS", "check", "launch_inputs", "prepare", "workdir_of"]
+
+# Versions whose files are kept for `corral update --to-version N` besides those with replicas.
+KEEP_VERSIONS = 10
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def workdir_of(spec: ServiceSpec, base_dir: str | None) -> Path | None:
+    """The spec's workdir as an absolute path (relative ones from ``base_dir``)."""
+    if not spec.workdir:
+        return None
+    path = Path(spec.workdir).expanduser()
+    if not path.is_absolute() and base_dir:
+        path = Path(base_dir) / path
+    return path.resolve()
+
+
+def check(
+    spec: ServiceSpec,
+    *,
+    source: str,
+    base_dir: str | None,
+    envs: Mapping[str, str],
+    secrets: Mapping[str, str],
+) -> None:
+    """Every problem of the spec together with the given values, raised as one SpecError:
+    keys left without a value, names given twice, a workdir that is not there."""
+    issues: list[SpecIssue] = []
+    for flag, given in (("--env", envs), ("--secret", secrets)):
+        for key in given:
+            if not _ENV_NAME.fullmatch(key):
+                issues.append(SpecIssue(flag, f"{key!r} is not an environment variable name", None))
+    for key in sorted(set(envs) & set(secrets)):
+        issues.append(SpecIssue("--secret", f"{key} is given with both --env and --secret", None))
+    for key in sorted(set(envs) & set(spec.secrets)):
+        issues.append(
+            SpecIssue("--env", f"{key} is a secret in the spec: give it with --secret", None)
+        )
+    for key in sorted(set(secrets) & set(spec.envs)):
+        issues.append(
+            SpecIssue("--secret", f"{key} is in the spec's envs: give it with --env", None)
+        )
+    issues += missing_values(spec, envs, secrets)
+    if spec.workdir and base_dir is None and not Path(spec.workdir).expanduser().is_absolute():
+        issues.append(
+            SpecIssue(
+                "workdir",
+                "is relative, but the request did not say which directory it is relative to",
+                spec.line_of("workdir"),
+                "send base_dir (the CLI sends its current directory) or an absolute workdir",
+            )
+        )
+    else:
+        issues += path_issues(spec, base_dir or "/")
+    if issues:
+        raise SpecError(issues, source)
+
+
+def prepare(
+    home: Path,
+    name: str,
+    version: int,
+    spec: ServiceSpec,
+    *,
+    base_dir: str | None,
+    envs: Mapping[str, str],
+    secrets: Mapping[str, str],
+) -> VersionFiles:
+    """Make version ``version``'s directory (blocking: run it off the event loop). The
+    secrets stored are the spec's own values and the given ones (the given win)."""
+    mounts = local_mounts(spec, base_dir or "/") if spec.infra == "local" else {}
+    return prepare_version(
+        home,
+        name,
+        version,
+        workdir=workdir_of(spec, base_dir),
+        envs=dict(envs),
+        secrets={**spec.secrets, **secrets},
+        mounts=mounts,
+    )
+
+
+def launch_inputs(
+    home: Path, name: str, version: int, spec: ServiceSpec, base_dir: str | None
+) -> tuple[Path | None, dict[str, str]]:
+    """Where a replica of ``version`` runs and its environment from the spec and the values."""
+    directory = version_dir(home, name, version)
+    if not directory.is_dir():
+        if has_files(home, name):
+            # Its files are gone (a state file restored from before they were pruned): never
+            # fall back to the live directory; the launch fails saying this path is missing.
+            return (directory / "workdir" if spec.workdir else None), dict(spec.envs)
+        # Stored before versions had files (or by a client writing state directly).
+        return workdir_of(spec, base_dir), dict(spec.envs)
+    envs, secrets = read_values(directory)
+    workdir = directory / "workdir" if (directory / "workdir").is_dir() else None
+    return workdir, {**spec.envs, **envs, **secrets}

@@ -1,0 +1,366 @@
+"""A version's own files: the copy of its ``workdir`` that its replicas run from, and the env and
+secret values given at ``up``/``update``.
+
+Why a copy: SkyPilot copies the workdir to each replica at launch, so a version is what the
+directory held when it was deployed. Running replicas in the live directory instead meant that
+a replacement replica of version 1 served code edited after ``up``, next to replicas that did
+not. Here the copy is taken once, at ``up``/``update``, into
+``$CORRAL_HOME/services/NAME/versions/N/workdir``, and every replica of version N runs from it.
+
+How it stays cheap: every regular file goes into a content-addressed store
+(``$CORRAL_HOME/store/<sha256>``, one inode per distinct content and executable bit) and the
+version's tree holds hard links to it, so 100 versions of a 1 GB directory that differ in one
+file cost 1 GB plus one file, not 100 GB. The store is in the home, so the links never cross a
+filesystem. A store file whose only link left is the store's own is garbage
+(:func:`collect_garbage`).
+
+Why shared inodes are safe: a write through any link would change the file for every version
+that shares it, so stored files are read-only (0444, or 0555 for executables), which stops an
+accidental in-place write by a replica of a non-root daemon; and a confined replica (the usual
+case, :mod:`corral.infra.confine`) sees its version's tree only through an overlay whose writes
+go copy-on-write to a scratch directory of its own (so it may write to its working directory,
+as on a SkyPilot replica), or, where the kernel refuses an overlay, a read-only bind mount.
+Either stops every writer, root included, and cannot be lifted from inside (Landlock forbids
+mounts). Replacing or deleting a file (what editors and ``git checkout`` do) only ever touches
+one version's directory entry.
+
+What is left out, as SkyPilot does: with a ``.skyignore`` at the workdir's top, what it
+matches; otherwise what the ``.gitignore`` files of the tree (and ``.git/info/exclude``) match,
+read with gitignore's rules (``pathspec``), whether or not the directory is a git checkout.
+Sockets, FIFOs and devices are skipped; symlinks are copied as links.
+
+The values file (``values.json``, mode 0600, outside ``state.db``) holds the ``--env`` values
+and every secret value. It is a separate file rather than encrypted rows because the daemon must
+read secrets unattended: an encryption key would have to sit in the same 0700 home, so it would
+protect nothing, while the state file (and its backups, which are copied around) stays free of
+secrets, and removing a version's directory removes its secrets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets as random
+import shutil
+import stat
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pathspec
+
+__all__ = [
+    "SKYIGNORE",
+    "VersionFiles",
+    "clone_version",
+    "collect_garbage",
+    "fingerprint",
+    "has_files",
+    "prepare_version",
+    "prune_versions",
+    "read_values",
+    "remove_service_files",
+    "store_dir",
+    "version_dir",
+]
+
+SKYIGNORE = ".skyignore"
+GITIGNORE = ".gitignore"
+VALUES_FILE = "values.json"
+FINGERPRINT_FILE = "fingerprint"
+WORKDIR = "workdir"
+_CHUNK = 1 << 20
+
+# Snapshots and garbage collection never overlap: a store file is created before it is linked,
+# and for that moment its link count says "garbage".
+_STORE_LOCK = threading.Lock()
+
+
+def store_dir(home: Path) -> Path:
+    return home / "store"
+
+
+def version_dir(home: Path, service: str, version: int) -> Path:
+    return home / "services" / service / "versions" / str(version)
+
+
+@dataclass(frozen=True)
+class VersionFiles:
+    """What :func:`prepare_version` made: where, and a fingerprint of everything in it (the
+    files' contents and names, and the values), to tell whether a new version differs."""
+
+    path: Path
+    fingerprint: str
+    files: int
+    bytes: int
+
+
+class _Ignored:
+    """Which paths of a workdir are left out of its copy (see the module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.skyignore: pathspec.GitIgnoreSpec | None = None
+        self.git: dict[str, pathspec.GitIgnoreSpec] = {}
+        sky = root / SKYIGNORE
+        if sky.is_file():
+            self.skyignore = _spec_of(sky)
+            return
+        exclude = root / ".git" / "info" / "exclude"
+        if exclude.is_file():
+            self.git["\0exclude"] = _spec_of(exclude)
+
+    def enter(self, rel_dir: str) -> None:
+        """Read the ``.gitignore`` of directory ``rel_dir`` (when .skyignore is not used)."""
+        if self.skyignore is not None:
+            return
+        file = self.root / rel_dir / GITIGNORE if rel_dir else self.root / GITIGNORE
+        if file.is_file():
+            self.git[rel_dir] = _spec_of(file)
+
+    def __call__(self, rel: str, is_dir: bool) -> bool:
+        shown = rel + "/" if is_dir else rel
+        if self.skyignore is not None:
+            return self.skyignore.match_file(shown)
+        for base, spec in self.git.items():
+            if base == "\0exclude" or not base:
+                if spec.match_file(shown):
+                    return True
+            elif shown.startswith(base + "/") and spec.match_file(shown[len(base) + 1 :]):
+                return True
+        return False
+
+
+def _spec_of(file: Path) -> pathspec.GitIgnoreSpec:
+    lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
+    return pathspec.GitIgnoreSpec.from_lines(lines)
+
+
+def _stored(source: Path, info: os.stat_result, store: Path) -> Path:
+    """``source``'s content in the store (copied there once), read-only; its path."""
+    executable = bool(info.st_mode & stat.S_IXUSR)
+    temp = store / f".tmp-{random.token_hex(8)}"
+    digest = hashlib.sha256()
+    try:
+        with open(source, "rb") as reader, open(temp, "xb") as writer:
+            while chunk := reader.read(_CHUNK):
+                digest.update(chunk)
+                writer.write(chunk)
+    except BaseException:
+        temp.unlink(missing_ok=True)  # a full disk, an unreadable file: no half copy stays
+        raise
+    name = digest.hexdigest() + ("-x" if executable else "")
+    final = store / name
+    if final.exists():
+        temp.unlink()
+    else:
+        temp.chmod(0o555 if executable else 0o444)
+        os.replace(temp, final)
+    return final
+
+
+def _snapshot(source: Path, dest: Path, store: Path, home: Path) -> tuple[list[str], int, int]:
+    """Copy ``source`` to ``dest`` through the store; the manifest lines, files and bytes.
+    The corral home is never copied (a workdir may contain it: the token, the store itself)."""
+    ignored = _Ignored(source)
+    manifest: list[str] = []
+    files = size = 0
+    dest.mkdir()
+    for dirpath, dirnames, filenames in os.walk(source, followlinks=False):
+        here = Path(dirpath)
+        rel_dir = here.relative_to(source).as_posix()
+        rel_dir = "" if rel_dir == "." else rel_dir
+        ignored.enter(rel_dir)
+        keep = []
+        for name in sorted(dirnames):
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            if ignored(rel, is_dir=True) or (here / name).resolve() == home:
+                continue
+            if (here / name).is_symlink():
+                os.symlink(os.readlink(here / name), dest / rel)
+                manifest.append(f"l {rel} {os.readlink(here / name)}")
+                continue
+            (dest / rel).mkdir()
+            manifest.append(f"d {rel}")
+            keep.append(name)
+        dirnames[:] = keep
+        for name in sorted(filenames):
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            if ignored(rel, is_dir=False):
+                continue
+            info = os.lstat(here / name)
+            if stat.S_ISLNK(info.st_mode):
+                target = os.readlink(here / name)
+                os.symlink(target, dest / rel)
+                manifest.append(f"l {rel} {target}")
+            elif stat.S_ISREG(info.st_mode):
+                stored = _stored(here / name, info, store)
+                os.link(stored, dest / rel)
+                manifest.append(f"f {rel} {stored.name}")
+                files += 1
+                size += info.st_size
+    return manifest, files, size
+
+
+def _copy_all(
+    workdir: Path | None, mounts: Mapping[str, Path], dest: Path, store: Path, home: Path
+) -> tuple[list[str], int, int]:
+    """The workdir, then each mount at its place inside it (replacing what was there, as a
+    mount would hide it)."""
+    manifest: list[str] = []
+    files = size = 0
+    if workdir is not None:
+        manifest, files, size = _snapshot(workdir, dest, store, home.resolve())
+    else:
+        dest.mkdir()
+    for target, source in sorted(mounts.items()):
+        place = dest / target
+        if place.is_dir() and not place.is_symlink():
+            shutil.rmtree(place)
+        elif place.exists() or place.is_symlink():
+            place.unlink()
+        place.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            lines, count, total = _snapshot(source, place, store, home.resolve())
+            manifest += [f"m {target} {line}" for line in lines]
+        else:
+            stored = _stored(source, source.stat(), store)
+            os.link(stored, place)
+            manifest.append(f"m {target} {stored.name}")
+            count, total = 1, source.stat().st_size
+        files, size = files + count, size + total
+    return manifest, files, size
+
+
+def _write_values(directory: Path, envs: Mapping[str, str], secrets: Mapping[str, str]) -> None:
+    data = json.dumps({"envs": dict(envs), "secrets": dict(secrets)}, sort_keys=True)
+    fd = os.open(directory / VALUES_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(data)
+
+
+def read_values(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The ``--env`` values and the secrets of a version (both empty when it has no file)."""
+    try:
+        data = json.loads((directory / VALUES_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}, {}
+    return dict(data.get("envs") or {}), dict(data.get("secrets") or {})
+
+
+def prepare_version(
+    home: Path,
+    service: str,
+    version: int,
+    *,
+    workdir: Path | None,
+    envs: Mapping[str, str],
+    secrets: Mapping[str, str],
+    mounts: Mapping[str, Path] | None = None,
+) -> VersionFiles:
+    """Make version ``version``'s directory: a copy of ``workdir`` (if any) with ``mounts``
+    (a relative destination -> a local file or directory) copied into it, and its values.
+
+    Built beside the final place and renamed into it, so the directory is whole or absent; a
+    leftover of an earlier attempt at the same version (a daemon killed before it stored the
+    version) is replaced. Blocking: run it off the event loop.
+    """
+    final = version_dir(home, service, version)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    store = store_dir(home)
+    store.mkdir(mode=0o700, exist_ok=True)
+    temp = final.parent / f".{version}.tmp-{random.token_hex(4)}"
+    temp.mkdir(mode=0o700)
+    try:
+        manifest: list[str] = []
+        files = size = 0
+        if workdir is not None or mounts:
+            with _STORE_LOCK:
+                manifest, files, size = _copy_all(
+                    workdir, mounts or {}, temp / WORKDIR, store, home
+                )
+        _write_values(temp, envs, secrets)
+        values = json.dumps([sorted(envs.items()), sorted(secrets.items())])
+        digest = hashlib.sha256("\n".join([values, *manifest]).encode("utf-8", "surrogateescape"))
+        (temp / FINGERPRINT_FILE).write_text(digest.hexdigest(), encoding="utf-8")
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return VersionFiles(final, digest.hexdigest(), files, size)
+
+
+def fingerprint(home: Path, service: str, version: int) -> str | None:
+    """The fingerprint of a version's files, or None when it has none (made by an older
+    corral, or pruned)."""
+    try:
+        return (version_dir(home, service, version) / FINGERPRINT_FILE).read_text().strip()
+    except OSError:
+        return None
+
+
+def clone_version(home: Path, service: str, old: int, new: int) -> bool:
+    """Make version ``new``'s directory the same as ``old``'s (a rollback), sharing every file;
+    False when ``old`` has no directory."""
+    source = version_dir(home, service, old)
+    if not source.is_dir():
+        return False
+    final = version_dir(home, service, new)
+    temp = final.parent / f".{new}.tmp-{random.token_hex(4)}"
+    try:
+        with _STORE_LOCK:
+            shutil.copytree(source, temp, symlinks=True, copy_function=os.link)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return True
+
+
+def has_files(home: Path, service: str) -> bool:
+    """Whether any version of the service has a directory (none: made by an older corral)."""
+    root = home / "services" / service / "versions"
+    return root.is_dir() and any(entry.name.isdigit() for entry in root.iterdir())
+
+
+def prune_versions(home: Path, service: str, keep: set[int]) -> list[int]:
+    """Remove the directories of the versions not in ``keep``; the versions removed."""
+    root = home / "services" / service / "versions"
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in root.iterdir():
+            if entry.name.isdigit() and int(entry.name) not in keep:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(int(entry.name))
+    return sorted(removed)
+
+
+def remove_service_files(home: Path, service: str) -> None:
+    """Every version's files of a service that is gone, then the store's garbage."""
+    shutil.rmtree(home / "services" / service / "versions", ignore_errors=True)
+    collect_garbage(home)
+
+
+def collect_garbage(home: Path) -> int:
+    """Delete store files no version links to any more (and leftover temporaries); how many."""
+    store = store_dir(home)
+    removed = 0
+    with _STORE_LOCK, contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(store):
+            try:
+                if (
+                    entry.name.startswith(".tmp-")
+                    or entry.stat(follow_symlinks=False).st_nlink <= 1
+                ):
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                continue
+    return removed
