@@ -161,7 +161,7 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     assert reason in " ".join(home.run("status").stdout.split())
     d_id = pending["id"]
     info = json.loads(home.run("daemon", "status").stdout)["inventory"]
-    assert info["waiting"] == {str(d_id): reason}
+    assert info["waiting"] == [{"service": "svc-d", "replica": d_id, "reason": reason}]
 
     def wait_events() -> list[dict[str, Any]]:
         events = home.api("GET", "/v1/services/svc-d/events").json()["events"]
@@ -307,7 +307,7 @@ def test_a_broken_version_on_a_full_machine_leaves_the_rest_serving(
         assert svc is not None
         ready = [r for r in svc["replicas"] if r["status"] == "READY" and r["version"] == 1]
         lowest = min(lowest, len(ready))
-        return "never became ready" in (svc["failure"] or "")
+        return "never became ready" in (svc.get("last_update_failure") or svc["failure"] or "")
 
     wait_for(gave_up, 90, "version 2 to be given up", interval=0.05)
     time.sleep(4.5)  # two reconcile periods after giving up: nothing more is retired

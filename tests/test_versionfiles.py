@@ -185,6 +185,13 @@ def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
         pytest.skip(f"shared examples not found at {EXAMPLES}")
     example_workdirs(tmp_path)
     monkeypatch.chdir(tmp_path)
+    # A GPU server these specs were written for (validate checks the asks against the machine
+    # it runs on, docs/gpus.md): this test is about the specs, not this machine's devices.
+    server = tmp_path / "server.yaml"
+    server.write_text("gpus: [" + ", ".join(["NVIDIA A100-SXM4-80GB"] * 4 + ["Tesla T4"] * 4))
+    server.write_text(server.read_text() + "]\ncpus: 64\nmemory: 512\n")
+    monkeypatch.setenv("CORRAL_INVENTORY", str(server))
+    monkeypatch.delenv("CORRAL_GPUS", raising=False)
     runner = CliRunner()
     outcomes = {}
     for spec in sorted(EXAMPLES.glob("*.yaml")):
@@ -197,6 +204,11 @@ def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
             assert error["message"], (spec.name, error)
         outcomes[spec.name] = sorted(e["field"] for e in document["errors"])
     assert len(outcomes) == 27
+    # On a machine without those GPUs, an ask for one is refused, naming the field.
+    server.write_text("gpus: [NVIDIA L4]\ncpus: 64\nmemory: 512\n")
+    result = runner.invoke(main, ["validate", "--json", str(EXAMPLES / "gorilla__gorilla.yaml")])
+    refused = {e["field"]: e["message"] for e in json.loads(result.stdout)["errors"]}
+    assert "A100" in refused["resources"] and "NVIDIA L4" in refused["resources"], refused
     assert not (tmp_path / "home").exists()
     # Those that fail do so for a field corral cannot honour here, or one SkyPilot itself no
     # longer reads (with "did you mean"); a fixed port for several replicas on one machine is

@@ -169,7 +169,7 @@ class Capacity:
         blockers = _blockers(claim, self.holders(without=replica_id))
         if not blockers:
             return None
-        names = ", ".join(f"{h.service} replica {h.replica_id}" for h in blockers)
+        names = ", ".join(f"{h.service} replica {h.shown}" for h in blockers)
         return f"its devices are still held by {names}, which is being stopped"
 
     def room(
@@ -288,15 +288,23 @@ class Capacity:
                 if gpu.address in h.claim.gpus
             ]
             gpus.append({**gpu.to_json(), "held_by": held})
-        pending = {r.id for r in self.store.replicas() if r.launch_state == "pending"}
+        pending = {r.id: r for r in self.store.replicas() if r.launch_state == "pending"}
         for rid in [rid for rid in self.waiting if rid not in pending]:
             self.waiting.pop(rid, None)
+        waiting = [
+            {
+                "service": pending[rid].service,
+                "replica": pending[rid].seq or rid,  # as status numbers it
+                "reason": reason,
+            }
+            for rid, reason in sorted(self.waiting.items())
+        ]
         return {
             **self.inventory.to_json(),
             "gpus": gpus,
             "cpus_held": sum(h.claim.cpus for h in holders),
             "memory_held": sum(h.claim.memory for h in holders),
-            "waiting": {str(rid): reason for rid, reason in sorted(self.waiting.items())},
+            "waiting": waiting,
         }
 
     def metrics(self) -> bytes:
@@ -345,6 +353,6 @@ class _GpuCollector(Collector):
                 share = h.claim.gpus.get(gpu.address)
                 if share:
                     used += share
-                    held.add_metric([*device, h.service, str(h.replica_id)], share)
+                    held.add_metric([*device, h.service, str(h.shown)], share)
             free.add_metric(device, max(0.0, 1.0 - used))
         yield from (held, free)
