@@ -22,6 +22,7 @@ from corral import __version__, dashboard, logfiles, loglines
 from corral.balancer import CONTENT_TYPE_LATEST, render
 from corral.daemon import Daemon, RequestError
 from corral.home import hello_proof, valid_nonce
+from corral.httpbody import json_object
 from corral.limits import open_files
 from corral.state import StateError
 
@@ -410,21 +411,7 @@ def _finished(daemon: Daemon, name: str, kind: str, replica_id: int | None) -> b
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    """The JSON object of a request body, read within the client timeout.
-
-    aiohttp has no timeout of its own for a body: a client announcing a length and then
-    trickling (or never sending) the bytes would hold its handler forever.
-    """
-    try:
-        async with asyncio.timeout(_client_timeout()):
-            body = await request.json()
-    except TimeoutError:
-        raise RequestError(408, "timed out reading the request body") from None
-    except (ValueError, UnicodeDecodeError):
-        raise RequestError(400, "request body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object")
-    return body
+    return await json_object(request, _client_timeout())
 
 
 def _optional_values(body: dict[str, Any], key: str) -> dict[str, str]:

@@ -28,6 +28,7 @@ from corral.dashboard.feed import Feed
 from corral.dashboard.history import KEEP_SECONDS, SAMPLE_SECONDS
 from corral.dashboard.logs import Followers
 from corral.dashboard.session import CODE_SECONDS, Sessions, cookie_name
+from corral.httpbody import json_object
 
 if TYPE_CHECKING:
     from corral.daemon import Daemon
@@ -271,13 +272,4 @@ def _dumps(data: Any) -> str:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        async with asyncio.timeout(BODY_TIMEOUT):
-            body = await request.json()
-    except TimeoutError:
-        raise RequestError(408, "timed out reading the request body") from None
-    except (ValueError, UnicodeDecodeError):
-        raise RequestError(400, "request body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object")
-    return body
+    return await json_object(request, BODY_TIMEOUT)
