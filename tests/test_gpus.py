@@ -319,6 +319,34 @@ def test_a_broken_version_on_a_full_machine_leaves_the_rest_serving(
     assert b"not promoted" in update.stdout.read()
 
 
+def test_blue_green_is_refused_where_the_new_version_could_never_start(
+    gpu_home: CorralHome, tmp_path: Path
+) -> None:
+    """Blue-green keeps the old replicas' devices until new ones are READY: with no room for
+    the new ones beside them it could never switch, so it is refused up front (rolling is the
+    way on a full machine); with room it goes through."""
+    home = gpu_home
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-bg", 2, "accelerators: L4:1")))
+    home.wait_replicas("svc-bg", 2, timeout=60)
+    new = gpu_spec(tmp_path, "svc-bg", 2, "accelerators: L4:1", version="2")
+    refused = home.run("update", "svc-bg", str(new), "--mode", "blue_green", check=False)
+    assert refused.returncode != 0, refused.stdout
+    said = " ".join(refused.stderr.split())
+    assert "blue-green update" in said and "--mode rolling" in said and "L4" in said, said
+    svc = home.service("svc-bg")
+    assert svc is not None and svc["version"] == 1 and svc["status"] == "READY", svc
+    assert [v["version"] for v in svc["versions"]] == [1]
+
+    # The two A100s are free: a service on them has room for its new version beside the old.
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-roomy", 1, "accelerators: A100:1")))
+    home.wait_replicas("svc-roomy", 1, timeout=60)
+    roomy = gpu_spec(tmp_path, "svc-roomy", 1, "accelerators: A100:1", version="2")
+    home.run("update", "svc-roomy", str(roomy), "--mode", "blue_green", timeout=120)
+    svc = home.service("svc-roomy")
+    assert svc is not None and svc["version"] == 2
+    assert [r["version"] for r in svc["replicas"] if r["status"] == "READY"] == [2]
+
+
 @pytest.mark.parametrize(
     ("accelerators", "why"),
     [

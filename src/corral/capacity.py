@@ -199,6 +199,25 @@ class Capacity:
                     return candidate
         return None
 
+    def room_beside(self, resources: Mapping[str, Any], count: int) -> str | None:
+        """Why ``count`` more replicas asking ``resources`` cannot all be placed now, next to
+        every claim held (None: they can). A blue-green update needs this much room: its old
+        replicas keep their claims until enough new ones are READY, so a new version that
+        cannot start beside them would wait for ever."""
+        try:
+            ask = ask_of(resources)
+        except AskError as exc:
+            return str(exc)
+        if ask.empty:
+            return None
+        holders = self.holders()
+        for n in range(count):
+            outcome = place(ask, self.inventory, holders)
+            if isinstance(outcome, NoFit):
+                return f"new replica {n + 1} of {count} {outcome.reason}"
+            holders.append(Holder("(new version)", -1 - n, outcome))
+        return None
+
     def note_wait(self, service: str, replica_id: int, reason: str) -> bool:
         """Remember why a replica waits; True when the caller should record the one event of
         this wait (not when the event log has it already: a daemon restarted meanwhile)."""

@@ -301,6 +301,7 @@ class Daemon:
                 f"an update cannot move a service from infra "
                 f"{current.infra!r} to {spec.infra!r}; bring up a new service",
             )
+        self._check_blue_green_room(name, mode, spec)
         next_version = max(v.version for v in self.store.versions(name)) + 1
         if from_version is not None:
             await self._reuse_files(name, from_version, next_version)
@@ -326,6 +327,24 @@ class Daemon:
         controller.remember(version, stored_spec)  # secrets: only in the version's values
         controller.updated()
         return controller.snapshot()
+
+    def _check_blue_green_room(self, name: str, mode: str, spec: ServiceSpec) -> None:
+        """Refuse a blue-green update that could never switch: on a machine too full for the
+        new version's first replicas beside the old ones (docs/gpus.md), they would wait for
+        ever while the old ones wait for them. A rolling update replaces one at a time there."""
+        capacity = self.deps.capacity
+        if mode != "blue_green" or spec.infra != "local" or capacity is None:
+            return
+        policy = spec.service.replica_policy
+        needed = max(1, policy.min_replicas)
+        problem = capacity.room_beside(spec.resources.model_dump(exclude_none=True), needed)
+        if problem:
+            raise RequestError(
+                409,
+                f"a blue-green update of {name!r} needs room for {needed} replica(s) of the new "
+                f"version beside the old ones, and this machine has none: {problem}. Use "
+                "--mode rolling, which replaces one replica at a time on a full machine",
+            )
 
     def _deploy_lock(self, name: str) -> asyncio.Lock:
         """One create/update of a service at a time: the next version's number is taken, and
