@@ -456,7 +456,7 @@ class CorralHome:
     ) -> int:
         """Start a daemon in the background (detached, like ``corral up`` does), its output in
         the home's daemon.log, and return its pid. ``corral daemon run`` unless ``argv`` names
-        another command (the chaos tests' scripts over ``corral.daemon.serve``); ``env``
+        another command (the chaos tests' scripts over ``corral.bootstrap.serve``); ``env``
         replaces the home's environment. With ``wait``, until ``daemon.json`` names it and,
         with ``answers``, its API answers plain HTTP (a TLS daemon does not)."""
         self.path.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,7 @@ def daemon_run(
         )
     if gpus is not None:
         os.environ["CORRAL_GPUS"] = gpus  # read with the rest of the inventory at start
-    from corral.daemon import (  # heavy: imported only here
+    from corral.bootstrap import (  # heavy: imported only here
         DaemonError,
         DaemonRunning,
         serve,

@@ -23,41 +23,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
-import json
 import logging
-import os
-import secrets
-import signal
-import ssl
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import aiohttp
-
-from corral import capture, deploy, logfiles, versionfiles
-from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
-from corral.capacity import Capacity, fit_problem
+from corral import deploy, versionfiles
+from corral.capacity import fit_problem
 from corral.controller import (
-    LAUNCHES_PER_SERVICE,
     ControllerDeps,
     ReplicaRefused,
     ServiceController,
     free_port,
-    handle_from_row,
 )
-from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
-from corral.dataplane.protocol import STOPPED_MARKER
 from corral.deploy import KEEP_VERSIONS
-from corral.home import ensure_token, is_loopback, read_info
-from corral.infra.base import Infra, ReplicaHandle
-from corral.infra.inventory import InventoryError, load_inventory
-from corral.infra.local import LocalInfra, replica_key
-from corral.jobs import JobPool
-from corral.limits import raise_open_files, undumpable
 from corral.spec import (
     ServiceSpec,
     SpecError,
@@ -66,17 +46,9 @@ from corral.spec import (
     redact_secrets,
     validate_name,
 )
-from corral.state import StateError, Store
+from corral.state import Store
 
 log = logging.getLogger("corral.daemon")
-
-
-class DaemonError(RuntimeError):
-    """The daemon cannot start (another one runs, the home is unusable)."""
-
-
-class DaemonRunning(DaemonError):
-    """Another daemon holds the home's lock (it may still be starting)."""
 
 
 class RequestError(Exception):
@@ -112,39 +84,6 @@ def _check_inputs(
         )
     except SpecError as exc:
         raise _spec_refused(exc) from None
-
-
-def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
-    """The API's TLS context from a PEM certificate (chain) and its key; TLS 1.2 at least.
-
-    Raises :class:`DaemonError` saying which file is wrong, before anything listens.
-    """
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        context.load_cert_chain(certfile=str(cert), keyfile=str(key))
-    except (OSError, ssl.SSLError) as exc:
-        raise DaemonError(f"cannot use TLS certificate {cert} with key {key}: {exc}") from None
-    return context
-
-
-def _home_id(home: Path) -> str:
-    path = home / "home_id"
-    if not path.exists():
-        path.write_text(secrets.token_hex(8) + "\n")
-    return path.read_text().strip()
-
-
-def _lock(home: Path) -> IO[str]:
-    f = open(home / "daemon.lock", "a+")  # noqa: SIM115 - held for the daemon's life
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        info = read_info(home)
-        pid = info.get("pid") if info else "?"
-        raise DaemonRunning(f"another corral daemon (pid {pid}) already runs on {home}") from None
-    return f
 
 
 class Daemon:
@@ -526,302 +465,3 @@ class Daemon:
             # and `corral logs NAME 999` exits 0 as if that were a log.
             raise RequestError(404, f"service {name!r} has no replica {replica}")
         return path
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise DaemonError(f"${name} must be a number of seconds, not {value!r}") from None
-    if not 0 < number < 3600:
-        raise DaemonError(f"${name} must be between 0 and 3600 seconds, not {number}")
-    return number
-
-
-def _env_bytes(name: str) -> int:
-    """A size cap from the environment (``CORRAL_LOG_MAX_BYTES``: bytes, or 64M / 1G; 0 turns
-    the cap off); a bad value stops the daemon with a message rather than run uncapped."""
-    try:
-        return logfiles.parse_max_bytes(os.environ.get(name))
-    except ValueError as exc:
-        raise DaemonError(f"${name}: {exc}") from None
-
-
-def _env_count(name: str, default: int, top: int = 64) -> int:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise DaemonError(f"${name} must be a whole number, not {value!r}") from None
-    if not 1 <= number <= top:
-        raise DaemonError(f"${name} must be between 1 and {top}, not {number}")
-    return number
-
-
-def _respawn_command() -> dict[str, Any] | None:
-    """How the balancer workers start this daemon again after a crash: this very command
-    (``CORRAL_DAEMON_RESPAWN=0`` turns that off, e.g. under a supervisor of one's own)."""
-    if os.environ.get("CORRAL_DAEMON_RESPAWN", "1") == "0":
-        return None
-    return {"argv": [sys.executable, *sys.orig_argv[1:]], "cwd": os.getcwd()}
-
-
-def _backup(store: Store, home: Path) -> None:
-    try:
-        store.backup(home)
-    except StateError as exc:
-        log.warning("%s", exc)
-
-
-async def _backup_loop(store: Store, home: Path) -> None:
-    """The rolling backup: every BACKUP_INTERVAL seconds, when anything changed."""
-    last = store.changes()
-    while True:
-        await asyncio.sleep(BACKUP_INTERVAL)
-        now = store.changes()
-        if now != last:
-            await asyncio.to_thread(_backup, store, home)
-            last = now
-
-
-def _cluster_backends() -> dict[str, Infra]:
-    """Backends for clusters the user pointed corral at (optional dependencies).
-
-    Ray: set ``RAY_ADDRESS`` (or ``CORRAL_RAY_ADDRESS``, which wins) and install
-    ``corral[ray]``. A cluster that does not answer is reported in the daemon log and the
-    backend is left out: a spec asking for it then gets a clear 400 at ``corral up``.
-    """
-    address = os.environ.get("CORRAL_RAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
-    if not address:
-        return {}
-    try:
-        from corral.infra.ray import RayInfra
-    except ImportError as exc:
-        log.error("RAY_ADDRESS is set but Ray is missing (pip install 'corral[ray]'): %s", exc)
-        return {}
-    try:
-        return {"ray": RayInfra(address)}
-    except Exception as exc:
-        log.error("Ray cluster at %s is not usable: %s", address, exc)
-        return {}
-
-
-def _configure_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-
-
-def _guard_local(local: LocalInfra, home: Path, home_marker: str) -> dict[str, Any]:
-    """Set up what keeps local replicas in their place (a cgroup each, the sandbox away from
-    the home), say loudly what this machine does not allow, and return the sandbox's state."""
-    weak = local.containment(home_marker)
-    if weak:
-        log.warning(
-            "replicas get no cgroup of their own (%s): teardown stops their process "
-            "groups and every process carrying their replica key, but a process that "
-            "leaves its group and clears its environment would survive it",
-            weak,
-        )
-    detail = local.confine(home)
-    if local.confinement is None:
-        log.warning(
-            "REPLICAS ARE NOT CONFINED (%s): any replica can read this home, its API token "
-            "included, and so control every service",
-            detail,
-        )
-    else:
-        log.info("confinement: %s", detail)
-    return {"confined": local.confinement is not None, "detail": detail}
-
-
-def _sweep(home_marker: str, infras: Mapping[str, Infra], store: Store) -> None:
-    known: dict[str, list[ReplicaHandle]] = {name: [] for name in infras}
-    recorded: set[str] = set()
-    for row in store.replicas():
-        recorded.add(replica_key(home_marker, row.service, row.id))
-        handle = handle_from_row(row)
-        if handle is not None and handle.backend in known:
-            known[handle.backend].append(handle)
-    for name, infra in infras.items():
-        try:
-            killed = infra.sweep(home_marker, known[name], recorded)
-        except Exception:
-            log.exception("leak sweep of backend %s failed", name)
-            continue
-        for what in killed:
-            if what.startswith("spared "):
-                log.warning("leak sweep: %s", what)
-            else:
-                log.warning("leak sweep: killed %s (started but never recorded)", what)
-
-
-async def serve(
-    home: Path,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    infras: Mapping[str, Infra] | None = None,
-    ssl_context: ssl.SSLContext | None = None,
-    tls_cert: Path | None = None,
-) -> None:
-    """Run the daemon until SIGTERM/SIGINT or an API stop request.
-
-    ``infras`` replaces the backends the daemon would build (local, plus Ray when configured):
-    the seam through which the chaos tests run a real daemon over a backend that fails on cue.
-
-    ``ssl_context`` (see :func:`server_tls_context`) makes the API speak HTTPS; it is required
-    for any ``host`` that is not loopback, because the token would otherwise cross the network
-    in clear. ``tls_cert`` is that context's certificate file, recorded in ``daemon.json`` so a
-    client on this machine can verify the API against exactly it.
-    """
-    if not is_loopback(host) and ssl_context is None:
-        raise DaemonError(
-            f"refusing to serve the API on {host} (not loopback) without TLS: "
-            "pass --tls-cert and --tls-key, or bind to 127.0.0.1"
-        )
-    home.mkdir(parents=True, exist_ok=True)
-    home.chmod(0o700)
-    capture.install()
-    _configure_logging()
-    lock = _lock(home)
-    try:
-        check_state_file(home)
-    except StateFileRefused as exc:
-        lock.close()
-        raise DaemonError(str(exc)) from None
-    soft, hard = raise_open_files()
-    undumpable()
-    log.info("open files: soft limit %d (hard %d)", soft, hard)
-    if not is_loopback(host):
-        log.warning(
-            "API listening on %s (TLS): anyone who can reach it and has the token controls "
-            "every service of this home and runs commands as this user",
-            host,
-        )
-    token, notes = ensure_token(home)
-    for note in notes:
-        log.warning("API token: %s", note)
-    home_marker = _home_id(home)
-    with contextlib.suppress(FileNotFoundError):
-        (home / STOPPED_MARKER).unlink()
-    try:
-        inventory = await asyncio.to_thread(load_inventory)
-    except InventoryError as exc:
-        lock.close()
-        raise DaemonError(str(exc)) from None
-    log.info("inventory: %s", inventory.describe())
-    store = Store(home / "state.db")
-    pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
-    if infras is None:
-        infras = {"local": LocalInfra(), **_cluster_backends()}
-    infras = dict(infras)
-    local = infras.get("local")
-    confinement = {"confined": False, "detail": "no local backend"}
-    if isinstance(local, LocalInfra):
-        confinement = await asyncio.to_thread(_guard_local, local, home, home_marker)
-    _sweep(home_marker, infras, store)
-    _backup(store, home)
-    dataplane = DataPlane(
-        home,
-        store,
-        workers=_env_count("CORRAL_BALANCER_WORKERS", DEFAULT_WORKERS),
-        respawn=_respawn_command(),
-    )
-
-    def bind_failed(name: str, text: str) -> None:
-        log.error("service %s: %s", name, text)
-        with contextlib.suppress(Exception):
-            store.event(name, "balancer.bind_failed", text)
-
-    dataplane.on_bind_error = bind_failed
-    await dataplane.start()
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    # No pool cap: aiohttp's default of 100 connections let one service with 100+ slow probes
-    # starve every other service's; each controller caps its own (PROBES_PER_SERVICE) instead.
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-        deps = ControllerDeps(
-            store=store,
-            pool=pool,
-            infras=infras,
-            home=home,
-            home_marker=home_marker,
-            http=http,
-            dataplane=dataplane,
-            decision_interval=_env_float("CORRAL_DECISION_INTERVAL", 5.0),
-            qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
-            teardown_timeout=_env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
-            log_max_bytes=_env_bytes("CORRAL_LOG_MAX_BYTES"),
-            launches_per_service=_env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
-            capacity=Capacity(store, inventory),
-        )
-        daemon = Daemon(home, store, deps)
-        daemon.confinement = confinement
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop_requested.set)
-        await daemon.start_controllers()
-        backups = asyncio.create_task(_backup_loop(store, home), name="corral-backup")
-        dataplane.open()  # the re-adopted ready sets go to the workers in one table
-        from aiohttp import web
-
-        from corral.api import make_runner  # the API layer sits above the daemon
-
-        runner = make_runner(daemon, token)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-        await site.start()
-        actual = runner.addresses[0][1]
-        info = {
-            "pid": os.getpid(),
-            "host": host,
-            "port": actual,
-            "scheme": "https" if ssl_context is not None else "http",
-            "tls_cert": str(tls_cert) if ssl_context is not None and tls_cert else None,
-            "started_at": time.time(),
-        }
-        tmp = home / "daemon.json.tmp"
-        tmp.write_text(json.dumps(info))
-        tmp.replace(home / "daemon.json")
-        log.info(
-            "corral daemon pid %d serving %s on %s://%s:%d",
-            os.getpid(),
-            home,
-            info["scheme"],
-            host,
-            actual,
-        )
-        try:
-            await daemon.stop_requested.wait()
-            # On purpose (a signal or `corral daemon stop`): the workers must not restart it.
-            with contextlib.suppress(OSError):
-                (home / STOPPED_MARKER).write_text(f"{time.time()}\n")
-        finally:
-            if daemon.stop_workers:
-                log.info("corral daemon stopping, balancer workers too")
-            else:
-                log.info(
-                    "corral daemon stopping: balancer workers keep serving, replicas keep "
-                    "running; the next daemon adopts both"
-                )
-            with contextlib.suppress(FileNotFoundError):
-                (home / "daemon.json").unlink()
-            await runner.cleanup()
-            backups.cancel()
-            await daemon.stop_controllers()
-            await dataplane.stop(workers=daemon.stop_workers)
-            _backup(store, home)
-            if isinstance(local, LocalInfra):
-                local.release(home_marker)
-            await asyncio.to_thread(pool.shutdown, timeout=15.0)
-            store.close()
-            lock.close()

@@ -1,9 +1,9 @@
 """Run the REAL corral daemon over the real local backend, wrapped so it fails on cue.
 
 Usage: ``python faulty_daemon.py HOME`` (with ``CORRAL_HOME=HOME`` in the environment, as for
-``corral daemon run``). Everything is the real daemon (``corral.daemon.serve``): API, controllers,
-balancers, JobPool, SQLite, and :class:`corral.infra.local.LocalInfra` starting real processes.
-The only difference is :class:`FaultyInfra` in front of LocalInfra, which reads a cue file,
+``corral daemon run``). Everything is the real daemon (``corral.bootstrap.serve``): API,
+controllers, balancers, JobPool, SQLite, and :class:`corral.infra.local.LocalInfra` starting real
+processes. The only difference is :class:`FaultyInfra` in front of LocalInfra, which reads a cue file,
 ``HOME/faults.json``, on every call, so a test turns faults on and off while the daemon runs::
 
     {"SERVICE": {"launch_raise": "before" | "after",   # raise instead of launching, or after the
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from corral import jobs
-from corral.daemon import serve
+from corral.bootstrap import serve
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
 from corral.infra.local import LocalInfra
 

@@ -1,6 +1,6 @@
 """Chaos: the backend fails under a real daemon (issue 7, "backend faults").
 
-Each test runs the REAL daemon (``corral.daemon.serve``) in a subprocess over the real local
+Each test runs the REAL daemon (``corral.bootstrap.serve``) in a subprocess over the real local
 backend wrapped in ``FaultyInfra`` (tests/chaos/faulty_daemon.py), which raises, hangs or holds
 when the test rewrites the cue file ``HOME/faults.json``. The test drives the daemon through the
 CLI and the API, as a user would, and checks what the user would see (status, events, logs) and

@@ -34,7 +34,7 @@ names the seed and the round). Each round:
    intended state, the events written since the restart), that setups caught by the kill were
    swept, and that the endpoint answers from the intended version.
 
-Everything is real: the daemon (``corral.daemon.serve``, from a small script that adds only the
+Everything is real: the daemon (``corral.bootstrap.serve``, from a small script that adds only the
 "die after write N" cue), examples/app.py replicas (behind a small wrapper that can ignore
 SIGTERM on cue), SQLite, HTTP on 127.0.0.1.
 
@@ -92,7 +92,7 @@ sys.argv = ["app.py"]
 runpy.run_path("app.py", run_name="__main__")
 '''
 
-# The daemon every round runs: the real one (corral.daemon.serve over the real local backend),
+# The daemon every round runs: the real one (corral.bootstrap.serve over the real local backend),
 # with one addition that stays inert until armed: once HOME/die-after-writes holds N, the Nth
 # write to the state file after that is the daemon's last (os._exit right after it: no cleanup,
 # no flush, as SIGKILL). Every write is a state transition, so this lands kills exactly between
@@ -107,7 +107,7 @@ import threading
 from pathlib import Path
 
 from corral import state
-from corral.daemon import serve
+from corral.bootstrap import serve
 
 HOME = Path(sys.argv[1])
 ARM = HOME / "die-after-writes"

@@ -58,8 +58,8 @@ from conftest import (
 )
 
 from corral import api
+from corral.bootstrap import DaemonError, serve
 from corral.client import _names_loopback
-from corral.daemon import DaemonError, serve
 
 pytestmark = pytest.mark.timeout(240)
 

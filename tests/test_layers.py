@@ -1,0 +1,91 @@
+"""corral's modules import one way: no import circle, and the top layers in their order.
+
+Why: a circle between modules (the daemon importing the API that imports the daemon) makes
+each half impossible to change, test or read alone, and the order of layers is what
+docs/architecture.md promises a newcomer. Every import counts, also one inside a function;
+only ``if TYPE_CHECKING:`` blocks (annotations, never run) and a module's own parent packages
+(Python initialises those first whatever is written) are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    seen: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            test = node.test
+            if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == (
+                "TYPE_CHECKING"
+            ):
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            seen.update(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                seen.add(sub if sub in modules else module)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    return {m for m in seen if m in modules and m != name and m not in ancestors}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    todo, reached = [start], set()
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    return reached
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    assert "corral.daemon" in graph and "corral.balancer.fast" in graph
+    circles = sorted(name for name in graph if name in _reaches(graph, name))
+    assert not circles, f"modules on an import circle: {circles}"
+
+
+def test_the_top_layers_point_down() -> None:
+    graph = _graph()
+    below_api = _reaches(graph, "corral.daemon") | {"corral.daemon"}
+    assert "corral.api" not in below_api and "corral.bootstrap" not in below_api
+    assert "corral.bootstrap" not in _reaches(graph, "corral.api")
+    assert {"corral.api", "corral.daemon"} <= _reaches(graph, "corral.bootstrap")
+    # lower layers never reach the controller or anything above it
+    for low in ("corral.spec", "corral.state", "corral.replicas", "corral.balancer.proxy"):
+        assert "corral.controller" not in _reaches(graph, low), low
