@@ -158,6 +158,25 @@ class Job:
             return None
         return time.monotonic() - self._started_mono
 
+    def _give_up(
+        self, error: BaseException
+    ) -> tuple[bool, threading.Thread | None, list[int]] | None:
+        """Fail at once with ``error`` and ask the call to cancel, for :meth:`JobPool.abandon`;
+        None if the job had already finished. Says whether its call was running, on which
+        thread, and the process groups it started (the pool signals those)."""
+        with self._lock:
+            if self._state in _FINAL:
+                return None
+            self._cancel.set()
+            running = self._state is JobState.RUNNING
+            self._state = JobState.FAILED
+            self._exception = error
+            self.ended_at = time.time()
+            self._abandoned = running
+            if not running:
+                self._returned.set()  # never started: no thread to wait for
+            return running, self._thread, list(self._pgids)
+
     @property
     def abandoned(self) -> bool:
         """The pool gave up waiting for this job (:meth:`JobPool.abandon`)."""
@@ -627,19 +646,10 @@ class JobPool:
         return on its own (:meth:`Job.returned` says when); it then exits instead of taking
         more work, and its late outcome is only logged.
         """
-        with job._lock:
-            if job._state in _FINAL:
-                return False
-            job._cancel.set()
-            running = job._state is JobState.RUNNING
-            job._state = JobState.FAILED
-            job._exception = error
-            job.ended_at = time.time()
-            job._abandoned = running
-            if not running:
-                job._returned.set()  # never started: no thread to wait for
-            thread = job._thread
-            pgids = list(job._pgids)
+        given_up = job._give_up(error)
+        if given_up is None:
+            return False
+        running, thread, pgids = given_up
         for pgid in pgids:
             _signal_group(pgid, signal.SIGTERM)
         if running and thread is not None:
