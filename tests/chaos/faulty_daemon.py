@@ -3,8 +3,8 @@
 Usage: ``python faulty_daemon.py HOME`` (with ``CORRAL_HOME=HOME`` in the environment, as for
 ``corral daemon run``). Everything is the real daemon (``corral.bootstrap.serve``): API,
 controllers, balancers, JobPool, SQLite, and :class:`corral.infra.local.LocalInfra` starting real
-processes. The only difference is :class:`FaultyInfra` in front of LocalInfra, which reads a cue file,
-``HOME/faults.json``, on every call, so a test turns faults on and off while the daemon runs::
+processes. The only difference is :class:`FaultyInfra` in front of LocalInfra, which reads a cue
+file, ``HOME/faults.json``, on every call, so a test turns faults on and off while the daemon runs::
 
     {"SERVICE": {"launch_raise": "before" | "after",   # raise instead of launching, or after the
                                                        # real launch started (and was recorded)
