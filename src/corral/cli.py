@@ -130,10 +130,10 @@ def up(
         _fail("five generated names were all taken; pass -n NAME")
         return
     svc_name = service["name"]
-    out.print(f"service [bold]{svc_name}[/bold] accepted; endpoint {service['endpoint']}")
-    if detach:
-        return
-    try:
+    try:  # from here on a Ctrl-C says what keeps running, even between these lines
+        out.print(f"service [bold]{svc_name}[/bold] accepted; endpoint {service['endpoint']}")
+        if detach:
+            return
         wait_ready(client, svc_name, timeout)
     except KeyboardInterrupt:
         interrupted(keeps_running(client, svc_name, "its replicas keep starting"))
@@ -202,10 +202,10 @@ def update(
             "the new version was stored"
         )
     version = service["version"]
-    out.print(f"service [bold]{name}[/bold]: version {version} accepted ({mode})")
-    if detach:
-        return
-    try:
+    try:  # from here on a Ctrl-C says what keeps running, even between these lines
+        out.print(f"service [bold]{name}[/bold]: version {version} accepted ({mode})")
+        if detach:
+            return
         wait_rollout(client, name, version, timeout)
     except KeyboardInterrupt:
         interrupted(
