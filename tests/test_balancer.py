@@ -905,6 +905,72 @@ def test_lifecycle_and_url() -> None:
     run(main())
 
 
+async def read_answer(reader: asyncio.StreamReader) -> bytes:
+    """One whole response with a Content-Length body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return head + await reader.readexactly(length)
+
+
+def test_stop_answers_connections_still_in_the_accept_queue() -> None:
+    """Connections the kernel completed before stop() but the loop had not accepted yet: a
+    closing listener resets them, so stop() takes them first and they are answered."""
+    request = b"GET /queued HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def exchange(sock: socket.socket) -> bytes:
+        with sock:
+            sock.settimeout(10)
+            sock.sendall(request)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            return data
+
+    async def main() -> None:
+        async with cluster(1) as (lb, _, _):
+            # Blocking connects: the handshakes complete in the kernel while the loop is not
+            # running, so all of these wait in the accept queue when stop() begins.
+            socks = [socket.create_connection((HOST, lb.port)) for _ in range(4)]
+            stopping = asyncio.create_task(lb.stop())
+            answers = await asyncio.gather(*(asyncio.to_thread(exchange, s) for s in socks))
+            await stopping
+        for answer in answers:
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert b"connection: close" in answer.lower()
+
+    run(main())
+
+
+def test_stop_with_idle_grace_answers_the_next_request_on_an_idle_connection() -> None:
+    """A worker handing over its port: a keep-alive client idle when the stop began sends
+    its next request there (it cannot know); it is answered, with Connection: close."""
+    request = b"GET /again HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def main() -> None:
+        async with cluster(1) as (lb, _, _):
+            reader, writer = await asyncio.open_connection(HOST, lb.port)
+            writer.write(request)
+            first = await read_answer(reader)
+            assert first.startswith(b"HTTP/1.1 200") and b"connection: close" not in first.lower()
+            stopping = asyncio.create_task(lb.stop(idle_grace=3.0))
+            while lb._server is not None:  # stop() has begun
+                await asyncio.sleep(0.01)
+            with pytest.raises(OSError):  # the listener is closed already
+                await asyncio.open_connection(HOST, lb.port)
+            writer.write(request)
+            second = await reader.read()  # to EOF: the balancer closes after this answer
+            writer.close()
+            await asyncio.wait_for(stopping, 5)
+        assert second.startswith(b"HTTP/1.1 200"), second
+        assert b"connection: close" in second.lower()
+
+    run(main())
+
+
 def test_unreachable_replica_is_passed_over_by_least_load() -> None:
     """A dead replica has nothing in flight, so least_load would keep choosing it until the
     controller notices; after one refused connection it is passed over for a while."""

@@ -68,6 +68,9 @@ class ClientConnection(asyncio.Protocol):
         self.blocks: fast.Blocks | None = None  # the same for its header lines
         self.deadline = 0.0
         self.deadline_kind = DL_HEAD
+        # Back to waiting after an answer: an idle keep-alive connection, which a stopping
+        # balancer may close; a new one has a request on the way and is left to send it.
+        self.kept_alive = False
         self._buf = b""
         self._fed = 0  # bytes of _buf already given to the parser
         self._parser: httptools.HttpRequestParser | None = None
@@ -310,6 +313,7 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._close()
             return
+        self.kept_alive = True
         self.set_deadline(DL_HEAD, self.lb._header_timeout)
         self._set_paused(_PAUSE_PIPELINE, False)
         if self._buf:
@@ -349,8 +353,11 @@ class ClientConnection(asyncio.Protocol):
             self.transport.abort()
 
     def close_if_idle(self) -> None:
-        if not self.busy:
-            self._close()
+        """The balancer stops: an idle keep-alive connection gets a lingering close, so a
+        request the client wrote as the FIN left is read and dropped instead of answered by a
+        reset."""
+        if self.kept_alive and not self.busy:
+            self._linger()
 
     @property
     def busy(self) -> bool:

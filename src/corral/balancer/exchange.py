@@ -148,9 +148,6 @@ class Exchange(ResponseRelay):
         self.picked = picked
         lb = self.lb
         lb._count_request(self.t0)
-        if lb._stopping:
-            self.respond_error(503, "balancer is stopping", "stopped", close=True)
-            return b""
         if self.method == b"CONNECT":
             msg = "CONNECT is not supported by a reverse proxy"
             self.respond_error(405, msg, "bad_request", close=True)

@@ -312,7 +312,7 @@ def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) ->
             dest.memo = (data[:body_at], status, length, head)
     if len(data) != body_at + length:
         return False
-    if keep_alive:
+    if keep_alive and not cl.lb._stopping:
         extra = b"" if http11 else b"Connection: keep-alive\r\n"
     else:
         extra = b"Connection: close\r\n"
@@ -421,6 +421,7 @@ def _done(
     if not keep_alive or lb._stopping:
         cl._close()
         return
+    cl.kept_alive = True
     cl.deadline_kind = DL_HEAD
     cl.deadline = now + lb._header_timeout
     if cl._paused:

@@ -253,21 +253,45 @@ class LoadBalancer:
         logger.info("balancer %s listening on %s (policy %s)", self._name, self.url, self._policy)
         return self._port
 
-    async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish (up to STOP_GRACE_SECONDS), then cut
-        what is left and close every connection. Safe to call twice or before start."""
-        if self._stopped:
+    async def stop(self, idle_grace: float = 0.0) -> None:
+        """Stop accepting, answer what is already on the way, then close every connection.
+
+        The listener closes first, but only after the connections the kernel has already
+        completed (its accept queue) are taken: closing a listener resets them, and with
+        SO_REUSEPORT a client cannot know its connection landed on the one closing. Requests
+        on open connections are still served, each answer saying ``Connection: close``.
+        ``idle_grace``: how long an idle keep-alive connection is left open for its next
+        request (served, then closed by the client's own hand); closing it at once races a
+        request the client may be writing that instant, which then meets a reset. A worker
+        handing its port to a new one passes a grace; a service going away does not. After
+        the grace an idle keep-alive connection gets a lingering close (FIN, then what still
+        arrives is read and dropped); a new connection is left to send its first request.
+        Whatever is still open after STOP_GRACE_SECONDS is cut. Safe to call twice or before
+        start."""
+        if self._stopping:
             return
-        self._stopped = True
         self._stopping = True
         server, self._server = self._server, None
+        adopting: list[asyncio.Task[Any]] = []
         if server is not None:
+            adopting = self._take_accept_queue(server)
             server.close()
-        for client in list(self._clients):
-            client.close_if_idle()
-        deadline = time.monotonic() + self.STOP_GRACE_SECONDS
-        while any(c.busy for c in self._clients) and time.monotonic() < deadline:
+        start = time.monotonic()
+        if adopting:
+            await asyncio.wait(adopting, timeout=self.STOP_GRACE_SECONDS)
+        idle_until = start + idle_grace
+        deadline = start + self.STOP_GRACE_SECONDS
+        lingering = False
+        while self._clients:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if not lingering and now >= idle_until:
+                lingering = True
+                for client in list(self._clients):
+                    client.close_if_idle()
             await asyncio.sleep(0.02)
+        self._stopped = True
         for client in list(self._clients):
             client.abort()
         self._clients.clear()
@@ -278,6 +302,36 @@ class LoadBalancer:
         if server is not None:
             await server.wait_closed()
         logger.info("balancer %s stopped", self._name)
+
+    def _take_accept_queue(self, server: asyncio.AbstractServer) -> list[asyncio.Task[Any]]:
+        """Accept, synchronously, every connection already waiting on the listener, right
+        before it closes: the window where a new one can land and be reset shrinks from an
+        event-loop turn to the microseconds until close()."""
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task[Any]] = []
+        for listener in getattr(server, "sockets", ()):
+            loop.remove_reader(listener.fileno())
+            with listener.dup() as sock:
+                sock.setblocking(False)
+                while True:
+                    try:
+                        conn, _ = sock.accept()
+                    except OSError:  # BlockingIOError: the queue is empty
+                        break
+                    conn.setblocking(False)
+                    tasks.append(
+                        loop.create_task(
+                            loop.connect_accepted_socket(
+                                lambda: ClientConnection(self),
+                                conn,
+                                ssl=self._ssl_context,
+                                ssl_handshake_timeout=(
+                                    min(60.0, self._header_timeout) if self._ssl_context else None
+                                ),
+                            )
+                        )
+                    )
+        return tasks
 
     @property
     def port(self) -> int:

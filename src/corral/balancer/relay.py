@@ -115,6 +115,8 @@ class ResponseRelay:
             else:
                 mode = _RAW
                 self.close_client = True
+        if self.lb._stopping:
+            self.close_client = True  # the balancer drains: this connection ends after this
         if not self.keep_alive or self.close_client or self.body_open:
             extra += b"Connection: close\r\n"
         elif not self.http11:

@@ -67,6 +67,8 @@ RESPAWN_STAGGER: Final = 0.5
 RESPAWN_BACKOFF: Final = 10.0
 SEND_TIMEOUT: Final = 5.0
 BIND_RETRY: Final = 1.0
+# An exiting worker leaves idle keep-alive connections open this long for one more request.
+IDLE_GRACE: Final = 3.0
 
 
 @dataclass
@@ -116,7 +118,10 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.gather(
-            *(svc.lb.stop() for svc in self.services.values()),
+            # Keep-alive clients get a moment to send their next request here (answered with
+            # Connection: close) rather than meet a close: after a restart-workers or an
+            # upgrade, a new worker already serves these ports.
+            *(svc.lb.stop(idle_grace=IDLE_GRACE) for svc in self.services.values()),
             *(lb.stop() for _, lb in self.retiring),
             return_exceptions=True,
         )
