@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import shutil
 import socket
@@ -26,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from corral import capture, deploy, logfiles
+from corral import capture, deploy, logfiles, plan
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
 from corral.capacity import Capacity, Grant
 from corral.dataplane.plane import DataPlane, ServiceRoute
@@ -43,25 +44,22 @@ from corral.jobs import Job, JobPool, JobState
 from corral.ports import port_holders
 from corral.probe import ProbeResult, probe
 from corral.replicas import (
+    TEARING_DOWN,
+    LaunchState,
     ReplicaStatus,
     ServiceStatus,
+    TeardownState,
+    UpdateMode,
     failure_status,
-    is_live,
     replica_status,
-    scale_down_victims,
     service_status,
 )
 from corral.spec import ServiceSpec, parse_spec
-from corral.state import ReplicaRow, StateError, Store
+from corral.state import FailureKind, ReplicaRow, StateError, Store
 from corral.versionfiles import remove_service_files
 
 log = logging.getLogger("corral.controller")
 
-# A version that never had a READY replica gives up after this many replica failures.
-MAX_FAILURES_BEFORE_READY = 3
-# Failed replica rows kept visible per service (older ones are pruned).
-KEEP_FAILED = 10
-BACKOFF_CAP = 30.0
 # Launch jobs of one service at once: half the daemon's launch lane (16), so one service whose
 # setups hang cannot hold every slot while the others' launches wait.
 LAUNCHES_PER_SERVICE = 8
@@ -224,8 +222,7 @@ class ServiceController:
         its lock as the daemon starts): giving up would leave the service CONTROLLER_FAILED,
         unmanaged until the next restart. Meanwhile the daemon comes up (``started``) and
         answers; the service's balancer serves once its replicas are adopted."""
-        delay = 0.5
-        while True:
+        for attempt in itertools.count(1):
             try:
                 self._adopt()
                 return
@@ -234,8 +231,7 @@ class ServiceController:
                     raise
                 log.warning("service %s: adopting replicas postponed: %s", self.name, exc)
             started.set()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            await asyncio.sleep(plan.backoff(attempt, base=0.5, cap=5.0))
 
     async def stop(self) -> None:
         """Stop controlling (daemon shutdown). Replicas keep running, and the balancer workers
@@ -367,20 +363,20 @@ class ServiceController:
         the state file refuses writes, so every step must be safe to repeat)."""
         for r in self.store.replicas(self.name):
             handle = handle_from_row(r)
-            if r.teardown_state in ("pending", "running"):
-                self.store.update_replica(r.id, teardown_state=None)
+            if r.teardown_state in TEARING_DOWN:
+                self.store.mark_teardown(r.id, None)
                 self._retire(self.store.replica(r.id), "teardown interrupted by daemon restart")
                 continue
-            if r.launch_state == "cancelled" and r.teardown_state is None:
+            if r.launch_state is LaunchState.CANCELLED and r.teardown_state is None:
                 # Killed between _launch_done's two writes (cancel recorded, retire not): no
                 # later step looks at a cancelled row, so it would stay SHUTTING_DOWN forever,
                 # uncounted, its process (if the cancel missed it) untracked. Retire it now.
                 self._retire(r, "launch cancelled before the daemon restart")
                 continue
-            if r.launch_state == "running":
+            if r.launch_state is LaunchState.RUNNING:
                 if handle is None:
                     # Nothing recorded as started: the sweep killed any half-done setup.
-                    self.store.update_replica(r.id, launch_state="pending")
+                    self.store.mark_relaunch(r.id, forget_handle=False)
                     self.store.event(
                         self.name, "replica.relaunch", "launch interrupted", replica_id=r.id
                     )
@@ -388,7 +384,7 @@ class ServiceController:
                 liveness = self._liveness(r, handle)
                 if liveness is Liveness.ALIVE:
                     # Started and recorded: only the job's return was lost.
-                    self.store.update_replica(r.id, launch_state="succeeded")
+                    self.store.mark_launch(r.id, LaunchState.SUCCEEDED)
                     self._event(r.id, "replica.adopt", "launch interrupted; process running")
                 elif liveness is Liveness.UNKNOWN:
                     # Relaunching could run it twice: the reconcile loop asks again later.
@@ -396,12 +392,14 @@ class ServiceController:
                 else:
                     # Interrupted before it could finish (a cancelled launch kills what it
                     # started): launch again, it is not a failure of the app.
-                    self.store.update_replica(
-                        r.id, launch_state="pending", handle=None, endpoint=None
-                    )
+                    self.store.mark_relaunch(r.id)
                     self._event(r.id, "replica.relaunch", "launch interrupted; process gone")
                 continue
-            if r.launch_state == "succeeded" and handle is not None and failure_status(r) is None:
+            if (
+                r.launch_state is LaunchState.SUCCEEDED
+                and handle is not None
+                and failure_status(r) is None
+            ):
                 liveness = self._liveness(r, handle)
                 if liveness is Liveness.ALIVE:
                     if r.ready:
@@ -413,7 +411,7 @@ class ServiceController:
                 elif liveness is Liveness.UNKNOWN:
                     # Not failed on a question nobody could answer (a cluster down while the
                     # daemon restarted): kept, out of the ready set until a probe passes.
-                    self.store.update_replica(r.id, ready=0)
+                    self.store.mark_not_ready(r.id)
                     self._event(r.id, "replica.unknown", self._unknown_reason(r))
                 else:
                     self._mark_gone(r, self._infra_for(r), handle, liveness)
@@ -432,44 +430,31 @@ class ServiceController:
         when the backend knows it) and counts toward the crash-loop rule; a replica whose host
         went away is PREEMPTED and replaced, whoever noticed. ``detail`` says more of an exit."""
         if liveness is Liveness.LOST:
-            self._mark_failed(r, preempted=1, failure="replica's host went away")
+            self._mark_failed(r, FailureKind.PREEMPTED, "replica's host went away")
             return
         code = infra.exit_code(handle)
         said = f"code {code}" if code is not None else "exit code unknown: no daemon was watching"
         self._mark_failed(
             r,
-            app_failed=1,
+            FailureKind.APP,
+            f"process exited ({said}){detail}; see `corral logs {self.name} {r.seq or r.id}`",
             exit_code=code,
-            failure=(
-                f"process exited ({said}){detail}; see `corral logs {self.name} {r.seq or r.id}`"
-            ),
         )
 
     def _outcome_lost(self, r: ReplicaRow) -> bool:
-        """A row mid-launch or mid-teardown that no job or drain of this controller works on.
-
-        Every step records its outcome with a write on the loop; when that write fails (the
-        state file locked by another process for longer than the loop may wait), the job is
-        already forgotten and nothing would ever finish the row. The reconcile loop resumes it
-        instead, as :meth:`_adopt` does after a restart.
-        """
-        rid = r.id
-        if r.launch_state == "running" and rid not in self._rt.launches:
-            return True
-        return (
-            r.teardown_state in ("pending", "running")
-            and rid not in self._rt.teardowns
-            and rid not in self._rt.draining
-        )
+        """A row mid-launch or mid-teardown that no job or drain of this controller works on
+        (see :func:`corral.plan.outcome_lost`): the reconcile loop resumes it, as :meth:`_adopt`
+        does after a restart."""
+        return plan.outcome_lost(r, self._busy())
 
     def _resume(self, r: ReplicaRow) -> None:
         """Finish a step whose outcome was not recorded (see :meth:`_outcome_lost`)."""
-        if r.teardown_state in ("pending", "running"):
+        if r.teardown_state in TEARING_DOWN:
             # _retire starts over from the drain (it writes teardown_state itself).
             self._retire(r, "teardown resumed (its progress was not recorded)")
             return
         if handle_from_row(r) is None:
-            self.store.update_replica(r.id, launch_state="pending", handle=None, endpoint=None)
+            self.store.mark_relaunch(r.id)
             self._event(r.id, "replica.relaunch", "launch outcome not recorded; nothing started")
         elif r.id not in self._rt.resuming:
             # The backend is asked on a thread: a cluster that does not answer can take
@@ -491,14 +476,12 @@ class ServiceController:
             if liveness is Liveness.UNKNOWN:
                 return  # asked again on a later reconcile; a relaunch now could run it twice
             if liveness is Liveness.ALIVE:
-                self.store.update_replica(replica_id, launch_state="succeeded")
+                self.store.mark_launch(replica_id, LaunchState.SUCCEEDED)
                 self._event(
                     replica_id, "replica.adopt", "launch outcome not recorded; process running"
                 )
             else:
-                self.store.update_replica(
-                    replica_id, launch_state="pending", handle=None, endpoint=None
-                )
+                self.store.mark_relaunch(replica_id)
                 self._event(
                     replica_id, "replica.relaunch", "launch outcome not recorded; process gone"
                 )
@@ -632,171 +615,93 @@ class ServiceController:
         spec = self.spec(svc.current_version)
         self._follow_version(svc.current_version)
         now = time.time()
-
-        for r in replicas:
-            if self._outcome_lost(r):
-                self._resume(r)
-                continue
-            failure = failure_status(r)
-            if failure is not None and r.teardown_state is None:
-                self._retire(r, f"replica {failure}")
-            elif r.teardown_state == "failed":
-                if _teardown_retry_due(r, now):
-                    self._retire(r, f"retrying teardown (attempt {r.teardown_attempts + 1})")
-            elif r.scale_down and r.teardown_state is None:
-                self._retire(r, "scaled down")
-            elif r.launch_state == "pending" and r.id not in self._rt.launches:
-                self._launch(r, self.spec(r.version))
-
+        self._apply(plan.upkeep(replicas, self._busy(), now), replicas)
+        # The chores wrote to the rows (a retired failure's teardown started now, which is
+        # where backoff counts from): the rest of the step plans over the rows as they are.
         rows = self.store.replicas(self.name)
-        current = [r for r in rows if r.version == svc.current_version]
-        live = [r for r in current if is_live(r)]
-        target = self._decide(svc.current_version, spec).target
-        self._replace_old_versions(svc.current_version, rows, target)
-        gave_up = self._gave_up(svc.current_version, current)
-        if gave_up is not None:
-            if svc.failure != gave_up:
-                self.store.update_service(self.name, failure=gave_up)
-                self.store.event(self.name, "service.failed", gave_up)
-                log.error("service %s: %s", self.name, gave_up)
-            self.last_decision = f"not relaunching: {gave_up}"
-        elif len(live) < target:
-            wait = self._relaunch_wait(current, now)
-            if wait > 0:
-                self.last_decision = f"waiting {wait:.0f}s before relaunching (backoff)"
-            else:
-                for _ in range(target - len(live)):
-                    row = self.store.add_replica(
-                        self.name, svc.current_version, spec.infra, f"target {target}"
-                    )
-                    self._launch(row, spec)
-                self.last_decision = f"launching {target - len(live)} toward target {target}"
-        elif len(live) > target:
-            for r in scale_down_victims(
-                live, len(live) - target, current_version=svc.current_version
-            ):
-                self.store.update_replica(r.id, scale_down=1)
-                self._retire(self.store.replica(r.id), f"scale down to {target}")
-            self.last_decision = f"scaling down to {target}"
-        else:
-            self.last_decision = f"at target {target}"
-        if svc.failure is not None and gave_up is None:
-            self.store.update_service(self.name, failure=None)
-        self._prune_failed()
+        vrow = self.store.version(self.name, svc.current_version)
+        facts = plan.Facts(
+            rows=rows,
+            version=svc.current_version,
+            mode=vrow.mode if vrow is not None else UpdateMode.ROLLING,
+            min_replicas=spec.service.replica_policy.min_replicas,
+            version_ready=vrow is None or vrow.first_ready_at is not None,
+            target=self._decide(svc.current_version, spec).target,
+            failure=svc.failure,
+        )
+        self._apply(plan.toward_target(facts, now), rows)
         return False
 
-    def _replace_old_versions(self, version: int, rows: list[ReplicaRow], target: int) -> None:
-        """Retire replicas of older versions as the current one becomes READY.
+    def _busy(self) -> plan.Busy:
+        return plan.Busy(
+            launching=frozenset(self._rt.launches),
+            tearing_down=frozenset(self._rt.teardowns) | frozenset(self._rt.draining),
+        )
 
-        Rolling: traffic goes to READY replicas of every version, and old replicas are kept
-        only while the new version has fewer READY than the target asks, so the READY count
-        never drops below it. Blue-green: the new version's READY replicas get no traffic
-        until it has ``min_replicas`` READY (at least 1); then traffic switches at once and
-        every old replica drains and goes. A version that never becomes READY is never
-        promoted: the old replicas keep serving.
-        """
-        old = [r for r in rows if r.version != version and is_live(r)]
-        held = None
-        if old:
-            ready_new = sum(
-                1 for r in rows if r.version == version and replica_status(r) is ReplicaStatus.READY
-            )
-            vrow = self.store.version(self.name, version)
-            if vrow is not None and vrow.mode == "blue_green":
-                policy = self.spec(version).service.replica_policy
-                needed = min(max(1, policy.min_replicas), max(1, target))
-                if ready_new >= needed:
-                    for r in old:
-                        self._retire(r, f"blue-green switch to version {version}")
+    def _apply(self, actions: list[plan.Action], rows: list[ReplicaRow]) -> None:
+        """The executor: carry out a plan's actions, in order, over the rows it was made from."""
+        by_id = {r.id: r for r in rows}
+        for action in actions:
+            match action:
+                case plan.Resume(rid):
+                    self._resume(by_id[rid])
+                case plan.Retire(rid, reason):
+                    self._retire(by_id[rid], reason)
+                case plan.ScaleDown(rid, reason):
+                    self._retire(self.store.mark_scale_down(rid), reason)
+                case plan.Launch(rid):
+                    row = by_id[rid]
+                    self._launch(row, self.spec(row.version))
+                case plan.Add(count, target):
+                    self._add(count, target)
+                case plan.Fail(reason):
+                    self.store.update_service(self.name, failure=reason)
+                    self.store.event(self.name, "service.failed", reason)
+                    log.error("service %s: %s", self.name, reason)
+                case plan.ClearFailure():
+                    self.store.update_service(self.name, failure=None)
+                case plan.Switch(version):
                     self.store.event(self.name, "update.switch", f"traffic to version {version}")
-                elif any(replica_status(r) is ReplicaStatus.READY for r in old):
-                    held = version
-            else:
-                old_ready = [r for r in old if replica_status(r) is ReplicaStatus.READY]
-                keep = max(0, target - ready_new)
-                for r in [r for r in old if r not in old_ready]:
-                    self._retire(r, f"rolling update to version {version}")
-                for r in scale_down_victims(
-                    old_ready, len(old_ready) - keep, current_version=version
-                ):
-                    self._retire(r, f"rolling update to version {version}")
-                self._make_room(version, rows, target, ready_new)
-        if held != self._held_version:
-            self._held_version = held
-            self._publish_ready()
+                case plan.Hold(version):
+                    if version != self._held_version:
+                        self._held_version = version
+                        self._publish_ready()
+                case plan.MakeRoom(version, target, ready_new):
+                    self._make_room(version, rows, target, ready_new)
+                case plan.Forget(rid, reason):
+                    if reason is not None:
+                        self._event(rid, "replica.purge", reason)
+                    self.store.delete_replica(rid)
+                case plan.Note(text):
+                    self.last_decision = text
+
+    def _add(self, count: int, target: int) -> None:
+        svc = self.store.service(self.name)
+        if svc is None:
+            return
+        spec = self.spec(svc.current_version)
+        for _ in range(count):
+            row = self.store.add_replica(
+                self.name, svc.current_version, spec.infra, f"target {target}"
+            )
+            self._launch(row, spec)
 
     def updated(self) -> None:
         """A new version was stored: reconcile now (blue-green holds its traffic at once)."""
         svc = self.store.service(self.name)
         if svc is not None:
             vrow = self.store.version(self.name, svc.current_version)
-            if vrow is not None and vrow.mode == "blue_green":
+            if vrow is not None and vrow.mode is UpdateMode.BLUE_GREEN:
                 self._held_version = svc.current_version
                 self._publish_ready()
         self.wake()
 
     def _reconcile_down(self, replicas: list[ReplicaRow], *, purge: bool) -> bool:
-        remaining = 0
-        for r in replicas:
-            if r.teardown_state == "succeeded":
-                self.store.delete_replica(r.id)
-                continue
-            if r.teardown_state == "failed" and purge:
-                self.store.event(
-                    self.name, "replica.purge", "teardown failed; purged", replica_id=r.id
-                )
-                self.store.delete_replica(r.id)
-                continue
-            remaining += 1
-            if r.teardown_state == "failed":
-                if _teardown_retry_due(r, time.time()):
-                    self._retire(r, "service down (retry)")
-            else:
-                self._retire(r, "service down")
+        actions = plan.going_down(replicas, purge=purge, now=time.time())
+        self._apply(actions, replicas)
+        forgotten = sum(1 for a in actions if isinstance(a, plan.Forget))
         # Nothing left: the service may go (the loop closes its endpoint, then deletes it).
-        return remaining == 0 and not self._rt.launches and not self._rt.teardowns
-
-    def _gave_up(self, version: int, current: list[ReplicaRow]) -> str | None:
-        """SkyServe's rule, with a count: a version that never became ready and keeps failing
-        is not relaunched forever (no crash loop)."""
-        vrow = self.store.version(self.name, version)
-        if vrow is None or vrow.first_ready_at is not None:
-            return None
-        unrecoverable = {
-            ReplicaStatus.FAILED,
-            ReplicaStatus.FAILED_INITIAL_DELAY,
-            ReplicaStatus.FAILED_PROVISION,
-        }
-        failed = [r for r in current if failure_status(r) in unrecoverable]
-        if len(failed) < MAX_FAILURES_BEFORE_READY:
-            return None
-        last = max(failed, key=lambda r: r.id)
-        return (
-            f"version {version} never became ready and {len(failed)} replicas failed; "
-            f"last: replica {last.seq or last.id} {failure_status(last)}: "
-            f"{last.failure or 'no detail'}"
-        )
-
-    def _relaunch_wait(self, current: list[ReplicaRow], now: float) -> float:
-        """Exponential backoff after consecutive failures, so a crashing app is not hammered."""
-        failures = [r for r in current if failure_status(r) is not None]
-        readies = [r.first_ready_at for r in current if r.first_ready_at]
-        if readies:
-            newest_ready = max(readies)
-            failures = [r for r in failures if r.updated_at > newest_ready]
-        if not failures:
-            return 0.0
-        last = max(r.updated_at for r in failures)
-        return max(0.0, last + _backoff(len(failures)) - now)
-
-    def _prune_failed(self) -> None:
-        done = [
-            r
-            for r in self.store.replicas(self.name)
-            if r.teardown_state == "succeeded" and failure_status(r) is not None
-        ]
-        for r in done[:-KEEP_FAILED] if len(done) > KEEP_FAILED else []:
-            self.store.delete_replica(r.id)
+        return len(replicas) == forgotten and not self._rt.launches and not self._rt.teardowns
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -883,7 +788,7 @@ class ServiceController:
         launch slot is free: while the job waits in a saturated launch lane the replica stays
         PENDING ("waiting for a launch slot"), which is what status should say and what
         scale-down removes first. A restart finds it pending either way and launches it."""
-        self.store.update_replica(request.replica_id, launch_state="running")
+        self.store.mark_launch(request.replica_id, LaunchState.RUNNING)
         return infra.launch(request)
 
     def _from_thread(self, fn: Callable[[int, Job], None], replica_id: int, job: Job) -> None:
@@ -907,12 +812,7 @@ class ServiceController:
 
     def _record_handle(self, replica_id: int, handle: ReplicaHandle) -> None:
         """Called from the launch thread the moment something exists: stored before use."""
-        self.store.update_replica(
-            replica_id,
-            handle=handle_to_json(handle),
-            endpoint=handle.endpoint,
-            launched_at=time.time(),
-        )
+        self.store.record_handle(replica_id, handle_to_json(handle), handle.endpoint, time.time())
 
     def _launch_done(self, replica_id: int, job: Job) -> None:
         self._rt.launches.pop(replica_id, None)
@@ -920,7 +820,7 @@ class ServiceController:
         if r is None:
             return
         if job.state is JobState.SUCCEEDED:
-            self.store.update_replica(replica_id, launch_state="succeeded")
+            self.store.mark_launch(replica_id, LaunchState.SUCCEEDED)
             self.store.event(self.name, "replica.launched", r.endpoint, replica_id=replica_id)
             if job.log_error:
                 # Running, but its launch output was lost (a full disk): say so where users look.
@@ -928,7 +828,7 @@ class ServiceController:
                     self.name, "replica.log_error", job.log_error, replica_id=replica_id
                 )
         elif job.state is JobState.CANCELLED:
-            self.store.update_replica(replica_id, launch_state="cancelled")
+            self.store.mark_launch(replica_id, LaunchState.CANCELLED)
             self.store.event(self.name, "replica.launch_cancelled", None, replica_id=replica_id)
         elif isinstance(job.exception(), StateError):
             # The state file refused one of the launch's own writes (locked for longer than a
@@ -947,10 +847,10 @@ class ServiceController:
             row = self.store.replica(replica_id)
             seq = row.seq if row is not None and row.seq else replica_id
             detail = f"{job.exception()!r}; see `corral logs {self.name} {seq} --launch`"
-            self.store.update_replica(replica_id, launch_state="failed", failure=detail)
+            self.store.mark_launch(replica_id, LaunchState.FAILED, failure=detail)
             self.store.event(self.name, "replica.launch_failed", detail, replica_id=replica_id)
         r = self.store.replica(replica_id)
-        if r is not None and r.launch_state == "cancelled":
+        if r is not None and r.launch_state is LaunchState.CANCELLED:
             self._retire(r, "launch cancelled")
         self._wake.set()
 
@@ -968,13 +868,13 @@ class ServiceController:
             if job.cancel():
                 self.store.event(self.name, "replica.cancel_launch", reason, replica_id=r.id)
             return  # _launch_done retires it once the launch has stopped
-        if r.teardown_state == "succeeded":
+        if r.teardown_state is TeardownState.SUCCEEDED:
             return
         handle = handle_from_row(r)
         if handle is None:
             # Nothing was started: nothing to tear down.
             if failure_status(r) is not None:
-                self.store.update_replica(r.id, teardown_state="succeeded")
+                self.store.mark_teardown(r.id, TeardownState.SUCCEEDED)
             else:
                 # Event first, as in _teardown_done: a kill between leaves the row to redo.
                 self.store.event(self.name, "replica.removed", reason, replica_id=r.id)
@@ -989,7 +889,7 @@ class ServiceController:
                 self._rt.no_backend.add(r.id)
                 self._event(r.id, "replica.unknown", self._unknown_reason(r))
             return
-        self.store.update_replica(r.id, teardown_state="pending", ready=0)
+        self.store.mark_teardown(r.id, TeardownState.PENDING)
         self.store.event(self.name, "replica.teardown", reason, replica_id=r.id)
         self._rt.draining.add(r.id)
         self._spawn(self._drain_then_teardown(r, handle), f"corral-drain-{r.id}")
@@ -1009,7 +909,7 @@ class ServiceController:
             self._rt.draining.discard(r.id)
         infra = self._infra_for(r)
         try:
-            self.store.update_replica(r.id, teardown_state="running")
+            self.store.mark_teardown(r.id, TeardownState.RUNNING)
         except StateError as exc:
             # Nothing started yet: the reconcile loop resumes this teardown (_outcome_lost).
             log.warning("service %s: replica %d: teardown postponed: %s", self.name, r.id, exc)
@@ -1086,8 +986,8 @@ class ServiceController:
         if job.state is JobState.SUCCEEDED:
             if failure_status(r) is not None:
                 # Back to the replica's own failure (why it failed), without the teardown's.
-                self.store.update_replica(
-                    replica_id, teardown_state="succeeded", failure=_replica_failure(r.failure)
+                self.store.mark_teardown(
+                    replica_id, TeardownState.SUCCEEDED, failure=_replica_failure(r.failure)
                 )
                 self.store.event(self.name, "replica.terminated", None, replica_id=replica_id)
             else:
@@ -1101,10 +1001,10 @@ class ServiceController:
             detail = f"teardown failed: {job.exception()!r}; see {self.launch_log(replica_id)}"
             # The replica's own failure stays in the text: it is why it was torn down.
             original = _replica_failure(r.failure)
-            self.store.update_replica(
+            self.store.mark_teardown(
                 replica_id,
-                teardown_state="failed",
-                teardown_attempts=r.teardown_attempts + 1,
+                TeardownState.FAILED,
+                attempts=r.teardown_attempts + 1,
                 failure=detail if original is None else f"{detail}{_BEFORE}{original}",
             )
             self.store.event(self.name, "replica.teardown_failed", detail, replica_id=replica_id)
@@ -1129,7 +1029,7 @@ class ServiceController:
                     *(
                         path
                         for r in self.store.replicas(self.name)
-                        if r.teardown_state != "succeeded"
+                        if r.teardown_state is not TeardownState.SUCCEEDED
                         for path in (self.replica_log(r.id), self.launch_log(r.id))
                     ),
                 ]
@@ -1173,7 +1073,7 @@ class ServiceController:
         rows = [
             r
             for r in self.store.replicas(self.name)
-            if r.launch_state == "succeeded"
+            if r.launch_state is LaunchState.SUCCEEDED
             and r.teardown_state is None
             and failure_status(r) is None
             and r.handle_json is not None
@@ -1243,7 +1143,7 @@ class ServiceController:
             state.last_error = None
             if not current.ready:
                 first = current.first_ready_at or now
-                self.store.update_replica(r.id, ready=1, first_ready_at=first)
+                self.store.mark_ready(r.id, first)
                 self.store.mark_version_ready(self.name, r.version)
                 self.store.event(self.name, "replica.ready", None, replica_id=r.id)
                 self._set_ready(r.id, handle.endpoint, r.version)
@@ -1253,25 +1153,27 @@ class ServiceController:
         if state.failing_since is None:
             state.failing_since = now
         if current.ready:
-            self.store.update_replica(r.id, ready=0)
+            self.store.mark_not_ready(r.id)
             self.store.event(self.name, "replica.not_ready", result.error, replica_id=r.id)
             self._set_ready(r.id, None)
         if current.first_ready_at is not None:
             if now - state.failing_since >= rp.failure_timeout_seconds:
                 self._mark_failed(
                     current,
-                    probe_failed=1,
-                    failure=f"probes failing for {now - state.failing_since:.0f}s: {result.error}",
+                    FailureKind.PROBE,
+                    f"probes failing for {now - state.failing_since:.0f}s: {result.error}",
                 )
         elif now - (current.launched_at or now) >= rp.initial_delay_seconds:
             self._mark_failed(
                 current,
-                initial_delay_failed=1,
-                failure=f"not ready within {rp.initial_delay_seconds:g}s: {result.error}",
+                FailureKind.INITIAL_DELAY,
+                f"not ready within {rp.initial_delay_seconds:g}s: {result.error}",
             )
 
-    def _mark_failed(self, r: ReplicaRow, *, failure: str, **facts: Any) -> None:
-        self.store.update_replica(r.id, ready=0, failure=failure, **facts)
+    def _mark_failed(
+        self, r: ReplicaRow, kind: FailureKind, failure: str, *, exit_code: int | None = None
+    ) -> None:
+        self.store.mark_failed(r.id, kind, failure, exit_code=exit_code)
         self.store.event(self.name, "replica.failed", failure, replica_id=r.id)
         log.warning("service %s: replica %d failed: %s", self.name, r.id, failure)
         self._set_ready(r.id, None)
@@ -1291,7 +1193,7 @@ class ServiceController:
         if status is ReplicaStatus.SHUTTING_DOWN or r.scale_down or r.id in self._rt.draining:
             raise ReplicaRefused(409, f"replica {seq} of {self.name!r} is already shutting down")
         if failure_status(r) is not None or status is ReplicaStatus.FAILED_CLEANUP:
-            if r.teardown_state not in ("succeeded", "failed"):
+            if r.teardown_state not in (TeardownState.SUCCEEDED, TeardownState.FAILED):
                 raise ReplicaRefused(409, f"replica {seq} ({status}) is being torn down already")
             if not purge:
                 why = (
@@ -1307,8 +1209,7 @@ class ServiceController:
             self.store.event(self.name, "replica.purge", f"{status}; purged", replica_id=r.id)
             self.store.delete_replica(r.id)
             return f"replica {seq} of {self.name} ({status}) forgotten"
-        self.store.update_replica(r.id, scale_down=1)
-        self._retire(self.store.replica(r.id), "terminated on request (down --replica-id)")
+        self._retire(self.store.mark_scale_down(r.id), "terminated on request (down --replica-id)")
         self.wake()
         return f"replica {seq} of {self.name} is shutting down; a replacement starts"
 
@@ -1481,14 +1382,3 @@ def _replica_failure(text: str | None) -> str | None:
         return text
     _, sep, original = text.partition(_BEFORE)
     return original if sep else None
-
-
-def _teardown_retry_due(r: ReplicaRow, now: float) -> bool:
-    """A failed teardown is retried for as long as it fails (backoff capped at BACKOFF_CAP): a
-    replica whose teardown failed may still run, and giving up after a few attempts left it
-    running for good once a backend outage outlasted them."""
-    return now - r.updated_at >= _backoff(r.teardown_attempts)
-
-
-def _backoff(failures: int) -> float:
-    return min(BACKOFF_CAP, float(2 ** max(0, failures - 1)))

@@ -13,6 +13,37 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeVar
 
 
+class LaunchState(enum.StrEnum):
+    """Where a replica's launch is (the ``launch_state`` column; the values are what the state
+    file holds, so an enum member and its text are interchangeable in rows and JSON)."""
+
+    PENDING = "pending"  # waiting for a launch slot, or to be launched again
+    RUNNING = "running"  # the launch job has started
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # retired while launching
+
+
+class TeardownState(enum.StrEnum):
+    """Where a replica's teardown is (the ``teardown_state`` column; NULL: not retired)."""
+
+    PENDING = "pending"  # draining
+    RUNNING = "running"  # the teardown job has started
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # may still run: retried with backoff, shown as FAILED_CLEANUP
+
+
+# Teardowns started and not finished: the replica is SHUTTING_DOWN.
+TEARING_DOWN = frozenset({TeardownState.PENDING, TeardownState.RUNNING})
+
+
+class UpdateMode(enum.StrEnum):
+    """How a new version replaces the one before it (the ``mode`` column of a version)."""
+
+    ROLLING = "rolling"
+    BLUE_GREEN = "blue_green"
+
+
 class ReplicaStatus(enum.StrEnum):
     PENDING = "PENDING"  # waiting for a launch slot
     PROVISIONING = "PROVISIONING"  # launch job running
@@ -56,9 +87,9 @@ class ReplicaFacts(Protocol):
     @property
     def version(self) -> int: ...
     @property
-    def launch_state(self) -> str: ...
+    def launch_state(self) -> LaunchState: ...
     @property
-    def teardown_state(self) -> str | None: ...
+    def teardown_state(self) -> TeardownState | None: ...
     @property
     def first_ready_at(self) -> float | None: ...
     @property
@@ -79,7 +110,7 @@ def failure_status(r: ReplicaFacts) -> ReplicaStatus | None:
     """The failure a replica suffered, if any (kept visible after its teardown)."""
     if r.preempted:
         return ReplicaStatus.PREEMPTED
-    if r.launch_state == "failed":
+    if r.launch_state == LaunchState.FAILED:
         return ReplicaStatus.FAILED_PROVISION
     if r.app_failed:
         return ReplicaStatus.FAILED
@@ -91,20 +122,20 @@ def failure_status(r: ReplicaFacts) -> ReplicaStatus | None:
 
 
 def replica_status(r: ReplicaFacts) -> ReplicaStatus:
-    if r.teardown_state == "failed":
+    if r.teardown_state == TeardownState.FAILED:
         return ReplicaStatus.FAILED_CLEANUP
-    if r.teardown_state in ("pending", "running"):
+    if r.teardown_state in TEARING_DOWN:
         return ReplicaStatus.SHUTTING_DOWN
     failure = failure_status(r)
     if failure is not None:
         return failure
-    if r.teardown_state == "succeeded" or r.launch_state == "cancelled":
+    if r.teardown_state == TeardownState.SUCCEEDED or r.launch_state == LaunchState.CANCELLED:
         return ReplicaStatus.SHUTTING_DOWN
-    if r.launch_state == "pending":
+    if r.launch_state == LaunchState.PENDING:
         return ReplicaStatus.PENDING
-    if r.launch_state == "running":
+    if r.launch_state == LaunchState.RUNNING:
         return ReplicaStatus.PROVISIONING
-    if r.launch_state == "succeeded":
+    if r.launch_state == LaunchState.SUCCEEDED:
         if r.ready:
             return ReplicaStatus.READY
         return ReplicaStatus.NOT_READY if r.first_ready_at is not None else ReplicaStatus.STARTING

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import sqlite3
 import threading
@@ -34,9 +35,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import EllipsisType
 from typing import Any, TypeVar
 
 from corral.backup import take_backup
+from corral.replicas import LaunchState, TeardownState, UpdateMode
 
 T = TypeVar("T")
 
@@ -140,6 +143,15 @@ _MIGRATIONS: list[str] = [
 ]
 
 
+class FailureKind(enum.Enum):
+    """Which failure fact a replica gets (the column set to 1; see corral.replicas)."""
+
+    APP = "app_failed"
+    PREEMPTED = "preempted"
+    PROBE = "probe_failed"
+    INITIAL_DELAY = "initial_delay_failed"
+
+
 class StateError(RuntimeError):
     """The state file cannot be used (locked, read-only, newer schema)."""
 
@@ -193,7 +205,10 @@ class VersionRow:
     base_dir: str | None
     first_ready_at: float | None
     created_at: float
-    mode: str
+    mode: UpdateMode
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", UpdateMode(self.mode))
 
 
 @dataclass(frozen=True)
@@ -202,8 +217,8 @@ class ReplicaRow:
     service: str
     version: int
     infra: str
-    launch_state: str
-    teardown_state: str | None
+    launch_state: LaunchState
+    teardown_state: TeardownState | None
     teardown_attempts: int
     endpoint: str | None
     handle_json: str | None
@@ -220,6 +235,12 @@ class ReplicaRow:
     created_at: float
     updated_at: float
     seq: int = 0  # the replica's id within its service, the one users see
+
+    def __post_init__(self) -> None:
+        # The columns hold the enums' text: typed here once, so every reader compares members.
+        object.__setattr__(self, "launch_state", LaunchState(self.launch_state))
+        if self.teardown_state is not None:
+            object.__setattr__(self, "teardown_state", TeardownState(self.teardown_state))
 
     @property
     def handle_data(self) -> dict[str, Any] | None:
@@ -596,13 +617,21 @@ class Store:
         return [_row(ReplicaRow, r) for r in rows]
 
     def update_replica(self, replica_id: int, **facts: Any) -> ReplicaRow | None:
-        """Set facts of one replica; ``handle`` (a mapping) is stored as JSON."""
+        """Set facts of one replica; ``handle`` (a mapping) is stored as JSON.
+
+        The one write every named transition below goes through (so a test that counts writes
+        sees them all). The controller uses the named transitions: their states are enums, so a
+        misspelt state fails mypy; here a misspelt state or fact is a ValueError."""
         if "handle" in facts:
             handle = facts.pop("handle")
             facts["handle_json"] = None if handle is None else json.dumps(dict(handle))
         unknown = set(facts) - _REPLICA_FACTS
         if unknown:
             raise ValueError(f"not replica facts: {sorted(unknown)}")
+        if "launch_state" in facts:
+            facts["launch_state"] = str(LaunchState(facts["launch_state"]))
+        if facts.get("teardown_state") is not None:
+            facts["teardown_state"] = str(TeardownState(facts["teardown_state"]))
         if facts:
             cols = ", ".join(f"{k} = ?" for k in facts)
             self._execute(
@@ -610,6 +639,72 @@ class Store:
                 (*facts.values(), time.time(), replica_id),
             )
         return self.replica(replica_id)
+
+    # Named transitions: each a fact the controller records before it acts on it.
+
+    def mark_launch(
+        self, replica_id: int, state: LaunchState, *, failure: str | None = None
+    ) -> None:
+        """The launch moved on (RUNNING when its job starts, SUCCEEDED, CANCELLED, or FAILED
+        with ``failure``)."""
+        if failure is None:
+            self.update_replica(replica_id, launch_state=state)
+        else:
+            self.update_replica(replica_id, launch_state=state, failure=failure)
+
+    def mark_relaunch(self, replica_id: int, *, forget_handle: bool = True) -> None:
+        """Back to PENDING: the launch was interrupted and nothing of it runs."""
+        if forget_handle:
+            self.update_replica(
+                replica_id, launch_state=LaunchState.PENDING, handle=None, endpoint=None
+            )
+        else:
+            self.update_replica(replica_id, launch_state=LaunchState.PENDING)
+
+    def record_handle(
+        self, replica_id: int, handle: dict[str, Any], endpoint: str, launched_at: float
+    ) -> None:
+        """Something exists on the backend: how to find it, stored before it is used."""
+        self.update_replica(replica_id, handle=handle, endpoint=endpoint, launched_at=launched_at)
+
+    def mark_ready(self, replica_id: int, first_ready_at: float) -> None:
+        self.update_replica(replica_id, ready=1, first_ready_at=first_ready_at)
+
+    def mark_not_ready(self, replica_id: int) -> None:
+        self.update_replica(replica_id, ready=0)
+
+    def mark_failed(
+        self, replica_id: int, kind: FailureKind, failure: str, *, exit_code: int | None = None
+    ) -> None:
+        """The replica failed (out of the ready set); ``kind`` is the fact its status shows."""
+        facts: dict[str, Any] = {"ready": 0, "failure": failure, kind.value: 1}
+        if kind is FailureKind.APP:
+            facts["exit_code"] = exit_code
+        self.update_replica(replica_id, **facts)
+
+    def mark_scale_down(self, replica_id: int) -> ReplicaRow | None:
+        """Chosen to go (scale down, or terminated on request): no longer counts as live."""
+        return self.update_replica(replica_id, scale_down=1)
+
+    def mark_teardown(
+        self,
+        replica_id: int,
+        state: TeardownState | None,
+        *,
+        failure: str | EllipsisType | None = ...,
+        attempts: int | None = None,
+    ) -> ReplicaRow | None:
+        """The teardown moved on: PENDING (draining; out of the ready set), RUNNING, SUCCEEDED
+        or FAILED (with ``attempts`` so far); None when an interrupted one starts over.
+        ``failure`` replaces the row's failure text when given (None clears it)."""
+        facts: dict[str, Any] = {"teardown_state": state}
+        if state is TeardownState.PENDING:
+            facts["ready"] = 0
+        if not isinstance(failure, EllipsisType):
+            facts["failure"] = failure
+        if attempts is not None:
+            facts["teardown_attempts"] = attempts
+        return self.update_replica(replica_id, **facts)
 
     def delete_replica(self, replica_id: int) -> None:
         self._execute("DELETE FROM replicas WHERE id = ?", (replica_id,))

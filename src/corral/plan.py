@@ -1,0 +1,366 @@
+"""What one reconcile step of a service should do, decided from its facts alone.
+
+The controller used to decide and act in the same breath (choose the rolling move, retire on the
+spot), so its policies could only be tested through a real daemon. Here every decision is a pure
+function of the replica rows, a few facts of the service and the time: it returns actions, and
+the controller's executor carries them out (jobs, drain, teardown, store writes). A table of
+rows and a simulated clock is enough to test every update and failure policy.
+
+A step has two halves because the first one writes what the second one reads: :func:`upkeep`
+(per-row chores: resume, retire the failed, retry teardowns, launch the pending) runs first, the
+executor applies it, and :func:`toward_target` then plans over the rows as they are now (a
+retired row's ``updated_at`` is when its teardown started, which is where backoff counts from).
+:func:`plan` chains both over one set of rows, for callers without a store in between.
+
+One backoff mechanism (:func:`backoff`) serves every retry: relaunching after failures,
+retrying a failed teardown, and the controller's own retries of a locked state file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from corral.replicas import (
+    TEARING_DOWN,
+    LaunchState,
+    ReplicaFacts,
+    ReplicaStatus,
+    TeardownState,
+    UpdateMode,
+    failure_status,
+    is_live,
+    replica_status,
+    scale_down_victims,
+)
+
+# A version that never had a READY replica gives up after this many replica failures.
+MAX_FAILURES_BEFORE_READY = 3
+# Failed replica rows kept visible per service (older ones are pruned).
+KEEP_FAILED = 10
+BACKOFF_CAP = 30.0
+
+# The failures the crash-loop rule counts: the app's own. A preempted replica or one whose
+# probes failed after it was READY says nothing about whether the version can ever start.
+UNRECOVERABLE = frozenset(
+    {ReplicaStatus.FAILED, ReplicaStatus.FAILED_INITIAL_DELAY, ReplicaStatus.FAILED_PROVISION}
+)
+
+
+def backoff(failures: int, *, base: float = 1.0, cap: float = BACKOFF_CAP) -> float:
+    """Seconds to wait after ``failures`` consecutive failures: base, 2 base, 4 base ... cap."""
+    return min(cap, base * float(2 ** max(0, failures - 1)))
+
+
+class Row(ReplicaFacts, Protocol):
+    """The facts of a replica row the plan reads (a :class:`corral.state.ReplicaRow`)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def failure(self) -> str | None: ...
+    @property
+    def updated_at(self) -> float: ...
+    @property
+    def teardown_attempts(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Rows the executor is working on right now (a job or a drain): their outcome is not lost."""
+
+    launching: frozenset[int] = frozenset()
+    tearing_down: frozenset[int] = frozenset()  # draining or in a teardown job
+
+
+@dataclass(frozen=True)
+class Facts:
+    """A running service as one step sees it."""
+
+    rows: Sequence[Row]
+    version: int  # the current version
+    mode: UpdateMode  # how the current version replaces the ones before it
+    min_replicas: int  # of the current version's policy (the blue-green switch waits for it)
+    version_ready: bool  # the current version has had a READY replica
+    target: int  # the autoscaler's target
+    failure: str | None = None  # why the service gave up, as stored
+    busy: Busy = Busy()
+
+
+# -- actions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Finish a launch or teardown whose outcome no job will record (a write was refused, or
+    the daemon restarted)."""
+
+    replica_id: int
+
+
+@dataclass(frozen=True)
+class Retire:
+    """Take a replica out of service: cancel its launch, or drain and tear it down."""
+
+    replica_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScaleDown:
+    """Mark a live replica as unwanted (so it no longer counts), then retire it."""
+
+    replica_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch a PENDING row (it may still wait for a launch slot or for capacity)."""
+
+    replica_id: int
+
+
+@dataclass(frozen=True)
+class Add:
+    """New replicas of the current version, launched at once."""
+
+    count: int
+    target: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The current version gives up (crash loop): record why, relaunch nothing."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ClearFailure:
+    """The recorded give-up no longer holds (an update, or a READY replica)."""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Blue-green: READY replicas of ``version`` get no traffic yet (None: nothing held)."""
+
+    version: int | None
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Blue-green: traffic goes to ``version`` now (its old replicas are retired)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class MakeRoom:
+    """A rolling update that may find no spare capacity: ask the machine whether one old
+    replica must go first (the executor knows the machine; docs/gpus.md)."""
+
+    version: int
+    target: int
+    ready_new: int
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Delete a finished row (an old failure past :data:`KEEP_FAILED`, or a torn-down
+    replica of a service going down); ``reason`` is logged as an event when given."""
+
+    replica_id: int
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Note:
+    """What the step decided, in words (the service's ``last_decision``)."""
+
+    text: str
+
+
+Action = (
+    Resume
+    | Retire
+    | ScaleDown
+    | Launch
+    | Add
+    | Fail
+    | ClearFailure
+    | Hold
+    | Switch
+    | MakeRoom
+    | Forget
+    | Note
+)
+
+
+# -- rules -----------------------------------------------------------------------------------
+
+
+def outcome_lost(r: Row, busy: Busy) -> bool:
+    """A row mid-launch or mid-teardown that no job or drain works on: every step records its
+    outcome with a write, and when that write fails (or the daemon restarts) nothing would ever
+    finish the row. It is resumed instead."""
+    if r.launch_state == LaunchState.RUNNING and r.id not in busy.launching:
+        return True
+    return r.teardown_state in TEARING_DOWN and r.id not in busy.tearing_down
+
+
+def teardown_retry_due(r: Row, now: float) -> bool:
+    """A failed teardown is retried for as long as it fails: a replica whose teardown failed
+    may still run, and giving up after a few attempts left it running for good once a backend
+    outage outlasted them."""
+    return now - r.updated_at >= backoff(r.teardown_attempts)
+
+
+def relaunch_wait(current: Sequence[Row], now: float) -> float:
+    """Seconds before relaunching after consecutive failures, so a crashing app is not
+    hammered. Failures before the newest READY do not count: they are not consecutive."""
+    failures = [r for r in current if failure_status(r) is not None]
+    readies = [r.first_ready_at for r in current if r.first_ready_at]
+    if readies:
+        newest_ready = max(readies)
+        failures = [r for r in failures if r.updated_at > newest_ready]
+    if not failures:
+        return 0.0
+    last = max(r.updated_at for r in failures)
+    return max(0.0, last + backoff(len(failures)) - now)
+
+
+def gave_up(version: int, version_ready: bool, current: Sequence[Row]) -> str | None:
+    """SkyServe's rule, with a count: a version that never became ready and keeps failing is
+    not relaunched forever (no crash loop)."""
+    if version_ready:
+        return None
+    failed = [r for r in current if failure_status(r) in UNRECOVERABLE]
+    if len(failed) < MAX_FAILURES_BEFORE_READY:
+        return None
+    last = max(failed, key=lambda r: r.id)
+    return (
+        f"version {version} never became ready and {len(failed)} replicas failed; "
+        f"last: replica {last.seq or last.id} {failure_status(last)}: "
+        f"{last.failure or 'no detail'}"
+    )
+
+
+def upkeep(rows: Sequence[Row], busy: Busy, now: float) -> list[Action]:
+    """Per-row chores of a running service, before it is steered toward its target."""
+    actions: list[Action] = []
+    for r in rows:
+        failure = failure_status(r)
+        if outcome_lost(r, busy):
+            actions.append(Resume(r.id))
+        elif failure is not None and r.teardown_state is None:
+            actions.append(Retire(r.id, f"replica {failure}"))
+        elif r.teardown_state == TeardownState.FAILED:
+            if teardown_retry_due(r, now):
+                attempt = r.teardown_attempts + 1
+                actions.append(Retire(r.id, f"retrying teardown (attempt {attempt})"))
+        elif r.scale_down and r.teardown_state is None:
+            actions.append(Retire(r.id, "scaled down"))
+        elif r.launch_state == LaunchState.PENDING and r.id not in busy.launching:
+            actions.append(Launch(r.id))
+    return actions
+
+
+def replace_old_versions(facts: Facts) -> list[Action]:
+    """Retire replicas of older versions as the current one becomes READY.
+
+    Rolling: traffic goes to READY replicas of every version, and old replicas are kept only
+    while the new version has fewer READY than the target asks, so the READY count never drops
+    below it. Blue-green: the new version's READY replicas get no traffic until it has
+    ``min_replicas`` READY (at least 1); then traffic switches at once and every old replica
+    drains and goes. A version that never becomes READY is never promoted: the old replicas
+    keep serving.
+    """
+    version, rows, target = facts.version, facts.rows, facts.target
+    old = [r for r in rows if r.version != version and is_live(r)]
+    if not old:
+        return [Hold(None)]
+    ready_new = sum(
+        1 for r in rows if r.version == version and replica_status(r) is ReplicaStatus.READY
+    )
+    actions: list[Action] = []
+    if facts.mode is UpdateMode.BLUE_GREEN:
+        needed = min(max(1, facts.min_replicas), max(1, target))
+        if ready_new >= needed:
+            actions += [Retire(r.id, f"blue-green switch to version {version}") for r in old]
+            actions += [Switch(version), Hold(None)]
+        elif any(replica_status(r) is ReplicaStatus.READY for r in old):
+            actions.append(Hold(version))
+        else:
+            actions.append(Hold(None))
+        return actions
+    why = f"rolling update to version {version}"
+    old_ready = [r for r in old if replica_status(r) is ReplicaStatus.READY]
+    keep = max(0, target - ready_new)
+    actions += [Retire(r.id, why) for r in old if r not in old_ready]
+    victims = scale_down_victims(old_ready, len(old_ready) - keep, current_version=version)
+    actions += [Retire(r.id, why) for r in victims]
+    return [*actions, MakeRoom(version, target, ready_new), Hold(None)]
+
+
+def toward_target(facts: Facts, now: float) -> list[Action]:
+    """Replace old versions, then launch or scale down toward the target, unless the current
+    version gave up (crash loop) or failed too recently (backoff)."""
+    actions = replace_old_versions(facts)
+    current = [r for r in facts.rows if r.version == facts.version]
+    live = [r for r in current if is_live(r)]
+    target = facts.target
+    given_up = gave_up(facts.version, facts.version_ready, current)
+    if given_up is not None:
+        if facts.failure != given_up:
+            actions.append(Fail(given_up))
+        actions.append(Note(f"not relaunching: {given_up}"))
+    elif len(live) < target:
+        wait = relaunch_wait(current, now)
+        if wait > 0:
+            actions.append(Note(f"waiting {wait:.0f}s before relaunching (backoff)"))
+        else:
+            actions.append(Add(target - len(live), target))
+            actions.append(Note(f"launching {target - len(live)} toward target {target}"))
+    elif len(live) > target:
+        victims = scale_down_victims(live, len(live) - target, current_version=facts.version)
+        actions += [ScaleDown(r.id, f"scale down to {target}") for r in victims]
+        actions.append(Note(f"scaling down to {target}"))
+    else:
+        actions.append(Note(f"at target {target}"))
+    if facts.failure is not None and given_up is None:
+        actions.append(ClearFailure())
+    return actions + prune(facts.rows)
+
+
+def prune(rows: Sequence[Row]) -> list[Action]:
+    """Forget failed rows beyond the newest :data:`KEEP_FAILED` (kept for their logs)."""
+    done = [
+        r
+        for r in rows
+        if r.teardown_state == TeardownState.SUCCEEDED and failure_status(r) is not None
+    ]
+    return [Forget(r.id) for r in done[: max(0, len(done) - KEEP_FAILED)]]
+
+
+def plan(facts: Facts, now: float) -> list[Action]:
+    """One whole step over one set of rows: :func:`upkeep`, then :func:`toward_target`."""
+    return [*upkeep(facts.rows, facts.busy, now), *toward_target(facts, now)]
+
+
+def going_down(rows: Sequence[Row], *, purge: bool, now: float) -> list[Action]:
+    """A service being shut down: every replica is retired (a failed teardown retried with
+    backoff, or forgotten with ``purge``); torn-down rows are forgotten."""
+    actions: list[Action] = []
+    for r in rows:
+        if r.teardown_state == TeardownState.SUCCEEDED:
+            actions.append(Forget(r.id))
+        elif r.teardown_state == TeardownState.FAILED and purge:
+            actions.append(Forget(r.id, "teardown failed; purged"))
+        elif r.teardown_state == TeardownState.FAILED:
+            if teardown_retry_due(r, now):
+                actions.append(Retire(r.id, "service down (retry)"))
+        else:
+            actions.append(Retire(r.id, "service down"))
+    return actions
