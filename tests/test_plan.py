@@ -15,21 +15,27 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from corral import plan
+from corral.infra.base import Liveness
 from corral.plan import (
     Add,
+    Adopt,
     Busy,
     ClearFailure,
     Facts,
     Fail,
     Forget,
+    Gone,
     Hold,
     Launch,
     MakeRoom,
     Note,
+    Relaunch,
+    RestartTeardown,
     Resume,
     Retire,
     ScaleDown,
     Switch,
+    Unknown,
     backoff,
 )
 from corral.replicas import (
@@ -61,6 +67,7 @@ class R:
     failure: str | None = None
     updated_at: float = 0.0
     teardown_attempts: int = 0
+    handle_json: str | None = None
 
 
 def ready(rid: int, version: int = 1, at: float = 0.0) -> R:
@@ -393,6 +400,80 @@ def test_going_down() -> None:
         Forget(7, "teardown failed; purged"),
         Forget(8, "teardown failed; purged"),
     ]
+
+
+# -- restart recovery: rows a previous daemon left -------------------------------------------
+
+H = '{"backend": "local", "endpoint": "http://127.0.0.1:1", "data": {}}'
+RUNNING = R(1, launch_state=LaunchState.RUNNING, handle_json=H)
+UP = R(1, handle_json=H, ready=1, first_ready_at=1.0)
+
+
+@pytest.mark.parametrize(
+    ("row", "liveness", "expected"),
+    [
+        # Interrupted teardowns run again; a cancelled launch never retired is retired.
+        (
+            R(1, teardown_state=TeardownState.RUNNING, handle_json=H),
+            None,
+            [RestartTeardown(1, "teardown interrupted by daemon restart")],
+        ),
+        (
+            R(1, launch_state=LaunchState.CANCELLED, handle_json=H),
+            None,
+            [Retire(1, "launch cancelled before the daemon restart")],
+        ),
+        # A launch with nothing recorded as started: launched again (not the app's failure).
+        (
+            R(1, launch_state=LaunchState.RUNNING),
+            None,
+            [Relaunch(1, "launch interrupted", forget_handle=False)],
+        ),
+        # A launch that had started something: the backend's answer decides.
+        (
+            RUNNING,
+            Liveness.ALIVE,
+            [Adopt(1, "launch interrupted; process running", launched=True)],
+        ),
+        (RUNNING, Liveness.UNKNOWN, [Unknown(1, not_ready=False)]),
+        (
+            RUNNING,
+            Liveness.EXITED,
+            [Relaunch(1, "launch interrupted; process gone", forget_handle=True)],
+        ),
+        (
+            RUNNING,
+            Liveness.LOST,
+            [Relaunch(1, "launch interrupted; process gone", forget_handle=True)],
+        ),
+        # A launched replica: adopted, kept while nobody can answer, or judged gone exactly
+        # as a running daemon's probe judges it (Gone: FAILED if it exited, PREEMPTED if lost).
+        (UP, Liveness.ALIVE, [Adopt(1, "running after restart", launched=False)]),
+        (UP, Liveness.UNKNOWN, [Unknown(1, not_ready=True)]),
+        (UP, Liveness.EXITED, [Gone(1, Liveness.EXITED)]),
+        (UP, Liveness.LOST, [Gone(1, Liveness.LOST)]),
+        # Failed, torn down, or never started: nothing to recover.
+        (replace(UP, app_failed=1), None, []),
+        (R(1, launch_state=LaunchState.PENDING), None, []),
+        (crashed(1, 1.0), None, []),
+    ],
+)
+def test_recover(row: R, liveness: Liveness | None, expected: list[plan.Action]) -> None:
+    assert plan.asks_backend(row) == (liveness is not None)
+    assert plan.recover(row, liveness) == expected
+
+
+def test_a_lost_launch_outcome_is_judged_the_same_by_a_running_daemon() -> None:
+    """The running loop resumes an unrecorded launch with the same rule as a restart; only an
+    unknown answer stays silent (it asks again on its next step)."""
+    why = "launch outcome not recorded"
+    assert plan.launch_outcome(1, Liveness.ALIVE, why, tell_unknown=False) == [
+        Adopt(1, f"{why}; process running", launched=True)
+    ]
+    assert plan.launch_outcome(1, Liveness.LOST, why, tell_unknown=False) == [
+        Relaunch(1, f"{why}; process gone", forget_handle=True)
+    ]
+    assert plan.launch_outcome(1, Liveness.UNKNOWN, why, tell_unknown=False) == []
 
 
 # -- stories over a simulated clock ---------------------------------------------------------

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from corral.infra.base import Liveness
 from corral.replicas import (
     TEARING_DOWN,
     LaunchState,
@@ -64,6 +65,8 @@ class Row(ReplicaFacts, Protocol):
     def updated_at(self) -> float: ...
     @property
     def teardown_attempts(self) -> int: ...
+    @property
+    def handle_json(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,52 @@ class Forget:
 
 
 @dataclass(frozen=True)
+class RestartTeardown:
+    """A teardown a previous daemon started: forget how far it got, then retire again."""
+
+    replica_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """Back to PENDING (launched again by a later step): nothing of its launch runs."""
+
+    replica_id: int
+    reason: str
+    forget_handle: bool
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """A replica found running is kept: ``launched`` records its launch as done (only the job's
+    return was lost); otherwise it was launched already and goes back into the ready set if it
+    was READY."""
+
+    replica_id: int
+    reason: str
+    launched: bool
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """Nobody could say whether it runs: kept as it is (out of the ready set with
+    ``not_ready``), asked again later; never failed or relaunched on that."""
+
+    replica_id: int
+    not_ready: bool
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Its backend says it is gone: judged as any gone replica (FAILED if the app exited,
+    PREEMPTED if its host went away)."""
+
+    replica_id: int
+    liveness: Liveness
+
+
+@dataclass(frozen=True)
 class Note:
     """What the step decided, in words (the service's ``last_decision``)."""
 
@@ -195,6 +244,11 @@ Action = (
     | MakeRoom
     | Forget
     | Note
+    | RestartTeardown
+    | Relaunch
+    | Adopt
+    | Unknown
+    | Gone
 )
 
 
@@ -364,3 +418,63 @@ def going_down(rows: Sequence[Row], *, purge: bool, now: float) -> list[Action]:
         else:
             actions.append(Retire(r.id, "service down"))
     return actions
+
+
+# -- restart recovery ------------------------------------------------------------------------
+
+
+def asks_backend(r: Row) -> bool:
+    """Whether :func:`recover` needs the backend's answer about this row (asked before the
+    rules run, off them: it can take seconds)."""
+    if r.teardown_state in TEARING_DOWN or r.handle_json is None:
+        return False
+    if r.launch_state == LaunchState.CANCELLED and r.teardown_state is None:
+        return False
+    if r.launch_state == LaunchState.RUNNING:
+        return True
+    return r.launch_state == LaunchState.SUCCEEDED and failure_status(r) is None
+
+
+def recover(r: Row, liveness: Liveness | None) -> list[Action]:
+    """A row a previous daemon left, brought back under control (at start). ``liveness``: the
+    backend's answer about its handle when :func:`asks_backend` says it is needed.
+
+    A live process is adopted; a launch interrupted before anything was recorded is launched
+    again; an interrupted teardown is run again; a recorded replica found gone is judged as a
+    running daemon's probe judges it (:class:`Gone`); an answer nobody could give changes
+    nothing (:class:`Unknown`)."""
+    if r.teardown_state in TEARING_DOWN:
+        return [RestartTeardown(r.id, "teardown interrupted by daemon restart")]
+    if r.launch_state == LaunchState.CANCELLED and r.teardown_state is None:
+        # Killed between a launch's cancel and its retire: no later step looks at a cancelled
+        # row, so it would stay SHUTTING_DOWN forever, uncounted. Retire it now.
+        return [Retire(r.id, "launch cancelled before the daemon restart")]
+    if not asks_backend(r):
+        if r.launch_state == LaunchState.RUNNING and r.handle_json is None:
+            # Nothing recorded as started: the sweep killed any half-done setup.
+            return [Relaunch(r.id, "launch interrupted", forget_handle=False)]
+        return []
+    assert liveness is not None, "asks_backend: the backend's answer is needed"
+    if r.launch_state == LaunchState.RUNNING:
+        return launch_outcome(r.id, liveness, "launch interrupted", tell_unknown=True)
+    if liveness is Liveness.ALIVE:
+        return [Adopt(r.id, "running after restart", launched=False)]
+    if liveness is Liveness.UNKNOWN:
+        # Not failed on a question nobody could answer (a cluster down while the daemon
+        # restarted): kept, out of the ready set until a probe passes.
+        return [Unknown(r.id, not_ready=True)]
+    return [Gone(r.id, liveness)]
+
+
+def launch_outcome(
+    replica_id: int, liveness: Liveness, why: str, *, tell_unknown: bool
+) -> list[Action]:
+    """A launch whose outcome was never recorded (the daemon restarted, or the write was
+    refused), from the backend's answer: running is adopted, gone is launched again (it is not
+    the app's failure: a cancelled launch kills what it started), unknown waits (a relaunch
+    could run it twice)."""
+    if liveness is Liveness.ALIVE:
+        return [Adopt(replica_id, f"{why}; process running", launched=True)]
+    if liveness is Liveness.UNKNOWN:
+        return [Unknown(replica_id, not_ready=False)] if tell_unknown else []
+    return [Relaunch(replica_id, f"{why}; process gone", forget_handle=True)]

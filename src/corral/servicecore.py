@@ -1,0 +1,231 @@
+"""What the parts of one service's controller share: the daemon's dependencies, the service's
+in-memory bookkeeping, and the few operations every part needs (spec cache, events, the ready
+set, the backend's liveness answer, and how a replica found failed or gone is recorded).
+
+The controller (the loop), the executor (jobs, drain, teardown), the prober and restart
+recovery each hold one :class:`ServiceCore` instead of reaching into each other. How a gone
+replica is judged lives here once (:meth:`ServiceCore.mark_gone`), so a running daemon's probe
+and a restarted daemon's adoption cannot judge the same fact differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from corral import logfiles
+from corral.capacity import Capacity
+from corral.dataplane.plane import DataPlane, ServiceRoute
+from corral.infra.base import Infra, Liveness, ReplicaHandle
+from corral.jobs import Job, JobPool
+from corral.spec import ServiceSpec, parse_spec
+from corral.state import FailureKind, ReplicaRow, Store
+
+log = logging.getLogger("corral.controller")
+
+# Launch jobs of one service at once: half the daemon's launch lane (16), so one service whose
+# setups hang cannot hold every slot while the others' launches wait.
+LAUNCHES_PER_SERVICE = 8
+
+
+@dataclass
+class ControllerDeps:
+    """What every controller of one daemon shares."""
+
+    store: Store
+    pool: JobPool
+    infras: Mapping[str, Infra]
+    home: Path
+    home_marker: str
+    http: aiohttp.ClientSession
+    dataplane: DataPlane  # the balancer workers: every service's traffic, out of this process
+    drain_timeout: float = 30.0
+    teardown_grace: float = 5.0
+    # A teardown job running longer than this is abandoned and reported (FAILED_CLEANUP): a
+    # backend call that never returns must not hold a teardown slot, or the service, forever.
+    teardown_timeout: float = 120.0
+    decision_interval: float = 5.0  # autoscaler decisions (SkyServe: 20 s)
+    qps_window: float = 60.0  # the autoscaler's load signal: requests over this window
+    # Replica logs over this are rotated (corral.logfiles: copy to .1, truncate); 0: no cap.
+    log_max_bytes: int = logfiles.DEFAULT_MAX_BYTES
+    # A service's fair share of the launch lane (see LAUNCHES_PER_SERVICE).
+    launches_per_service: int = LAUNCHES_PER_SERVICE
+    # The machine's GPUs, CPUs and memory, and who holds them (local replicas; None: unplaced).
+    capacity: Capacity | None = None
+
+
+@dataclass
+class ProbeState:
+    last_probe: float = 0.0
+    failing_since: float | None = None
+    last_error: str | None = None
+
+
+@dataclass
+class Runtime:
+    """In-memory bookkeeping; everything durable is in the store."""
+
+    launches: dict[int, Job] = field(default_factory=dict)
+    teardowns: dict[int, Job] = field(default_factory=dict)
+    draining: set[int] = field(default_factory=set)
+    ready: dict[int, str] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)  # replica id -> version, of `ready`
+    probes: dict[int, ProbeState] = field(default_factory=dict)
+    # Teardowns given up on (timed out) whose backend call has not returned yet.
+    hung: dict[int, Job] = field(default_factory=dict)
+    # Rows whose unrecorded launch outcome is being asked of the backend (off the loop).
+    resuming: set[int] = field(default_factory=set)
+    # Rows to retire whose backend this daemon lacks (told once in the events, then left).
+    no_backend: set[int] = field(default_factory=set)
+
+
+def handle_to_json(handle: ReplicaHandle) -> dict[str, Any]:
+    return {"backend": handle.backend, "endpoint": handle.endpoint, "data": dict(handle.data)}
+
+
+def handle_from_row(row: ReplicaRow) -> ReplicaHandle | None:
+    data = row.handle_data
+    if data is None:
+        return None
+    return ReplicaHandle(backend=data["backend"], endpoint=data["endpoint"], data=data["data"])
+
+
+class ServiceCore:
+    """One service's shared state (everything durable is in the store)."""
+
+    def __init__(self, name: str, deps: ControllerDeps) -> None:
+        self.name = name
+        self.deps = deps
+        self.store = deps.store
+        self.rt = Runtime()
+        self.specs: dict[int, ServiceSpec] = {}
+        self.wake_event = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+        self.balancer: ServiceRoute | None = None
+        # Blue-green: READY replicas of this version get no traffic until the switch.
+        self.held_version: int | None = None
+        self.last_decision = ""  # what the last reconcile step decided, in words
+        self.dir = deps.home / "services" / name
+        self.logs = self.dir / "logs"
+
+    def wake(self) -> None:
+        """Ask for a reconcile step soon (thread-safe)."""
+        self.loop.call_soon_threadsafe(self.wake_event.set)
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def spec(self, version: int) -> ServiceSpec:
+        """A version's spec: parsed once (off the loop: at create/update by the API, at start
+        by :meth:`_load_specs`), then cached."""
+        spec = self.specs.get(version)
+        if spec is None:
+            row = self.store.version(self.name, version)
+            if row is None:
+                raise KeyError(f"service {self.name} has no version {version}")
+            spec = parse_spec(row.spec_yaml, source=row.source or "<stored spec>", name=self.name)
+            self.specs[version] = spec
+        return spec
+
+    def launch_log(self, replica_id: int) -> Path:
+        return self.logs / f"replica_{replica_id}_launch.log"
+
+    def replica_log(self, replica_id: int) -> Path:
+        return self.logs / f"replica_{replica_id}.log"
+
+    def event(self, replica_id: int, action: str, reason: str | None) -> None:
+        self.store.event(self.name, action, reason, replica_id=replica_id)
+
+    def liveness(self, r: ReplicaRow, handle: ReplicaHandle) -> Liveness:
+        """The backend's answer, or UNKNOWN when nobody can answer.
+
+        A backend this daemon was started without (``RAY_ADDRESS`` unset, or the cluster down
+        at start) or one whose check raises is not evidence that the replica died: failing or
+        relaunching it on that would double-run or kill capacity the user still pays for.
+        """
+        infra = self.deps.infras.get(r.infra)
+        if infra is None:
+            return Liveness.UNKNOWN
+        try:
+            return infra.check(handle)
+        except Exception as exc:
+            log.warning("service %s: replica %d: backend check failed: %s", self.name, r.id, exc)
+            return Liveness.UNKNOWN
+
+    def unknown_reason(self, r: ReplicaRow) -> str:
+        if r.infra not in self.deps.infras:
+            return f"backend {r.infra!r} is not available in this daemon; left as it is"
+        return f"backend {r.infra!r} does not answer; checked again later"
+
+    def infra_for(self, r: ReplicaRow) -> Infra:
+        infra = self.deps.infras.get(r.infra)
+        if infra is None:
+            raise KeyError(f"no backend {r.infra!r} in this daemon")
+        return infra
+
+    def publish_ready(self) -> None:
+        if self.balancer is not None:
+            held = self.held_version
+            self.balancer.set_ready(
+                {
+                    rid: endpoint
+                    for rid, endpoint in self.rt.ready.items()
+                    if held is None or self.rt.versions.get(rid) != held
+                },
+                self.rt.versions,
+            )
+
+    def set_ready(self, replica_id: int, endpoint: str | None, version: int = 0) -> None:
+        changed = False
+        if endpoint is None:
+            changed = self.rt.ready.pop(replica_id, None) is not None
+            self.rt.versions.pop(replica_id, None)
+        elif self.rt.ready.get(replica_id) != endpoint:
+            self.rt.ready[replica_id] = endpoint
+            self.rt.versions[replica_id] = version
+            changed = True
+        if changed:
+            self.publish_ready()
+
+    def mark_gone(
+        self,
+        r: ReplicaRow,
+        infra: Infra,
+        handle: ReplicaHandle,
+        liveness: Liveness,
+        detail: str = "",
+    ) -> None:
+        """Record a replica found gone, judged the same whether a running daemon's probe or a
+        restarted daemon's adoption found it: an app that exited is FAILED (with its exit code
+        when the backend knows it) and counts toward the crash-loop rule; a replica whose host
+        went away is PREEMPTED and replaced, whoever noticed. ``detail`` says more of an exit."""
+        if liveness is Liveness.LOST:
+            self.mark_failed(r, FailureKind.PREEMPTED, "replica's host went away")
+            return
+        code = infra.exit_code(handle)
+        said = f"code {code}" if code is not None else "exit code unknown: no daemon was watching"
+        self.mark_failed(
+            r,
+            FailureKind.APP,
+            f"process exited ({said}){detail}; see `corral logs {self.name} {r.seq or r.id}`",
+            exit_code=code,
+        )
+
+    def mark_failed(
+        self, r: ReplicaRow, kind: FailureKind, failure: str, *, exit_code: int | None = None
+    ) -> None:
+        self.store.mark_failed(r.id, kind, failure, exit_code=exit_code)
+        self.store.event(self.name, "replica.failed", failure, replica_id=r.id)
+        log.warning("service %s: replica %d failed: %s", self.name, r.id, failure)
+        self.set_ready(r.id, None)
+        self.wake_event.set()

@@ -1,0 +1,146 @@
+"""A service as the API shows it: plain data computed from the store and the controller's
+in-memory state at the moment it is asked (nothing here is stored or changes anything)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from corral.autoscale import Decision
+from corral.replicas import ReplicaStatus, ServiceStatus, replica_status, service_status
+from corral.servicecore import ServiceCore
+from corral.spec import ServiceSpec
+from corral.state import ReplicaRow, ServiceRow
+
+
+def service_view(svc: ServiceCore, decision: Decision | None, failed: str | None) -> dict[str, Any]:
+    """The service now; ``failed``: why the controller itself failed, if it did."""
+    row = svc.store.service(svc.name)
+    if row is None:
+        raise KeyError(svc.name)
+    rows = svc.store.replicas(svc.name)
+    statuses = [replica_status(r) for r in rows]
+    status = service_status(
+        statuses,
+        shutting_down=row.intent == "shutting_down",
+        gave_up=row.failure is not None,
+        controller_running=svc.balancer is not None,
+        controller_failed=failed is not None,
+    )
+    # A failed update leaves the old version serving: the service is not FAILED then,
+    # and why the update failed is a field of its own.
+    update_failed = row.failure is not None and status is not ServiceStatus.FAILED
+    return {
+        "name": svc.name,
+        "status": str(status),
+        "endpoint": _endpoint(svc, row),
+        "version": row.current_version,
+        "target": decision.target if decision else None,
+        "autoscaler": {
+            "qps": round(decision.qps, 3),
+            "raw_target": decision.raw_target,
+            "reason": decision.reason,
+        }
+        if decision
+        else None,
+        "policy": _policy(svc, row),
+        "versions": _versions(svc),
+        "traffic_held_for_version": svc.held_version,
+        "traffic_versions": _serving(svc),
+        "balancer_errors": svc.balancer.bind_errors() if svc.balancer is not None else [],
+        "failure": failed or (None if update_failed else row.failure),
+        "last_update_failure": row.failure if update_failed else None,
+        "last_decision": svc.last_decision,
+        "created_at": row.created_at,
+        "replicas": _replicas(svc, rows, statuses),
+    }
+
+
+def _endpoint(svc: ServiceCore, row: ServiceRow) -> str | None:
+    https = svc.balancer is not None and svc.balancer.url.startswith("https")
+    scheme = "https" if https else "http"
+    return f"{scheme}://127.0.0.1:{row.lb_port}" if row.lb_port else None
+
+
+def _policy(svc: ServiceCore, row: ServiceRow) -> dict[str, Any]:
+    try:
+        return svc.spec(row.current_version).service.replica_policy.model_dump()
+    except Exception as exc:  # a stored spec this corral cannot read any more
+        return {"error": repr(exc)}
+
+
+def _versions(svc: ServiceCore) -> list[dict[str, Any]]:
+    return [
+        {
+            "version": v.version,
+            "mode": v.mode,
+            "created_at": v.created_at,
+            "first_ready_at": v.first_ready_at,
+        }
+        for v in svc.store.versions(svc.name)
+    ]
+
+
+def _serving(svc: ServiceCore) -> list[int]:
+    """Versions whose READY replicas get traffic now (blue-green may hold the newest)."""
+    held = svc.held_version
+    return sorted({v for rid, v in svc.rt.versions.items() if rid in svc.rt.ready and v != held})
+
+
+def _replicas(
+    svc: ServiceCore, rows: list[ReplicaRow], statuses: list[ReplicaStatus]
+) -> list[dict[str, Any]]:
+    capacity = svc.deps.capacity
+    devices = capacity.devices() if capacity is not None else {}
+    waiting = capacity.waiting if capacity is not None else {}
+    now = time.time()
+    return [
+        replica_view(
+            svc,
+            r,
+            status,
+            now,
+            devices=devices.get(r.id),
+            waiting=waiting.get(r.id) if status is ReplicaStatus.PENDING else None,
+        )
+        for r, status in zip(rows, statuses, strict=True)
+    ]
+
+
+def replica_view(
+    svc: ServiceCore,
+    r: ReplicaRow,
+    status: ReplicaStatus,
+    now: float,
+    *,
+    devices: Any = None,
+    waiting: str | None = None,
+) -> dict[str, Any]:
+    """One replica as the API shows it: ``id`` is its number within the service (what
+    users type); ``uid`` the internal id (events, the state file); ``devices`` what it
+    holds on this machine, ``waiting`` why a PENDING one does not fit yet."""
+    view: dict[str, Any] = {
+        "id": r.seq or r.id,
+        "uid": r.id,
+        "version": r.version,
+        "status": str(status),
+        "endpoint": r.endpoint,
+        "infra": r.infra,
+        "age_seconds": round(now - r.created_at, 1),
+        "failure": r.failure,
+        "exit_code": r.exit_code,
+        "pid": (r.handle_data or {}).get("data", {}).get("pid"),
+        "devices": devices,
+        "waiting": waiting,
+    }
+    if status is ReplicaStatus.STARTING and r.launched_at is not None:
+        # How long it has been trying, against how long it may (then FAILED_INITIAL_DELAY).
+        view["starting_seconds"] = round(now - r.launched_at, 1)
+        with contextlib.suppress(Exception):
+            view["initial_delay_seconds"] = _initial_delay(svc.spec(r.version))
+    return view
+
+
+def _initial_delay(spec: ServiceSpec) -> float:
+    return float(spec.service.readiness_probe.initial_delay_seconds)
