@@ -137,6 +137,12 @@ FAILED_TEARDOWN = R(
         # Failed and still up: retired with its status as the reason.
         (R(1, app_failed=1), Busy(), 0, [Retire(1, "replica FAILED")]),
         (R(1, preempted=1), Busy(), 0, [Retire(1, "replica PREEMPTED")]),
+        (
+            R(1, probe_failed=1, first_ready_at=1.0),
+            Busy(),
+            0,
+            [Retire(1, "replica FAILED_PROBING")],
+        ),
         (R(1, launch_state=LaunchState.FAILED), Busy(), 0, [Retire(1, "replica FAILED_PROVISION")]),
         (
             R(1, initial_delay_failed=1),
@@ -657,3 +663,17 @@ def test_scale_up_then_down_keeps_the_ready_ones() -> None:
     sim.step()
     assert sim.statuses() == [ReplicaStatus.READY]
     assert sim.note == "scaling down to 1"
+
+
+def test_a_blue_green_version_that_never_becomes_ready_is_never_promoted() -> None:
+    sim = started(2)
+    sim.update(UpdateMode.BLUE_GREEN)
+    for _ in range(20):
+        sim.step()
+        for r in list(sim.rows.values()):
+            if r.version == 2 and replica_status(r) is ReplicaStatus.STARTING:
+                sim.crash(r.id)
+        sim.now += 5.0
+    assert sim.failure is not None and sim.failure.startswith("version 2 never became ready")
+    assert sim.switches == [] and sim.serving() == 2
+    assert sim.statuses(1) == [ReplicaStatus.READY] * 2
