@@ -70,11 +70,8 @@ NOT_YET_FIXED: set[str] = {
     "balancer/proxy.py",
     "balancer/proxy.py:LoadBalancer.__init__",
     "capture.py",
-    "cli.py",
     "client.py",
     "dataplane/plane.py",
-    "infra/ray.py",
-    "infra/ray.py:RayInfra._launch",
 }
 
 
