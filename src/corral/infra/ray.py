@@ -58,9 +58,12 @@ that escapes the actor's process group and drops ``CORRAL_REPLICA_KEY`` from its
 outlives an abruptly killed actor; ``labels`` need Ray >= 2.49; one Ray
 connection per process, so one cluster per daemon.
 
-Size: what is left here is the one class :class:`RayInfra` (the backend's contract: launch,
-terminate, check, sweep) and its helpers; bounded calls and the connection live in
-:mod:`corral.infra._ray_calls`, the log pump in :mod:`corral.infra._ray_pump`.
+Size: the rest is one class, :class:`RayInfra` (launch, terminate, check, sweep, each a few
+short methods), kept whole because every part reads and writes the same record of actors this
+process placed, launches in flight and the pump's latest answers; split, that state would be
+passed between modules. What stands alone is elsewhere: bounded calls and the connection in
+:mod:`corral.infra._ray_calls`, the log pump in :mod:`corral.infra._ray_pump`, resources and
+options in :mod:`corral.infra._ray_resources`.
 """
 
 from __future__ import annotations
