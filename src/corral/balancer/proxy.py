@@ -49,7 +49,7 @@ from corral.balancer.policies import make_policy
 from corral.balancer.settings import (
     DEFAULT_HEADER_BYTES,
     DEFAULT_HEADER_TIMEOUT,
-    checked_timeouts,
+    check_settings,
     head_limit,
     tick_interval,
 )
@@ -97,7 +97,7 @@ class LoadBalancer(Counters):
         max_connections: int | None = None,
     ) -> None:
         """Configure; nothing binds until :meth:`start`. See :mod:`corral.balancer.settings`."""
-        first_byte, idle = checked_timeouts(
+        first_byte, idle = check_settings(
             max_attempts=max_attempts,
             connect_timeout=connect_timeout,
             first_byte_timeout=first_byte_timeout,

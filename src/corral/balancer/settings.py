@@ -47,7 +47,7 @@ DEFAULT_HEADER_BYTES: Final = 8190
 DEFAULT_HEADER_TIMEOUT: Final = 30.0
 
 
-def checked_timeouts(
+def check_settings(
     *,
     max_attempts: int,
     connect_timeout: float,
@@ -62,7 +62,7 @@ def checked_timeouts(
     max_connections: int | None,
 ) -> tuple[float, float]:
     """The first-byte and idle timeouts to use, once every setting was checked (a ValueError
-    naming the setting otherwise; see :meth:`LoadBalancer.__init__`)."""
+    naming the setting otherwise; what each means is in this module's docstring)."""
     if max_attempts < 1:
         raise ValueError("max_attempts must be >= 1")
     if request_timeout is not None and request_timeout <= 0:
