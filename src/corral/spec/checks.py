@@ -1,0 +1,177 @@
+"""Checks and helpers around a parsed spec: local paths, values given at launch, names."""
+
+import os
+import re
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+from yaml.nodes import MappingNode, ScalarNode
+
+from corral.spec.errors import SpecError, SpecIssue
+from corral.spec.locate import child_node, key_text
+from corral.spec.model import ServiceSpec, value_flag
+from corral.spec.values import name_problem
+
+# $PORT or ${PORT...}: anything that hands the assigned port to the command.
+_PORT_REF_RE = re.compile(r"\$\{?PORT(?![A-Za-z0-9_])")
+
+
+def generated_name() -> str:
+    """A name for a service started without one, shaped as SkyServe makes them
+    (``sky-service-`` and 4 hex digits there): ``corral-service-`` and 4 random hex digits."""
+    return f"corral-service-{secrets.token_hex(2)}"
+
+
+def missing_values(
+    spec: ServiceSpec, envs: Iterable[str] = (), secrets: Iterable[str] = ()
+) -> list[SpecIssue]:
+    """Keys the spec leaves without a value that ``envs``/``secrets`` (the names given on the
+    command line) do not give either: each is an error at up/update, naming the flag."""
+    given = {f"envs.{k}" for k in envs} | {f"secrets.{k}" for k in secrets}
+    issues = []
+    for field, line in spec.unset_values().items():
+        if field in given:
+            continue
+        flag, key = value_flag(field), field.split(".", 1)[1]
+        issues.append(
+            SpecIssue(
+                field,
+                "has no value in the spec and none was given",
+                line,
+                f"pass {flag} {key}=VALUE (or {flag} {key} to take it from your environment)",
+            )
+        )
+    return issues
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with the value of every ``secrets:`` key replaced: what is stored and shown of a
+    spec. Only the value's characters change, so every line keeps its number."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return text
+    section = child_node(root, "secrets")
+    if not isinstance(section, MappingNode):
+        return text
+    spans = [
+        (value.start_mark.index, value.end_mark.index)
+        for _, value in section.value
+        if not (isinstance(value, ScalarNode) and value.tag == "tag:yaml.org,2002:null")
+    ]
+    for start, end in sorted(spans, reverse=True):
+        # A block scalar's span takes its lines (and the line break after it): keep as many
+        # breaks, so the YAML stays valid and every later line keeps its number.
+        text = text[:start] + REDACTED + "\n" * text.count("\n", start, end) + text[end:]
+    return text
+
+
+REDACTED = "'<redacted>'"
+
+
+def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[SpecIssue]:
+    """Local paths of the spec that do not exist, relative ones taken from ``base_dir`` (the
+    directory corral was called from, as SkyPilot does); and ``file_mounts`` this backend
+    cannot honour."""
+    issues = []
+    if spec.workdir:
+        where = Path(base_dir, Path(spec.workdir).expanduser())
+        if not where.is_dir():
+            what = "is not a directory" if where.exists() else "does not exist"
+            issues.append(
+                SpecIssue(
+                    "workdir",
+                    f"{where} {what} (a relative workdir is taken from the directory corral "
+                    f"is run in, {base_dir}, as in SkyPilot)",
+                    spec.line_of("workdir"),
+                    "run corral from the directory the path is relative to, or give an "
+                    "absolute path",
+                )
+            )
+    if spec.file_mounts and spec.infra == "local":
+        issues += _local_mount_issues(spec, Path(base_dir))
+    return issues
+
+
+def local_mounts(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """``file_mounts`` as the local backend honours them: a destination relative to the
+    replica's working directory -> an absolute local path (copied with the version)."""
+    mounts = spec.file_mounts if isinstance(spec.file_mounts, dict) else {}
+    return {
+        str(dest): Path(base_dir, Path(str(src)).expanduser()).resolve()
+        for dest, src in mounts.items()
+    }
+
+
+def _local_mount_issues(spec: ServiceSpec, base_dir: Path) -> list[SpecIssue]:
+    line = spec.line_of("file_mounts")
+    if not isinstance(spec.file_mounts, dict):
+        return [SpecIssue("file_mounts", "expected a mapping of destination: source", line)]
+    issues = []
+    for dest, src in spec.file_mounts.items():
+        field = f"file_mounts.{key_text(dest)}"
+        dest_text = str(dest)
+        if not isinstance(src, str) or "://" in src:
+            issues.append(
+                SpecIssue(
+                    field,
+                    "only a local path can be mounted on infra local (not a bucket or a "
+                    "storage mapping)",
+                    line,
+                    "download it in `setup` instead",
+                )
+            )
+        elif dest_text.startswith(("/", "~")) or ".." in Path(dest_text).parts:
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"cannot be honoured on infra local: {dest_text} would be one path of this "
+                    "machine for every replica and version",
+                    line,
+                    "give a relative destination (placed in the replica's working directory, "
+                    "copied with each version), or put the files in workdir",
+                )
+            )
+        elif not Path(base_dir, Path(src).expanduser()).exists():
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"{Path(base_dir, src)} does not exist (relative paths are taken from the "
+                    "directory corral is run in)",
+                    line,
+                )
+            )
+    return issues
+
+
+def validate_name(name: str) -> None:
+    """Check a service name (from a spec or the command line) before it reaches paths or URLs."""
+    problem = name_problem(name)
+    if problem:
+        raise SpecError([SpecIssue("name", problem, None)], source="")
+
+
+def local_port_problem(spec: ServiceSpec) -> str | None:
+    """Why this spec cannot run several replicas on one machine, or None if it can.
+
+    Each local replica is given a free port in ``$PORT``. A ``run`` that binds a fixed port
+    works for one replica and fails for the second (address in use), which otherwise shows up
+    only later as a crash loop. A ``run`` that mentions ``$PORT`` is taken as using it. Only the
+    local infra is checked: other infra give each replica its own host or pod.
+    """
+    if spec.infra != "local":
+        return None
+    port = spec.replica_port()
+    policy = spec.service.replica_policy
+    most = policy.max_replicas + policy.num_overprovision
+    if port is None or most <= 1 or _PORT_REF_RE.search(spec.run or ""):
+        return None
+    return (
+        f"the replicas serve on port {port} and this service may run up to {most} replicas on "
+        f"this machine, but `run` never uses $PORT, so every replica would try to bind port "
+        f"{port}. corral gives each local replica a free port in $PORT: start the server on it "
+        "(e.g. `--port $PORT`). If the program already reads the PORT environment variable, "
+        "say so in run (e.g. `PORT=$PORT python3 server.py`)."
+    )
