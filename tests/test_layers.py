@@ -89,3 +89,5 @@ def test_the_top_layers_point_down() -> None:
     # lower layers never reach the controller or anything above it
     for low in ("corral.spec", "corral.state", "corral.replicas", "corral.balancer.proxy"):
         assert "corral.controller" not in _reaches(graph, low), low
+    # the spec says what a service is; a backend's rules for it live with the backend
+    assert not {m for m in _reaches(graph, "corral.spec") if m.startswith("corral.infra")}

@@ -21,13 +21,13 @@ from corral.client import Client, ClientError, DaemonUnreachable
 from corral.deploy import check
 from corral.envflags import given_values, values_options
 from corral.home import EXIT_BAD_HOME, default_home, home_problem
+from corral.infra.local_rules import local_port_problem
 from corral.spec import (
     ServiceSpec,
     SpecError,
     SpecIssue,
     generated_name,
     load_spec,
-    local_port_problem,
     path_issues,
 )
 

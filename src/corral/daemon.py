@@ -38,10 +38,10 @@ from corral.controller import (
     free_port,
 )
 from corral.deploy import KEEP_VERSIONS
+from corral.infra.local_rules import local_port_problem
 from corral.spec import (
     ServiceSpec,
     SpecError,
-    local_port_problem,
     parse_spec,
     redact_secrets,
     validate_name,
