@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral import capture
+from corral import capture, procfs
 
 __all__ = [
     "Cancelled",
@@ -46,7 +46,6 @@ __all__ = [
     "current_job",
     "run_command",
     "sleep",
-    "terminate_process_group",
 ]
 
 log = logging.getLogger("corral.jobs")
@@ -228,7 +227,7 @@ class Job:
                 self.ended_at = time.time()
                 self._returned.set()  # it never ran
         for pgid in pgids:
-            _signal_group(pgid, signal.SIGTERM)
+            procfs.signal_group(pgid, signal.SIGTERM)
         if finish:
             self._finish()
         return True
@@ -390,95 +389,6 @@ def sleep(seconds: float) -> None:
         raise Cancelled(f"job {job.name} cancelled")
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> bool:
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _only_zombies(pgid)
-
-
-def _only_zombies(pgid: int) -> bool:
-    """True when every member of the group is a zombie (Linux; False where /proc is missing).
-
-    ``killpg(pgid, 0)`` succeeds while a group holds nothing but zombies. A killed command's
-    orphaned grandchildren are re-parented to PID 1, and when that does not reap them (corral as
-    a container's PID 1, an init that reaps lazily) they stay zombies: dead, but the group would
-    look alive until the grace period and the KILL wait had both run out.
-    """
-    leader = _proc_state(str(pgid))
-    if leader is not None and leader[1] == pgid and leader[0] not in (b"Z", b"X"):
-        return False  # the usual case, without scanning every process
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return False
-    seen = False
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        member = _proc_state(entry)
-        if member is None or member[1] != pgid:
-            continue
-        if member[0] not in (b"Z", b"X"):
-            return False
-        seen = True
-    return seen  # no member visible at all (hidden /proc): assume alive
-
-
-def _proc_state(pid: str) -> tuple[bytes, int] | None:
-    """(state letter, process group) of a process, from ``/proc/<pid>/stat``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        return fields[0], int(fields[2])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def terminate_process_group(
-    pgid: int, grace: float = 5.0, reap: Callable[[], object] | None = None
-) -> bool:
-    """TERM the whole group, KILL whatever is left after ``grace`` seconds.
-
-    ``reap`` (e.g. ``Popen.poll``) is called while waiting so an exited leader that is our own
-    child does not linger as a zombie that keeps the group "alive". Returns True when the group
-    is gone (a group of zombies only is gone: see :func:`_only_zombies`).
-    """
-    if not _signal_group(pgid, signal.SIGTERM):
-        return True
-    deadline = time.monotonic() + grace
-    delay = 0.005
-    while time.monotonic() < deadline:
-        if reap is not None:
-            reap()
-        if not _group_alive(pgid):
-            return True
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-    _signal_group(pgid, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        if reap is not None:
-            reap()
-        if not _group_alive(pgid):
-            return True
-        time.sleep(0.01)
-    return not _group_alive(pgid)
-
-
 def run_command(
     args: str | Sequence[str],
     *,
@@ -502,7 +412,7 @@ def run_command(
     )
     pgid = proc.pid
     if job is not None and not job._track_group(pgid):
-        terminate_process_group(pgid, grace, proc.poll)
+        procfs.terminate_process_group(pgid, grace, proc.poll)
         proc.wait()
         job._untrack_group(pgid)
         raise Cancelled(f"job {job.name} cancelled")
@@ -514,14 +424,14 @@ def run_command(
             if code is not None:
                 break
             if deadline is not None and time.monotonic() >= deadline:
-                terminate_process_group(pgid, grace, proc.poll)
+                procfs.terminate_process_group(pgid, grace, proc.poll)
                 proc.wait()
                 raise subprocess.TimeoutExpired(args, timeout or 0.0)
             wait = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
             if job is None:
                 time.sleep(wait)
             elif job._cancel.wait(wait):
-                terminate_process_group(pgid, grace, proc.poll)
+                procfs.terminate_process_group(pgid, grace, proc.poll)
                 proc.wait()
                 raise Cancelled(f"job {job.name if job else '?'} cancelled")
             delay = min(delay * 2, 0.05)
@@ -529,7 +439,7 @@ def run_command(
             # cancel() TERMs the group itself, so the leader may have died of it before this loop
             # saw the cancel: that is a cancel, not a failed command, and members of the group
             # that ignore TERM still get KILLed after the grace period.
-            terminate_process_group(pgid, grace, proc.poll)
+            procfs.terminate_process_group(pgid, grace, proc.poll)
             proc.wait()
             raise Cancelled(f"job {job.name} cancelled")
         proc.wait()  # joins the output pumps
@@ -651,7 +561,7 @@ class JobPool:
             return False
         running, thread, pgids = given_up
         for pgid in pgids:
-            _signal_group(pgid, signal.SIGTERM)
+            procfs.signal_group(pgid, signal.SIGTERM)
         if running and thread is not None:
             with self._lock:
                 lane = self._lanes.get(job.kind)
@@ -747,5 +657,5 @@ class JobPool:
         alive = [w for lane in lanes for w in lane.workers + lane.stuck if w.is_alive()]
         for job in jobs + stuck:
             for pgid in job._groups():
-                terminate_process_group(pgid, grace=1.0)
+                procfs.terminate_process_group(pgid, grace=1.0)
         return not alive

@@ -1,9 +1,22 @@
-"""Who listens on a local TCP port: what a replica that exited because its port was taken
-needs to be told (the app itself only says "Address already in use", if anything)."""
+"""Local TCP ports: one free right now for a replica or a service, and who listens on one (what
+a replica that exited because its port was taken needs to be told: the app itself only says
+"Address already in use", if anything)."""
 
 from __future__ import annotations
 
+import socket
+
 import psutil
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` right now. Another process may take it before it is bound; the
+    local backend then keeps that process's answers from making a replica READY (see
+    ``LocalInfra.endpoint_conflict``) and the replica fails and is replaced, which is cheaper
+    than holding a reservation for every port handed out."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def port_holders(port: int) -> list[str]:

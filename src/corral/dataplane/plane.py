@@ -40,8 +40,8 @@ from corral.dataplane.protocol import (
     encode,
     socket_path,
 )
-from corral.procs import running as _running
-from corral.procs import terminate_all
+from corral.procfs import running as _running
+from corral.procfs import terminate_all
 from corral.state import StateError, Store
 
 log = logging.getLogger("corral.dataplane")

@@ -27,11 +27,9 @@ POSIX only (sessions, process groups, ``/proc`` when there is one).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import threading
@@ -44,11 +42,12 @@ from typing import Literal
 
 import psutil
 
-from corral import jobs
+from corral import jobs, procfs
 from corral.infra import cgroups, confine
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
-from corral.procs import running as _running
-from corral.procs import terminate_all
+from corral.ports import free_port
+from corral.procfs import running as _running
+from corral.procfs import terminate_all
 
 __all__ = ["BACKEND", "ENV_HOME_MARKER", "ENV_REPLICA_KEY", "LocalInfra", "replica_key"]
 
@@ -83,30 +82,6 @@ def replica_key(home_marker: str, service: str, replica_id: int) -> str:
 # -- process identity -----------------------------------------------------------------------------
 
 
-@functools.cache
-def _boot_id() -> str | None:
-    """The kernel's id of this boot (Linux), None elsewhere. Read once: it cannot change."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _start_ticks(pid: int) -> int | None:
-    """Clock ticks from boot to the start of ``pid`` (field 22 of ``/proc/<pid>/stat``): immune to
-    wall-clock changes, unlike ``create_time``. None where there is no procfs or the pid is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
 @dataclass(frozen=True)
 class _Ident:
     """What identifies one process across pid reuse (read from a handle or from a live process)."""
@@ -129,7 +104,7 @@ class _Ident:
 
 def _ident_of(proc: psutil.Process) -> _Ident:
     """Identity of a live process (raises psutil errors when it is gone)."""
-    return _Ident(proc.pid, proc.create_time(), _start_ticks(proc.pid), _boot_id())
+    return _Ident(proc.pid, proc.create_time(), procfs.start_ticks(proc.pid), procfs.boot_id())
 
 
 @dataclass(frozen=True)
@@ -266,16 +241,6 @@ def _shell() -> str:
     return shutil.which("bash") or shutil.which("sh") or "/bin/sh"
 
 
-def _free_port() -> int:
-    """A port free on 127.0.0.1 right now. Another process may take it before the replica binds
-    it; :meth:`LocalInfra.endpoint_conflict` then keeps that process's answers from making the
-    replica READY, and the replica fails (cannot bind) and is replaced: cheaper than reserving."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 _CORRAL_SET = (
     "PORT",
     "CORRAL_REPLICA_ID",
@@ -375,11 +340,6 @@ def _pin(cpu_ids: tuple[int, ...]) -> Callable[[], None] | None:
     return pin
 
 
-def _safe_group(pgid: int) -> bool:
-    """False for groups that must never be signalled as a whole: init's and the daemon's own."""
-    return pgid > 1 and pgid != os.getpgrp()
-
-
 def _group_members(pgid: int) -> list[psutil.Process]:
     """Live processes of group ``pgid`` (a full process scan: only for the rare slow paths)."""
     members = []
@@ -440,7 +400,7 @@ def _not_older(proc: psutil.Process, ident: _Ident) -> bool:
     ticks when both are known, else by ``create_time`` with its 1 s of slack (on Linux it reads
     up to 1 s early, see LocalInfra._stop_strays)."""
     if ident.start_ticks is not None:
-        ticks = _start_ticks(proc.pid)
+        ticks = procfs.start_ticks(proc.pid)
         if ticks is not None:
             return ticks >= ident.start_ticks
     try:
@@ -526,16 +486,15 @@ def _stop(
     for pgid, procs in victims.items():
         for proc, key in procs:
             report.append("stopped " + _describe(proc, pgid, key))
-        if _safe_group(pgid) and (pgid in marked or not psutil.pid_exists(pgid)):
+        if procfs.safe_group(pgid) and (pgid in marked or not psutil.pid_exists(pgid)):
             groups.append(pgid)
         else:
             singles.extend(proc for proc, _ in procs)
     # TERM everything first so the graces run concurrently, then wait group by group.
     for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
+        procfs.signal_group(pgid, signal.SIGTERM)
     for pgid in groups:
-        if not jobs.terminate_process_group(pgid, grace):
+        if not procfs.terminate_process_group(pgid, grace):
             report.append(f"could not stop process group {pgid}: alive after SIGKILL")
     for proc in terminate_all(singles, grace):
         report.append(f"could not stop pid {proc.pid}: alive after SIGKILL")
@@ -610,7 +569,7 @@ class LocalInfra:
             _REGISTRY.reap_all()
 
     def _launch(self, request: LaunchRequest, key: str) -> ReplicaHandle:
-        port = request.port if request.port is not None else _free_port()
+        port = request.port if request.port is not None else free_port()
         if request.workdir is not None:
             cwd = Path(request.workdir)
             if not cwd.is_dir():
@@ -729,7 +688,7 @@ class LocalInfra:
         except BaseException:
             # Cannot happen short of a broken /proc: the unreaped child exists at least as a
             # zombie. Without an identity there is no safe handle, so do not leave it running.
-            jobs.terminate_process_group(pgid, self.abort_grace, popen.poll)
+            procfs.terminate_process_group(pgid, self.abort_grace, popen.poll)
             popen.poll()
             raise
         _REGISTRY.add(_Child(popen, ident))
@@ -793,7 +752,7 @@ class LocalInfra:
         """Stop a just-started replica whose launch is being abandoned. Never masks the error
         that caused the abort: a failure here is printed, and the caller re-raises its own."""
         try:
-            if not jobs.terminate_process_group(pgid, self.abort_grace, popen.poll):
+            if not procfs.terminate_process_group(pgid, self.abort_grace, popen.poll):
                 print(f"[corral] process group {pgid} survived TERM and KILL", flush=True)
             if group is not None and cgroups.kill(group):
                 print(f"[corral] processes in {group} survived SIGKILL", flush=True)
@@ -836,7 +795,7 @@ class LocalInfra:
         escaped = [] if key is None else _key_holders(key, ident, outside_pgid=info.pgid)
         if not group_alive and not escaped:
             return
-        if group_alive and not _safe_group(info.pgid):
+        if group_alive and not procfs.safe_group(info.pgid):
             raise RuntimeError(
                 f"refusing to signal process group {info.pgid} of replica pid {info.ident.pid}: "
                 "it is the daemon's own group"
@@ -846,7 +805,7 @@ class LocalInfra:
                 proc.terminate()
         gone = True
         if group_alive:
-            gone = jobs.terminate_process_group(info.pgid, grace, reap)
+            gone = procfs.terminate_process_group(info.pgid, grace, reap)
         if child is not None:
             child.popen.poll()
         left = [] if key is None else _stop_key_holders(key, ident, escaped, grace)
