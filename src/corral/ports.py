@@ -19,22 +19,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def listeners(port: int) -> list[tuple[str, int | None]]:
+    """(address, pid) of every TCP socket listening on ``port``; the pid is None when the owner
+    is not visible to this process (another user's)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    return [
+        (c.laddr.ip, c.pid)
+        for c in conns
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+    ]
+
+
 def port_holders(port: int) -> list[str]:
     """The processes listening on ``port`` on this machine, as ``pid N (name)``; empty when
     none is, or when they cannot be seen (another user's, without the right to look)."""
-    try:
-        connections = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        return []
-    pids = sorted(
-        {
-            c.pid
-            for c in connections
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
-        }
-    )
     holders = []
-    for pid in pids:
+    for pid in sorted({pid for _, pid in listeners(port) if pid}):
         try:
             holders.append(f"pid {pid} ({psutil.Process(pid).name()})")
         except psutil.Error:
