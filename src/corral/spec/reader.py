@@ -20,6 +20,24 @@ MAX_YAML_NODES = 10_000
 MAX_YAML_DEPTH = 64
 
 
+def _check_size(node: Node, depth: int, count: int, source: str) -> None:
+    """Refuse a document whose aliases expand past MAX_YAML_DEPTH levels or MAX_YAML_NODES
+    values: the loader counts an alias once, its expansion is only seen while walking."""
+    if depth > MAX_YAML_DEPTH:
+        message = (
+            f"the spec nests deeper than {MAX_YAML_DEPTH} levels (an alias that "
+            "contains itself?); a service spec is much flatter"
+        )
+    elif count > MAX_YAML_NODES:
+        message = (
+            f"the spec expands to more than {MAX_YAML_NODES} YAML values "
+            "(aliases repeated too often?); a service spec is much smaller"
+        )
+    else:
+        return
+    raise SpecError([SpecIssue("", message, node.start_mark.line + 1)], source)
+
+
 def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
     """Flag duplicate keys (YAML silently keeps the last) and refuse absurdly large documents."""
     issues: list[SpecIssue] = []
@@ -29,30 +47,7 @@ def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
     while stack:
         node, path = stack.pop()
         count += 1
-        if len(path) > MAX_YAML_DEPTH:
-            raise SpecError(
-                [
-                    SpecIssue(
-                        "",
-                        f"the spec nests deeper than {MAX_YAML_DEPTH} levels (an alias that "
-                        "contains itself?); a service spec is much flatter",
-                        node.start_mark.line + 1,
-                    )
-                ],
-                source,
-            )
-        if count > MAX_YAML_NODES:
-            raise SpecError(
-                [
-                    SpecIssue(
-                        "",
-                        f"the spec expands to more than {MAX_YAML_NODES} YAML values "
-                        "(aliases repeated too often?); a service spec is much smaller",
-                        node.start_mark.line + 1,
-                    )
-                ],
-                source,
-            )
+        _check_size(node, len(path), count, source)
         if isinstance(node, MappingNode):
             first_seen: dict[tuple[str, str], int] = {}
             for key_node, value_node in node.value:
