@@ -1,10 +1,13 @@
-"""The local backend's own rule for a spec: replicas on one machine need ``$PORT``."""
+"""The local backend's own rules for a spec: replicas on one machine need ``$PORT``, and
+``file_mounts`` are copied in, so only relative destinations of local paths."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from corral.infra.local_rules import local_port_problem
+from corral.infra.local_rules import local_mount_issues, local_port_problem
 from corral.spec import parse_spec
 
 
@@ -43,3 +46,9 @@ def test_local_port_problem(text: str, problem: bool) -> None:
         assert f"port {spec.replica_port()}" in message and "$PORT" in message
     else:
         assert message is None
+
+
+def test_mounts_are_judged_only_on_local(tmp_path: Path) -> None:
+    text = "run: x\nfile_mounts:\n  /data: s3://bucket/key\n"
+    assert {i.loc for i in local_mount_issues(parse_spec(text), tmp_path)} == {"file_mounts./data"}
+    assert local_mount_issues(parse_spec("infra: ray\n" + text), tmp_path) == []

@@ -21,7 +21,7 @@ from corral.client import Client, ClientError, DaemonUnreachable
 from corral.deploy import check
 from corral.envflags import given_values, values_options
 from corral.home import EXIT_BAD_HOME, default_home, home_problem
-from corral.infra.local_rules import local_port_problem
+from corral.infra.local_rules import local_mount_issues, local_port_problem
 from corral.spec import (
     ServiceSpec,
     SpecError,
@@ -484,7 +484,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
 
 def _deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
     """What stops a parsed spec from being deployed from here: its paths, and this backend."""
-    issues = path_issues(spec, os.getcwd())
+    issues = path_issues(spec, os.getcwd()) + local_mount_issues(spec, os.getcwd())
     problem = local_port_problem(spec) if spec.infra == "local" else None
     if problem:
         issues.append(SpecIssue("run", problem, spec.line_of("run")))

@@ -1,20 +1,26 @@
-"""What the local backend asks of a spec beyond the spec's own rules.
+"""What the local backend asks of a spec beyond the spec's own rules, and makes of its mounts.
 
 These rules live with the backend, not in :mod:`corral.spec`: they follow from how local replicas
-run (many on one machine, each given a free port in ``$PORT``), and another backend that gives
-each replica its own host or pod has no such rule. The CLI checks them before posting a spec and
+run (many on one machine, each given a free port in ``$PORT``; ``file_mounts`` copied into each
+version, so only relative destinations), and another backend that gives each replica its own
+host or pod has no such rule. The CLI checks them before posting a spec and
 the daemon again when it accepts one, both importing from here; the spec never imports a backend.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from corral.spec import SpecIssue
+from corral.spec.locate import key_text
 
 if TYPE_CHECKING:
     from corral.spec import ServiceSpec
 
-__all__ = ["local_port_problem"]
+__all__ = ["local_mount_issues", "local_mounts", "local_port_problem"]
 
 # $PORT or ${PORT...}: anything that hands the assigned port to the command.
 _PORT_REF_RE = re.compile(r"\$\{?PORT(?![A-Za-z0-9_])")
@@ -42,3 +48,59 @@ def local_port_problem(spec: ServiceSpec) -> str | None:
         "(e.g. `--port $PORT`). If the program already reads the PORT environment variable, "
         "say so in run (e.g. `PORT=$PORT python3 server.py`)."
     )
+
+
+def local_mounts(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """``file_mounts`` as the local backend honours them: a destination relative to the
+    replica's working directory -> an absolute local path (copied with the version)."""
+    mounts = spec.file_mounts if isinstance(spec.file_mounts, dict) else {}
+    return {
+        str(dest): Path(base_dir, Path(str(src)).expanduser()).resolve()
+        for dest, src in mounts.items()
+    }
+
+
+def local_mount_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[SpecIssue]:
+    """``file_mounts`` the local backend cannot honour: a bucket, an absolute destination (one
+    path of this machine for every replica and version), a source that does not exist.
+    Relative paths are taken from ``base_dir``, as ``workdir`` is. Other infra: no issue."""
+    if not spec.file_mounts or spec.infra != "local":
+        return []
+    line = spec.line_of("file_mounts")
+    if not isinstance(spec.file_mounts, dict):
+        return [SpecIssue("file_mounts", "expected a mapping of destination: source", line)]
+    issues = []
+    for dest, src in spec.file_mounts.items():
+        field = f"file_mounts.{key_text(dest)}"
+        dest_text = str(dest)
+        if not isinstance(src, str) or "://" in src:
+            issues.append(
+                SpecIssue(
+                    field,
+                    "only a local path can be mounted on infra local (not a bucket or a "
+                    "storage mapping)",
+                    line,
+                    "download it in `setup` instead",
+                )
+            )
+        elif dest_text.startswith(("/", "~")) or ".." in Path(dest_text).parts:
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"cannot be honoured on infra local: {dest_text} would be one path of this "
+                    "machine for every replica and version",
+                    line,
+                    "give a relative destination (placed in the replica's working directory, "
+                    "copied with each version), or put the files in workdir",
+                )
+            )
+        elif not Path(base_dir, Path(src).expanduser()).exists():
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"{Path(base_dir, src)} does not exist (relative paths are taken from the "
+                    "directory corral is run in)",
+                    line,
+                )
+            )
+    return issues

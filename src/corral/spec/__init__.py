@@ -55,7 +55,6 @@ import X`` and never depend on that layout.
 from corral.spec.checks import (
     REDACTED,
     generated_name,
-    local_mounts,
     missing_values,
     path_issues,
     redact_secrets,
@@ -126,7 +125,6 @@ __all__ = [
     "TlsSettings",
     "generated_name",
     "load_spec",
-    "local_mounts",
     "missing_values",
     "parse_spec",
     "path_issues",

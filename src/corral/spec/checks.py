@@ -9,7 +9,7 @@ import yaml
 from yaml.nodes import MappingNode, ScalarNode
 
 from corral.spec.errors import SpecError, SpecIssue
-from corral.spec.locate import child_node, key_text
+from corral.spec.locate import child_node
 from corral.spec.model import ServiceSpec, value_flag
 from corral.spec.values import name_problem
 
@@ -68,9 +68,9 @@ REDACTED = "'<redacted>'"
 
 
 def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[SpecIssue]:
-    """Local paths of the spec that do not exist, relative ones taken from ``base_dir`` (the
-    directory corral was called from, as SkyPilot does); and ``file_mounts`` this backend
-    cannot honour."""
+    """The spec's ``workdir`` when it does not exist, a relative one taken from ``base_dir``
+    (the directory corral was called from, as SkyPilot does). What a backend makes of
+    ``file_mounts`` is its own rule (for local: :mod:`corral.infra.local_rules`)."""
     issues = []
     if spec.workdir:
         where = Path(base_dir, Path(spec.workdir).expanduser())
@@ -84,59 +84,6 @@ def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spe
                     spec.line_of("workdir"),
                     "run corral from the directory the path is relative to, or give an "
                     "absolute path",
-                )
-            )
-    if spec.file_mounts and spec.infra == "local":
-        issues += _local_mount_issues(spec, Path(base_dir))
-    return issues
-
-
-def local_mounts(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """``file_mounts`` as the local backend honours them: a destination relative to the
-    replica's working directory -> an absolute local path (copied with the version)."""
-    mounts = spec.file_mounts if isinstance(spec.file_mounts, dict) else {}
-    return {
-        str(dest): Path(base_dir, Path(str(src)).expanduser()).resolve()
-        for dest, src in mounts.items()
-    }
-
-
-def _local_mount_issues(spec: ServiceSpec, base_dir: Path) -> list[SpecIssue]:
-    line = spec.line_of("file_mounts")
-    if not isinstance(spec.file_mounts, dict):
-        return [SpecIssue("file_mounts", "expected a mapping of destination: source", line)]
-    issues = []
-    for dest, src in spec.file_mounts.items():
-        field = f"file_mounts.{key_text(dest)}"
-        dest_text = str(dest)
-        if not isinstance(src, str) or "://" in src:
-            issues.append(
-                SpecIssue(
-                    field,
-                    "only a local path can be mounted on infra local (not a bucket or a "
-                    "storage mapping)",
-                    line,
-                    "download it in `setup` instead",
-                )
-            )
-        elif dest_text.startswith(("/", "~")) or ".." in Path(dest_text).parts:
-            issues.append(
-                SpecIssue(
-                    field,
-                    f"cannot be honoured on infra local: {dest_text} would be one path of this "
-                    "machine for every replica and version",
-                    line,
-                    "give a relative destination (placed in the replica's working directory, "
-                    "copied with each version), or put the files in workdir",
-                )
-            )
-        elif not Path(base_dir, Path(src).expanduser()).exists():
-            issues.append(
-                SpecIssue(
-                    field,
-                    f"{Path(base_dir, src)} does not exist (relative paths are taken from the "
-                    "directory corral is run in)",
-                    line,
                 )
             )
     return issues
