@@ -1,4 +1,9 @@
-"""Checks and helpers around a parsed spec: local paths, values given at launch, names."""
+"""Checks of a parsed spec against the world outside its text: the workdir on this machine,
+values given at launch, a name from the command line; and the spec as stored (secrets redacted).
+
+They are apart from the models because they need more than the text (a directory, the
+``--env`` names given) and run where that is known: the CLI, and the daemon at create/update.
+"""
 
 import os
 import secrets

@@ -1,4 +1,9 @@
-"""Where a field sits in the YAML text: its dotted path and line, for every issue shown."""
+"""Where a field sits in the YAML text: its dotted path and line, for every issue shown.
+
+pydantic reports a problem as a path of keys into the data, which no longer knows where it came
+from; the node tree PyYAML composed on the way still does. So the reader keeps that tree next to
+the data, and these functions walk it along an issue's path to the line a user can jump to.
+"""
 
 from collections.abc import Sequence
 from typing import Any

@@ -1,4 +1,9 @@
-"""pydantic's errors in plain words: "did you mean", "belongs under", the value received."""
+"""pydantic's errors in plain words: "did you mean", "belongs under", the value received.
+
+pydantic's own messages name Python types and its internal error kinds ("Input should be a
+valid integer"); a spec is written by someone who thinks in YAML, so each kind is reworded here,
+and an unknown field is matched against every section's fields before it is called unknown.
+"""
 
 import difflib
 import re

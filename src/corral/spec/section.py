@@ -1,4 +1,8 @@
-"""The base every section model of a spec shares: strict, frozen, no unknown fields."""
+"""The base every section model of a spec shares: strict, frozen, no unknown fields.
+
+Strict because YAML already typed each value (``"2"`` is text, not 2); no unknown fields
+because a misspelt field must be an error, not a setting silently left at its default.
+"""
 
 from typing import Any, ClassVar
 
