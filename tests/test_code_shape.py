@@ -55,11 +55,6 @@ BEING_SPLIT: set[str] = {
     "controller.py:ServiceController._probe_one",
     "controller.py:ServiceController.snapshot",
     "daemon.py:Daemon._update",
-    "infra/local.py",
-    "infra/local.py:LocalInfra._launch",
-    "jobs.py",
-    "spec.py",
-    "spec.py:_walk_nodes",
     "state.py",
 }
 

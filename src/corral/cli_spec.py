@@ -17,12 +17,12 @@ import click
 
 from corral.cli_common import err, fail, out
 from corral.deploy import check
+from corral.infra.local_rules import local_mount_issues, local_port_problem
 from corral.spec import (
     ServiceSpec,
     SpecError,
     SpecIssue,
     load_spec,
-    local_port_problem,
     path_issues,
 )
 
@@ -75,7 +75,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
 
 def deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
     """What stops a parsed spec from being deployed from here: its paths, and this backend."""
-    issues = path_issues(spec, os.getcwd())
+    issues = path_issues(spec, os.getcwd()) + local_mount_issues(spec, os.getcwd())
     problem = local_port_problem(spec) if spec.infra == "local" else None
     if problem:
         issues.append(SpecIssue("run", problem, spec.line_of("run")))

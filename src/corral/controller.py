@@ -16,7 +16,6 @@ import contextlib
 import functools
 import logging
 import shutil
-import socket
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -40,7 +39,7 @@ from corral.infra.base import (
     scratch_root,
 )
 from corral.jobs import Job, JobPool, JobState
-from corral.ports import port_holders
+from corral.ports import free_port, port_holders
 from corral.probe import ProbeResult, probe
 from corral.replicas import (
     ReplicaStatus,
@@ -1462,12 +1461,6 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
             "max_connections": lb.max_connections,
         },
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 _TEARDOWN_FAILED = "teardown failed: "

@@ -45,7 +45,7 @@ from corral.dataplane.protocol import (
     socket_path,
 )
 from corral.dataplane.route import ServiceRoute
-from corral.procs import running as _running
+from corral.procfs import running as _running
 from corral.state import StateError, Store
 
 # Re-exported: the controller, the CLI and the tests import them from here.

@@ -16,8 +16,8 @@ from typing import IO, Final
 
 import psutil
 
-from corral.procs import running as _running
-from corral.procs import terminate_all
+from corral.procfs import running as _running
+from corral.procfs import terminate_all
 
 log = logging.getLogger("corral.dataplane")
 
