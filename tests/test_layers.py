@@ -89,3 +89,23 @@ def test_the_top_layers_point_down() -> None:
     # lower layers never reach the controller or anything above it
     for low in ("corral.spec", "corral.state", "corral.replicas", "corral.balancer.proxy"):
         assert "corral.controller" not in _reaches(graph, low), low
+    # the spec says what a service is; a backend's rules for it live with the backend
+    assert not {m for m in _reaches(graph, "corral.spec") if m.startswith("corral.infra")}
+
+
+def test_the_floor_imports_nothing_above_it() -> None:
+    """Process facts, ports and the spec are what every layer stands on: they import nothing of
+    corral but their own parts, so a job, a backend or the CLI can use them without a cycle."""
+    graph = _graph()
+    floor = {"corral.procfs": set(), "corral.ports": set(), "corral.spec": {"corral.spec"}}
+    for low, own in floor.items():
+        outside = {m for m in _reaches(graph, low) if not any(m.startswith(p) for p in own)}
+        assert not outside, f"{low} reaches {sorted(outside)}"
+    # a job and its command stand on capture and procfs only
+    for mod in ("corral.job", "corral.jobcommand", "corral.jobs"):
+        assert _reaches(graph, mod) <= {
+            "corral.capture",
+            "corral.procfs",
+            "corral.job",
+            "corral.jobcommand",
+        }, mod

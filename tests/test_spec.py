@@ -18,7 +18,6 @@ from corral.spec import (
     SpecError,
     SpecIssue,
     load_spec,
-    local_port_problem,
     parse_spec,
     validate_name,
 )
@@ -896,44 +895,7 @@ def test_never_raises_anything_but_spec_error() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# local_port_problem, summary, SpecError
-
-
-def port_spec(run: str, service: str, extra: str = "resources: {ports: 8080}\n") -> str:
-    return f"run: {run}\n{extra}service:\n  {service}\n"
-
-
-AUTOSCALED = "replica_policy: {min_replicas: 1, max_replicas: 3, target_qps_per_replica: 1}"
-OVERPROVISIONED = "replica_policy: {min_replicas: 1, num_overprovision: 1}"
-
-
-@pytest.mark.parametrize(
-    ("text", "problem"),
-    [
-        (port_spec("python -m http.server 8080", "replicas: 2"), True),
-        (port_spec("serve --port $PORT", "replicas: 2"), False),
-        (port_spec("serve --port=${PORT}", "replicas: 2"), False),
-        (port_spec("serve --port=${PORT:-8080}", "replicas: 2"), False),
-        (port_spec("serve --port $PORTS", "replicas: 2"), True),
-        (port_spec("python -m http.server 8080", "replicas: 1"), False),
-        (port_spec("python -m http.server 8080", "replicas: 3", extra=""), False),
-        (port_spec("serve 8080", AUTOSCALED), True),
-        (port_spec("serve 8080", OVERPROVISIONED), True),
-        (
-            port_spec("serve 8080", "replicas: 2", "infra: kubernetes\nresources: {ports: 8080}\n"),
-            False,
-        ),
-        (port_spec("serve", "{replicas: 2, ports: 9000}", extra=""), True),
-    ],
-)
-def test_local_port_problem(text: str, problem: bool) -> None:
-    spec = parse_spec(text)
-    message = local_port_problem(spec)
-    if problem:
-        assert message is not None
-        assert f"port {spec.replica_port()}" in message and "$PORT" in message
-    else:
-        assert message is None
+# summary, SpecError
 
 
 def test_summary_is_normalised_and_hides_secret_values(tmp_path: Path) -> None:

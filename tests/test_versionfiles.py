@@ -13,9 +13,17 @@ import pytest
 from click.testing import CliRunner
 
 from corral.cli import main
-from corral.deploy import launch_inputs, prepare
+from corral.deploy import check, launch_inputs, prepare
 from corral.envflags import given_values, read_env_file
-from corral.spec import REDACTED, missing_values, parse_spec, path_issues, redact_secrets
+from corral.infra.local_rules import local_mount_issues
+from corral.spec import (
+    REDACTED,
+    SpecError,
+    missing_values,
+    parse_spec,
+    path_issues,
+    redact_secrets,
+)
 from corral.versionfiles import (
     clone_version,
     collect_garbage,
@@ -225,7 +233,7 @@ def test_file_mounts_on_local_are_copied_in_or_refused(tmp_path: Path) -> None:
     make(tmp_path, {"app/server.py": "s", "models/m.bin": "m", "config.yaml": "c"})
     text = "run: x\nworkdir: app\nfile_mounts:\n  models: models\n  conf/config.yaml: config.yaml\n"
     spec = parse_spec(text)
-    assert path_issues(spec, tmp_path) == []
+    assert path_issues(spec, tmp_path) == [] and local_mount_issues(spec, tmp_path) == []
     files = prepare(tmp_path / "home", "svc", 1, spec, base_dir=str(tmp_path), envs={}, secrets={})
     assert tree(files.path / "workdir") == [
         "conf",
@@ -237,8 +245,11 @@ def test_file_mounts_on_local_are_copied_in_or_refused(tmp_path: Path) -> None:
     refused = parse_spec(
         "run: x\nfile_mounts:\n  /data: models\n  bucket: s3://b/k\n  gone: nowhere\n"
     )
-    issues = {i.loc: i for i in path_issues(refused, tmp_path)}
+    issues = {i.loc: i for i in local_mount_issues(refused, tmp_path)}
     assert set(issues) == {"file_mounts./data", "file_mounts.bucket", "file_mounts.gone"}
+    with pytest.raises(SpecError) as refusal:  # what the daemon and `corral up` apply
+        check(refused, source="svc.yaml", base_dir=str(tmp_path), envs={}, secrets={})
+    assert {i.loc for i in refusal.value.issues} == set(issues)
     assert issues["file_mounts./data"].line == 2
     assert "relative destination" in (issues["file_mounts./data"].hint or "")
     assert "only a local path" in issues["file_mounts.bucket"].message

@@ -49,6 +49,12 @@ What cannot be routed, by design:
   ``redirect_stdout`` left in place) takes output away from the router. :func:`install` (called by
   every :func:`to`) notices, reports it once on the original stderr, and puts the router back.
 * ``faulthandler`` needs a real descriptor; :func:`install` points it at the original stderr.
+
+Size: one process-wide router, kept in one module. The route ContextVar, the per-stream locks
+(rebuilt in a forked child by rebinding this module's globals), the install state and the
+inlined write path are shared by every part, and :func:`spawn`/:func:`run` hand a child the
+route's own descriptor; split, the halves would have to import each other (an import circle)
+or reach into each other's globals, which the after-fork reset makes unsafe.
 """
 
 from __future__ import annotations

@@ -16,19 +16,13 @@ from rich.console import Console
 from corral import __version__, cliview
 from corral.cli_common import client_error_text, client_of, err, fail, home_of, out
 from corral.cli_daemon import daemon
+from corral.cli_spec import check_deployable, load_or_exit, validate
 from corral.cli_wait import interrupted, keeps_running, wait_down, wait_ready, wait_rollout
 from corral.client import Client, ClientError, DaemonUnreachable
-from corral.deploy import check
 from corral.envflags import given_values, values_options
 from corral.home import EXIT_BAD_HOME, default_home, home_problem
 from corral.spec import (
-    ServiceSpec,
-    SpecError,
-    SpecIssue,
     generated_name,
-    load_spec,
-    local_port_problem,
-    path_issues,
 )
 
 # Tables are laid out this wide at most, whatever the terminal (rows are never cut).
@@ -67,6 +61,7 @@ def main(ctx: click.Context, home: Path | None) -> None:
 
 
 main.add_command(daemon)
+main.add_command(validate)
 
 
 @main.command()
@@ -92,9 +87,9 @@ def up(
 
     Relative paths in FILE (workdir) are taken from the current directory, as in SkyPilot;
     the workdir is copied now, so later edits reach the service only with `corral update`."""
-    spec = _load(file, name, need_name=False)
+    spec = load_or_exit(file, name, need_name=False)
     envs, secrets = given_values(env, env_file, secret)
-    _check_deployable(file, spec, envs, secrets)
+    check_deployable(file, spec, envs, secrets)
     try:
         client = _client(ctx, start=True)
     except KeyboardInterrupt:
@@ -177,8 +172,8 @@ def update(
     text = source = base_dir = None
     envs, secrets = given_values(env, env_file, secret)
     if file is not None:
-        spec = _load(file, name)
-        _check_deployable(file, spec, envs, secrets)
+        spec = load_or_exit(file, name)
+        check_deployable(file, spec, envs, secrets)
         text, source, base_dir = file.read_text(), str(file.resolve()), os.getcwd()
     elif envs or secrets:
         _fail("--to-version reuses that version's env and secret values: no --env/--secret")
@@ -437,78 +432,6 @@ def _down_replica(client: Client, name: str, replica: int, *, purge: bool, yes: 
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-n", "--name", help="Service name (overrides the spec's `name`).")
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help='JSON, also for a bad spec: {"valid", "spec", "warnings", "errors": [{field, line, '
-    "message, hint}]}.",
-)
-def validate(file: Path, name: str | None, as_json: bool) -> None:
-    """Check a service spec: every problem at once, or its normalised form.
-
-    No name is needed (`up` makes one up). Relative paths are taken from the current
-    directory, as `up` takes them."""
-    spec = None
-    try:
-        spec = load_spec(file, name=name)
-        issues = _deploy_issues(spec)
-    except SpecError as exc:
-        issues = exc.issues
-    source = str(file)
-    if as_json:
-        document = {
-            "valid": not issues,
-            "spec": spec.summary() if spec is not None else None,
-            "warnings": list(spec.warnings) if spec is not None else [],
-            "errors": [issue.as_json() for issue in issues],
-        }
-        click.echo(json.dumps(document, indent=2, default=str))
-        if issues:
-            sys.exit(1)
-        return
-    if spec is not None:
-        for warning in spec.warnings:
-            err.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
-    if issues:
-        err.print(str(SpecError(issues, source)), soft_wrap=True, markup=False)
-        err.print(f"[red]{file}: {len(issues)} problem(s)[/red]")
-        sys.exit(1)
-    assert spec is not None
-    out.print(f"[green]{file}: valid[/green]")
-    for key, value in spec.summary().items():
-        out.print(f"  {key}: {json.dumps(value, default=str)}", soft_wrap=True)
-
-
-def _deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
-    """What stops a parsed spec from being deployed from here: its paths, and this backend."""
-    issues = path_issues(spec, os.getcwd())
-    problem = local_port_problem(spec) if spec.infra == "local" else None
-    if problem:
-        issues.append(SpecIssue("run", problem, spec.line_of("run")))
-    fit = _fit_problem(spec) if spec.infra == "local" else None
-    if fit:
-        issues.append(SpecIssue("resources", fit, spec.line_of("resources")))
-    return issues
-
-
-def _check_deployable(
-    file: Path, spec: ServiceSpec, envs: dict[str, str], secrets: dict[str, str]
-) -> None:
-    """Every problem of the spec with these values, before anything is sent."""
-    issues = _deploy_issues(spec)
-    try:
-        check(spec, source=str(file), base_dir=os.getcwd(), envs=envs, secrets=secrets)
-    except SpecError as exc:
-        issues += [i for i in exc.issues if i not in issues]
-    if issues:
-        err.print(str(SpecError(issues, str(file))), soft_wrap=True, markup=False)
-        sys.exit(1)
-
-
-@main.command()
 @click.option("--open", "open_browser", is_flag=True, help="Open the link in a web browser.")
 @click.pass_context
 def dashboard(ctx: click.Context, open_browser: bool) -> None:
@@ -526,27 +449,3 @@ def dashboard(ctx: click.Context, open_browser: bool) -> None:
         import webbrowser
 
         webbrowser.open(url)
-
-
-def _fit_problem(spec: Any) -> str | None:
-    """Whether the spec's resources can ever fit on this machine, read the way the daemon
-    reads it (NVML, CORRAL_INVENTORY, CORRAL_GPUS): no daemon needed."""
-    from corral.capacity import fit_problem  # psutil, pynvml: only when validating
-    from corral.infra.inventory import InventoryError, load_inventory
-
-    try:
-        inventory = load_inventory()
-    except InventoryError as exc:
-        return f"the machine's inventory cannot be read: {exc}"
-    return fit_problem(spec.resources.model_dump(exclude_none=True), inventory)
-
-
-def _load(file: Path, name: str | None, *, need_name: bool = True) -> ServiceSpec:
-    try:
-        spec = load_spec(file, name=name)
-    except SpecError as exc:
-        err.print(str(exc), soft_wrap=True, markup=False)
-        sys.exit(1)
-    if need_name and not spec.name:
-        _fail(f"{file}: the service needs a name: set `name:` in the spec or pass -n NAME")
-    return spec

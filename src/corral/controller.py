@@ -21,7 +21,6 @@ import contextlib
 import itertools
 import logging
 import shutil
-import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from corral.dataplane.protocol import Route
 from corral.executor import Executor
 from corral.infra.base import scratch_root
 from corral.logcap import cap_logs
+from corral.ports import free_port
 from corral.prober import Prober
 from corral.recovery import adopt
 from corral.replicas import (
@@ -62,7 +62,6 @@ __all__ = [
     "ControllerDeps",
     "ReplicaRefused",
     "ServiceController",
-    "free_port",
     "handle_from_row",
     "handle_to_json",
     "route_of",
@@ -474,9 +473,3 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
             "max_connections": lb.max_connections,
         },
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -35,13 +35,13 @@ from corral.controller import (
     ControllerDeps,
     ReplicaRefused,
     ServiceController,
-    free_port,
 )
 from corral.deploy import KEEP_VERSIONS
+from corral.infra.local_rules import local_port_problem
+from corral.ports import free_port
 from corral.spec import (
     ServiceSpec,
     SpecError,
-    local_port_problem,
     parse_spec,
     redact_secrets,
     validate_name,

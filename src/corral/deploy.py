@@ -14,11 +14,11 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from corral.infra.local_rules import local_mount_issues, local_mounts
 from corral.spec import (
     ServiceSpec,
     SpecError,
     SpecIssue,
-    local_mounts,
     missing_values,
     path_issues,
 )
@@ -85,6 +85,7 @@ def check(
         )
     else:
         issues += path_issues(spec, base_dir or "/")
+        issues += local_mount_issues(spec, base_dir or "/")
     if issues:
         raise SpecError(issues, source)
 

@@ -123,8 +123,7 @@ class Executor:
             self.svc.store.mark_relaunch(r.id)
             self.svc.event(r.id, "replica.relaunch", "launch outcome not recorded; nothing started")
         elif r.id not in self.svc.rt.resuming:
-            # The backend is asked on a thread: a cluster that does not answer can take
-            # seconds per question, and this loop carries every balancer.
+            # Asked on a thread: a cluster that does not answer takes seconds per question.
             self.svc.rt.resuming.add(r.id)
             self.svc.spawn(self._resume_launch(r.id), name=f"corral-resume-{self.svc.name}-{r.id}")
 

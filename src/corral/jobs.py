@@ -5,35 +5,41 @@ and state, where a process costs 3-90 ms to start (1-2 s once it imports a real 
 and tens of MB each. What a process gave for free, separate stdout/stderr per job, comes from
 :mod:`corral.capture`: every job runs inside ``capture.to(its log)``.
 
-Why cancellation is cooperative: a thread cannot be killed safely. A job calls
-:func:`checkpoint` between steps, waits with :func:`sleep` (which wakes at once on cancel) and runs
-commands with :func:`run_command` (which kills the command's whole process group on cancel).
-Blocking calls that ignore all three finish their step before the cancel is seen.
-
 Why one lane per job kind: launches can be slow and many; if they shared one queue with
 teardowns, a burst of launches would starve the teardowns that free resources. Each kind has its
 own queue and its own worker limit.
+
+A job itself (states, cancellation points) is :mod:`corral.job`; a command run from one is
+:mod:`corral.jobcommand`. Their names are imported here too, so a job's code needs only
+``from corral import jobs``.
 """
 
 from __future__ import annotations
 
 import contextvars
-import enum
-import itertools
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
-import traceback
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral import capture
+from corral import procfs
+from corral.job import (
+    Cancelled,
+    CommandFailed,
+    Job,
+    JobLogError,
+    JobState,
+    checkpoint,
+    current_job,
+    sleep,
+)
+from corral.jobcommand import run_command
 
 __all__ = [
     "Cancelled",
@@ -46,499 +52,9 @@ __all__ = [
     "current_job",
     "run_command",
     "sleep",
-    "terminate_process_group",
 ]
 
 log = logging.getLogger("corral.jobs")
-
-
-class JobState(enum.StrEnum):
-    PENDING = "pending"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-_FINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
-
-
-class Cancelled(Exception):
-    """Raised inside a job at a cancellation point once the job was asked to stop."""
-
-
-class JobLogError(OSError):
-    """The job's log could not be opened, so the job did not run (see ``log_required``).
-
-    Its message names the file and the reason, because it ends up as the failure a user reads
-    in ``corral status`` (a bare ``OSError(30, 'Read-only file system')`` names neither).
-    """
-
-
-class CommandFailed(Exception):
-    """A command run by :func:`run_command` exited non-zero."""
-
-    def __init__(self, args: str | Sequence[str], returncode: int) -> None:
-        shown = args if isinstance(args, str) else " ".join(args)
-        super().__init__(f"command exited with code {returncode}: {shown}")
-        self.returncode = returncode
-
-
-_ids = itertools.count(1)
-
-
-class Job:
-    """One unit of work submitted to a :class:`JobPool`.
-
-    All state changes happen under ``self._lock`` and every reader gets plain values or copies,
-    never live views (SkyServe's "dictionary changed size during iteration" came from handing
-    out a live dict shared with worker threads).
-    """
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        name: str,
-        kind: str,
-        log_path: Path | None,
-        log_required: bool = True,
-    ) -> None:
-        self.id = next(_ids)
-        self.name = name
-        self.kind = kind
-        self.log_path = log_path
-        self.log_required = log_required
-        # Why the job's log lost output (could not be opened, or writes failed: a full disk),
-        # None while it is intact. Set by the worker before the job is done.
-        self.log_error: str | None = None
-        self._fn = fn
-        self._args = args
-        self._kwargs = kwargs
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._cancel = threading.Event()
-        self._state = JobState.PENDING
-        self._result: Any = None
-        self._exception: BaseException | None = None
-        self._callbacks: list[Callable[[Job], object]] = []
-        self._pgids: set[int] = set()
-        self.submitted_at = time.time()
-        self.started_at: float | None = None
-        self.ended_at: float | None = None
-        self._submitted_mono = time.monotonic()
-        self._started_mono: float | None = None
-        # The worker thread running the function, and whether the pool gave up on it (see
-        # JobPool.abandon): an abandoned job is final for everyone, but its thread may still be
-        # inside the function; `_returned` is set once no thread is (or will be).
-        self._thread: threading.Thread | None = None
-        self._abandoned = False
-        self._returned = threading.Event()
-
-    def __repr__(self) -> str:
-        return f"<Job {self.id} {self.name} {self.state}>"
-
-    @property
-    def state(self) -> JobState:
-        return self._state
-
-    @property
-    def queued_seconds(self) -> float | None:
-        """Submit-to-start latency, once started."""
-        if self._started_mono is None:
-            return None
-        return self._started_mono - self._submitted_mono
-
-    @property
-    def run_seconds(self) -> float | None:
-        """How long the job has been running (or ran), None while it waits for a worker."""
-        if self._started_mono is None:
-            return None
-        return time.monotonic() - self._started_mono
-
-    def _give_up(
-        self, error: BaseException
-    ) -> tuple[bool, threading.Thread | None, list[int]] | None:
-        """Fail at once with ``error`` and ask the call to cancel, for :meth:`JobPool.abandon`;
-        None if the job had already finished. Says whether its call was running, on which
-        thread, and the process groups it started (the pool signals those)."""
-        with self._lock:
-            if self._state in _FINAL:
-                return None
-            self._cancel.set()
-            running = self._state is JobState.RUNNING
-            self._state = JobState.FAILED
-            self._exception = error
-            self.ended_at = time.time()
-            self._abandoned = running
-            if not running:
-                self._returned.set()  # never started: no thread to wait for
-            return running, self._thread, list(self._pgids)
-
-    @property
-    def abandoned(self) -> bool:
-        """The pool gave up waiting for this job (:meth:`JobPool.abandon`)."""
-        return self._abandoned
-
-    def returned(self) -> bool:
-        """True once the job's function is not running on any thread: it returned, raised or
-        never started. Differs from :meth:`done` only for an abandoned job whose call is stuck."""
-        return self._returned.is_set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def cancel_requested(self) -> bool:
-        return self._cancel.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """True once the job reached a final state."""
-        return self._done.wait(timeout)
-
-    def result(self, timeout: float | None = None) -> Any:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"job {self.name} still {self._state}")
-        if self._exception is not None:
-            raise self._exception
-        if self._state is JobState.CANCELLED:
-            raise Cancelled(f"job {self.name} was cancelled")
-        return self._result
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"job {self.name} still {self._state}")
-        return self._exception
-
-    def cancel(self) -> bool:
-        """Ask the job to stop. A pending job never starts; a running one stops at its next
-        cancellation point, and the commands it runs are killed. False if already finished."""
-        with self._lock:
-            if self._state in _FINAL:
-                return False
-            self._cancel.set()
-            if self._state is not JobState.PENDING:
-                pgids = list(self._pgids)
-                finish = False
-            else:
-                pgids = []
-                finish = True
-                self._state = JobState.CANCELLED
-                self.ended_at = time.time()
-                self._returned.set()  # it never ran
-        for pgid in pgids:
-            _signal_group(pgid, signal.SIGTERM)
-        if finish:
-            self._finish()
-        return True
-
-    def add_done_callback(self, fn: Callable[[Job], object]) -> None:
-        """Call ``fn(job)`` when the job ends (at once if it already has), from the thread that
-        ended it. Callbacks must not block; the controller uses them to wake its event loop."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        _call(fn, self)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "id": self.id,
-                "name": self.name,
-                "kind": self.kind,
-                "state": str(self._state),
-                "log": str(self.log_path) if self.log_path else None,
-                "submitted_at": self.submitted_at,
-                "started_at": self.started_at,
-                "ended_at": self.ended_at,
-                "error": repr(self._exception) if self._exception else None,
-                "log_error": self.log_error,
-            }
-
-    # -- used by the pool and by run_command -------------------------------------------------
-
-    def _start(self) -> bool:
-        with self._lock:
-            if self._state is not JobState.PENDING:
-                return False
-            self._state = JobState.RUNNING
-            self.started_at = time.time()
-            self._started_mono = time.monotonic()
-            self._thread = threading.current_thread()
-            return True
-
-    def _set_outcome(self, state: JobState, result: Any, exc: BaseException | None) -> None:
-        with self._lock:
-            abandoned = self._abandoned
-            self._returned.set()
-            if not abandoned:
-                self._state = state
-                self._result = result
-                self._exception = exc
-                self.ended_at = time.time()
-        if abandoned:
-            # Already final (failed as abandoned) and reported: the late outcome is only logged.
-            outcome = repr(exc) if exc else state
-            log.warning("abandoned job %s returned after all: %s", self.name, outcome)
-            return
-        self._finish()
-
-    def _finish(self) -> None:
-        with self._lock:
-            callbacks, self._callbacks = self._callbacks, []
-            self._done.set()
-        for fn in callbacks:
-            _call(fn, self)
-
-    def _track_group(self, pgid: int) -> bool:
-        """Record a process group this job started; False if the job is already cancelled."""
-        with self._lock:
-            self._pgids.add(pgid)
-            return not self._cancel.is_set()
-
-    def _untrack_group(self, pgid: int) -> None:
-        with self._lock:
-            self._pgids.discard(pgid)
-
-    def _groups(self) -> list[int]:
-        with self._lock:
-            return list(self._pgids)
-
-    def _run(self) -> None:
-        """Body of a worker: runs in a fresh context, inside the job's own log route.
-
-        A log that cannot be opened (read-only or missing directory) fails the job with a
-        :class:`JobLogError` naming the file, unless ``log_required`` is False: then the job
-        runs with its output in the daemon's own log, because its work matters more than its
-        output (a teardown must not leave a replica running for want of a log file). Writes
-        that fail later (a full disk) never reach the job (:mod:`corral.capture` drops and
-        reports them); either way the reason is kept in ``log_error``.
-        """
-        _current_job.set(self)
-        route: capture.to | None = None
-        if self.log_path is not None:
-            route = capture.to(self.log_path)
-            try:
-                route.__enter__()
-            except Exception as exc:
-                route = None
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
-                self.log_error = f"cannot open its log {self.log_path}: {reason}"
-                if self.log_required:
-                    # The worker (maybe the lane's only one) lives on; the job fails, clearly.
-                    log.error("job %s: %s; not run", self.name, self.log_error)
-                    self._set_outcome(JobState.FAILED, None, JobLogError(self.log_error))
-                    return
-                log.error("job %s: %s; its output goes here instead", self.name, self.log_error)
-        try:
-            state, result, error = self._call()
-        finally:
-            if route is not None:
-                route.__exit__(None, None, None)
-                if route.error is not None:
-                    self.log_error = f"writing its log {self.log_path} failed: {route.error}"
-        self._set_outcome(state, result, error)
-
-    def _call(self) -> tuple[JobState, Any, BaseException | None]:
-        try:
-            checkpoint()
-            result = self._fn(*self._args, **self._kwargs)
-        except Cancelled:
-            print(f"[corral] job {self.name} cancelled", flush=True)
-            return JobState.CANCELLED, None, None
-        except BaseException as exc:
-            # Into THIS job's log, before the route is reset.
-            traceback.print_exc()
-            print(f"[corral] job {self.name} failed: {exc!r}", flush=True)
-            return JobState.FAILED, None, exc
-        return JobState.SUCCEEDED, result, None
-
-
-def _call(fn: Callable[[Job], object], job: Job) -> None:
-    try:
-        fn(job)
-    except Exception:
-        log.exception("done-callback of job %s raised", job.name)
-
-
-_current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar(
-    "corral_current_job", default=None
-)
-
-
-def current_job() -> Job | None:
-    """The job the calling thread is running, or None outside jobs."""
-    return _current_job.get()
-
-
-def checkpoint() -> None:
-    """Raise :class:`Cancelled` if the current job was asked to stop (no-op outside jobs)."""
-    job = _current_job.get()
-    if job is not None and job._cancel.is_set():
-        raise Cancelled(f"job {job.name} cancelled")
-
-
-def sleep(seconds: float) -> None:
-    """Sleep that wakes at once, raising :class:`Cancelled`, when the current job is cancelled."""
-    job = _current_job.get()
-    if job is None:
-        time.sleep(max(0.0, seconds))
-        return
-    if job._cancel.wait(max(0.0, seconds)):
-        raise Cancelled(f"job {job.name} cancelled")
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> bool:
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _only_zombies(pgid)
-
-
-def _only_zombies(pgid: int) -> bool:
-    """True when every member of the group is a zombie (Linux; False where /proc is missing).
-
-    ``killpg(pgid, 0)`` succeeds while a group holds nothing but zombies. A killed command's
-    orphaned grandchildren are re-parented to PID 1, and when that does not reap them (corral as
-    a container's PID 1, an init that reaps lazily) they stay zombies: dead, but the group would
-    look alive until the grace period and the KILL wait had both run out.
-    """
-    leader = _proc_state(str(pgid))
-    if leader is not None and leader[1] == pgid and leader[0] not in (b"Z", b"X"):
-        return False  # the usual case, without scanning every process
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return False
-    seen = False
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        member = _proc_state(entry)
-        if member is None or member[1] != pgid:
-            continue
-        if member[0] not in (b"Z", b"X"):
-            return False
-        seen = True
-    return seen  # no member visible at all (hidden /proc): assume alive
-
-
-def _proc_state(pid: str) -> tuple[bytes, int] | None:
-    """(state letter, process group) of a process, from ``/proc/<pid>/stat``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        return fields[0], int(fields[2])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def terminate_process_group(
-    pgid: int, grace: float = 5.0, reap: Callable[[], object] | None = None
-) -> bool:
-    """TERM the whole group, KILL whatever is left after ``grace`` seconds.
-
-    ``reap`` (e.g. ``Popen.poll``) is called while waiting so an exited leader that is our own
-    child does not linger as a zombie that keeps the group "alive". Returns True when the group
-    is gone (a group of zombies only is gone: see :func:`_only_zombies`).
-    """
-    if not _signal_group(pgid, signal.SIGTERM):
-        return True
-    deadline = time.monotonic() + grace
-    delay = 0.005
-    while time.monotonic() < deadline:
-        if reap is not None:
-            reap()
-        if not _group_alive(pgid):
-            return True
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-    _signal_group(pgid, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        if reap is not None:
-            reap()
-        if not _group_alive(pgid):
-            return True
-        time.sleep(0.01)
-    return not _group_alive(pgid)
-
-
-def run_command(
-    args: str | Sequence[str],
-    *,
-    shell: bool = False,
-    cwd: str | os.PathLike[str] | None = None,
-    env: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    grace: float = 5.0,
-    check: bool = True,
-    preexec_fn: Callable[[], None] | None = None,
-) -> int:
-    """Run a command in its own process group with its output in the current route.
-
-    On cancel of the current job (or on ``timeout``) the whole group gets TERM, then KILL after
-    ``grace`` seconds, and :class:`Cancelled` (or ``subprocess.TimeoutExpired``) is raised.
-    """
-    checkpoint()
-    job = _current_job.get()
-    proc = capture.spawn(
-        args, shell=shell, cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec_fn
-    )
-    pgid = proc.pid
-    if job is not None and not job._track_group(pgid):
-        terminate_process_group(pgid, grace, proc.poll)
-        proc.wait()
-        job._untrack_group(pgid)
-        raise Cancelled(f"job {job.name} cancelled")
-    deadline = None if timeout is None else time.monotonic() + timeout
-    delay = 0.001
-    try:
-        while True:
-            code = proc.poll()
-            if code is not None:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                terminate_process_group(pgid, grace, proc.poll)
-                proc.wait()
-                raise subprocess.TimeoutExpired(args, timeout or 0.0)
-            wait = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
-            if job is None:
-                time.sleep(wait)
-            elif job._cancel.wait(wait):
-                terminate_process_group(pgid, grace, proc.poll)
-                proc.wait()
-                raise Cancelled(f"job {job.name if job else '?'} cancelled")
-            delay = min(delay * 2, 0.05)
-        if code != 0 and job is not None and job._cancel.is_set():
-            # cancel() TERMs the group itself, so the leader may have died of it before this loop
-            # saw the cancel: that is a cancel, not a failed command, and members of the group
-            # that ignore TERM still get KILLed after the grace period.
-            terminate_process_group(pgid, grace, proc.poll)
-            proc.wait()
-            raise Cancelled(f"job {job.name} cancelled")
-        proc.wait()  # joins the output pumps
-    finally:
-        if job is not None:
-            job._untrack_group(pgid)
-    if check and code != 0:
-        raise CommandFailed(args, code)
-    return code
 
 
 @dataclass
@@ -651,7 +167,7 @@ class JobPool:
             return False
         running, thread, pgids = given_up
         for pgid in pgids:
-            _signal_group(pgid, signal.SIGTERM)
+            procfs.signal_group(pgid, signal.SIGTERM)
         if running and thread is not None:
             with self._lock:
                 lane = self._lanes.get(job.kind)
@@ -747,5 +263,5 @@ class JobPool:
         alive = [w for lane in lanes for w in lane.workers + lane.stuck if w.is_alive()]
         for job in jobs + stuck:
             for pgid in job._groups():
-                terminate_process_group(pgid, grace=1.0)
+                procfs.terminate_process_group(pgid, grace=1.0)
         return not alive

@@ -22,7 +22,7 @@ a loop that is blocked most of the time. The API answers 503
 ("locked, retry") and the controller retries on its next reconcile step. Any other SQLite
 failure (disk I/O error, read-only or full disk) is a :class:`StateError` with the file named.
 
-Longer than corral's usual module on purpose: it is the schema, its migrations and the one
+Size: longer than corral's usual module on purpose: it is the schema, its migrations and the one
 :class:`Store` every write goes through (the chaos tests count writes there), and splitting
 the store's tables across modules would spread the locking rules above over all of them.
 """

@@ -58,8 +58,8 @@ from conftest import (
 )
 
 from corral import api
+from corral.apiconn import _names_loopback
 from corral.bootstrap import DaemonError, serve
-from corral.client import _names_loopback
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -25,6 +25,11 @@ Retry rules (each answering a failure seen in SkyServe or in corral's chaos test
   body is then retried instead of leaving the client a cut-off answer.
 * The in-flight count of a replica is taken when it is picked and given back exactly once
   (:meth:`Exchange._release`) on every path: answer done, failure, client gone, stop.
+
+Size: one state machine, kept in one module. Its response half already lives in
+:mod:`corral.balancer.relay`; what is left (body framing, attempts, failures) shares every
+field, the retry rules above are checked against the code that applies them, and its callbacks
+are the per-request path of every request off the fast path (measured by bench/balancer.py).
 """
 
 from __future__ import annotations

@@ -35,54 +35,44 @@ Design points:
 from __future__ import annotations
 
 import asyncio
-import bisect
-import itertools
 import logging
 import ssl
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
-from urllib.parse import urlsplit
 
 from corral.balancer.client import ClientConnection
+from corral.balancer.counting import Counters
 from corral.balancer.failures import describe, refused
-from corral.balancer.metrics import LATENCY_BUCKETS
 from corral.balancer.policies import make_policy
-from corral.balancer.upstream import Pool, Target
+from corral.balancer.settings import (
+    DEFAULT_HEADER_BYTES,
+    DEFAULT_HEADER_TIMEOUT,
+    check_settings,
+    head_limit,
+    tick_interval,
+)
+from corral.balancer.upstream import Pool, Target, target_of
 
-__all__ = ["LoadBalancer"]
+__all__ = ["DEFAULT_HEADER_TIMEOUT", "LoadBalancer"]
 
 logger = logging.getLogger("corral.balancer")
-
-# The longest request line / header field by default (aiohttp's, so the limit did not change).
-_DEFAULT_HEADER_BYTES: Final = 8190
-# Seconds a client has to send a whole request head (and longest idle keep-alive); above the
-# 15 s an aiohttp client keeps a pooled connection, so such a client closes an idle one first.
-DEFAULT_HEADER_TIMEOUT: Final = 30.0
 
 # Kept for callers and tests of the previous engine's helpers.
 _refused = refused
 _describe = describe
 
 
-class LoadBalancer:
+class LoadBalancer(Counters):
     """Reverse proxy for one service; see the module docstring for the design."""
 
-    # Accepted-request timestamps kept for the autoscaler: at most this many (memory stays
-    # bounded, ~10 MB, at any rate) ...
-    TIMESTAMP_CAPACITY: Final = 1 << 18
-    # ... and only for this many seconds (10x the autoscaler's 60 s window).
-    TIMESTAMP_HORIZON: Final = 600.0
     # How long a replica that could not be connected to is passed over (unless all are).
     EJECT_SECONDS: Final = 2.0
     # Retry-After on a 503: scale-from-zero or a replacement is expected within seconds.
     RETRY_AFTER_SECONDS: Final = 1
     # stop() lets in-flight requests finish for up to this long before cutting them.
     STOP_GRACE_SECONDS: Final = 5.0
-    # A replica's failures are logged at most once per this many seconds.
-    FAILURE_LOG_INTERVAL: Final = 5.0
 
     def __init__(
         self,
@@ -100,67 +90,26 @@ class LoadBalancer:
         no_replica_wait: float = 0.0,
         max_buffered_body: int = 1 << 20,
         max_body_bytes: int | None = None,
-        max_header_bytes: int = _DEFAULT_HEADER_BYTES,
+        max_header_bytes: int = DEFAULT_HEADER_BYTES,
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         reuse_port: bool = False,
         on_drained: Callable[[int], None] | None = None,
         max_connections: int | None = None,
     ) -> None:
-        """Configure; nothing binds until :meth:`start`.
-
-        Timeouts, in seconds:
-
-        * ``connect_timeout``: to open a connection to a replica. A replica that cannot be
-          reached is retried on another one (the request never reached it).
-        * ``first_byte_timeout``: from the request (body included) being sent to the replica's
-          response headers; 504, not retried (the replica may be working on it).
-        * ``idle_timeout``: longest silence between two chunks of a response once its headers
-          are out (the response is then cut, as it cannot become an error any more); also the
-          deadline for reading a buffered request body from the client (408).
-        * ``request_timeout``: the former single timeout, kept as the default of both
-          ``first_byte_timeout`` and ``idle_timeout``; 120 s when neither is given.
-        * ``header_timeout``: a client connection that has not sent a whole request head this
-          long after connecting, or after its previous response, is closed (slowloris, or an
-          idle keep-alive connection).
-
-        ``max_attempts`` bounds the attempts that may have reached a replica; refused
-        connections are not counted, so a request is never failed while an untried ready
-        replica is left. ``max_header_bytes`` is the longest request line and header field
-        accepted (431 beyond); ``max_body_bytes`` the largest request body (413 beyond, whether
-        announced by Content-Length or streamed chunked; None = no limit: bodies above
-        ``max_buffered_body`` are streamed, not held in memory).
-
-        ``max_connections``: client connections this balancer keeps open at once (None: no
-        cap); one more is answered 503 and closed at once. Every connection costs a file
-        descriptor (two while proxied), and a process's descriptors are shared by all the
-        services it serves: without a cap, one service's idle connections could leave none
-        for the others.
-
-        ``reuse_port``: bind with SO_REUSEPORT, so several processes serve one port.
-        ``on_drained(rid)`` is called on the loop when the in-flight count of a replica that
-        is not in the ready set reaches 0.
-        """
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        if request_timeout is not None and request_timeout <= 0:
-            raise ValueError("request_timeout must be > 0")
-        default_timeout = request_timeout if request_timeout is not None else 120.0
-        first_byte = first_byte_timeout if first_byte_timeout is not None else default_timeout
-        idle = idle_timeout if idle_timeout is not None else default_timeout
-        if connect_timeout <= 0 or first_byte <= 0 or idle <= 0:
-            raise ValueError("connect_timeout, first_byte_timeout and idle_timeout must be > 0")
-        if no_replica_wait < 0:
-            raise ValueError("no_replica_wait must be >= 0")
-        if max_buffered_body < 0:
-            raise ValueError("max_buffered_body must be >= 0")
-        if max_body_bytes is not None and max_body_bytes < 0:
-            raise ValueError("max_body_bytes must be >= 0 or None")
-        if max_header_bytes < 256:
-            raise ValueError("max_header_bytes must be >= 256")
-        if header_timeout <= 0:
-            raise ValueError("header_timeout must be > 0")
-        if max_connections is not None and max_connections < 1:
-            raise ValueError("max_connections must be >= 1 or None")
+        """Configure; nothing binds until :meth:`start`. See :mod:`corral.balancer.settings`."""
+        first_byte, idle = check_settings(
+            max_attempts=max_attempts,
+            connect_timeout=connect_timeout,
+            first_byte_timeout=first_byte_timeout,
+            idle_timeout=idle_timeout,
+            request_timeout=request_timeout,
+            no_replica_wait=no_replica_wait,
+            max_buffered_body=max_buffered_body,
+            max_body_bytes=max_body_bytes,
+            max_header_bytes=max_header_bytes,
+            header_timeout=header_timeout,
+            max_connections=max_connections,
+        )
         self._max_connections = max_connections
         self._name = name
         self._host = host
@@ -178,48 +127,29 @@ class LoadBalancer:
         self._max_buffered_body = max_buffered_body
         self._max_body = max_body_bytes
         self._max_header_bytes = max_header_bytes
-        # Whole request head: every line may be long, but not all of them.
-        self._head_limit = max(64 * 1024, 2 * max_header_bytes)
+        self._head_limit = head_limit(max_header_bytes)
         self._header_timeout = header_timeout
         self._reuse_port = reuse_port
         self._on_drained = on_drained
-        # Deadlines are checked this often (a fraction of the shortest timeout).
-        self._tick_interval = max(0.01, min(0.1, header_timeout / 4, first_byte / 4, idle / 4))
+        self._tick_interval = tick_interval(header_timeout, first_byte, idle)
+        self._init_state()
+        self._init_counters()
 
+    def _init_state(self) -> None:
+        """The ready set, in-flight counts and the listener's state: empty until start."""
         # Ready set: id -> Target; ids kept as a sorted tuple for the policy.
         self._ready: dict[int, Target] = {}
         self._ready_ids: tuple[int, ...] = ()
         self._ready_event = asyncio.Event()  # set while the ready set is non-empty
         self._pool = Pool()
         self._client_ssl: ssl.SSLContext | None = None
-
         self._in_flight: dict[int, int] = {}
         self._total_in_flight = 0
-        self._served: dict[int, int] = {}
-        self._failed: dict[int, int] = {}
         self._drained: dict[int, asyncio.Event] = {}
-
-        self._timestamps: deque[float] = deque(maxlen=self.TIMESTAMP_CAPACITY)
-        self._requests = 0
-        self._errors = 0
-        self._error_reasons: dict[str, int] = {}
-        self._codes: dict[int, int] = {}
-        self._latency = [0] * (len(LATENCY_BUCKETS) + 1)
-        self._latency_sum = 0.0
-        self._latency_count = 0
-        self._retries = 0
-        self._bad_requests = 0
-        self._aborted = 0
-        self._client_gone = 0
-        self._quiet_until: dict[int, float] = {}  # per replica: failures only counted until then
         # Replicas that could not be connected to: passed over for EJECT_SECONDS. A replica
         # whose process died has no requests in flight, so least_load would otherwise prefer it
         # until the controller notices (up to a probe tick).
         self._ejected: dict[int, float] = {}
-        self._suppressed: dict[int, int] = {}
-        self._parse_log_until = 0.0  # malformed-request log lines: at most one per interval
-        self._parse_suppressed = 0
-
         self._clients: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -390,7 +320,7 @@ class LoadBalancer:
             rid = int(rid)
             old = self._ready.get(rid)
             base = base.rstrip("/")
-            ready[rid] = old if old is not None and old.base == base else _target(rid, base)
+            ready[rid] = old if old is not None and old.base == base else target_of(rid, base)
         for rid, target in self._ready.items():
             if ready.get(rid) is not target:
                 target.retired = True
@@ -429,25 +359,6 @@ class LoadBalancer:
             return self._in_flight.get(replica_id, 0) == 0
         return True
 
-    def request_timestamps(self, window: float = 60.0) -> list[float]:
-        """``time.monotonic()`` of the requests accepted in the last ``window`` seconds, oldest
-        first (at most TIMESTAMP_HORIZON seconds are kept)."""
-        start = bisect.bisect_left(self._timestamps, time.monotonic() - window)
-        return list(itertools.islice(self._timestamps, start, None))
-
-    def timestamps_after(self, t: float) -> list[float]:
-        """Accepted-request times strictly after ``t``, oldest first: what a worker reports
-        since its last report."""
-        start = bisect.bisect_right(self._timestamps, t)
-        return list(itertools.islice(self._timestamps, start, None))
-
-    def qps(self, window: float = 60.0) -> float:
-        """Accepted requests per second over the last ``window`` seconds."""
-        if window <= 0:
-            raise ValueError("window must be > 0")
-        start = bisect.bisect_left(self._timestamps, time.monotonic() - window)
-        return (len(self._timestamps) - start) / window
-
     def stats(self) -> dict[str, Any]:
         """Counters for status output, metrics and tests; JSON-serialisable (string keys), a
         fresh dict safe to keep or mutate. See :mod:`corral.balancer.metrics`."""
@@ -483,45 +394,6 @@ class LoadBalancer:
         }
 
     # ------------------------------------------------------------------ used by exchanges
-
-    def _count_request(self, t0: float) -> None:
-        self._requests += 1
-        self._timestamps.append(t0)  # trimmed to the horizon by the ticker, not per request
-
-    def _record(self, status: int, seconds: float) -> None:
-        """A response went out (its headers): by code, and its latency."""
-        codes = self._codes
-        codes[status] = codes.get(status, 0) + 1
-        self._latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self._latency_sum += seconds
-        self._latency_count += 1
-
-    def _count_code(self, status: int) -> None:
-        self._codes[status] = self._codes.get(status, 0) + 1
-
-    def _count_reason(self, reason: str) -> None:
-        self._error_reasons[reason] = self._error_reasons.get(reason, 0) + 1
-
-    def _rejected(self, peer: bytes, status: int, reason: str, detail: str) -> None:
-        """Count and log (rate-limited) a request the parser or a limit rejected."""
-        self._bad_requests += 1
-        self._count_reason(reason)
-        self._count_code(status)
-        now = time.monotonic()
-        if now < self._parse_log_until:
-            self._parse_suppressed += 1
-            return
-        self._parse_log_until = now + self.FAILURE_LOG_INTERVAL
-        skipped, self._parse_suppressed = self._parse_suppressed, 0
-        more = f" ({skipped} more not logged)" if skipped else ""
-        logger.info(
-            "balancer %s: rejected malformed request from %s with %d: %s%s",
-            self._name,
-            peer.decode("latin-1") or "?",
-            status,
-            detail or reason,
-            more,
-        )
 
     def _pick(self, tried: Sequence[int]) -> int | None:
         """Choose a ready replica not tried yet; None when there is none."""
@@ -594,34 +466,3 @@ class LoadBalancer:
             self._failed.pop(rid, None)
             self._quiet_until.pop(rid, None)
             self._suppressed.pop(rid, None)
-
-    def _warn(self, rid: int, text: str) -> None:
-        """Log a replica failure, at most once per FAILURE_LOG_INTERVAL per replica.
-
-        A dead replica fails every request sent its way until the controller takes it out of the
-        ready set; one line per request would flood the log at full load. The next line after a
-        quiet period says how many were left out.
-        """
-        now = time.monotonic()
-        if now < self._quiet_until.get(rid, 0.0):
-            self._suppressed[rid] = self._suppressed.get(rid, 0) + 1
-            return
-        self._quiet_until[rid] = now + self.FAILURE_LOG_INTERVAL
-        skipped = self._suppressed.pop(rid, 0)
-        more = f" ({skipped} more failure(s) not logged)" if skipped else ""
-        logger.warning("balancer %s: replica %s: %s%s", self._name, rid, text, more)
-
-
-def _target(rid: int, base: str) -> Target:
-    """Validate a replica's base URL (``http(s)://host:port[/prefix]``)."""
-    try:
-        url = urlsplit(base)
-        port = url.port
-    except ValueError as exc:
-        raise ValueError(f"replica {rid}: invalid base URL {base!r}: {exc}") from None
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise ValueError(f"replica {rid}: base URL must be http(s)://host:port, got {base!r}")
-    if port is None:
-        port = 443 if url.scheme == "https" else 80
-    netloc = url.netloc.rpartition("@")[2]
-    return Target(rid, base, url.hostname, port, netloc, url.path, url.scheme == "https")

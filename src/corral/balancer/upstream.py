@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Final, Protocol, cast
+from urllib.parse import urlsplit
 
 import httptools
 
@@ -350,3 +351,18 @@ class Pool:
     def close_all(self) -> None:
         for target in list(self._targets):
             self.close_target(target)
+
+
+def target_of(rid: int, base: str) -> Target:
+    """Validate a replica's base URL (``http(s)://host:port[/prefix]``)."""
+    try:
+        url = urlsplit(base)
+        port = url.port
+    except ValueError as exc:
+        raise ValueError(f"replica {rid}: invalid base URL {base!r}: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"replica {rid}: base URL must be http(s)://host:port, got {base!r}")
+    if port is None:
+        port = 443 if url.scheme == "https" else 80
+    netloc = url.netloc.rpartition("@")[2]
+    return Target(rid, base, url.hostname, port, netloc, url.path, url.scheme == "https")

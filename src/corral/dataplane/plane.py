@@ -18,19 +18,23 @@ import asyncio
 import contextlib
 import logging
 import os
-import sqlite3
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import Any, Final
 
 import psutil
 
 from corral.balancer.metrics import merge_stats
+from corral.dataplane.processes import (
+    WORKER_STOP_TIMEOUT,
+    find_process,
+    start_worker,
+    stop_recorded_workers,
+)
 from corral.dataplane.protocol import (
     HISTORY_SECONDS,
     MAX_MESSAGE,
@@ -40,9 +44,12 @@ from corral.dataplane.protocol import (
     encode,
     socket_path,
 )
-from corral.procs import running as _running
-from corral.procs import terminate_all
+from corral.dataplane.route import ServiceRoute
+from corral.procfs import running as _running
 from corral.state import StateError, Store
+
+# Re-exported: the controller, the CLI and the tests import them from here.
+__all__ = ["DEFAULT_WORKERS", "DataPlane", "ServiceRoute", "stop_recorded_workers"]
 
 log = logging.getLogger("corral.dataplane")
 
@@ -52,8 +59,6 @@ CHECK_INTERVAL: Final = 0.25
 # A worker dying sooner than this after its start is a crash loop: restarts back off.
 CRASH_WINDOW: Final = 5.0
 SPAWN_BACKOFF_CAP: Final = 30.0
-# `stop(workers=True)`: how long workers get to finish in-flight requests before SIGKILL.
-WORKER_STOP_TIMEOUT: Final = 10.0
 
 
 @dataclass
@@ -65,71 +70,6 @@ class _Conn:
     writer: asyncio.StreamWriter
     seq: int = 0
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-
-class ServiceRoute:
-    """One service in the data plane; see the module docstring."""
-
-    def __init__(self, plane: DataPlane, name: str, route: Route) -> None:
-        self._plane = plane
-        self.name = name
-        self.route = route
-        self._left: dict[int, int] = {}  # replica id -> seq of the first table without it
-
-    @property
-    def port(self) -> int:
-        return self.route.port
-
-    @property
-    def url(self) -> str:
-        scheme = "https" if self.route.tls_cert else "http"
-        return f"{scheme}://127.0.0.1:{self.route.port}"
-
-    def configure(self, route: Route) -> None:
-        """New listener settings (an update changed the policy, timeouts or TLS)."""
-        self.route = replace(route, ready=self.route.ready, versions=self.route.versions)
-        self._plane.changed()
-
-    def set_ready(
-        self, replicas: Mapping[int, str], versions: Mapping[int, int] | None = None
-    ) -> None:
-        seq = self._plane.changed()
-        before = set(self.route.ready or ())
-        for rid in before - set(replicas):
-            self._left[rid] = seq
-        for rid in replicas:
-            self._left.pop(rid, None)
-        self.route = replace(self.route, ready=dict(replicas), versions=dict(versions or {}))
-
-    async def wait_drained(self, replica_id: int, timeout: float) -> bool:
-        """Wait until every connected worker has applied a table without the replica and has
-        no request in flight to it; False if ``timeout`` passes first."""
-        seq = self._left.get(replica_id, 0)
-        plane = self._plane
-        if not await plane.wait_until(lambda: plane.drained(self.name, replica_id, seq), timeout):
-            return False
-        self._left.pop(replica_id, None)
-        return True
-
-    def request_timestamps(self, window: float = 60.0) -> list[float]:
-        return self._plane.request_times(self.name, window)
-
-    def bind_errors(self) -> list[str]:
-        return self._plane.bind_errors(self.name)
-
-    async def wait_serving(self, timeout: float = 10.0) -> bool:
-        """Wait (bounded) until every balancer worker is connected and has applied the table
-        with this service: a new service's endpoint answers once `corral up` returns, even
-        on a daemon whose workers are still starting. False if the wait timed out."""
-        seq = self._plane.current_seq()
-        return await self._plane.wait_until(lambda: self._plane.all_applied(seq), timeout)
-
-    async def close(self, timeout: float = 2.0) -> bool:
-        """The service is gone: take it out of the table and wait (bounded) until every
-        connected worker has applied that table, i.e. closed the service's listener, so that
-        `corral down` returning means the endpoint is closed. False if the wait timed out."""
-        seq = self._plane.remove(self.name)
-        return await self._plane.wait_until(lambda: self._plane.applied(seq), timeout)
 
 
 class DataPlane:
@@ -213,7 +153,7 @@ class DataPlane:
                 conn.writer.write(encode({"t": "exit"}))
         procs: list[psutil.Process] = []
         for row in rows.values():
-            proc = _process(row.pid, row.created)
+            proc = find_process(row.pid, row.created)
             if proc is not None:
                 procs.append(proc)
                 if row.pid not in self._conns:
@@ -248,7 +188,7 @@ class DataPlane:
         rows = self._rows()
         for slot, row in rows.items():
             if slot >= self.size:
-                proc = _process(row.pid, row.created)
+                proc = find_process(row.pid, row.created)
                 if proc is not None:
                     with contextlib.suppress(psutil.Error):
                         proc.terminate()
@@ -257,7 +197,7 @@ class DataPlane:
         now = time.monotonic()
         for slot in range(self.size):
             row = rows.get(slot)
-            if row is not None and _process(row.pid, row.created) is not None:
+            if row is not None and find_process(row.pid, row.created) is not None:
                 continue
             if now < self._next_spawn.get(slot, 0.0):
                 continue  # it keeps dying at once: do not start one 4 times a second
@@ -276,36 +216,9 @@ class DataPlane:
             self._spawn(slot)
 
     def _spawn(self, slot: int) -> int | None:
-        logfile = self.home / "dataplane" / f"worker-{slot}.log"
-        try:
-            out: IO[bytes] | int = open(logfile, "ab")  # noqa: SIM115 - closed below
-        except OSError as exc:
-            # A full or read-only disk must not cost the traffic: run it without its log.
-            log.error("balancer worker %d runs without its log %s: %s", slot, logfile, exc)
-            out = subprocess.DEVNULL
-        try:
-            child = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "corral.dataplane.worker",
-                    "--slot",
-                    str(slot),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                # The home by environment: a command line is readable by every process.
-                env={**self._env, "CORRAL_HOME": str(self.home)},
-                cwd="/",
-                start_new_session=True,
-            )
-        except OSError as exc:
-            log.error("cannot start balancer worker %d: %s", slot, exc)
+        child = start_worker(self.home, slot, self._env)
+        if child is None:
             return None
-        finally:
-            if not isinstance(out, int):
-                out.close()
         self._children[child.pid] = child
         try:
             created = psutil.Process(child.pid).create_time()
@@ -351,7 +264,7 @@ class DataPlane:
                 with contextlib.suppress(OSError):
                     conn.writer.write(encode({"t": "exit"}))
             else:
-                proc = _process(old.pid, old.created)
+                proc = find_process(old.pid, old.created)
                 if proc is not None:
                     with contextlib.suppress(psutil.Error):
                         proc.terminate()
@@ -405,7 +318,7 @@ class DataPlane:
         if slot >= self.size:
             return None
         if row is None or (row.pid, row.created) != (pid, created):
-            if row is not None and _process(row.pid, row.created) is not None:
+            if row is not None and find_process(row.pid, row.created) is not None:
                 log.warning(
                     "balancer worker pid %d claims slot %d, held by pid %d", pid, slot, row.pid
                 )
@@ -577,41 +490,10 @@ class DataPlane:
                 {
                     "slot": slot,
                     "pid": row.pid,
-                    "alive": _process(row.pid, row.created) is not None,
+                    "alive": find_process(row.pid, row.created) is not None,
                     "connected": conn is not None,
                     "table_seq": conn.seq if conn else None,
                     "started_at": row.started_at,
                 }
             )
         return out
-
-
-def _process(pid: int, created: float) -> psutil.Process | None:
-    """The live process with this pid and creation time, or None (gone, recycled pid, zombie)."""
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - created) > 0.05 or not _running(proc):
-            return None
-        return proc
-    except psutil.Error:
-        return None
-
-
-def stop_recorded_workers(home: Path, timeout: float = WORKER_STOP_TIMEOUT) -> list[int]:
-    """Stop the balancer workers recorded in the home's state file, with no daemon running
-    (``corral daemon stop --all``): SIGTERM (they finish in-flight requests), then SIGKILL.
-    Only processes whose pid and creation time match a record are touched."""
-    db_path = home / "state.db"
-    if not db_path.exists():
-        return []
-    try:
-        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
-        try:
-            rows = db.execute("SELECT pid, created FROM balancer_workers").fetchall()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return []
-    procs = [p for pid, created in rows if (p := _process(int(pid), float(created))) is not None]
-    terminate_all(procs, timeout)
-    return [p.pid for p in procs]

@@ -125,13 +125,7 @@ class Confinement:
         uid, gid = os.getuid(), os.getgid()
         uid_map = f"{uid} {uid} 1\n".encode()
         gid_map = f"{gid} {gid} 1\n".encode()
-        attr = _RulesetAttr(
-            handled_access_fs=ACCESS_FS_MAKE_CHAR | ACCESS_FS_MAKE_BLOCK,
-            handled_access_net=0,
-            scoped=SCOPE_SIGNAL if self.abi >= 6 else 0,
-        )
-        # ABI 1-3 know only the first field, 4-5 the first two; a larger size is refused.
-        attr_size = 8 if self.abi < 4 else 16 if self.abi < 6 else 24
+        ruleset = _ruleset(self.abi)
         flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
         userns = self.userns
         source = target_dir = None
@@ -141,65 +135,92 @@ class Confinement:
             source, target_dir = os.fsencode(bind[0]), os.fsencode(bind[1])
             # A remount in a user namespace must keep the flags the mount already has.
             remount = MS_REMOUNT | MS_BIND | MS_RDONLY | _kept_flags(bind[0])
-            if scratch is not None and not any(
-                c in str(p) for p in (bind[0], scratch) for c in ",:\\"
-            ):
-                (scratch / "upper").mkdir(parents=True, exist_ok=True)
-                (scratch / "work").mkdir(parents=True, exist_ok=True)
-                options = f"lowerdir={bind[0]},upperdir={scratch}/upper,workdir={scratch}/work"
-                # Unprivileged overlays keep their bookkeeping in user.* attributes.
-                tries = [options + ",userxattr", options] if userns else [options]
-                overlays = [os.fsencode(t) for t in tries]
-
-        def fail(step: str) -> None:
-            code = ctypes.get_errno()
-            raise OSError(code, f"{_FAILED}: {step}: {os.strerror(code)}")
-
-        def write(path: str, data: bytes) -> None:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            overlays = _overlay_options(bind[0], scratch, userns)
 
         def confine() -> None:
             if unshare(CLONE_NEWNS | (CLONE_NEWUSER if userns else 0)) != 0:
-                fail("unshare")
+                _fail("unshare")
             if userns:
                 # A child of an undumpable daemon (corral.limits.undumpable) is undumpable until
                 # exec, and then its /proc/self files are root's: it could not write its maps.
                 prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-                write("/proc/self/setgroups", b"deny")
-                write("/proc/self/uid_map", uid_map)
-                write("/proc/self/gid_map", gid_map)
+                _write_file("/proc/self/setgroups", b"deny")
+                _write_file("/proc/self/uid_map", uid_map)
+                _write_file("/proc/self/gid_map", gid_map)
             if mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
-                fail("making mounts private")
+                _fail("making mounts private")
             if source is not None and not any(
                 mount(b"overlay", target_dir, b"overlay", 0, opts) == 0 for opts in overlays
             ):
                 if mount(source, target_dir, None, MS_BIND | MS_REC, None) != 0:
-                    fail("showing the version's files")
+                    _fail("showing the version's files")
                 if mount(None, target_dir, None, remount, None) != 0:
-                    fail("making the version's files read-only")
+                    _fail("making the version's files read-only")
             if mount(b"corral-hidden", target, b"tmpfs", flags, b"size=4k,mode=0555") != 0:
-                fail(f"covering {self.hidden}")
+                _fail(f"covering {self.hidden}")
             if target_dir is not None:
                 os.chdir(target_dir)  # the cwd set before this was the directory under the mount
-            fd = syscall(
-                ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
-                ctypes.byref(attr),
-                ctypes.c_size_t(attr_size),
-                ctypes.c_uint32(0),
-            )
-            if fd < 0:
-                fail("landlock_create_ruleset")
-            try:
-                if syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), fd, ctypes.c_uint32(0)):
-                    fail("landlock_restrict_self")
-            finally:
-                os.close(fd)
+            _restrict_self(syscall, ruleset)
 
         return confine
+
+
+def _ruleset(abi: int) -> tuple[_RulesetAttr, int]:
+    """The Landlock ruleset for this ABI (device nodes, and signals from ABI 6), and its size."""
+    attr = _RulesetAttr(
+        handled_access_fs=ACCESS_FS_MAKE_CHAR | ACCESS_FS_MAKE_BLOCK,
+        handled_access_net=0,
+        scoped=SCOPE_SIGNAL if abi >= 6 else 0,
+    )
+    # ABI 1-3 know only the first field, 4-5 the first two; a larger size is refused.
+    return attr, 8 if abi < 4 else 16 if abi < 6 else 24
+
+
+def _overlay_options(lower: Path, scratch: Path | None, userns: bool) -> list[bytes]:
+    """Mount options to try, in order, for a copy-on-write view of ``lower`` whose writes go to
+    ``scratch``; none when there is no scratch or a path would not survive the option syntax
+    (the caller then binds ``lower`` read-only). Made in the parent, before the fork."""
+    if scratch is None or any(c in str(p) for p in (lower, scratch) for c in ",:\\"):
+        return []
+    (scratch / "upper").mkdir(parents=True, exist_ok=True)
+    (scratch / "work").mkdir(parents=True, exist_ok=True)
+    options = f"lowerdir={lower},upperdir={scratch}/upper,workdir={scratch}/work"
+    # Unprivileged overlays keep their bookkeeping in user.* attributes.
+    tries = [options + ",userxattr", options] if userns else [options]
+    return [os.fsencode(t) for t in tries]
+
+
+def _restrict_self(syscall: Callable[..., int], ruleset: tuple[_RulesetAttr, int]) -> None:
+    """In the child, last: put it and everything it starts under the Landlock ruleset."""
+    attr, size = ruleset
+    fd = syscall(
+        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
+        ctypes.byref(attr),
+        ctypes.c_size_t(size),
+        ctypes.c_uint32(0),
+    )
+    if fd < 0:
+        _fail("landlock_create_ruleset")
+    try:
+        if syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), fd, ctypes.c_uint32(0)):
+            _fail("landlock_restrict_self")
+    finally:
+        os.close(fd)
+
+
+def _fail(step: str) -> None:
+    """In the child: raise the errno of the failed step (reported to the parent by subprocess)."""
+    code = ctypes.get_errno()
+    raise OSError(code, f"{_FAILED}: {step}: {os.strerror(code)}")
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """In the child: one unbuffered write to a /proc file (the id maps take one write)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _kept_flags(path: Path) -> int:

@@ -57,23 +57,27 @@ in the spec fixes the port on every node (two replicas on one node then collide)
 that escapes the actor's process group and drops ``CORRAL_REPLICA_KEY`` from its environment
 outlives an abruptly killed actor; ``labels`` need Ray >= 2.49; one Ray
 connection per process, so one cluster per daemon.
+
+Size: the rest is one class, :class:`RayInfra` (launch, terminate, check, sweep, each a few
+short methods), kept whole because every part reads and writes the same record of actors this
+process placed, launches in flight and the pump's latest answers; split, that state would be
+passed between modules. What stands alone is elsewhere: bounded calls and the connection in
+:mod:`corral.infra._ray_calls`, the log pump in :mod:`corral.infra._ray_pump`, resources and
+options in :mod:`corral.infra._ray_resources`.
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
-import dataclasses
 import logging
-import os
 import random
-import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 import ray.exceptions
@@ -81,7 +85,19 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from corral import jobs
 from corral.infra import _ray_actor
-from corral.infra._ray_resources import ray_options
+from corral.infra._ray_calls import (
+    _ACTOR_DIED,
+    _TRANSIENT,
+    RayUnreachable,
+    _bounded,
+    _connect,
+    _remote_code,
+)
+from corral.infra._ray_calls import (
+    _connected as _connected,  # re-exported: tests reset the connection record
+)
+from corral.infra._ray_pump import _FRESH, _READ_CHUNK, _Pump
+from corral.infra._ray_resources import RayPlacement, ray_options
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
 
 __all__ = ["BACKEND", "RayInfra", "RayUnreachable", "actor_name"]
@@ -92,40 +108,6 @@ ENV_REPLICA_KEY = _ray_actor.ENV_REPLICA_KEY
 
 log = logging.getLogger("corral.infra.ray")
 
-T = TypeVar("T")
-
-# Bytes of a replica's output moved per actor per pump round: bounds one round's memory and the
-# size of one RPC, while 2 MB/s per replica is more than any log worth following.
-_READ_CHUNK = 1 << 20
-# A pump result older than this is stale: check() then asks the actor itself.
-_FRESH = 3.0
-# A replica whose output is quiet is polled less and less often, down to once per this many
-# seconds (measured: polling 32 quiet actors twice a second doubled the daemon's idle CPU). Any
-# new output brings it back to the pump's interval. Below _FRESH, so check() stays answered.
-_QUIET_MAX = 2.0
-# Calls to the cluster left hanging (GCS gone) before new ones fail at once instead of piling up.
-_MAX_HANGING = 8
-# The driver gives up on the GCS (and, by Ray's default, exits the process) after this long.
-_RECONNECT_ENV = (
-    "RAY_gcs_rpc_server_reconnect_timeout_s"  # Ray's spelling: system config, lowercase
-)
-_RECONNECT_TIMEOUT_S = str(10 * 365 * 24 * 3600)
-
-
-# Ray >= 2.9 is supported; the finer exceptions came later (RayActorError was their parent).
-_ACTOR_DIED: type[BaseException] = getattr(
-    ray.exceptions, "ActorDiedError", ray.exceptions.RayActorError
-)
-# An actor that cannot answer right now (its worker is restarting or unreachable): ask again.
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    ray.exceptions.GetTimeoutError,
-    *[getattr(ray.exceptions, n) for n in ["ActorUnavailableError"] if hasattr(ray.exceptions, n)],
-)
-
-
-class RayUnreachable(RuntimeError):
-    """The Ray cluster did not answer in time."""
-
 
 def actor_name(home_marker: str, service: str, replica_id: int) -> str:
     """The actor of one replica: unique per corral home, found again after a daemon restart."""
@@ -135,315 +117,6 @@ def actor_name(home_marker: str, service: str, replica_id: int) -> str:
 def replica_key(home_marker: str, service: str, replica_id: int) -> str:
     """Same value as the local backend's ``CORRAL_REPLICA_KEY``: one replica, any backend."""
     return f"{home_marker}/{service}/{replica_id}"
-
-
-# -- bounded calls --------------------------------------------------------------------------------
-
-_hanging = threading.BoundedSemaphore(_MAX_HANGING)
-_overdue_lock = threading.Lock()
-_overdue = 0  # calls still running after their caller gave up on them
-
-
-def _bounded(what: str, timeout: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` on a helper thread, waited for at most ``timeout`` s.
-
-    Raises :class:`RayUnreachable` on timeout (the call goes on in the background and its result
-    is dropped). While such an overdue call still hangs, or ``_MAX_HANGING`` calls run, new calls
-    fail at once: a dead GCS costs one timeout and a few threads, not a timeout per replica (the
-    controller checks every replica at start, on its event loop) nor a growing pile of threads.
-    """
-    global _overdue
-    if _overdue:
-        raise RayUnreachable(f"{what}: an earlier call to the Ray cluster still has no answer")
-    if not _hanging.acquire(blocking=False):
-        raise RayUnreachable(f"{what}: {_MAX_HANGING} earlier calls to the cluster still hang")
-    box: dict[str, Any] = {}
-    done = threading.Event()
-    gave_up = threading.Event()
-
-    def run() -> None:
-        global _overdue
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:
-            box["error"] = exc
-        finally:
-            with _overdue_lock:
-                done.set()
-                if gave_up.is_set():
-                    _overdue -= 1
-            _hanging.release()
-
-    threading.Thread(target=run, name=f"corral-ray-{what}", daemon=True).start()
-    if not done.wait(timeout):
-        with _overdue_lock:
-            if not done.is_set():
-                gave_up.set()
-                _overdue += 1
-        if gave_up.is_set():
-            raise RayUnreachable(f"{what}: the Ray cluster did not answer within {timeout:g}s")
-    if "error" in box:
-        raise box["error"]
-    value: T = box["value"]
-    return value
-
-
-# -- connection -----------------------------------------------------------------------------------
-
-_connect_lock = threading.Lock()
-_connected: set[str] = set()  # the address of this process's one Ray connection
-
-
-def _gcs_host_port(address: str) -> tuple[str, int] | None:
-    """``host:port`` of a GCS (or Ray Client) address, None for ``auto`` and the like."""
-    rest = address.split("://", 1)[1] if "://" in address else address
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
-
-
-class _QuietSigtermWarning(logging.Filter):
-    """Drops Ray's "SIGTERM handler is not set" warning: ray.init runs on a helper thread (so it
-    can be given up on), and the daemon handles SIGTERM itself; the warning would only alarm."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "SIGTERM handler is not set" not in record.getMessage()
-
-
-def _connect(address: str, namespace: str, timeout: float) -> None:
-    """Connect this process to the cluster once (Ray allows one connection per process), within
-    ``timeout`` s, or raise RuntimeError saying why."""
-    with _connect_lock:
-        if ray.is_initialized():
-            # Every call names its namespace, so one connection serves any number of them.
-            if address in _connected:
-                return
-            raise RuntimeError(
-                f"this process is already connected to a Ray cluster "
-                f"({', '.join(_connected) or 'unknown'}); cannot also connect to {address}"
-            )
-        if address in ("local", ""):
-            raise RuntimeError(
-                "RAY_ADDRESS=local would start a private Ray cluster inside the daemon; "
-                "point corral at a running cluster (host:port of its GCS, or 'auto')"
-            )
-        target = _gcs_host_port(address)
-        deadline = time.monotonic() + timeout
-        if target is not None:
-            # A plain TCP probe first: a closed port or a silent host fails here in seconds
-            # with a readable error, where ray.init would retry for a minute.
-            try:
-                with socket.create_connection(target, timeout=min(timeout, 5.0)):
-                    pass
-            except OSError as exc:
-                raise RuntimeError(
-                    f"Ray cluster at {address} did not answer: {exc.strerror or exc}"
-                ) from None
-        kwargs: dict[str, Any] = {
-            "address": address,
-            "namespace": namespace,
-            "ignore_reinit_error": True,
-            "log_to_driver": False,
-            "logging_level": logging.WARNING,
-        }
-        if target is not None and target[0] in ("127.0.0.1", "localhost", "::1"):
-            # A cluster on loopback: register the driver there too, not on the machine's
-            # external address, which the cluster's processes may not listen on.
-            kwargs["_node_ip_address"] = "127.0.0.1"
-        # The driver must survive its cluster (see the module docstring). Read once, at init.
-        logging.getLogger("ray._private.worker").addFilter(_QuietSigtermWarning())
-        saved = os.environ.get(_RECONNECT_ENV)
-        os.environ[_RECONNECT_ENV] = _RECONNECT_TIMEOUT_S
-        try:
-            _bounded("connect", max(0.1, deadline - time.monotonic()), ray.init, **kwargs)
-        except RayUnreachable:
-            raise RuntimeError(
-                f"Ray cluster at {address} did not answer within {timeout:g}s"
-            ) from None
-        except Exception as exc:
-            raise RuntimeError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
-        finally:
-            if saved is None:
-                os.environ.pop(_RECONNECT_ENV, None)
-            else:
-                os.environ[_RECONNECT_ENV] = saved
-        _connected.clear()
-        _connected.add(address)
-
-
-_actor_class_lock = threading.Lock()
-_actor_class: Any = None
-_reaper: Any = None
-
-
-def _remote_code() -> tuple[Any, Any]:
-    """The actor class and the stray-reaper task, shipped by value (see _ray_actor's docstring)."""
-    global _actor_class, _reaper
-    with _actor_class_lock:
-        if _actor_class is None:
-            import ray.cloudpickle
-
-            pickler: Any = ray.cloudpickle  # untyped
-            pickler.register_pickle_by_value(_ray_actor)
-            _actor_class = ray.remote(_ray_actor.ReplicaActor)
-            _reaper = ray.remote(num_cpus=0, max_retries=0)(_ray_actor.reap_strays)
-        return _actor_class, _reaper
-
-
-# -- the log pump ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Followed:
-    """One replica the pump follows, and the latest it learned about it."""
-
-    name: str
-    actor: Any
-    log_path: Path
-    offset: int  # bytes of the node-local run log already appended to log_path
-    inflight: Any = None  # the ObjectRef of the poll in progress
-    started: bool = False
-    code: int | None = None
-    pid: int | None = None
-    dead: str | None = None  # why the actor is gone, once it is
-    updated: float = 0.0  # monotonic time of the last answer
-    every: float = 0.0  # current polling period (grows while the replica is quiet)
-    due: float = 0.0  # monotonic time of the next poll
-    io: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
-class _Pump:
-    """One thread for every followed replica: each round sends a ``poll`` to every actor that is
-    due and whose previous poll has answered, then applies the answers (new output to the
-    daemon-side log, the child's state to the record). A slow actor skips rounds; it never holds
-    up the others. A quiet replica is polled less often (up to ``_QUIET_MAX`` apart)."""
-
-    def __init__(self, interval: float, call_timeout: float) -> None:
-        self.interval = interval
-        self.call_timeout = call_timeout
-        self._lock = threading.Lock()
-        self._followed: dict[str, _Followed] = {}
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
-
-    def follow(self, name: str, actor: Any, log_path: Path, offset: int) -> _Followed:
-        with self._lock:
-            entry = self._followed.get(name)
-            if entry is None:
-                entry = _Followed(name, actor, Path(log_path), max(0, offset))
-                self._followed[name] = entry
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="corral-ray-pump")
-                self._thread.daemon = True
-                self._thread.start()
-        self._wake.set()
-        return entry
-
-    def get(self, name: str) -> _Followed | None:
-        with self._lock:
-            return self._followed.get(name)
-
-    def forget(self, name: str) -> None:
-        with self._lock:
-            self._followed.pop(name, None)
-
-    def names(self) -> set[str]:
-        with self._lock:
-            return set(self._followed)
-
-    def _loop(self) -> None:
-        while True:
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            try:
-                self.round()
-            except Exception:
-                log.exception("ray log pump round failed")
-
-    def round(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            entries = [e for e in self._followed.values() if e.dead is None]
-        for entry in entries:
-            if entry.inflight is None and now >= entry.due:
-                entry.inflight = (entry.offset, entry.actor.poll.remote(entry.offset, _READ_CHUNK))
-        pending = {e.inflight[1]: e for e in entries if e.inflight is not None}
-        if not pending:
-            return
-        # Wait one interval at most: an actor that answers later is applied next round.
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.interval)
-        for ref in ready:
-            entry = pending[ref]
-            offset, _ = entry.inflight
-            entry.inflight = None
-            self._apply(entry, offset, ref)
-
-    def _apply(self, entry: _Followed, offset: int, ref: Any) -> None:
-        try:
-            answer = ray.get(ref, timeout=0)
-        except _TRANSIENT:
-            return  # asked again next round
-        except _ACTOR_DIED as exc:
-            self.mark_dead(entry, exc)
-            return
-        except Exception as exc:  # one broken actor must not stop the round for the others
-            log.warning("ray log pump: polling %s failed: %r", entry.name, exc)
-            return
-        with entry.io:
-            if offset != entry.offset:
-                return  # a drain read the same bytes first
-            data: bytes = answer["data"]
-            if data:
-                with open(entry.log_path, "ab") as out:
-                    out.write(data)
-                entry.offset += len(data)
-            entry.started = bool(answer["started"])
-            entry.code = answer["code"]
-            entry.pid = answer["pid"]
-            entry.updated = time.monotonic()
-            quiet = not data and entry.started and entry.code is None
-            if quiet:
-                entry.every = min(_QUIET_MAX, max(self.interval, entry.every * 2))
-            else:
-                entry.every = self.interval
-            entry.due = entry.updated + entry.every - self.interval / 2
-        if len(data) >= _READ_CHUNK:
-            self._wake.set()  # more waiting: read it without sleeping
-
-    def mark_dead(self, entry: _Followed, exc: BaseException) -> None:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        with entry.io:
-            if entry.dead is None:
-                entry.dead = reason
-                entry.updated = time.monotonic()
-                with contextlib.suppress(OSError), open(entry.log_path, "ab") as out:
-                    out.write(f"\n[corral] the replica's Ray actor is gone: {reason}\n".encode())
-
-    def drain(self, name: str, timeout: float) -> None:
-        """Copy what is left of a replica's output (its app has stopped) before it is deleted."""
-        entry = self.get(name)
-        if entry is None:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and entry.dead is None:
-            with entry.io:
-                offset = entry.offset
-                try:
-                    answer = ray.get(
-                        entry.actor.poll.remote(offset, _READ_CHUNK),
-                        timeout=max(0.1, deadline - time.monotonic()),
-                    )
-                except Exception:
-                    return
-                data: bytes = answer["data"]
-                if data:
-                    with open(entry.log_path, "ab") as out:
-                        out.write(data)
-                    entry.offset += len(data)
-                entry.code = answer["code"]
-            if len(data) < _READ_CHUNK:
-                return
 
 
 # -- the backend ----------------------------------------------------------------------------------
@@ -606,17 +279,7 @@ class RayInfra:
     def _launch(self, request: LaunchRequest, name: str) -> ReplicaHandle:
         placement = ray_options(request.resources)  # a bad spec fails before anything exists
         key = replica_key(request.home_marker, request.service, request.replica_id)
-        actor_cls, _ = _remote_code()
-        shown = {k: v for k, v in placement.options.items() if k != "scheduling_strategy"}
-        print(
-            f"[corral] launching replica {request.service}/{request.replica_id} "
-            f"(version {request.version}) on Ray at {self.address} as actor {name} "
-            f"(namespace {self.namespace}); resources {shown or 'none requested'}",
-            flush=True,
-        )
-        for note in placement.notes:
-            print(f"[corral] note: {note}", flush=True)
-
+        self._announce(request, name, placement)
         stale = self._lookup(name)
         if stale is not None:
             # Replica ids are never reused, so this is the actor of an earlier, interrupted
@@ -639,32 +302,50 @@ class RayInfra:
         request.on_started(ReplicaHandle(BACKEND, "", dict(data)))
         actor: Any = None
         try:
-            options = dict(placement.options)
-            target = self._choose_node(f"{request.home_marker}/{request.service}", name, options)
-            if target is not None:
-                print(f"[corral] preferring node {target[:12]} (fewest replicas of this service)")
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                    target, soft=True, _spill_on_unavailable=True
-                )
-            actor = _bounded(
-                "create actor",
-                self.call_timeout,
-                lambda: actor_cls.options(
-                    name=name,
-                    namespace=self.namespace,
-                    lifetime="detached",
-                    max_restarts=0,
-                    max_task_retries=0,
-                    max_concurrency=8,
-                    **options,
-                ).remote(key, request.home_marker),
-            )
+            actor = self._create_actor(request, name, key, dict(placement.options))
             return self._start(request, name, actor, data)
         except BaseException as exc:
             what = "cancelled" if isinstance(exc, jobs.Cancelled) else f"failed ({exc!r})"
             print(f"[corral] launch {what}; removing actor {name}", flush=True)
             self._abort(name, actor)
             raise
+
+    def _announce(self, request: LaunchRequest, name: str, placement: RayPlacement) -> None:
+        shown = {k: v for k, v in placement.options.items() if k != "scheduling_strategy"}
+        print(
+            f"[corral] launching replica {request.service}/{request.replica_id} "
+            f"(version {request.version}) on Ray at {self.address} as actor {name} "
+            f"(namespace {self.namespace}); resources {shown or 'none requested'}",
+            flush=True,
+        )
+        for note in placement.notes:
+            print(f"[corral] note: {note}", flush=True)
+
+    def _create_actor(
+        self, request: LaunchRequest, name: str, key: str, options: dict[str, Any]
+    ) -> Any:
+        """The replica's detached actor, on the node with the fewest replicas of the service
+        when one is preferred (a soft affinity: any node that fits will do)."""
+        actor_cls, _ = _remote_code()
+        target = self._choose_node(f"{request.home_marker}/{request.service}", name, options)
+        if target is not None:
+            print(f"[corral] preferring node {target[:12]} (fewest replicas of this service)")
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                target, soft=True, _spill_on_unavailable=True
+            )
+        return _bounded(
+            "create actor",
+            self.call_timeout,
+            lambda: actor_cls.options(
+                name=name,
+                namespace=self.namespace,
+                lifetime="detached",
+                max_restarts=0,
+                max_task_retries=0,
+                max_concurrency=8,
+                **options,
+            ).remote(key, request.home_marker),
+        )
 
     def _start(
         self, request: LaunchRequest, name: str, actor: Any, data: dict[str, Any]

@@ -1,0 +1,127 @@
+"""What one balancer counts (requests, codes, latency, failures) and its rate-limited logs.
+
+Kept apart from :mod:`corral.balancer.proxy` so the serving and routing logic reads alone. The
+counters stay plain attributes of the balancer (a mixin, not an object it calls): the
+per-request path bumps them directly, with no extra call or attribute hop.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from collections import deque
+from typing import Final
+
+from corral.balancer.metrics import LATENCY_BUCKETS
+
+logger = logging.getLogger("corral.balancer")
+
+
+class Counters:
+    """The counting half of :class:`~corral.balancer.proxy.LoadBalancer`."""
+
+    # Accepted-request timestamps kept for the autoscaler: at most this many (memory stays
+    # bounded, ~10 MB, at any rate) ...
+    TIMESTAMP_CAPACITY: Final = 1 << 18
+    # ... and only for this many seconds (10x the autoscaler's 60 s window).
+    TIMESTAMP_HORIZON: Final = 600.0
+    # A replica's failures are logged at most once per this many seconds.
+    FAILURE_LOG_INTERVAL: Final = 5.0
+
+    _name: str
+
+    def _init_counters(self) -> None:
+        self._served: dict[int, int] = {}
+        self._failed: dict[int, int] = {}
+        self._timestamps: deque[float] = deque(maxlen=self.TIMESTAMP_CAPACITY)
+        self._requests = 0
+        self._errors = 0
+        self._error_reasons: dict[str, int] = {}
+        self._codes: dict[int, int] = {}
+        self._latency = [0] * (len(LATENCY_BUCKETS) + 1)
+        self._latency_sum = 0.0
+        self._latency_count = 0
+        self._retries = 0
+        self._bad_requests = 0
+        self._aborted = 0
+        self._client_gone = 0
+        self._quiet_until: dict[int, float] = {}  # per replica: failures only counted until then
+        self._suppressed: dict[int, int] = {}
+        self._parse_log_until = 0.0  # malformed-request log lines: at most one per interval
+        self._parse_suppressed = 0
+
+    def request_timestamps(self, window: float = 60.0) -> list[float]:
+        """``time.monotonic()`` of the requests accepted in the last ``window`` seconds, oldest
+        first (at most TIMESTAMP_HORIZON seconds are kept)."""
+        start = bisect.bisect_left(self._timestamps, time.monotonic() - window)
+        return list(itertools.islice(self._timestamps, start, None))
+
+    def timestamps_after(self, t: float) -> list[float]:
+        """Accepted-request times strictly after ``t``, oldest first: what a worker reports
+        since its last report."""
+        start = bisect.bisect_right(self._timestamps, t)
+        return list(itertools.islice(self._timestamps, start, None))
+
+    def qps(self, window: float = 60.0) -> float:
+        """Accepted requests per second over the last ``window`` seconds."""
+        if window <= 0:
+            raise ValueError("window must be > 0")
+        start = bisect.bisect_left(self._timestamps, time.monotonic() - window)
+        return (len(self._timestamps) - start) / window
+
+    def _count_request(self, t0: float) -> None:
+        self._requests += 1
+        self._timestamps.append(t0)  # trimmed to the horizon by the ticker, not per request
+
+    def _record(self, status: int, seconds: float) -> None:
+        """A response went out (its headers): by code, and its latency."""
+        codes = self._codes
+        codes[status] = codes.get(status, 0) + 1
+        self._latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self._latency_sum += seconds
+        self._latency_count += 1
+
+    def _count_code(self, status: int) -> None:
+        self._codes[status] = self._codes.get(status, 0) + 1
+
+    def _count_reason(self, reason: str) -> None:
+        self._error_reasons[reason] = self._error_reasons.get(reason, 0) + 1
+
+    def _rejected(self, peer: bytes, status: int, reason: str, detail: str) -> None:
+        """Count and log (rate-limited) a request the parser or a limit rejected."""
+        self._bad_requests += 1
+        self._count_reason(reason)
+        self._count_code(status)
+        now = time.monotonic()
+        if now < self._parse_log_until:
+            self._parse_suppressed += 1
+            return
+        self._parse_log_until = now + self.FAILURE_LOG_INTERVAL
+        skipped, self._parse_suppressed = self._parse_suppressed, 0
+        more = f" ({skipped} more not logged)" if skipped else ""
+        logger.info(
+            "balancer %s: rejected malformed request from %s with %d: %s%s",
+            self._name,
+            peer.decode("latin-1") or "?",
+            status,
+            detail or reason,
+            more,
+        )
+
+    def _warn(self, rid: int, text: str) -> None:
+        """Log a replica failure, at most once per FAILURE_LOG_INTERVAL per replica.
+
+        A dead replica fails every request sent its way until the controller takes it out of the
+        ready set; one line per request would flood the log at full load. The next line after a
+        quiet period says how many were left out.
+        """
+        now = time.monotonic()
+        if now < self._quiet_until.get(rid, 0.0):
+            self._suppressed[rid] = self._suppressed.get(rid, 0) + 1
+            return
+        self._quiet_until[rid] = now + self.FAILURE_LOG_INTERVAL
+        skipped = self._suppressed.pop(rid, 0)
+        more = f" ({skipped} more failure(s) not logged)" if skipped else ""
+        logger.warning("balancer %s: replica %s: %s%s", self._name, rid, text, more)

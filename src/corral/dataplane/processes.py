@@ -1,0 +1,94 @@
+"""The balancer worker processes as the operating system sees them: started, found, stopped.
+
+Kept apart from :mod:`corral.dataplane.plane` (the daemon's bookkeeping of its workers) because
+``corral daemon stop --all`` stops recorded workers with no daemon and no data plane running.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Final
+
+import psutil
+
+from corral.procfs import running as _running
+from corral.procfs import terminate_all
+
+log = logging.getLogger("corral.dataplane")
+
+# `stop(workers=True)`: how long workers get to finish in-flight requests before SIGKILL.
+WORKER_STOP_TIMEOUT: Final = 10.0
+
+
+def start_worker(home: Path, slot: int, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+    """A new worker process for ``slot``, its output in the home's worker log; None (logged)
+    when it cannot be started."""
+    logfile = home / "dataplane" / f"worker-{slot}.log"
+    try:
+        out: IO[bytes] | int = open(logfile, "ab")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        # A full or read-only disk must not cost the traffic: run it without its log.
+        log.error("balancer worker %d runs without its log %s: %s", slot, logfile, exc)
+        out = subprocess.DEVNULL
+    try:
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "corral.dataplane.worker",
+                "--slot",
+                str(slot),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            # The home by environment: a command line is readable by every process.
+            env={**env, "CORRAL_HOME": str(home)},
+            cwd="/",
+            start_new_session=True,
+        )
+    except OSError as exc:
+        log.error("cannot start balancer worker %d: %s", slot, exc)
+        return None
+    finally:
+        if not isinstance(out, int):
+            out.close()
+    return child
+
+
+def find_process(pid: int, created: float) -> psutil.Process | None:
+    """The live process with this pid and creation time, or None (gone, recycled pid, zombie)."""
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - created) > 0.05 or not _running(proc):
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def stop_recorded_workers(home: Path, timeout: float = WORKER_STOP_TIMEOUT) -> list[int]:
+    """Stop the balancer workers recorded in the home's state file, with no daemon running
+    (``corral daemon stop --all``): SIGTERM (they finish in-flight requests), then SIGKILL.
+    Only processes whose pid and creation time match a record are touched."""
+    db_path = home / "state.db"
+    if not db_path.exists():
+        return []
+    try:
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = db.execute("SELECT pid, created FROM balancer_workers").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return []
+    procs = [
+        p for pid, created in rows if (p := find_process(int(pid), float(created))) is not None
+    ]
+    terminate_all(procs, timeout)
+    return [p.pid for p in procs]

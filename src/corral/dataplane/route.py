@@ -1,0 +1,83 @@
+"""One service's view of the data plane, with the methods the controller calls.
+
+:class:`ServiceRoute` is what the controller holds instead of an in-process balancer
+(``set_ready``, ``wait_drained``, ``request_timestamps``): it does not know where traffic runs.
+Kept apart from :mod:`corral.dataplane.plane` (which re-exports it), the daemon-side machinery
+it asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from corral.dataplane.protocol import Route
+
+if TYPE_CHECKING:
+    from corral.dataplane.plane import DataPlane
+
+
+class ServiceRoute:
+    """One service in the data plane; see the module docstring."""
+
+    def __init__(self, plane: DataPlane, name: str, route: Route) -> None:
+        self._plane = plane
+        self.name = name
+        self.route = route
+        self._left: dict[int, int] = {}  # replica id -> seq of the first table without it
+
+    @property
+    def port(self) -> int:
+        return self.route.port
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.route.tls_cert else "http"
+        return f"{scheme}://127.0.0.1:{self.route.port}"
+
+    def configure(self, route: Route) -> None:
+        """New listener settings (an update changed the policy, timeouts or TLS)."""
+        self.route = replace(route, ready=self.route.ready, versions=self.route.versions)
+        self._plane.changed()
+
+    def set_ready(
+        self, replicas: Mapping[int, str], versions: Mapping[int, int] | None = None
+    ) -> None:
+        seq = self._plane.changed()
+        before = set(self.route.ready or ())
+        for rid in before - set(replicas):
+            self._left[rid] = seq
+        for rid in replicas:
+            self._left.pop(rid, None)
+        self.route = replace(self.route, ready=dict(replicas), versions=dict(versions or {}))
+
+    async def wait_drained(self, replica_id: int, timeout: float) -> bool:
+        """Wait until every connected worker has applied a table without the replica and has
+        no request in flight to it; False if ``timeout`` passes first."""
+        seq = self._left.get(replica_id, 0)
+        plane = self._plane
+        if not await plane.wait_until(lambda: plane.drained(self.name, replica_id, seq), timeout):
+            return False
+        self._left.pop(replica_id, None)
+        return True
+
+    def request_timestamps(self, window: float = 60.0) -> list[float]:
+        return self._plane.request_times(self.name, window)
+
+    def bind_errors(self) -> list[str]:
+        return self._plane.bind_errors(self.name)
+
+    async def wait_serving(self, timeout: float = 10.0) -> bool:
+        """Wait (bounded) until every balancer worker is connected and has applied the table
+        with this service: a new service's endpoint answers once `corral up` returns, even
+        on a daemon whose workers are still starting. False if the wait timed out."""
+        seq = self._plane.current_seq()
+        return await self._plane.wait_until(lambda: self._plane.all_applied(seq), timeout)
+
+    async def close(self, timeout: float = 2.0) -> bool:
+        """The service is gone: take it out of the table and wait (bounded) until every
+        connected worker has applied that table, i.e. closed the service's listener, so that
+        `corral down` returning means the endpoint is closed. False if the wait timed out."""
+        seq = self._plane.remove(self.name)
+        return await self._plane.wait_until(lambda: self._plane.applied(seq), timeout)

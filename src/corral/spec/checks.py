@@ -1,0 +1,101 @@
+"""Checks of a parsed spec against the world outside its text: the workdir on this machine,
+values given at launch, a name from the command line; and the spec as stored (secrets redacted).
+
+They are apart from the models because they need more than the text (a directory, the
+``--env`` names given) and run where that is known: the CLI, and the daemon at create/update.
+"""
+
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+from yaml.nodes import MappingNode, ScalarNode
+
+from corral.spec.errors import SpecError, SpecIssue
+from corral.spec.locate import child_node
+from corral.spec.model import ServiceSpec, value_flag
+from corral.spec.values import name_problem
+
+
+def generated_name() -> str:
+    """A name for a service started without one, shaped as SkyServe makes them
+    (``sky-service-`` and 4 hex digits there): ``corral-service-`` and 4 random hex digits."""
+    return f"corral-service-{secrets.token_hex(2)}"
+
+
+def missing_values(
+    spec: ServiceSpec, envs: Iterable[str] = (), secrets: Iterable[str] = ()
+) -> list[SpecIssue]:
+    """Keys the spec leaves without a value that ``envs``/``secrets`` (the names given on the
+    command line) do not give either: each is an error at up/update, naming the flag."""
+    given = {f"envs.{k}" for k in envs} | {f"secrets.{k}" for k in secrets}
+    issues = []
+    for field, line in spec.unset_values().items():
+        if field in given:
+            continue
+        flag, key = value_flag(field), field.split(".", 1)[1]
+        issues.append(
+            SpecIssue(
+                field,
+                "has no value in the spec and none was given",
+                line,
+                f"pass {flag} {key}=VALUE (or {flag} {key} to take it from your environment)",
+            )
+        )
+    return issues
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with the value of every ``secrets:`` key replaced: what is stored and shown of a
+    spec. Only the value's characters change, so every line keeps its number."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return text
+    section = child_node(root, "secrets")
+    if not isinstance(section, MappingNode):
+        return text
+    spans = [
+        (value.start_mark.index, value.end_mark.index)
+        for _, value in section.value
+        if not (isinstance(value, ScalarNode) and value.tag == "tag:yaml.org,2002:null")
+    ]
+    for start, end in sorted(spans, reverse=True):
+        # A block scalar's span takes its lines (and the line break after it): keep as many
+        # breaks, so the YAML stays valid and every later line keeps its number.
+        text = text[:start] + REDACTED + "\n" * text.count("\n", start, end) + text[end:]
+    return text
+
+
+REDACTED = "'<redacted>'"
+
+
+def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[SpecIssue]:
+    """The spec's ``workdir`` when it does not exist, a relative one taken from ``base_dir``
+    (the directory corral was called from, as SkyPilot does). What a backend makes of
+    ``file_mounts`` is its own rule (for local: :mod:`corral.infra.local_rules`)."""
+    issues = []
+    if spec.workdir:
+        where = Path(base_dir, Path(spec.workdir).expanduser())
+        if not where.is_dir():
+            what = "is not a directory" if where.exists() else "does not exist"
+            issues.append(
+                SpecIssue(
+                    "workdir",
+                    f"{where} {what} (a relative workdir is taken from the directory corral "
+                    f"is run in, {base_dir}, as in SkyPilot)",
+                    spec.line_of("workdir"),
+                    "run corral from the directory the path is relative to, or give an "
+                    "absolute path",
+                )
+            )
+    return issues
+
+
+def validate_name(name: str) -> None:
+    """Check a service name (from a spec or the command line) before it reaches paths or URLs."""
+    problem = name_problem(name)
+    if problem:
+        raise SpecError([SpecIssue("name", problem, None)], source="")

@@ -1,0 +1,138 @@
+"""Reading a spec: file or text in, a validated :class:`ServiceSpec` or one SpecError out."""
+
+import os
+from typing import Any
+
+from pydantic import ValidationError
+from yaml.nodes import Node
+
+from corral.spec.errors import SpecError, SpecIssue
+from corral.spec.locate import child_node, keep_text_as_written, locate
+from corral.spec.messages import MAX_ISSUES, explain, make_issue, sorted_issues
+from corral.spec.model import ServiceSpec
+from corral.spec.reader import MAX_SPEC_BYTES, read_yaml
+from corral.spec.values import format_range, show
+
+
+def _cross_section_issues(spec: ServiceSpec) -> list[tuple[tuple[str, ...], str]]:
+    """Checks that span sections, run once every section is valid on its own."""
+    problems: list[tuple[tuple[str, ...], str]] = []
+    opened = spec.resources.ports
+    shown = ", ".join(format_range(r) for r in opened)
+    chosen = spec.service.ports
+    if chosen is not None and opened and not any(a <= chosen <= b for a, b in opened):
+        field = "ports" if spec.service.port is None else "port"
+        problems.append(
+            (
+                ("service", field),
+                f"{chosen} is not among the ports opened in resources.ports ({shown}): "
+                "the replica port must be one of them",
+            )
+        )
+    if chosen is None and spec.replica_port() is None and spec.resources.port_numbers()[1:]:
+        problems.append(
+            (
+                ("resources", "ports"),
+                f"opens several ports ({shown}): set service.ports to the one the replicas "
+                "serve on, so the load balancer and the probe know where to go",
+            )
+        )
+    return problems
+
+
+def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSpec:
+    issues: list[SpecIssue] = []
+    if not isinstance(data, dict):
+        raise SpecError(
+            [
+                SpecIssue(
+                    "",
+                    f"expected a mapping of fields (run:, service:, resources:, ...) at the top "
+                    f"level, got {show(data)}",
+                    root.start_mark.line + 1,
+                )
+            ],
+            source,
+        )
+    keep_text_as_written(child_node(root, "envs"), data.get("envs"))
+    service = data.get("service")
+    if isinstance(service, dict) and isinstance(service.get("readiness_probe"), dict):
+        probe = child_node(child_node(root, "service"), "readiness_probe")
+        probe_node = child_node(probe, "headers")
+        keep_text_as_written(probe_node, service["readiness_probe"].get("headers"))
+    try:
+        spec = ServiceSpec.model_validate(data)
+    except ValidationError as exc:
+        # Only what can be shown is located and explained (each costs a walk of the tree).
+        for error in exc.errors(include_url=False)[: MAX_ISSUES + 1]:
+            loc = tuple(error["loc"])
+            dotted, line = locate(root, loc)
+            if name_given and loc[:1] == ("name",):
+                line = None  # the override did not come from the file
+            issues.append(make_issue(dotted, explain(error, loc), line))
+        raise SpecError(issues, source) from None
+    for loc, message in _cross_section_issues(spec):
+        dotted, line = locate(root, loc)
+        issues.append(make_issue(dotted, message, line))
+    if issues:
+        raise SpecError(issues, source)
+    spec._lines = {str(k): locate(root, (k,))[1] for k in data}
+    spec._unset = {field: locate(root, field.split(".", 1))[1] for field in spec._unset}
+    return spec
+
+
+def parse_spec(text: str, source: str = "<string>", name: str | None = None) -> ServiceSpec:
+    """Parse and validate a spec; ``name`` (e.g. from the command line) overrides ``name:``.
+
+    Raises SpecError listing every problem found, and nothing else, whatever ``text`` holds.
+    """
+    try:
+        if not isinstance(text, str):
+            raise SpecError([SpecIssue("", f"expected YAML text, got {show(text)}")], source)
+        data, root, issues = read_yaml(text, source)
+        if name is not None and isinstance(data, dict):
+            data = {**data, "name": name}
+        try:
+            spec = _validate(data, root, source, name is not None)
+        except SpecError as exc:
+            raise SpecError(sorted_issues([*issues, *exc.issues]), source) from None
+        if issues:
+            raise SpecError(sorted_issues(issues), source)
+        return spec
+    except SpecError:
+        raise
+    except Exception as exc:  # the promise is "only SpecError"; a bug here must not crash callers
+        message = (
+            f"internal error while checking the spec ({type(exc).__name__}: {exc}); "
+            "please report it"
+        )
+        raise SpecError([SpecIssue("", message)], source) from exc
+
+
+def load_spec(path: str | os.PathLike[str], name: str | None = None) -> ServiceSpec:
+    """Read a spec file and parse it; unreadable files are SpecErrors like any other problem."""
+    source = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
+
+    def fail(message: str, line: int | None = None) -> SpecError:
+        return SpecError([SpecIssue("", message, line)], source)
+
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_SPEC_BYTES + 1)
+    except FileNotFoundError:
+        raise fail("no such file") from None
+    except IsADirectoryError:
+        raise fail("is a directory; give the path of a spec file") from None
+    except PermissionError:
+        raise fail("cannot read the file: permission denied") from None
+    except (OSError, ValueError, TypeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise fail(f"cannot read the file: {reason}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise fail(f"is larger than {MAX_SPEC_BYTES} bytes; a service spec is a short YAML file")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise fail("is not UTF-8 text (is it a binary file?)", line) from None
+    return parse_spec(text, source=source, name=name)

@@ -1,0 +1,190 @@
+"""pydantic's errors in plain words: "did you mean", "belongs under", the value received.
+
+pydantic's own messages name Python types and its internal error kinds ("Input should be a
+valid integer"); a spec is written by someone who thinks in YAML, so each kind is reworded here,
+and an unknown field is matched against every section's fields before it is called unknown.
+"""
+
+import difflib
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import AliasChoices
+
+from corral.spec.errors import SpecIssue
+from corral.spec.model import ServiceSpec
+from corral.spec.resources import Resources
+from corral.spec.section import Section
+from corral.spec.service import (
+    LegacyHttps,
+    LoadBalancerSettings,
+    ReadinessProbe,
+    ReplicaPolicy,
+    ServiceSection,
+    TlsSettings,
+)
+from corral.spec.values import show
+
+# At most this many problems are reported (the last one says how many more there were): a
+# generated file with thousands of bad keys must not produce megabytes of error text.
+MAX_ISSUES = 100
+
+# Where each section model lives, so an unknown field can be matched against what is allowed
+# there ("did you mean") and elsewhere ("belongs under").
+_SECTIONS: dict[tuple[str, ...], type[Section]] = {
+    (): ServiceSpec,
+    ("resources",): Resources,
+    ("service",): ServiceSection,
+    ("service", "readiness_probe"): ReadinessProbe,
+    ("service", "replica_policy"): ReplicaPolicy,
+    ("service", "tls"): TlsSettings,
+    ("service", "https"): LegacyHttps,
+    ("service", "load_balancer"): LoadBalancerSettings,
+}
+_LEGACY_SECTIONS = {("service", "https")}
+
+# Names that are not typos but features corral does not have: say so instead of guessing.
+_UNSUPPORTED = {
+    "auth_key": (
+        "corral's load balancer does not check an auth key; remove it and check credentials "
+        "in the service itself"
+    ),
+    "model": (
+        "SkyServe's model-only specs are not supported; give the `run` command that starts "
+        "the server"
+    ),
+    "autoscaling": (
+        "autoscaling is set in service.replica_policy (min_replicas, max_replicas, "
+        "target_qps_per_replica)"
+    ),
+    "pool": "SkyPilot worker pools are not supported; size a service with replicas",
+    "workers": "SkyPilot worker pools are not supported; size a service with replicas",
+}
+_LITERAL_ALIASES = {"k8s": "kubernetes", "rr": "round_robin", "least_loaded": "least_load"}
+
+
+def _accepted_keys(model: type[Section]) -> list[str]:
+    keys: list[str] = []
+    for name, info in model.model_fields.items():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            keys.extend(str(choice) for choice in alias.choices)
+        else:
+            keys.append(name)
+    return keys
+
+
+def _main_keys(model: type[Section]) -> list[str]:
+    """Fields worth suggesting: not kept-only placement fields, not old spellings."""
+    hidden = set(model._PLACEMENT) | set(model._LEGACY)
+    return [name for name in model.model_fields if name not in hidden]
+
+
+def _dotted(path: Sequence[str]) -> str:
+    return ".".join(path) if path else "the top level"
+
+
+def _unknown_field_message(loc: tuple[int | str, ...]) -> str:
+    key = str(loc[-1])
+    parent = tuple(str(p) for p in loc[:-1])
+    text = f"unknown field '{key if len(key) <= 60 else key[:57] + '...'}'"
+    model = _SECTIONS.get(parent)
+    if model is None:
+        return text
+    for name, info in model.model_fields.items():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices) and key in alias.choices:
+            others = [str(c) for c in alias.choices if c != key]
+            return f"'{key}' and '{others[0]}' name the same setting ({name}): give only one"
+    if key in _UNSUPPORTED:
+        return f"{text}: {_UNSUPPORTED[key]}"
+    homes = [
+        _dotted(path)
+        for path, other in _SECTIONS.items()
+        if path != parent
+        and path not in _LEGACY_SECTIONS
+        and key in _accepted_keys(other)
+        and key not in other._LEGACY
+    ]
+    if homes:
+        return f"{text}: it belongs under {' or '.join(homes)}"
+    candidates = [k for k in _accepted_keys(model) if k not in model._LEGACY]
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if close:
+        return f"{text}; did you mean '{close[0]}'?"
+    return f"{text}; allowed in {_dotted(parent)}: {', '.join(_main_keys(model))}"
+
+
+def explain(error: Any, loc: tuple[int | str, ...]) -> str:
+    """One pydantic error in plain words, with the value received."""
+    kind = error["type"]
+    got = error.get("input")
+    ctx = error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return _unknown_field_message(loc)
+    if kind == "missing":
+        return "is required"
+    if kind in ("value_error", "assertion_error"):
+        return str(ctx.get("error", error["msg"]))
+    if kind == "literal_error":
+        options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        text = f"must be one of {', '.join(options)}; got {show(got)}"
+        if isinstance(got, str):
+            guess = _LITERAL_ALIASES.get(got.lower())
+            close = [guess] if guess else difflib.get_close_matches(got.lower(), options, n=1)
+            if close:
+                text += f"; did you mean '{close[0]}'?"
+        return text
+    plain = {
+        "string_type": "expected text",
+        "int_type": "expected a whole number",
+        "float_type": "expected a number",
+        "finite_number": "expected a finite number",
+        "bool_type": "expected true or false",
+        "dict_type": "expected a mapping (indented `key: value` lines)",
+        "model_type": "expected a mapping (indented `key: value` lines)",
+        "model_attributes_type": "expected a mapping (indented `key: value` lines)",
+        "list_type": "expected a list",
+    }
+    if kind in plain:
+        if "[key]" in loc:
+            return f"names here must be text, got {show(got)}"
+        return f"{plain[kind]}, got {show(got)}"
+    if kind == "invalid_key":
+        return f"field names must be text, got {show(loc[-1])}"
+    bounds = {
+        "greater_than_equal": ("at least", "ge"),
+        "greater_than": ("greater than", "gt"),
+        "less_than_equal": ("at most", "le"),
+        "less_than": ("less than", "lt"),
+    }
+    if kind in bounds:
+        words, key = bounds[kind]
+        return f"must be {words} {show(ctx.get(key))}, got {show(got)}"
+    return f"{error['msg']}; got {show(got)}"
+
+
+# The parts of a message that say what to do, shown as the issue's hint.
+_HINT_MARKERS = ("; did you mean ", ": it belongs under ")
+
+
+def make_issue(loc: str, message: str, line: int | None) -> SpecIssue:
+    for marker in _HINT_MARKERS:
+        head, found, tail = message.partition(marker)
+        if found:
+            return SpecIssue(loc, head, line, f"{marker.lstrip(';: ')}{tail}")
+    return SpecIssue(loc, message, line)
+
+
+def sorted_issues(issues: Iterable[SpecIssue]) -> list[SpecIssue]:
+    """File order, then field order; drop repeats (one cause can surface twice); at most
+    MAX_ISSUES, the last saying how many more were left out."""
+    unique = list(dict.fromkeys(issues))
+    ordered = sorted(unique, key=lambda i: -1 if i.line is None else i.line)
+    if len(ordered) <= MAX_ISSUES:
+        return ordered
+    last = ordered[MAX_ISSUES - 1]
+    more = len(ordered) - MAX_ISSUES
+    note = f"{last.message} (and {more} more problems not shown; fix these first)"
+    return [*ordered[: MAX_ISSUES - 1], SpecIssue(last.loc, note, last.line)]

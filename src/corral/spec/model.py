@@ -1,0 +1,195 @@
+"""The whole service spec: top-level fields, warnings, the view ``corral validate`` prints."""
+
+from typing import Any, ClassVar, Self
+
+from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, field_validator, model_validator
+
+from corral.spec.resources import Resources
+from corral.spec.section import Section
+from corral.spec.service import ServiceSection
+from corral.spec.values import EnvName, EnvValue, InfraName, format_range, name_problem
+
+
+class ServiceSpec(Section):
+    """A whole service spec, validated and normalised; see the module docstring for defaults."""
+
+    _PLACEMENT: ClassVar[tuple[str, ...]] = ("file_mounts", "volumes", "config")
+
+    name: str | None = None
+    run: str | None = Field(default=None, validate_default=True)
+    setup: str | None = None
+    envs: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    # SkyPilot's secrets: env vars whose values never show (state, status, logs, events).
+    secrets: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    workdir: str | None = None
+    infra: InfraName = "local"
+    num_nodes: int = 1
+    resources: Resources = Field(default_factory=Resources)
+    service: ServiceSection = Field(default_factory=ServiceSection)
+
+    file_mounts: Any = None
+    volumes: Any = None
+    config: Any = None
+
+    # "envs.NAME" / "secrets.NAME" of keys written without a value -> their line in the file.
+    _unset: dict[str, int | None] = PrivateAttr(default_factory=dict)
+    # Lines of the top-level keys, for problems found after parsing (a missing workdir).
+    _lines: dict[str, int | None] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_unset(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        # ``HF_TOKEN:`` with no value is how SkyPilot says "give it at launch" (``--env``,
+        # ``--secret``): such keys are left out here and must be given at up/update.
+        unset: list[str] = []
+        if isinstance(data, dict):
+            data = dict(data)
+            for section in ("envs", "secrets"):
+                values = data.get(section)
+                if isinstance(values, dict):
+                    unset += [f"{section}.{k}" for k, v in values.items() if v is None]
+                    data[section] = {k: v for k, v in values.items() if v is not None}
+        spec = handler(data)
+        spec._unset = dict.fromkeys(unset)
+        return spec
+
+    @model_validator(mode="after")
+    def _secrets_apart(self) -> Self:
+        both = sorted(set(self.envs) & set(self.secrets))
+        if both:
+            raise ValueError(
+                f"{', '.join(both)} given in both envs and secrets: a name is one or the other"
+            )
+        return self
+
+    def unset_values(self) -> dict[str, int | None]:
+        """``envs.NAME``/``secrets.NAME`` left without a value in the file, with their line."""
+        return dict(self._unset)
+
+    def line_of(self, key: str) -> int | None:
+        """The line of top-level field ``key`` in the file it was read from, if known."""
+        return self._lines.get(key)
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        problem = name_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("run")
+    @classmethod
+    def _has_command(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            raise ValueError(
+                "is required: the shell command that starts one replica, "
+                "e.g. `python3 -m http.server $PORT`"
+            )
+        return value
+
+    @field_validator("workdir", mode="before")
+    @classmethod
+    def _local_workdir(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            raise ValueError("a git workdir (url, ref) is not supported: give a local directory")
+        return value
+
+    @field_validator("infra", mode="before")
+    @classmethod
+    def _infra_case(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("num_nodes")
+    @classmethod
+    def _single_node(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"must be 1, got {value}: corral runs each replica on one node; "
+                "multi-node replicas are not supported"
+            )
+        return value
+
+    @property
+    def warnings(self) -> list[str]:
+        """Fields kept but without effect here, old spellings read, values filled in."""
+        meaningless = f"has no meaning on infra {self.infra}; kept but not used"
+        # On local, file_mounts is honoured (relative destinations) or an error, not a note.
+        top = [
+            p for p in self._placement_set("") if not (p == "file_mounts" and self.infra == "local")
+        ]
+        notes = [f"{path}: {meaningless}" for path in top]
+        notes += [f"{path}: {meaningless}" for path in self.resources._placement_set("resources.")]
+        notes += self.service._notes(meaningless)
+        notes += [
+            f"{field}: has no value in the spec: give it at `corral up`/`update` with "
+            f"{value_flag(field)} {field.split('.', 1)[1]}=VALUE"
+            for field in self._unset
+        ]
+        return notes
+
+    def replica_port(self) -> int | None:
+        """The port a replica serves on: ``service.ports``, else the one ``resources`` port."""
+        if self.service.ports is not None:
+            return self.service.ports
+        ranges = self.resources.ports
+        if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
+            return ranges[0][0]
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able, normalised view for ``corral validate``.
+
+        Env values and probe header values are left out (names only): they are where tokens
+        live, and this view is printed to terminals and logs.
+        """
+        probe = self.service.readiness_probe
+        policy = self.service.replica_policy
+        tls = self.service.tls
+        return {
+            "name": self.name,
+            "infra": self.infra,
+            "run": self.run,
+            "setup": self.setup,
+            "workdir": self.workdir,
+            "envs": sorted(self.envs),
+            "secrets": sorted(self.secrets),
+            "unset": sorted(self._unset),
+            "resources": {
+                "ports": [format_range(r) for r in self.resources.ports],
+                "cpus": self.resources.cpus,
+                "memory": self.resources.memory,
+                "accelerators": list(self.resources.accelerators),
+            },
+            "service": {
+                "replica_port": self.replica_port(),
+                "readiness_probe": {
+                    "method": "GET" if probe.post_data is None else "POST",
+                    "path": probe.path,
+                    "post_data": probe.post_data,
+                    "headers": sorted(probe.headers),
+                    "initial_delay_seconds": probe.initial_delay_seconds,
+                    "timeout_seconds": probe.timeout_seconds,
+                    "period_seconds": probe.period_seconds,
+                    "failure_timeout_seconds": probe.failure_timeout_seconds,
+                },
+                "replica_policy": {
+                    "min_replicas": policy.min_replicas,
+                    "max_replicas": policy.max_replicas,
+                    "target_qps_per_replica": policy.target_qps_per_replica,
+                    "autoscaling": policy.autoscaling,
+                    "upscale_delay_seconds": policy.upscale_delay_seconds,
+                    "downscale_delay_seconds": policy.downscale_delay_seconds,
+                    "num_overprovision": policy.num_overprovision,
+                },
+                "load_balancing_policy": self.service.load_balancing_policy,
+                "tls": None if tls is None else {"keyfile": tls.keyfile, "certfile": tls.certfile},
+                "stream_timeout_seconds": self.service.load_balancer.stream_timeout_seconds,
+            },
+            "warnings": self.warnings,
+        }
+
+
+def value_flag(field: str) -> str:
+    """The flag that gives a value to ``envs.NAME`` (``--env``) or ``secrets.NAME``."""
+    return "--secret" if field.startswith("secrets.") else "--env"

@@ -1,0 +1,161 @@
+"""``resources:``: what one replica needs, in every form SkyPilot accepts."""
+
+import math
+import re
+from typing import Any, ClassVar
+
+from pydantic import Field, field_validator
+
+from corral.spec.section import Section
+from corral.spec.values import PortRange, positive_number, show
+
+_CPUS_RE = re.compile(r"\d+(?:\.\d+)?\+?")
+_MEMORY_RE = re.compile(r"\d+(?:\.\d+)?\s*(?:[KMGTP]i?B?|B)?\+?", re.IGNORECASE)
+_ACCEL_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.\-]*)(?::(\d+(?:\.\d+)?))?")
+
+
+class Resources(Section):
+    """What one replica needs. Only ``ports`` matters locally; the rest waits for other infra."""
+
+    _PLACEMENT: ClassVar[tuple[str, ...]] = (
+        "cloud",
+        "region",
+        "zone",
+        "infra",
+        "instance_type",
+        "use_spot",
+        "disk_size",
+        "disk_tier",
+        "network_tier",
+        "local_disk",
+        "image_id",
+        "any_of",
+        "ordered",
+        "labels",
+        "autostop",
+        "job_recovery",
+        "spot_recovery",
+        "volumes",
+        "max_hourly_cost",
+        "accelerator_args",
+        "priority",
+        "priority_class",
+        "ephemeral_storage",
+    )
+
+    ports: list[PortRange] = Field(default_factory=list)
+    cpus: str | None = None
+    memory: str | None = None
+    accelerators: list[str] = Field(default_factory=list)
+
+    cloud: Any = None
+    region: Any = None
+    zone: Any = None
+    infra: Any = None
+    instance_type: Any = None
+    use_spot: Any = None
+    disk_size: Any = None
+    disk_tier: Any = None
+    network_tier: Any = None
+    local_disk: Any = None
+    image_id: Any = None
+    any_of: Any = None
+    ordered: Any = None
+    labels: Any = None
+    autostop: Any = None
+    job_recovery: Any = None
+    spot_recovery: Any = None
+    volumes: Any = None
+    max_hourly_cost: Any = None
+    accelerator_args: Any = None
+    priority: Any = None
+    priority_class: Any = None
+    ephemeral_storage: Any = None
+
+    @field_validator("ports", mode="before")
+    @classmethod
+    def _one_port_is_a_list(cls, value: Any) -> Any:
+        return value if isinstance(value, list) else [value]
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpus_text(cls, value: Any) -> Any:
+        # SkyPilot writes "2+" for "at least 2"; keep that form so a backend can honour it.
+        if positive_number(value):
+            return str(value)
+        if isinstance(value, str) and _CPUS_RE.fullmatch(value.strip()):
+            return value.strip()
+        raise ValueError(
+            f"expected a CPU count like 2, 0.5 or '4+' (at least 4), got {show(value)}"
+        )
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory_text(cls, value: Any) -> Any:
+        if positive_number(value):
+            return str(value)
+        if isinstance(value, str) and _MEMORY_RE.fullmatch(value.strip()):
+            return value.strip()
+        raise ValueError(
+            "expected a memory size in GB like 16, '32+' (at least 32) or '16GB', "
+            f"got {show(value)}"
+        )
+
+    @field_validator("accelerators", mode="before")
+    @classmethod
+    def _accelerator_options(cls, value: Any) -> Any:
+        """Every SkyPilot form ("A100:1", {A100: 1}, a set, a list) -> ["NAME:COUNT", ...].
+
+        A list keeps all options; a dict would lose SkyPilot's ``{A100:4, A100:8}`` choices.
+        """
+        items: list[tuple[Any, Any]]
+        if isinstance(value, str):
+            text = value.strip()
+            shared = None  # "{L4, A10G}:1": one count for every model of the set
+            grouped = re.fullmatch(r"([{\[].*[}\]])\s*:\s*([^\s:]+)", text)
+            if grouped:
+                text, shared = grouped.group(1), grouped.group(2)
+            if text[:1] in "{[" and text[-1:] in "}]":
+                text = text[1:-1]
+            items = [(part.strip().strip("'\""), None) for part in text.split(",") if part.strip()]
+            if shared is not None:
+                items = [(f"{name}:{shared}", None) for name, _ in items]
+        elif isinstance(value, list):
+            items = [(item, None) for item in value]
+        elif isinstance(value, dict):
+            items = list(value.items())
+        else:
+            raise ValueError(
+                "expected an accelerator like 'A100:1', a list or a mapping of them, "
+                f"got {show(value)}"
+            )
+        options: list[str] = []
+        for name, count in items:
+            match = _ACCEL_RE.fullmatch(name) if isinstance(name, str) else None
+            if match is None:
+                raise ValueError(
+                    f"expected an accelerator like 'A100' or 'A100:2', got {show(name)}"
+                )
+            given = match.group(2)
+            if count is not None and given is not None:
+                raise ValueError(f"{show(name)} already has a count; got a second one")
+            number: float
+            if count is None:
+                number = float(given) if given is not None else 1.0
+            elif positive_number(count) and count < 1e300:
+                number = float(count)
+            else:
+                raise ValueError(f"accelerator counts are positive numbers, got {show(count)}")
+            if not (0 < number < math.inf):  # "A100:" + 400 digits reads as inf
+                raise ValueError(f"accelerator counts are positive numbers, got {show(name)}")
+            shown = str(int(number)) if number.is_integer() else str(number)
+            options.append(f"{match.group(1)}:{shown}")
+        return options
+
+    def port_numbers(self) -> list[int]:
+        """Every port opened, ranges expanded, in the order given (duplicates dropped)."""
+        seen: dict[int, None] = {}
+        for first, last in self.ports:
+            for port in range(first, last + 1):
+                seen.setdefault(port, None)
+        return list(seen)

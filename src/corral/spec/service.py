@@ -1,0 +1,294 @@
+"""``service:``: how replicas are probed, sized and load balanced, and its old spellings."""
+
+import json
+from typing import Any, ClassVar
+
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator
+
+from corral.spec.section import Section
+from corral.spec.values import (
+    DEFAULT_DOWNSCALE_DELAY_SECONDS,
+    DEFAULT_FAILURE_TIMEOUT_SECONDS,
+    DEFAULT_HEADER_TIMEOUT_SECONDS,
+    DEFAULT_INITIAL_DELAY_SECONDS,
+    DEFAULT_LOAD_BALANCING_POLICY,
+    DEFAULT_PERIOD_SECONDS,
+    DEFAULT_READINESS_PATH,
+    DEFAULT_STREAM_TIMEOUT_SECONDS,
+    DEFAULT_TIMEOUT_SECONDS,
+    DEFAULT_UPSCALE_DELAY_SECONDS,
+    MAX_REPLICAS,
+    MAX_SECONDS,
+    HeaderName,
+    HeaderValue,
+    LoadBalancingPolicy,
+    show,
+)
+
+
+class ReadinessProbe(Section):
+    """How corral decides that a replica serves. Also written ``readiness_probe: /path``."""
+
+    path: str = DEFAULT_READINESS_PATH
+    post_data: dict[str, Any] | None = None
+    initial_delay_seconds: float = Field(DEFAULT_INITIAL_DELAY_SECONDS, ge=0, le=MAX_SECONDS)
+    timeout_seconds: float = Field(DEFAULT_TIMEOUT_SECONDS, gt=0, le=MAX_SECONDS)
+    # corral's names first; SkyServe's later names for the same two settings are also read.
+    period_seconds: float = Field(
+        DEFAULT_PERIOD_SECONDS,
+        gt=0,
+        le=MAX_SECONDS,
+        validation_alias=AliasChoices("period_seconds", "endpoint_probe_interval_seconds"),
+    )
+    failure_timeout_seconds: float = Field(
+        DEFAULT_FAILURE_TIMEOUT_SECONDS,
+        ge=0,
+        le=MAX_SECONDS,
+        validation_alias=AliasChoices(
+            "failure_timeout_seconds", "consecutive_failure_threshold_timeout"
+        ),
+    )
+    headers: dict[HeaderName, HeaderValue] = Field(default_factory=dict)
+
+    @field_validator("path")
+    @classmethod
+    def _absolute_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"must start with '/', like '/health'; got {show(value)}")
+        if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError(f"must not contain spaces or control characters; got {show(value)}")
+        return value
+
+    @field_validator("post_data", mode="before")
+    @classmethod
+    def _json_body(cls, value: Any) -> Any:
+        # SkyServe takes an object or a JSON string. Both become a plain JSON object here, so the
+        # prober can send it and `corral validate` can print it without surprises.
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"is not valid JSON ({exc.msg} at character {exc.pos}); "
+                    'give a mapping or a JSON object string like \'{"prompt": "hi"}\''
+                ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object (a mapping), got {show(value)}")
+        try:
+            return json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cannot be sent as JSON: {exc}") from None
+
+
+class ReplicaPolicy(Section):
+    """How many replicas: fixed (``min == max``) or request-rate autoscaled between them.
+
+    Both ``replicas: N`` and ``replica_policy:`` end up here, so consumers read one shape.
+    """
+
+    _PLACEMENT: ClassVar[tuple[str, ...]] = (
+        "base_ondemand_fallback_replicas",
+        "dynamic_ondemand_fallback",
+        "spot_placer",
+        "spot_policy",
+        "spot_zones",
+        "on_demand_zones",
+    )
+
+    min_replicas: int = Field(ge=0, le=MAX_REPLICAS)
+    # Declared before max_replicas: max_replicas' check needs it.
+    target_qps_per_replica: float | None = Field(default=None, gt=0)
+    max_replicas: int = Field(default=None, ge=0, le=MAX_REPLICAS, validate_default=True)
+    upscale_delay_seconds: float = Field(DEFAULT_UPSCALE_DELAY_SECONDS, ge=0, le=MAX_SECONDS)
+    downscale_delay_seconds: float = Field(DEFAULT_DOWNSCALE_DELAY_SECONDS, ge=0, le=MAX_SECONDS)
+    num_overprovision: int = Field(0, ge=0, le=MAX_REPLICAS)
+
+    base_ondemand_fallback_replicas: Any = None
+    dynamic_ondemand_fallback: Any = None
+    spot_placer: Any = None
+    spot_policy: Any = None
+    spot_zones: Any = None
+    on_demand_zones: Any = None
+
+    @field_validator("max_replicas", mode="before")
+    @classmethod
+    def _max_defaults_to_min(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            return value
+        if info.data.get("target_qps_per_replica") is not None:
+            raise ValueError(
+                "is required when target_qps_per_replica is set: it caps how far autoscaling may go"
+            )
+        # Without autoscaling the policy is fixed at min_replicas. If min_replicas itself was
+        # invalid its own error is reported; 0 only keeps this field quiet.
+        return info.data.get("min_replicas", 0)
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_fits_min(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_replicas")
+        if low is None:
+            return value
+        if value < low:
+            raise ValueError(f"must be at least min_replicas ({low}), got {value}")
+        if (
+            "target_qps_per_replica" in info.data
+            and info.data["target_qps_per_replica"] is None
+            and value != low
+        ):
+            raise ValueError(
+                f"is {value} but min_replicas is {low} and target_qps_per_replica is not set: "
+                "set target_qps_per_replica to autoscale between them, or make max_replicas "
+                "equal to min_replicas (or leave it out) for a fixed size"
+            )
+        return value
+
+    @property
+    def autoscaling(self) -> bool:
+        """True when the replica count follows the request rate rather than staying fixed."""
+        return self.target_qps_per_replica is not None and self.max_replicas > self.min_replicas
+
+
+class TlsSettings(Section):
+    """Key and certificate with which the load balancer serves HTTPS."""
+
+    keyfile: str
+    certfile: str
+
+    @field_validator("keyfile", "certfile")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be a file path, got an empty text")
+        return value
+
+
+class LegacyHttps(Section):
+    """SkyServe's old ``https: {key, cert}`` spelling of ``tls``; read so old specs still run."""
+
+    key: str
+    cert: str
+
+
+class LoadBalancerSettings(Section):
+    """SkyServe's ``load_balancer:`` knobs (its stream timeout), plus corral's own.
+
+    ``stream_timeout_seconds`` is SkyServe's: the longest a replica may stay silent, before its
+    response headers (unless ``first_byte_timeout_seconds`` says otherwise) and between chunks.
+    The rest are corral extensions: connecting to a replica, the largest request body and
+    header line accepted, how long a client may take to send a request's headers, and how long a
+    leaving replica may finish its in-flight requests.
+    """
+
+    stream_timeout_seconds: float = Field(DEFAULT_STREAM_TIMEOUT_SECONDS, gt=0, le=MAX_SECONDS)
+    connect_timeout_seconds: float = Field(5.0, gt=0, le=MAX_SECONDS)
+    first_byte_timeout_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
+    max_body_bytes: int | None = Field(None, gt=0)
+    max_header_bytes: int = Field(8190, ge=1024, le=1 << 20)
+    # A client has this long to send a request's line and headers (and a keep-alive connection
+    # may idle this long): slowloris clients are cut off instead of holding sockets for hours.
+    header_timeout_seconds: float = Field(DEFAULT_HEADER_TIMEOUT_SECONDS, gt=0, le=3600)
+    drain_timeout_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
+    # Client connections each balancer worker keeps open for this service; one more gets a
+    # 503. None: a quarter of the worker's open-file limit, so no service can use up the
+    # descriptors every other service (and the worker's own upstream connections) need.
+    max_connections: int | None = Field(None, ge=1, le=1 << 22)
+
+
+# Long enough for a model download in `setup`; a hung setup fails the launch after it.
+DEFAULT_SETUP_TIMEOUT = 1800.0
+
+
+class ServiceSection(Section):
+    """The ``service:`` section: probing, sizing and load balancing of the replicas."""
+
+    _PLACEMENT: ClassVar[tuple[str, ...]] = (
+        "controller_resources",
+        "route53_hosted_zone",
+        "external_load_balancers",
+    )
+    _LEGACY: ClassVar[tuple[str, ...]] = ("port", "https")
+
+    readiness_probe: ReadinessProbe = Field(default_factory=ReadinessProbe)
+    replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
+    # Always set after validation (from replica_policy:, replicas: or the default of 1).
+    replica_policy: ReplicaPolicy = Field(default=None, validate_default=True)
+    load_balancing_policy: LoadBalancingPolicy = DEFAULT_LOAD_BALANCING_POLICY
+    port: int | None = Field(default=None, ge=1, le=65535)
+    ports: int | None = Field(default=None, ge=1, le=65535, validate_default=True)
+    https: LegacyHttps | None = None
+    tls: TlsSettings | None = Field(default=None, validate_default=True)
+    load_balancer: LoadBalancerSettings = Field(default_factory=LoadBalancerSettings)
+    # corral's own: how long a replica's `setup` may run before its launch fails. A setup that
+    # hangs would otherwise hold a launch slot forever (and, 16 of them, every service's).
+    setup_timeout_seconds: float = Field(default=DEFAULT_SETUP_TIMEOUT, gt=0, le=7 * 24 * 3600)
+
+    controller_resources: Any = None
+    route53_hosted_zone: Any = None
+    external_load_balancers: Any = None
+
+    @field_validator("readiness_probe", mode="before")
+    @classmethod
+    def _path_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"path": value}
+        if isinstance(value, dict | ReadinessProbe):
+            return value
+        raise ValueError(
+            f"expected a path like /health, or a mapping with path:, got {show(value)}"
+        )
+
+    @field_validator("replica_policy", mode="before")
+    @classmethod
+    def _one_sizing_form(cls, value: Any, info: ValidationInfo) -> Any:
+        replicas = info.data.get("replicas")
+        if value is None:
+            count = 1 if replicas is None else replicas
+            return {"min_replicas": count, "max_replicas": count}
+        if replicas is not None:
+            raise ValueError(
+                "cannot be combined with replicas: use replicas for a fixed size, or "
+                "replica_policy (min_replicas, max_replicas, target_qps_per_replica), not both"
+            )
+        return value
+
+    @field_validator("load_balancing_policy", mode="before")
+    @classmethod
+    def _policy_case(cls, value: Any) -> Any:
+        # SkyServe matches policy names case-insensitively.
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("ports", mode="before")
+    @classmethod
+    def _legacy_port(cls, value: Any, info: ValidationInfo) -> Any:
+        old = info.data.get("port")
+        if value is None:
+            return old
+        if old is not None:
+            raise ValueError("port is the old name of ports: give only ports")
+        return value
+
+    @field_validator("tls", mode="before")
+    @classmethod
+    def _legacy_https(cls, value: Any, info: ValidationInfo) -> Any:
+        old = info.data.get("https")
+        if value is None:
+            if old is None:
+                return None
+            return TlsSettings(keyfile=old.key, certfile=old.cert)
+        if old is not None:
+            raise ValueError("https is the old form of tls: give only tls (keyfile, certfile)")
+        return value
+
+    def _notes(self, meaningless: str) -> list[str]:
+        paths = self._placement_set("service.")
+        paths += self.replica_policy._placement_set("service.replica_policy.")
+        notes = [f"{path}: {meaningless}" for path in paths]
+        if self.port is not None:
+            notes.append("service.port: SkyServe's old name of service.ports; read as ports")
+        if self.https is not None:
+            notes.append(
+                "service.https: SkyServe's old form of service.tls; read as tls "
+                "(keyfile = key, certfile = cert)"
+            )
+        return notes
