@@ -19,8 +19,10 @@ from typing import Any
 from aiohttp import web
 
 from corral import __version__, dashboard, logfiles, loglines
+from corral.api_errors import RequestError, error_answer
 from corral.balancer import CONTENT_TYPE_LATEST, render
-from corral.daemon import Daemon, RequestError
+from corral.daemon import Daemon
+from corral.errors import NoSuchService
 from corral.home import hello_proof, valid_nonce
 from corral.httpbody import json_object
 from corral.limits import open_files
@@ -91,24 +93,6 @@ def make_runner(daemon: Daemon, token: str) -> web.AppRunner:
 STREAMING = "corral.streaming"
 
 
-def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
-    """The answer to a request whose handler raised ``exc``: 4xx/503 with a message, and a 500
-    (details in the daemon log, never in the answer) only for what nobody foresaw."""
-    if isinstance(exc, RequestError):
-        return _error(exc.status, exc.message, **exc.details)
-    if isinstance(exc, StateError):
-        # The state file is locked by another process or unwritable: nothing was changed,
-        # the daemon and its balancers keep running, and the client may retry (not a 500).
-        log.warning("API %s %s: %s", request.method, request.path, exc)
-        return _error(503, str(exc))
-    if isinstance(exc, web.HTTPException):
-        if exc.status < 400:
-            raise exc
-        return _error(exc.status, exc.reason)
-    log.error("API %s %s failed", request.method, request.path, exc_info=exc)
-    return _error(500, "internal error; the daemon log has the details")
-
-
 def make_app(daemon: Daemon, token: str) -> web.Application:
     expected = f"Bearer {token}".encode()
 
@@ -133,7 +117,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
                     "API %s %s failed while streaming: %r", request.method, request.path, exc
                 )
                 raise
-            return _error_answer(request, exc)
+            return error_answer(request, exc)
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_SPEC_BYTES)
     routes = web.RouteTableDef()
@@ -233,7 +217,7 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         try:
             return _json(controller.snapshot())
         except KeyError:  # its row is gone: the service finished `down` a moment ago
-            raise RequestError(404, f"no service named {controller.name!r}") from None
+            raise NoSuchService(f"no service named {controller.name!r}") from None
 
     @routes.delete("/v1/services/{name}")
     async def down(request: web.Request) -> web.Response:

@@ -38,6 +38,20 @@ from corral.controller import (
     free_port,
 )
 from corral.deploy import KEEP_VERSIONS
+from corral.errors import (
+    BadSpec,
+    HomeUnwritable,
+    InvalidRequest,
+    NoRoom,
+    NoSuchReplica,
+    NoSuchService,
+    NoSuchVersion,
+    ReplicaBusy,
+    ServiceExists,
+    ServiceShuttingDown,
+    Unrunnable,
+    VersionFilesGone,
+)
 from corral.spec import (
     ServiceSpec,
     SpecError,
@@ -51,23 +65,19 @@ from corral.state import Store
 log = logging.getLogger("corral.daemon")
 
 
-class RequestError(Exception):
-    """A request the daemon refuses: carries the HTTP status and a message for the user."""
-
-    def __init__(self, status: int, message: str, **details: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.details = details
-
-
-def _spec_refused(exc: SpecError) -> RequestError:
-    return RequestError(
-        400,
+def _spec_refused(exc: SpecError) -> BadSpec:
+    return BadSpec(
         "invalid service spec",
         issues=[i.as_json() | {"loc": i.loc} for i in exc.issues],
         text=str(exc),
     )
+
+
+def _replica_refused(exc: ReplicaRefused) -> NoSuchReplica | ReplicaBusy:
+    """The controller still speaks HTTP here (a 404 or a 409); this is the only place that
+    reads it, until the controller raises these domain errors itself."""
+    kind = NoSuchReplica if exc.status == 404 else ReplicaBusy
+    return kind(exc.message)
 
 
 def _check_inputs(
@@ -149,7 +159,7 @@ class Daemon:
             )
         async with self._deploy_lock(svc_name):
             if svc_name in self.controllers or self.store.service(svc_name) is not None:
-                raise RequestError(409, f"service {svc_name!r} already exists")
+                raise ServiceExists(f"service {svc_name!r} already exists")
             # The version's files exist before its row does: a replica never finds them missing.
             await self._prepare(svc_name, 1, spec, base_dir, envs, secrets)
             try:
@@ -161,7 +171,7 @@ class Daemon:
                     lb_port=free_port(),
                 )
             except KeyError:
-                raise RequestError(409, f"service {svc_name!r} already exists") from None
+                raise ServiceExists(f"service {svc_name!r} already exists") from None
         controller = await self._start_controller(svc_name, stored)
         if controller.balancer is not None and not await controller.balancer.wait_serving():
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)
@@ -212,31 +222,30 @@ class Daemon:
         controller = self.controller(name)
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down":
-            raise RequestError(409, f"service {name!r} is shutting down")
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
         if mode not in ("rolling", "blue_green"):
-            raise RequestError(400, f"mode must be rolling or blue_green, not {mode!r}")
+            raise InvalidRequest(f"mode must be rolling or blue_green, not {mode!r}")
         if from_version is not None:
             if spec_text is not None:
-                raise RequestError(400, "give either a spec or a version to roll back to, not both")
+                raise InvalidRequest("give either a spec or a version to roll back to, not both")
             old = self.store.version(name, from_version)
             if old is None:
-                raise RequestError(404, f"service {name!r} has no version {from_version}")
+                raise NoSuchVersion(f"service {name!r} has no version {from_version}")
             if envs or secrets:
-                raise RequestError(400, "a rollback reuses the version's values: no envs/secrets")
+                raise InvalidRequest("a rollback reuses the version's values: no envs/secrets")
             spec_text, source, base_dir = old.spec_yaml, old.source, old.base_dir
         if spec_text is None:
-            raise RequestError(400, "field 'spec' (the service YAML) or 'from_version' is required")
+            raise InvalidRequest("field 'spec' (the service YAML) or 'from_version' is required")
         spec = await self._check_off_loop(spec_text, source=source, name=name)
         if from_version is None:
             _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
         # The service may have been taken down or updated while the spec was being checked.
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
-            raise RequestError(409, f"service {name!r} is shutting down")
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
         current = controller.spec(svc.current_version)
         if spec.infra != current.infra:
-            raise RequestError(
-                400,
+            raise InvalidRequest(
                 f"an update cannot move a service from infra "
                 f"{current.infra!r} to {spec.infra!r}; bring up a new service",
             )
@@ -256,7 +265,7 @@ class Daemon:
         )
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
-            raise RequestError(409, f"service {name!r} is shutting down")
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
         version = self.store.add_version(
             name, stored_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
         )
@@ -278,8 +287,7 @@ class Daemon:
         needed = max(1, policy.min_replicas)
         problem = capacity.room_beside(spec.resources.model_dump(exclude_none=True), needed)
         if problem:
-            raise RequestError(
-                409,
+            raise NoRoom(
                 f"a blue-green update of {name!r} needs room for {needed} replica(s) of the new "
                 f"version beside the old ones, and this machine has none: {problem}. Use "
                 "--mode rolling, which replaces one replica at a time on a full machine",
@@ -317,13 +325,12 @@ class Daemon:
             home_trouble[errno.EROFS] = "home is read-only"
             trouble = home_trouble.get(exc.errno or 0)
             if trouble is not None:
-                raise RequestError(
-                    503,
+                raise HomeUnwritable(
                     f"service {name}: the version's files cannot be written: the {trouble} "
                     f"({exc}); nothing was changed, retry",
                 ) from None
-            raise RequestError(
-                400, f"service {name}: cannot copy the workdir of version {version}: {exc}"
+            raise Unrunnable(
+                f"service {name}: cannot copy the workdir of version {version}: {exc}"
             ) from None
         if spec.workdir:
             log.info(
@@ -338,8 +345,7 @@ class Daemon:
         """A rollback's files: version ``old``'s, shared."""
         cloned = await asyncio.to_thread(versionfiles.clone_version, self.home, name, old, new)
         if not cloned and versionfiles.has_files(self.home, name):
-            raise RequestError(
-                409,
+            raise VersionFilesGone(
                 f"the files of version {old} were removed (the last {KEEP_VERSIONS} versions "
                 "are kept): deploy it from its spec file with `corral update`",
             )
@@ -387,10 +393,9 @@ class Daemon:
         except SpecError as exc:
             raise _spec_refused(exc) from None
         if not spec.name:
-            raise RequestError(400, "the service needs a name: set `name:` in the spec or pass -n")
+            raise InvalidRequest("the service needs a name: set `name:` in the spec or pass -n")
         if spec.infra not in self.deps.infras:
-            raise RequestError(
-                400,
+            raise Unrunnable(
                 f"infra {spec.infra!r} is not available in this daemon "
                 f"(available: {', '.join(sorted(self.deps.infras))})",
             )
@@ -401,17 +406,17 @@ class Daemon:
                 resources = spec.resources.model_dump(exclude_none=True)
                 problem = fit_problem(resources, capacity.inventory)
             if problem:
-                raise RequestError(400, problem)
+                raise Unrunnable(problem)
         return spec
 
     def controller(self, name: str) -> ServiceController:
         try:
             validate_name(name)
         except SpecError as exc:
-            raise RequestError(400, f"bad service name {name!r}: {exc.issues[0].message}") from None
+            raise InvalidRequest(f"bad service name {name!r}: {exc.issues[0].message}") from None
         controller = self.controllers.get(name)
         if controller is None:
-            raise RequestError(404, f"no service named {name!r}")
+            raise NoSuchService(f"no service named {name!r}")
         return controller
 
     def down(self, name: str, *, purge: bool) -> dict[str, Any]:
@@ -426,18 +431,18 @@ class Daemon:
         controller = self.controller(name)
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down":
-            raise RequestError(409, f"service {name!r} is shutting down")
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
         try:
             return controller.terminate_replica(seq, purge=purge)
         except ReplicaRefused as exc:
-            raise RequestError(exc.status, exc.message) from None
+            raise _replica_refused(exc) from None
 
     def replica_uid(self, name: str, seq: int) -> int:
         """The internal id of replica ``seq`` (its number within the service, as shown)."""
         self.controller(name)
         row = self.store.replica_by_seq(name, seq)
         if row is None:
-            raise RequestError(404, f"service {name!r} has no replica {seq}")
+            raise NoSuchReplica(f"service {name!r} has no replica {seq}")
         return row.id
 
     def services(self) -> list[dict[str, Any]]:
@@ -452,16 +457,16 @@ class Daemon:
         if kind == "controller":
             return controller.logs / "controller.log"
         if replica is None:
-            raise RequestError(400, f"log kind {kind!r} needs a replica id")
+            raise InvalidRequest(f"log kind {kind!r} needs a replica id")
         if kind == "launch":
             path = controller.launch_log(replica)
         elif kind == "replica":
             path = controller.replica_log(replica)
         else:
-            raise RequestError(400, f"unknown log kind {kind!r}: use replica, launch or controller")
+            raise InvalidRequest(f"unknown log kind {kind!r}: use replica, launch or controller")
         row = self.store.replica(replica)
         if (row is None or row.service != name) and not path.exists():
             # Without this a followed log of a replica that never existed ends at once, empty,
             # and `corral logs NAME 999` exits 0 as if that were a log.
-            raise RequestError(404, f"service {name!r} has no replica {replica}")
+            raise NoSuchReplica(f"service {name!r} has no replica {replica}")
         return path

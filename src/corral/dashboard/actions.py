@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from corral.daemon import RequestError
+from corral.api_errors import RequestError
 from corral.spec import MAX_REPLICAS
 
 if TYPE_CHECKING:
