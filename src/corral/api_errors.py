@@ -30,6 +30,11 @@ STATUS: Final[dict[type[Refused], int]] = {
 }
 
 
+# Set on a request once its answer has started streaming: an error after that cannot become
+# an answer of its own (see corral.api's guard).
+STREAMING: Final = "corral.streaming"
+
+
 class RequestError(Exception):
     """A request the HTTP layer refuses before any operation runs: its status and a message."""
 

@@ -26,11 +26,12 @@ import errno
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral import deploy, versionfiles
-from corral.capacity import fit_problem
+from corral import admission, deploy, versionfiles
+from corral.balancer.metrics import render
 from corral.controller import (
     ControllerDeps,
     ReplicaRefused,
@@ -39,10 +40,8 @@ from corral.controller import (
 )
 from corral.deploy import KEEP_VERSIONS
 from corral.errors import (
-    BadSpec,
     HomeUnwritable,
     InvalidRequest,
-    NoRoom,
     NoSuchReplica,
     NoSuchService,
     NoSuchVersion,
@@ -55,22 +54,13 @@ from corral.errors import (
 from corral.spec import (
     ServiceSpec,
     SpecError,
-    local_port_problem,
     parse_spec,
     redact_secrets,
     validate_name,
 )
-from corral.state import Store
+from corral.state import ServiceRow, Store
 
 log = logging.getLogger("corral.daemon")
-
-
-def _spec_refused(exc: SpecError) -> BadSpec:
-    return BadSpec(
-        "invalid service spec",
-        issues=[i.as_json() | {"loc": i.loc} for i in exc.issues],
-        text=str(exc),
-    )
 
 
 def _replica_refused(exc: ReplicaRefused) -> NoSuchReplica | ReplicaBusy:
@@ -80,20 +70,18 @@ def _replica_refused(exc: ReplicaRefused) -> NoSuchReplica | ReplicaBusy:
     return kind(exc.message)
 
 
-def _check_inputs(
-    spec: ServiceSpec,
-    *,
-    source: str | None,
-    base_dir: str | None,
-    envs: Mapping[str, str],
-    secrets: Mapping[str, str],
-) -> None:
-    try:
-        deploy.check(
-            spec, source=source or "<request>", base_dir=base_dir, envs=envs, secrets=secrets
-        )
-    except SpecError as exc:
-        raise _spec_refused(exc) from None
+@dataclass(frozen=True)
+class UpdateRequest:
+    """What an update asks for: a new spec (with its files' source, base_dir, envs, secrets),
+    or ``from_version``, a stored version to roll back to."""
+
+    spec_text: str | None = None
+    mode: str = "rolling"
+    source: str | None = None
+    base_dir: str | None = None
+    from_version: int | None = None
+    envs: Mapping[str, str] = field(default_factory=dict)
+    secrets: Mapping[str, str] = field(default_factory=dict)
 
 
 class Daemon:
@@ -148,7 +136,7 @@ class Daemon:
         envs, secrets = envs or {}, secrets or {}
         spec = await self._check_off_loop(spec_text, source=source, name=name)
         assert spec.name is not None
-        _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
+        admission.check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
         svc_name = spec.name
         stored_text = await asyncio.to_thread(redact_secrets, spec_text)
         # The controller keeps the spec as stored: secret values live only in the values file.
@@ -177,82 +165,38 @@ class Daemon:
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
 
-    async def update(
-        self,
-        name: str,
-        spec_text: str | None,
-        *,
-        mode: str,
-        source: str | None,
-        base_dir: str | None,
-        from_version: int | None,
-        envs: Mapping[str, str] | None = None,
-        secrets: Mapping[str, str] | None = None,
-    ) -> dict[str, Any]:
+    async def update(self, name: str, request: UpdateRequest) -> dict[str, Any]:
         """Store a new version of a service and let its controller roll it out.
 
-        ``from_version`` re-deploys a stored version's spec (a rollback) as a new version, so
-        the history only grows and every rollout is in the event log; it reuses that
-        version's files (workdir copy, values).
+        ``request.from_version`` re-deploys a stored version's spec (a rollback) as a new
+        version, so the history only grows and every rollout is in the event log; it reuses
+        that version's files (workdir copy, values).
         """
         async with self._deploy_lock(name):
-            return await self._update(
-                name,
-                spec_text,
-                mode=mode,
-                source=source,
-                base_dir=base_dir,
-                from_version=from_version,
-                envs=envs or {},
-                secrets=secrets or {},
-            )
+            return await self._update(name, request)
 
-    async def _update(
-        self,
-        name: str,
-        spec_text: str | None,
-        *,
-        mode: str,
-        source: str | None,
-        base_dir: str | None,
-        from_version: int | None,
-        envs: Mapping[str, str],
-        secrets: Mapping[str, str],
-    ) -> dict[str, Any]:
+    async def _update(self, name: str, request: UpdateRequest) -> dict[str, Any]:
         controller = self.controller(name)
-        svc = self.store.service(name)
-        if svc is None or svc.intent == "shutting_down":
-            raise ServiceShuttingDown(f"service {name!r} is shutting down")
-        if mode not in ("rolling", "blue_green"):
-            raise InvalidRequest(f"mode must be rolling or blue_green, not {mode!r}")
-        if from_version is not None:
-            if spec_text is not None:
-                raise InvalidRequest("give either a spec or a version to roll back to, not both")
-            old = self.store.version(name, from_version)
-            if old is None:
-                raise NoSuchVersion(f"service {name!r} has no version {from_version}")
-            if envs or secrets:
-                raise InvalidRequest("a rollback reuses the version's values: no envs/secrets")
-            spec_text, source, base_dir = old.spec_yaml, old.source, old.base_dir
-        if spec_text is None:
-            raise InvalidRequest("field 'spec' (the service YAML) or 'from_version' is required")
+        self._live_row(name)
+        spec_text, source, base_dir = self._resolved(name, request)
         spec = await self._check_off_loop(spec_text, source=source, name=name)
-        if from_version is None:
-            _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
+        envs, secrets = request.envs, request.secrets
+        if request.from_version is None:
+            admission.check_inputs(
+                spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets
+            )
         # The service may have been taken down or updated while the spec was being checked.
-        svc = self.store.service(name)
-        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
-            raise ServiceShuttingDown(f"service {name!r} is shutting down")
+        svc = self._live_row(name)
         current = controller.spec(svc.current_version)
         if spec.infra != current.infra:
             raise InvalidRequest(
                 f"an update cannot move a service from infra "
                 f"{current.infra!r} to {spec.infra!r}; bring up a new service",
             )
-        self._check_blue_green_room(name, mode, spec)
+        admission.check_blue_green_room(name, request.mode, spec, self.deps.capacity)
         next_version = max(v.version for v in self.store.versions(name)) + 1
-        if from_version is not None:
-            await self._reuse_files(name, from_version, next_version)
+        if request.from_version is not None:
+            await self._reuse_files(name, request.from_version, next_version)
         else:
             await self._prepare(name, next_version, spec, base_dir, envs, secrets)
         # Off the loop, as every parse: the largest spec takes up to a second to read.
@@ -263,11 +207,14 @@ class Daemon:
         same_replicas = self._same_replicas(
             name, svc.current_version, next_version, base_dir, current, stored_spec
         )
-        svc = self.store.service(name)
-        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
-            raise ServiceShuttingDown(f"service {name!r} is shutting down")
+        self._live_row(name)
         version = self.store.add_version(
-            name, stored_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
+            name,
+            stored_text,
+            source=source,
+            base_dir=base_dir,
+            mode=request.mode,
+            adopt_live=same_replicas,
         )
         if version != next_version:  # nothing else adds versions; never seen
             log.error("service %s: version %d stored as %d", name, next_version, version)
@@ -276,22 +223,32 @@ class Daemon:
         controller.updated()
         return controller.snapshot()
 
-    def _check_blue_green_room(self, name: str, mode: str, spec: ServiceSpec) -> None:
-        """Refuse a blue-green update that could never switch: on a machine too full for the
-        new version's first replicas beside the old ones (docs/gpus.md), they would wait for
-        ever while the old ones wait for them. A rolling update replaces one at a time there."""
-        capacity = self.deps.capacity
-        if mode != "blue_green" or spec.infra != "local" or capacity is None:
-            return
-        policy = spec.service.replica_policy
-        needed = max(1, policy.min_replicas)
-        problem = capacity.room_beside(spec.resources.model_dump(exclude_none=True), needed)
-        if problem:
-            raise NoRoom(
-                f"a blue-green update of {name!r} needs room for {needed} replica(s) of the new "
-                f"version beside the old ones, and this machine has none: {problem}. Use "
-                "--mode rolling, which replaces one replica at a time on a full machine",
-            )
+    def _live_row(self, name: str) -> ServiceRow:
+        """The service's row, while it is not going away (else ServiceShuttingDown)."""
+        svc = self.store.service(name)
+        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
+        return svc
+
+    def _resolved(self, name: str, request: UpdateRequest) -> tuple[str, str | None, str | None]:
+        """The spec text, source and base_dir an update deploys: its own, or a stored
+        version's for a rollback."""
+        if request.mode not in ("rolling", "blue_green"):
+            raise InvalidRequest(f"mode must be rolling or blue_green, not {request.mode!r}")
+        if request.from_version is None:
+            if request.spec_text is None:
+                raise InvalidRequest(
+                    "field 'spec' (the service YAML) or 'from_version' is required"
+                )
+            return request.spec_text, request.source, request.base_dir
+        if request.spec_text is not None:
+            raise InvalidRequest("give either a spec or a version to roll back to, not both")
+        old = self.store.version(name, request.from_version)
+        if old is None:
+            raise NoSuchVersion(f"service {name!r} has no version {request.from_version}")
+        if request.envs or request.secrets:
+            raise InvalidRequest("a rollback reuses the version's values: no envs/secrets")
+        return old.spec_yaml, old.source, old.base_dir
 
     def _deploy_lock(self, name: str) -> asyncio.Lock:
         """One create/update of a service at a time: the next version's number is taken, and
@@ -382,32 +339,17 @@ class Daemon:
     async def _check_off_loop(
         self, spec_text: str, *, source: str | None, name: str | None
     ) -> ServiceSpec:
-        """:meth:`_check` on a thread: the largest spec the parser accepts takes up to a second
-        to read, and the event loop it would block also carries every balancer's traffic."""
-        return await asyncio.to_thread(self._check, spec_text, source=source, name=name)
-
-    def _check(self, spec_text: str, *, source: str | None, name: str | None) -> ServiceSpec:
-        """Validate a spec as this daemon will run it (the API is the trust boundary)."""
-        try:
-            spec = parse_spec(spec_text, source=source or "<request>", name=name)
-        except SpecError as exc:
-            raise _spec_refused(exc) from None
-        if not spec.name:
-            raise InvalidRequest("the service needs a name: set `name:` in the spec or pass -n")
-        if spec.infra not in self.deps.infras:
-            raise Unrunnable(
-                f"infra {spec.infra!r} is not available in this daemon "
-                f"(available: {', '.join(sorted(self.deps.infras))})",
-            )
-        if spec.infra == "local":
-            problem = local_port_problem(spec)
-            capacity = self.deps.capacity
-            if not problem and capacity is not None:
-                resources = spec.resources.model_dump(exclude_none=True)
-                problem = fit_problem(resources, capacity.inventory)
-            if problem:
-                raise Unrunnable(problem)
-        return spec
+        """:func:`corral.admission.check_spec` on a thread: the largest spec the parser accepts
+        takes up to a second to read, and the event loop it would block also carries every
+        balancer's traffic."""
+        return await asyncio.to_thread(
+            admission.check_spec,
+            spec_text,
+            source=source,
+            name=name,
+            infras=self.deps.infras,
+            capacity=self.deps.capacity,
+        )
 
     def controller(self, name: str) -> ServiceController:
         try:
@@ -444,6 +386,69 @@ class Daemon:
         if row is None:
             raise NoSuchReplica(f"service {name!r} has no replica {seq}")
         return row.id
+
+    # -- what the API shows ---------------------------------------------------------------------
+
+    def service(self, name: str) -> dict[str, Any]:
+        controller = self.controller(name)
+        try:
+            return controller.snapshot()
+        except KeyError:  # its row is gone: the service finished `down` a moment ago
+            raise NoSuchService(f"no service named {name!r}") from None
+
+    def has_service(self, name: str) -> bool:
+        return name in self.controllers
+
+    def events(self, name: str, after: int) -> list[dict[str, Any]]:
+        """The service's events after id ``after``, each with ``replica``: the id status
+        shows (``replica_id`` is the internal one)."""
+        self.controller(name)
+        rows = self.store.events(name, after=after)
+        seqs = {r.id: r.seq for r in self.store.replicas(name)}
+        return [{**r.__dict__, "replica": seqs.get(r.replica_id or 0)} for r in rows]
+
+    def describe(self) -> dict[str, Any]:
+        capacity = self.deps.capacity
+        return {
+            "home": str(self.home),
+            "started_at": self.started_at,
+            "services": len(self.controllers),
+            "jobs": self.deps.pool.stats(),
+            "balancer_workers": self.deps.dataplane.workers(),
+            "confinement": self.confinement,
+            "inventory": capacity.view() if capacity is not None else None,
+        }
+
+    def metrics(self) -> bytes:
+        """Prometheus text: every service's balancer (requests, errors, latency, in-flight
+        per replica, retries) summed over the balancer workers' latest reports, and the
+        machine's devices (corral_gpu_held / corral_gpu_free)."""
+        body = render(self.deps.dataplane.stats())
+        if self.deps.capacity is not None:
+            body += self.deps.capacity.metrics()
+        return body
+
+    def request_stop(self, *, workers: bool) -> bool:
+        """Stop the daemon; with ``workers`` the balancer workers too (else they keep serving
+        every service). Returns whether the workers will stop."""
+        self.stop_workers = self.stop_workers or workers
+        self.stop_requested.set()
+        return self.stop_workers
+
+    async def restart_workers(self) -> Any:
+        """Each balancer worker replaced by a new process, new one first (an upgrade of corral
+        reaches the data plane this way, with no moment where a port has no listener)."""
+        return await self.deps.dataplane.restart_workers()
+
+    def log_finished(self, name: str, replica_id: int | None) -> bool:
+        """A followed log ends when what writes it is gone: the service, or the replica
+        (removed, or torn down: a failed replica stays listed but nothing writes its logs)."""
+        if name not in self.controllers:
+            return True
+        if replica_id is None:
+            return False
+        row = self.store.replica(replica_id)
+        return row is None or row.service != name or row.teardown_state == "succeeded"
 
     def services(self) -> list[dict[str, Any]]:
         out = []

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from corral.api_errors import RequestError
+from corral.daemon import UpdateRequest
 from corral.spec import MAX_REPLICAS
 
 if TYPE_CHECKING:
@@ -34,9 +35,7 @@ def down(daemon: Daemon, name: str) -> dict[str, Any]:
 
 
 async def rollback(daemon: Daemon, name: str, version: int) -> dict[str, Any]:
-    return await daemon.update(
-        name, None, mode="rolling", source=None, base_dir=None, from_version=version
-    )
+    return await daemon.update(name, UpdateRequest(from_version=version))
 
 
 def scaled_spec(spec_yaml: str, replicas: int) -> str:
@@ -75,5 +74,5 @@ async def scale(daemon: Daemon, name: str, replicas: int) -> dict[str, Any]:
         raise RequestError(409, f"service {name!r} has no version {svc.current_version}")
     text = scaled_spec(row.spec_yaml, replicas)
     return await daemon.update(
-        name, text, mode="rolling", source=row.source, base_dir=row.base_dir, from_version=None
+        name, UpdateRequest(spec_text=text, source=row.source, base_dir=row.base_dir)
     )
