@@ -40,6 +40,7 @@ from corral.controller import (
 )
 from corral.deploy import KEEP_VERSIONS
 from corral.errors import (
+    Conflict,
     HomeUnwritable,
     InvalidRequest,
     NoSuchReplica,
@@ -58,7 +59,7 @@ from corral.spec import (
     redact_secrets,
     validate_name,
 )
-from corral.state import ServiceRow, Store
+from corral.state import EventRow, ServiceRow, Store, VersionRow
 
 log = logging.getLogger("corral.daemon")
 
@@ -423,10 +424,26 @@ class Daemon:
         """Prometheus text: every service's balancer (requests, errors, latency, in-flight
         per replica, retries) summed over the balancer workers' latest reports, and the
         machine's devices (corral_gpu_held / corral_gpu_free)."""
-        body = render(self.deps.dataplane.stats())
+        body = render(self.balancer_stats())
         if self.deps.capacity is not None:
             body += self.deps.capacity.metrics()
         return body
+
+    def balancer_stats(self) -> dict[str, dict[str, Any]]:
+        """Every service's balancer counters, summed over the workers' latest reports."""
+        return self.deps.dataplane.stats()
+
+    def recent_events(self, name: str, limit: int) -> list[EventRow]:
+        return self.store.events(name, limit=limit)
+
+    def current_version(self, name: str) -> tuple[ServiceSpec, VersionRow]:
+        """The spec and row of the version the service runs, while it is not going away."""
+        controller = self.controller(name)
+        svc = self._live_row(name)
+        row = self.store.version(name, svc.current_version)
+        if row is None:  # never seen: a service's rows go together
+            raise Conflict(f"service {name!r} has no version {svc.current_version}")
+        return controller.spec(svc.current_version), row
 
     def request_stop(self, *, workers: bool) -> bool:
         """Stop the daemon; with ``workers`` the balancer workers too (else they keep serving

@@ -17,7 +17,7 @@ import yaml
 
 from corral.api_errors import RequestError
 from corral.daemon import UpdateRequest
-from corral.errors import Conflict, InvalidRequest, ServiceShuttingDown
+from corral.errors import Conflict, InvalidRequest
 from corral.spec import MAX_REPLICAS
 
 if TYPE_CHECKING:
@@ -57,11 +57,8 @@ def scaled_spec(spec_yaml: str, replicas: int) -> str:
 async def scale(daemon: Daemon, name: str, replicas: int) -> dict[str, Any]:
     """Give a fixed-size service ``replicas`` replicas (an autoscaled one is refused: its
     size is the autoscaler's, between bounds that only a spec update should move)."""
-    controller = daemon.controller(name)
-    svc = daemon.store.service(name)
-    if svc is None or svc.intent == "shutting_down":
-        raise ServiceShuttingDown(f"service {name!r} is shutting down")
-    policy = controller.spec(svc.current_version).service.replica_policy
+    spec, row = daemon.current_version(name)
+    policy = spec.service.replica_policy
     if policy.autoscaling:
         raise Conflict(
             f"service {name!r} autoscales between {policy.min_replicas} and "
@@ -69,9 +66,6 @@ async def scale(daemon: Daemon, name: str, replicas: int) -> dict[str, Any]:
         )
     if replicas > MAX_REPLICAS:
         raise InvalidRequest(f"field 'replicas' must be at most {MAX_REPLICAS}")
-    row = daemon.store.version(name, svc.current_version)
-    if row is None:
-        raise Conflict(f"service {name!r} has no version {svc.current_version}")
     text = scaled_spec(row.spec_yaml, replicas)
     return await daemon.update(
         name, UpdateRequest(spec_text=text, source=row.source, base_dir=row.base_dir)
