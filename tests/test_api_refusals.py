@@ -11,7 +11,8 @@ from typing import Any
 
 from conftest import CorralHome, spec_text
 
-from corral.api_errors import STATUS
+from corral import errors
+from corral.api_errors import STATUS, status_of
 from corral.errors import Refused
 
 
@@ -171,3 +172,22 @@ def test_every_domain_error_has_one_status() -> None:
         statuses = [STATUS[k] for k in kind.__mro__ if k in STATUS]
         assert statuses, f"{kind.__name__} maps to no status"
         assert statuses[0] in (400, 404, 409, 503), kind
+
+
+def test_each_refusal_keeps_the_status_clients_know() -> None:
+    """Pinned kind by kind: a 503 says "retry later", a 409 "not now", a 404 "not there"."""
+    expected = {
+        errors.InvalidRequest: 400,
+        errors.BadSpec: 400,
+        errors.Unrunnable: 400,
+        errors.NoSuchService: 404,
+        errors.NoSuchVersion: 404,
+        errors.NoSuchReplica: 404,
+        errors.ServiceExists: 409,
+        errors.ServiceShuttingDown: 409,
+        errors.ReplicaBusy: 409,
+        errors.NoRoom: 409,
+        errors.VersionFilesGone: 409,
+        errors.HomeUnwritable: 503,
+    }
+    assert {kind: status_of(kind("why")) for kind in expected} == expected
