@@ -99,6 +99,8 @@ corral.spec.parse_spec = watched
 import corral.controller, corral.daemon
 corral.controller.parse_spec = watched
 corral.daemon.parse_spec = watched
+import corral.admission
+corral.admission.parse_spec = watched
 from corral.cli import main
 sys.argv = ["corral", "daemon", "run"]
 main()

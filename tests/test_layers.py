@@ -109,3 +109,24 @@ def test_the_floor_imports_nothing_above_it() -> None:
             "corral.job",
             "corral.jobcommand",
         }, mod
+
+
+DOMAIN = ("corral.errors", "corral.admission", "corral.daemon", "corral.controller")
+
+
+def _is_http(module: str) -> bool:
+    """The HTTP layer: the app, its routes, the one table from domain errors to statuses,
+    the body reader and the dashboard."""
+    return module in ("corral.api", "corral.httpbody") or module.startswith(
+        ("corral.api_", "corral.dashboard")
+    )
+
+
+def test_the_api_imports_the_domain_errors_never_the_reverse() -> None:
+    graph = _graph()
+    assert graph["corral.errors"] == set(), "domain errors import nothing of corral's"
+    assert "corral.errors" in graph["corral.api_errors"]
+    assert "corral.api_errors" in _reaches(graph, "corral.api")
+    for module in DOMAIN:
+        http = sorted(m for m in _reaches(graph, module) if _is_http(m))
+        assert not http, f"{module} reaches the HTTP layer: {http}"

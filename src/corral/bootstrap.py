@@ -241,13 +241,97 @@ async def serve(
 
     ``infras`` replaces the backends the daemon would build (local, plus Ray when configured):
     the seam through which the chaos tests run a real daemon over a backend that fails on cue.
+    ``ssl_context`` (see :func:`server_tls_context`) makes the API speak HTTPS, required for a
+    ``host`` that is not loopback (the token would cross the network in clear); ``tls_cert``,
+    its certificate file, goes in ``daemon.json`` so a client here can verify exactly it."""
+    lock, token = _open_home(home, host, tls=ssl_context is not None)
+    home_marker = _home_id(home)
+    try:
+        inventory = await asyncio.to_thread(load_inventory)
+    except InventoryError as exc:
+        lock.close()
+        raise DaemonError(str(exc)) from None
+    log.info("inventory: %s", inventory.describe())
+    store = Store(home / "state.db")
+    pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
+    infras = dict(infras) if infras is not None else _default_backends()
+    confinement = await _prepare_backends(home, home_marker, infras, store)
+    dataplane = await _start_dataplane(home, store)
+    async with _probe_session() as http:
+        deps = ControllerDeps(
+            store=store,
+            pool=pool,
+            infras=infras,
+            home=home,
+            home_marker=home_marker,
+            http=http,
+            dataplane=dataplane,
+            capacity=Capacity(store, inventory),
+            **_settings(),
+        )
+        daemon = Daemon(home, store, deps)
+        daemon.confinement = confinement
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop_requested.set)
+        await daemon.start_controllers()
+        backups = asyncio.create_task(_backup_loop(store, home), name="corral-backup")
+        dataplane.open()  # the re-adopted ready sets go to the workers in one table
+        runner = make_runner(daemon, token)
+        await runner.setup()
+        try:
+            await _serve_api(runner, home, host, port, ssl_context, tls_cert)
+            await daemon.stop_requested.wait()
+            # On purpose (a signal or `corral daemon stop`): the workers must not restart it.
+            with contextlib.suppress(OSError):
+                (home / STOPPED_MARKER).write_text(f"{time.time()}\n")
+        finally:
+            await _shut_down(daemon, runner, backups)
+            lock.close()
 
-    ``ssl_context`` (see :func:`server_tls_context`) makes the API speak HTTPS; it is required
-    for any ``host`` that is not loopback, because the token would otherwise cross the network
-    in clear. ``tls_cert`` is that context's certificate file, recorded in ``daemon.json`` so a
-    client on this machine can verify the API against exactly it.
-    """
-    if not is_loopback(host) and ssl_context is None:
+
+async def _prepare_backends(
+    home: Path, home_marker: str, infras: Mapping[str, Infra], store: Store
+) -> dict[str, Any]:
+    """Before any controller runs: the local sandbox tried (its verdict is returned, for
+    ``/v1/daemon``), leftovers of a killed daemon swept, the state file backed up."""
+    local = infras.get("local")
+    confinement: dict[str, Any] = {"confined": False, "detail": "no local backend"}
+    if isinstance(local, LocalInfra):
+        confinement = await asyncio.to_thread(_guard_local, local, home, home_marker)
+    _sweep(home_marker, infras, store)
+    _backup(store, home)
+    return confinement
+
+
+def _default_backends() -> dict[str, Infra]:
+    """Local processes always; a cluster backend when this daemon is configured for one."""
+    return {"local": LocalInfra(), **_cluster_backends()}
+
+
+def _settings() -> dict[str, Any]:
+    """The controllers' knobs the daemon's environment may set (tests shorten them)."""
+    return {
+        "decision_interval": _env_float("CORRAL_DECISION_INTERVAL", 5.0),
+        "qps_window": _env_float("CORRAL_QPS_WINDOW", 60.0),
+        "teardown_timeout": _env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
+        "log_max_bytes": _env_bytes("CORRAL_LOG_MAX_BYTES"),
+        "launches_per_service": _env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
+    }
+
+
+def _probe_session() -> aiohttp.ClientSession:
+    """The probes' HTTP session. No pool cap: aiohttp's default of 100 connections let one
+    service with 100+ slow probes starve every other service's; each controller caps its own
+    (PROBES_PER_SERVICE) instead."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+
+def _open_home(home: Path, host: str, *, tls: bool) -> tuple[IO[str], str]:
+    """Take the home: its lock, a state file that is corral's, the process's limits, the
+    token. Returns the lock, held for the daemon's life, and the token."""
+    if not is_loopback(host) and not tls:
         raise DaemonError(
             f"refusing to serve the API on {host} (not loopback) without TLS: "
             "pass --tls-cert and --tls-key, or bind to 127.0.0.1"
@@ -271,29 +355,17 @@ async def serve(
             "every service of this home and runs commands as this user",
             host,
         )
+    with contextlib.suppress(FileNotFoundError):
+        (home / STOPPED_MARKER).unlink()
     token, notes = ensure_token(home)
     for note in notes:
         log.warning("API token: %s", note)
-    home_marker = _home_id(home)
-    with contextlib.suppress(FileNotFoundError):
-        (home / STOPPED_MARKER).unlink()
-    try:
-        inventory = await asyncio.to_thread(load_inventory)
-    except InventoryError as exc:
-        lock.close()
-        raise DaemonError(str(exc)) from None
-    log.info("inventory: %s", inventory.describe())
-    store = Store(home / "state.db")
-    pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
-    if infras is None:
-        infras = {"local": LocalInfra(), **_cluster_backends()}
-    infras = dict(infras)
-    local = infras.get("local")
-    confinement = {"confined": False, "detail": "no local backend"}
-    if isinstance(local, LocalInfra):
-        confinement = await asyncio.to_thread(_guard_local, local, home, home_marker)
-    _sweep(home_marker, infras, store)
-    _backup(store, home)
+    return lock, token
+
+
+async def _start_dataplane(home: Path, store: Store) -> DataPlane:
+    """Adopt the running balancer workers, or start them; a port one cannot bind becomes an
+    event of its service."""
     dataplane = DataPlane(
         home,
         store,
@@ -308,80 +380,65 @@ async def serve(
 
     dataplane.on_bind_error = bind_failed
     await dataplane.start()
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    # No pool cap: aiohttp's default of 100 connections let one service with 100+ slow probes
-    # starve every other service's; each controller caps its own (PROBES_PER_SERVICE) instead.
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-        deps = ControllerDeps(
-            store=store,
-            pool=pool,
-            infras=infras,
-            home=home,
-            home_marker=home_marker,
-            http=http,
-            dataplane=dataplane,
-            decision_interval=_env_float("CORRAL_DECISION_INTERVAL", 5.0),
-            qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
-            teardown_timeout=_env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
-            log_max_bytes=_env_bytes("CORRAL_LOG_MAX_BYTES"),
-            launches_per_service=_env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
-            capacity=Capacity(store, inventory),
-        )
-        daemon = Daemon(home, store, deps)
-        daemon.confinement = confinement
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop_requested.set)
-        await daemon.start_controllers()
-        backups = asyncio.create_task(_backup_loop(store, home), name="corral-backup")
-        dataplane.open()  # the re-adopted ready sets go to the workers in one table
-        runner = make_runner(daemon, token)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-        await site.start()
-        actual = runner.addresses[0][1]
-        info = {
-            "pid": os.getpid(),
-            "host": host,
-            "port": actual,
-            "scheme": "https" if ssl_context is not None else "http",
-            "tls_cert": str(tls_cert) if ssl_context is not None and tls_cert else None,
-            "started_at": time.time(),
-        }
-        tmp = home / "daemon.json.tmp"
-        tmp.write_text(json.dumps(info))
-        tmp.replace(home / "daemon.json")
+    return dataplane
+
+
+async def _serve_api(
+    runner: web.AppRunner,
+    home: Path,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None,
+    tls_cert: Path | None,
+) -> None:
+    """Listen, then say where in ``daemon.json`` (written whole, then renamed into place, so a
+    client never reads half of it)."""
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    await site.start()
+    actual = runner.addresses[0][1]
+    info = {
+        "pid": os.getpid(),
+        "host": host,
+        "port": actual,
+        "scheme": "https" if ssl_context is not None else "http",
+        "tls_cert": str(tls_cert) if ssl_context is not None and tls_cert else None,
+        "started_at": time.time(),
+    }
+    tmp = home / "daemon.json.tmp"
+    tmp.write_text(json.dumps(info))
+    tmp.replace(home / "daemon.json")
+    log.info(
+        "corral daemon pid %d serving %s on %s://%s:%d",
+        os.getpid(),
+        home,
+        info["scheme"],
+        host,
+        actual,
+    )
+
+
+async def _shut_down(daemon: Daemon, runner: web.AppRunner, backups: asyncio.Task[None]) -> None:
+    """The API first (no new requests), then the controllers, then the data plane: unless
+    asked, its workers keep serving for the next daemon. Then the jobs still running get up
+    to 15 s, and the state file is closed."""
+    deps = daemon.deps
+    home = deps.home
+    if daemon.stop_workers:
+        log.info("corral daemon stopping, balancer workers too")
+    else:
         log.info(
-            "corral daemon pid %d serving %s on %s://%s:%d",
-            os.getpid(),
-            home,
-            info["scheme"],
-            host,
-            actual,
+            "corral daemon stopping: balancer workers keep serving, replicas keep "
+            "running; the next daemon adopts both"
         )
-        try:
-            await daemon.stop_requested.wait()
-            # On purpose (a signal or `corral daemon stop`): the workers must not restart it.
-            with contextlib.suppress(OSError):
-                (home / STOPPED_MARKER).write_text(f"{time.time()}\n")
-        finally:
-            if daemon.stop_workers:
-                log.info("corral daemon stopping, balancer workers too")
-            else:
-                log.info(
-                    "corral daemon stopping: balancer workers keep serving, replicas keep "
-                    "running; the next daemon adopts both"
-                )
-            with contextlib.suppress(FileNotFoundError):
-                (home / "daemon.json").unlink()
-            await runner.cleanup()
-            backups.cancel()
-            await daemon.stop_controllers()
-            await dataplane.stop(workers=daemon.stop_workers)
-            _backup(store, home)
-            if isinstance(local, LocalInfra):
-                local.release(home_marker)
-            await asyncio.to_thread(pool.shutdown, timeout=15.0)
-            store.close()
-            lock.close()
+    with contextlib.suppress(FileNotFoundError):
+        (home / "daemon.json").unlink()
+    await runner.cleanup()
+    backups.cancel()
+    await daemon.stop_controllers()
+    await deps.dataplane.stop(workers=daemon.stop_workers)
+    _backup(deps.store, home)
+    local = deps.infras.get("local")
+    if isinstance(local, LocalInfra):
+        local.release(deps.home_marker)
+    await asyncio.to_thread(deps.pool.shutdown, timeout=15.0)
+    deps.store.close()

@@ -31,6 +31,7 @@ from corral import capture, plan
 from corral.autoscale import Autoscaler, Decision, make_autoscaler
 from corral.dataplane.plane import ServiceRoute
 from corral.dataplane.protocol import Route
+from corral.errors import NoSuchReplica, ReplicaBusy
 from corral.executor import Executor
 from corral.infra.base import scratch_root
 from corral.logcap import cap_logs
@@ -60,7 +61,6 @@ from corral.views import service_view
 __all__ = [
     "LAUNCHES_PER_SERVICE",
     "ControllerDeps",
-    "ReplicaRefused",
     "ServiceController",
     "handle_from_row",
     "handle_to_json",
@@ -68,15 +68,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("corral.controller")
-
-
-class ReplicaRefused(Exception):
-    """A request about one replica that cannot be done; ``status`` is the HTTP status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class ServiceController:
@@ -401,26 +392,24 @@ class ServiceController:
         """``corral down NAME --replica-id N``, as SkyServe's terminate_replica: a live replica
         is drained and torn down, and since the target is unchanged the next reconcile step
         launches its replacement. A failed replica is refused (it is kept visible on purpose)
-        unless ``purge``, which forgets its row. Raises :class:`ReplicaRefused`."""
+        unless ``purge``, which forgets its row. Raises NoSuchReplica or ReplicaBusy (domain
+        errors: the API gives them their status)."""
         r = self.svc.store.replica_by_seq(self.svc.name, seq)
         if r is None:
-            raise ReplicaRefused(404, f"service {self.svc.name!r} has no replica {seq}")
+            raise NoSuchReplica(f"service {self.svc.name!r} has no replica {seq}")
         status = replica_status(r)
         if status is ReplicaStatus.SHUTTING_DOWN or r.scale_down or r.id in self.svc.rt.draining:
-            raise ReplicaRefused(
-                409, f"replica {seq} of {self.svc.name!r} is already shutting down"
-            )
+            raise ReplicaBusy(f"replica {seq} of {self.svc.name!r} is already shutting down")
         if failure_status(r) is not None or status is ReplicaStatus.FAILED_CLEANUP:
             if r.teardown_state not in (TeardownState.SUCCEEDED, TeardownState.FAILED):
-                raise ReplicaRefused(409, f"replica {seq} ({status}) is being torn down already")
+                raise ReplicaBusy(f"replica {seq} ({status}) is being torn down already")
             if not purge:
                 why = (
                     "its teardown failed, so it may still run: `corral status -v` says why"
                     if status is ReplicaStatus.FAILED_CLEANUP
                     else "it is stopped already and kept visible for its logs"
                 )
-                raise ReplicaRefused(
-                    409,
+                raise ReplicaBusy(
                     f"replica {seq} of {self.svc.name!r} is {status}: {why}; "
                     f"`corral down {self.svc.name} --replica-id {seq} --purge` forgets it",
                 )

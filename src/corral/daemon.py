@@ -26,18 +26,29 @@ import errno
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral import deploy, versionfiles
-from corral.capacity import fit_problem
+from corral import admission, deploy, versionfiles
+from corral.balancer.metrics import render
 from corral.controller import (
     ControllerDeps,
-    ReplicaRefused,
     ServiceController,
 )
 from corral.deploy import KEEP_VERSIONS
-from corral.infra.local_rules import local_port_problem
+from corral.errors import (
+    Conflict,
+    HomeUnwritable,
+    InvalidRequest,
+    NoSuchReplica,
+    NoSuchService,
+    NoSuchVersion,
+    ServiceExists,
+    ServiceShuttingDown,
+    Unrunnable,
+    VersionFilesGone,
+)
 from corral.ports import free_port
 from corral.spec import (
     ServiceSpec,
@@ -46,44 +57,23 @@ from corral.spec import (
     redact_secrets,
     validate_name,
 )
-from corral.state import Store
+from corral.state import EventRow, ServiceRow, Store, VersionRow
 
 log = logging.getLogger("corral.daemon")
 
 
-class RequestError(Exception):
-    """A request the daemon refuses: carries the HTTP status and a message for the user."""
+@dataclass(frozen=True)
+class UpdateRequest:
+    """What an update asks for: a new spec (with its files' source, base_dir, envs, secrets),
+    or ``from_version``, a stored version to roll back to."""
 
-    def __init__(self, status: int, message: str, **details: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.details = details
-
-
-def _spec_refused(exc: SpecError) -> RequestError:
-    return RequestError(
-        400,
-        "invalid service spec",
-        issues=[i.as_json() | {"loc": i.loc} for i in exc.issues],
-        text=str(exc),
-    )
-
-
-def _check_inputs(
-    spec: ServiceSpec,
-    *,
-    source: str | None,
-    base_dir: str | None,
-    envs: Mapping[str, str],
-    secrets: Mapping[str, str],
-) -> None:
-    try:
-        deploy.check(
-            spec, source=source or "<request>", base_dir=base_dir, envs=envs, secrets=secrets
-        )
-    except SpecError as exc:
-        raise _spec_refused(exc) from None
+    spec_text: str | None = None
+    mode: str = "rolling"
+    source: str | None = None
+    base_dir: str | None = None
+    from_version: int | None = None
+    envs: Mapping[str, str] = field(default_factory=dict)
+    secrets: Mapping[str, str] = field(default_factory=dict)
 
 
 class Daemon:
@@ -138,7 +128,7 @@ class Daemon:
         envs, secrets = envs or {}, secrets or {}
         spec = await self._check_off_loop(spec_text, source=source, name=name)
         assert spec.name is not None
-        _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
+        admission.check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
         svc_name = spec.name
         stored_text = await asyncio.to_thread(redact_secrets, spec_text)
         # The controller keeps the spec as stored: secret values live only in the values file.
@@ -149,7 +139,7 @@ class Daemon:
             )
         async with self._deploy_lock(svc_name):
             if svc_name in self.controllers or self.store.service(svc_name) is not None:
-                raise RequestError(409, f"service {svc_name!r} already exists")
+                raise ServiceExists(f"service {svc_name!r} already exists")
             # The version's files exist before its row does: a replica never finds them missing.
             await self._prepare(svc_name, 1, spec, base_dir, envs, secrets)
             try:
@@ -161,89 +151,44 @@ class Daemon:
                     lb_port=free_port(),
                 )
             except KeyError:
-                raise RequestError(409, f"service {svc_name!r} already exists") from None
+                raise ServiceExists(f"service {svc_name!r} already exists") from None
         controller = await self._start_controller(svc_name, stored)
         if controller.balancer is not None and not await controller.balancer.wait_serving():
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
 
-    async def update(
-        self,
-        name: str,
-        spec_text: str | None,
-        *,
-        mode: str,
-        source: str | None,
-        base_dir: str | None,
-        from_version: int | None,
-        envs: Mapping[str, str] | None = None,
-        secrets: Mapping[str, str] | None = None,
-    ) -> dict[str, Any]:
+    async def update(self, name: str, request: UpdateRequest) -> dict[str, Any]:
         """Store a new version of a service and let its controller roll it out.
 
-        ``from_version`` re-deploys a stored version's spec (a rollback) as a new version, so
-        the history only grows and every rollout is in the event log; it reuses that
-        version's files (workdir copy, values).
+        ``request.from_version`` re-deploys a stored version's spec (a rollback) as a new
+        version, so the history only grows and every rollout is in the event log; it reuses
+        that version's files (workdir copy, values).
         """
         async with self._deploy_lock(name):
-            return await self._update(
-                name,
-                spec_text,
-                mode=mode,
-                source=source,
-                base_dir=base_dir,
-                from_version=from_version,
-                envs=envs or {},
-                secrets=secrets or {},
-            )
+            return await self._update(name, request)
 
-    async def _update(
-        self,
-        name: str,
-        spec_text: str | None,
-        *,
-        mode: str,
-        source: str | None,
-        base_dir: str | None,
-        from_version: int | None,
-        envs: Mapping[str, str],
-        secrets: Mapping[str, str],
-    ) -> dict[str, Any]:
+    async def _update(self, name: str, request: UpdateRequest) -> dict[str, Any]:
         controller = self.controller(name)
-        svc = self.store.service(name)
-        if svc is None or svc.intent == "shutting_down":
-            raise RequestError(409, f"service {name!r} is shutting down")
-        if mode not in ("rolling", "blue_green"):
-            raise RequestError(400, f"mode must be rolling or blue_green, not {mode!r}")
-        if from_version is not None:
-            if spec_text is not None:
-                raise RequestError(400, "give either a spec or a version to roll back to, not both")
-            old = self.store.version(name, from_version)
-            if old is None:
-                raise RequestError(404, f"service {name!r} has no version {from_version}")
-            if envs or secrets:
-                raise RequestError(400, "a rollback reuses the version's values: no envs/secrets")
-            spec_text, source, base_dir = old.spec_yaml, old.source, old.base_dir
-        if spec_text is None:
-            raise RequestError(400, "field 'spec' (the service YAML) or 'from_version' is required")
+        self._live_row(name)
+        spec_text, source, base_dir = self._resolved(name, request)
         spec = await self._check_off_loop(spec_text, source=source, name=name)
-        if from_version is None:
-            _check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
+        envs, secrets = request.envs, request.secrets
+        if request.from_version is None:
+            admission.check_inputs(
+                spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets
+            )
         # The service may have been taken down or updated while the spec was being checked.
-        svc = self.store.service(name)
-        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
-            raise RequestError(409, f"service {name!r} is shutting down")
+        svc = self._live_row(name)
         current = controller.spec(svc.current_version)
         if spec.infra != current.infra:
-            raise RequestError(
-                400,
+            raise InvalidRequest(
                 f"an update cannot move a service from infra "
                 f"{current.infra!r} to {spec.infra!r}; bring up a new service",
             )
-        self._check_blue_green_room(name, mode, spec)
+        admission.check_blue_green_room(name, request.mode, spec, self.deps.capacity)
         next_version = max(v.version for v in self.store.versions(name)) + 1
-        if from_version is not None:
-            await self._reuse_files(name, from_version, next_version)
+        if request.from_version is not None:
+            await self._reuse_files(name, request.from_version, next_version)
         else:
             await self._prepare(name, next_version, spec, base_dir, envs, secrets)
         # Off the loop, as every parse: the largest spec takes up to a second to read.
@@ -254,11 +199,14 @@ class Daemon:
         same_replicas = self._same_replicas(
             name, svc.current_version, next_version, base_dir, current, stored_spec
         )
-        svc = self.store.service(name)
-        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
-            raise RequestError(409, f"service {name!r} is shutting down")
+        self._live_row(name)
         version = self.store.add_version(
-            name, stored_text, source=source, base_dir=base_dir, mode=mode, adopt_live=same_replicas
+            name,
+            stored_text,
+            source=source,
+            base_dir=base_dir,
+            mode=request.mode,
+            adopt_live=same_replicas,
         )
         if version != next_version:  # nothing else adds versions; never seen
             log.error("service %s: version %d stored as %d", name, next_version, version)
@@ -267,23 +215,32 @@ class Daemon:
         controller.updated()
         return controller.snapshot()
 
-    def _check_blue_green_room(self, name: str, mode: str, spec: ServiceSpec) -> None:
-        """Refuse a blue-green update that could never switch: on a machine too full for the
-        new version's first replicas beside the old ones (docs/gpus.md), they would wait for
-        ever while the old ones wait for them. A rolling update replaces one at a time there."""
-        capacity = self.deps.capacity
-        if mode != "blue_green" or spec.infra != "local" or capacity is None:
-            return
-        policy = spec.service.replica_policy
-        needed = max(1, policy.min_replicas)
-        problem = capacity.room_beside(spec.resources.model_dump(exclude_none=True), needed)
-        if problem:
-            raise RequestError(
-                409,
-                f"a blue-green update of {name!r} needs room for {needed} replica(s) of the new "
-                f"version beside the old ones, and this machine has none: {problem}. Use "
-                "--mode rolling, which replaces one replica at a time on a full machine",
-            )
+    def _live_row(self, name: str) -> ServiceRow:
+        """The service's row, while it is not going away (else ServiceShuttingDown)."""
+        svc = self.store.service(name)
+        if svc is None or svc.intent == "shutting_down" or name not in self.controllers:
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
+        return svc
+
+    def _resolved(self, name: str, request: UpdateRequest) -> tuple[str, str | None, str | None]:
+        """The spec text, source and base_dir an update deploys: its own, or a stored
+        version's for a rollback."""
+        if request.mode not in ("rolling", "blue_green"):
+            raise InvalidRequest(f"mode must be rolling or blue_green, not {request.mode!r}")
+        if request.from_version is None:
+            if request.spec_text is None:
+                raise InvalidRequest(
+                    "field 'spec' (the service YAML) or 'from_version' is required"
+                )
+            return request.spec_text, request.source, request.base_dir
+        if request.spec_text is not None:
+            raise InvalidRequest("give either a spec or a version to roll back to, not both")
+        old = self.store.version(name, request.from_version)
+        if old is None:
+            raise NoSuchVersion(f"service {name!r} has no version {request.from_version}")
+        if request.envs or request.secrets:
+            raise InvalidRequest("a rollback reuses the version's values: no envs/secrets")
+        return old.spec_yaml, old.source, old.base_dir
 
     def _deploy_lock(self, name: str) -> asyncio.Lock:
         """One create/update of a service at a time: the next version's number is taken, and
@@ -317,13 +274,12 @@ class Daemon:
             home_trouble[errno.EROFS] = "home is read-only"
             trouble = home_trouble.get(exc.errno or 0)
             if trouble is not None:
-                raise RequestError(
-                    503,
+                raise HomeUnwritable(
                     f"service {name}: the version's files cannot be written: the {trouble} "
                     f"({exc}); nothing was changed, retry",
                 ) from None
-            raise RequestError(
-                400, f"service {name}: cannot copy the workdir of version {version}: {exc}"
+            raise Unrunnable(
+                f"service {name}: cannot copy the workdir of version {version}: {exc}"
             ) from None
         if spec.workdir:
             log.info(
@@ -338,8 +294,7 @@ class Daemon:
         """A rollback's files: version ``old``'s, shared."""
         cloned = await asyncio.to_thread(versionfiles.clone_version, self.home, name, old, new)
         if not cloned and versionfiles.has_files(self.home, name):
-            raise RequestError(
-                409,
+            raise VersionFilesGone(
                 f"the files of version {old} were removed (the last {KEEP_VERSIONS} versions "
                 "are kept): deploy it from its spec file with `corral update`",
             )
@@ -376,42 +331,26 @@ class Daemon:
     async def _check_off_loop(
         self, spec_text: str, *, source: str | None, name: str | None
     ) -> ServiceSpec:
-        """:meth:`_check` on a thread: the largest spec the parser accepts takes up to a second
-        to read, and the event loop it would block also carries every balancer's traffic."""
-        return await asyncio.to_thread(self._check, spec_text, source=source, name=name)
-
-    def _check(self, spec_text: str, *, source: str | None, name: str | None) -> ServiceSpec:
-        """Validate a spec as this daemon will run it (the API is the trust boundary)."""
-        try:
-            spec = parse_spec(spec_text, source=source or "<request>", name=name)
-        except SpecError as exc:
-            raise _spec_refused(exc) from None
-        if not spec.name:
-            raise RequestError(400, "the service needs a name: set `name:` in the spec or pass -n")
-        if spec.infra not in self.deps.infras:
-            raise RequestError(
-                400,
-                f"infra {spec.infra!r} is not available in this daemon "
-                f"(available: {', '.join(sorted(self.deps.infras))})",
-            )
-        if spec.infra == "local":
-            problem = local_port_problem(spec)
-            capacity = self.deps.capacity
-            if not problem and capacity is not None:
-                resources = spec.resources.model_dump(exclude_none=True)
-                problem = fit_problem(resources, capacity.inventory)
-            if problem:
-                raise RequestError(400, problem)
-        return spec
+        """:func:`corral.admission.check_spec` on a thread: the largest spec the parser accepts
+        takes up to a second to read, and the event loop it would block also carries every
+        balancer's traffic."""
+        return await asyncio.to_thread(
+            admission.check_spec,
+            spec_text,
+            source=source,
+            name=name,
+            infras=self.deps.infras,
+            capacity=self.deps.capacity,
+        )
 
     def controller(self, name: str) -> ServiceController:
         try:
             validate_name(name)
         except SpecError as exc:
-            raise RequestError(400, f"bad service name {name!r}: {exc.issues[0].message}") from None
+            raise InvalidRequest(f"bad service name {name!r}: {exc.issues[0].message}") from None
         controller = self.controllers.get(name)
         if controller is None:
-            raise RequestError(404, f"no service named {name!r}")
+            raise NoSuchService(f"no service named {name!r}")
         return controller
 
     def down(self, name: str, *, purge: bool) -> dict[str, Any]:
@@ -426,19 +365,95 @@ class Daemon:
         controller = self.controller(name)
         svc = self.store.service(name)
         if svc is None or svc.intent == "shutting_down":
-            raise RequestError(409, f"service {name!r} is shutting down")
-        try:
-            return controller.terminate_replica(seq, purge=purge)
-        except ReplicaRefused as exc:
-            raise RequestError(exc.status, exc.message) from None
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
+        return controller.terminate_replica(seq, purge=purge)
 
     def replica_uid(self, name: str, seq: int) -> int:
         """The internal id of replica ``seq`` (its number within the service, as shown)."""
         self.controller(name)
         row = self.store.replica_by_seq(name, seq)
         if row is None:
-            raise RequestError(404, f"service {name!r} has no replica {seq}")
+            raise NoSuchReplica(f"service {name!r} has no replica {seq}")
         return row.id
+
+    # -- what the API shows ---------------------------------------------------------------------
+
+    def service(self, name: str) -> dict[str, Any]:
+        controller = self.controller(name)
+        try:
+            return controller.snapshot()
+        except KeyError:  # its row is gone: the service finished `down` a moment ago
+            raise NoSuchService(f"no service named {name!r}") from None
+
+    def has_service(self, name: str) -> bool:
+        return name in self.controllers
+
+    def events(self, name: str, after: int) -> list[dict[str, Any]]:
+        """The service's events after id ``after``, each with ``replica``: the id status
+        shows (``replica_id`` is the internal one)."""
+        self.controller(name)
+        rows = self.store.events(name, after=after)
+        seqs = {r.id: r.seq for r in self.store.replicas(name)}
+        return [{**r.__dict__, "replica": seqs.get(r.replica_id or 0)} for r in rows]
+
+    def describe(self) -> dict[str, Any]:
+        capacity = self.deps.capacity
+        return {
+            "home": str(self.home),
+            "started_at": self.started_at,
+            "services": len(self.controllers),
+            "jobs": self.deps.pool.stats(),
+            "balancer_workers": self.deps.dataplane.workers(),
+            "confinement": self.confinement,
+            "inventory": capacity.view() if capacity is not None else None,
+        }
+
+    def metrics(self) -> bytes:
+        """Prometheus text: every service's balancer (requests, errors, latency, in-flight
+        per replica, retries) summed over the balancer workers' latest reports, and the
+        machine's devices (corral_gpu_held / corral_gpu_free)."""
+        body = render(self.balancer_stats())
+        if self.deps.capacity is not None:
+            body += self.deps.capacity.metrics()
+        return body
+
+    def balancer_stats(self) -> dict[str, dict[str, Any]]:
+        """Every service's balancer counters, summed over the workers' latest reports."""
+        return self.deps.dataplane.stats()
+
+    def recent_events(self, name: str, limit: int) -> list[EventRow]:
+        return self.store.events(name, limit=limit)
+
+    def current_version(self, name: str) -> tuple[ServiceSpec, VersionRow]:
+        """The spec and row of the version the service runs, while it is not going away."""
+        controller = self.controller(name)
+        svc = self._live_row(name)
+        row = self.store.version(name, svc.current_version)
+        if row is None:  # never seen: a service's rows go together
+            raise Conflict(f"service {name!r} has no version {svc.current_version}")
+        return controller.spec(svc.current_version), row
+
+    def request_stop(self, *, workers: bool) -> bool:
+        """Stop the daemon; with ``workers`` the balancer workers too (else they keep serving
+        every service). Returns whether the workers will stop."""
+        self.stop_workers = self.stop_workers or workers
+        self.stop_requested.set()
+        return self.stop_workers
+
+    async def restart_workers(self) -> Any:
+        """Each balancer worker replaced by a new process, new one first (an upgrade of corral
+        reaches the data plane this way, with no moment where a port has no listener)."""
+        return await self.deps.dataplane.restart_workers()
+
+    def log_finished(self, name: str, replica_id: int | None) -> bool:
+        """A followed log ends when what writes it is gone: the service, or the replica
+        (removed, or torn down: a failed replica stays listed but nothing writes its logs)."""
+        if name not in self.controllers:
+            return True
+        if replica_id is None:
+            return False
+        row = self.store.replica(replica_id)
+        return row is None or row.service != name or row.teardown_state == "succeeded"
 
     def services(self) -> list[dict[str, Any]]:
         out = []
@@ -452,16 +467,16 @@ class Daemon:
         if kind == "controller":
             return controller.logs / "controller.log"
         if replica is None:
-            raise RequestError(400, f"log kind {kind!r} needs a replica id")
+            raise InvalidRequest(f"log kind {kind!r} needs a replica id")
         if kind == "launch":
             path = controller.launch_log(replica)
         elif kind == "replica":
             path = controller.replica_log(replica)
         else:
-            raise RequestError(400, f"unknown log kind {kind!r}: use replica, launch or controller")
+            raise InvalidRequest(f"unknown log kind {kind!r}: use replica, launch or controller")
         row = self.store.replica(replica)
         if (row is None or row.service != name) and not path.exists():
             # Without this a followed log of a replica that never existed ends at once, empty,
             # and `corral logs NAME 999` exits 0 as if that were a log.
-            raise RequestError(404, f"service {name!r} has no replica {replica}")
+            raise NoSuchReplica(f"service {name!r} has no replica {replica}")
         return path

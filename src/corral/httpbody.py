@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from corral.daemon import RequestError
+from corral.api_errors import RequestError
 
 
 async def json_object(request: web.Request, timeout: float) -> dict[str, Any]:

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from corral.daemon import RequestError
+from corral.api_errors import RequestError
+from corral.daemon import UpdateRequest
+from corral.errors import Conflict, InvalidRequest
 from corral.spec import MAX_REPLICAS
 
 if TYPE_CHECKING:
@@ -34,21 +36,19 @@ def down(daemon: Daemon, name: str) -> dict[str, Any]:
 
 
 async def rollback(daemon: Daemon, name: str, version: int) -> dict[str, Any]:
-    return await daemon.update(
-        name, None, mode="rolling", source=None, base_dir=None, from_version=version
-    )
+    return await daemon.update(name, UpdateRequest(from_version=version))
 
 
 def scaled_spec(spec_yaml: str, replicas: int) -> str:
     """``spec_yaml`` with a fixed size of ``replicas`` (``replica_policy`` replaced)."""
     data = yaml.safe_load(spec_yaml)
     if not isinstance(data, dict):
-        raise RequestError(409, "the stored spec is not a YAML mapping; use `corral update`")
+        raise Conflict("the stored spec is not a YAML mapping; use `corral update`")
     service = data.get("service")
     if service is None:
         service = data["service"] = {}
     if not isinstance(service, dict):
-        raise RequestError(409, "the stored spec's `service` is not a mapping; use `corral update`")
+        raise Conflict("the stored spec's `service` is not a mapping; use `corral update`")
     service.pop("replica_policy", None)
     service["replicas"] = replicas
     return str(yaml.safe_dump(data, sort_keys=False))
@@ -57,23 +57,16 @@ def scaled_spec(spec_yaml: str, replicas: int) -> str:
 async def scale(daemon: Daemon, name: str, replicas: int) -> dict[str, Any]:
     """Give a fixed-size service ``replicas`` replicas (an autoscaled one is refused: its
     size is the autoscaler's, between bounds that only a spec update should move)."""
-    controller = daemon.controller(name)
-    svc = daemon.store.service(name)
-    if svc is None or svc.intent == "shutting_down":
-        raise RequestError(409, f"service {name!r} is shutting down")
-    policy = controller.spec(svc.current_version).service.replica_policy
+    spec, row = daemon.current_version(name)
+    policy = spec.service.replica_policy
     if policy.autoscaling:
-        raise RequestError(
-            409,
+        raise Conflict(
             f"service {name!r} autoscales between {policy.min_replicas} and "
             f"{policy.max_replicas} replicas: change its replica_policy with `corral update`",
         )
     if replicas > MAX_REPLICAS:
-        raise RequestError(400, f"field 'replicas' must be at most {MAX_REPLICAS}")
-    row = daemon.store.version(name, svc.current_version)
-    if row is None:
-        raise RequestError(409, f"service {name!r} has no version {svc.current_version}")
+        raise InvalidRequest(f"field 'replicas' must be at most {MAX_REPLICAS}")
     text = scaled_spec(row.spec_yaml, replicas)
     return await daemon.update(
-        name, text, mode="rolling", source=row.source, base_dir=row.base_dir, from_version=None
+        name, UpdateRequest(spec_text=text, source=row.source, base_dir=row.base_dir)
     )

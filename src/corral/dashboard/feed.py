@@ -110,7 +110,7 @@ class Feed:
 
     def sample(self, now: float) -> None:
         """Read the counters; add chart points that are due; encode a state if anyone listens."""
-        stats = self.daemon.deps.dataplane.stats()
+        stats = self.daemon.balancer_stats()
         names = list(self.daemon.controllers)
         for name in names:
             self.readings.add(name, Reading.of(now, stats.get(name)))
@@ -155,7 +155,7 @@ class Feed:
             for replica in service["replicas"]:
                 replica["traffic"] = traffic.get(str(replica["id"]))
             ready = [r for r in service["replicas"] if r["status"] == "READY"]
-            events = self.daemon.store.events(name, limit=EVENTS_SHOWN)
+            events = self.daemon.recent_events(name, EVENTS_SHOWN)
             point = self.history.latest(name)
             out.append(
                 {

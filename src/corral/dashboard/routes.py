@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from corral.daemon import RequestError
+from corral.api_errors import RequestError
 from corral.dashboard import PREFIX, actions, own_auth, pages
 from corral.dashboard.feed import Feed
 from corral.dashboard.history import KEEP_SECONDS, SAMPLE_SECONDS

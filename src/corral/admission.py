@@ -1,0 +1,93 @@
+"""Whether this daemon takes a service spec: valid, runnable here, its inputs readable.
+
+Why apart from the daemon: these are rules over a spec and what the machine has (backends,
+capacity), with no service state; the daemon calls them before it writes anything, so a refused
+request leaves no trace. The API is the trust boundary: a client that skips the CLI's own check
+gets the same refusals here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from corral import deploy
+from corral.capacity import Capacity, fit_problem
+from corral.errors import BadSpec, InvalidRequest, NoRoom, Unrunnable
+from corral.infra.base import Infra
+from corral.infra.local_rules import local_port_problem
+from corral.spec import ServiceSpec, SpecError, parse_spec
+
+
+def spec_refused(exc: SpecError) -> BadSpec:
+    return BadSpec(
+        "invalid service spec",
+        issues=[i.as_json() | {"loc": i.loc} for i in exc.issues],
+        text=str(exc),
+    )
+
+
+def check_spec(
+    spec_text: str,
+    *,
+    source: str | None,
+    name: str | None,
+    infras: Mapping[str, Infra],
+    capacity: Capacity | None,
+) -> ServiceSpec:
+    """The spec as this daemon will run it. Takes up to a second on the largest spec the
+    parser accepts: call it off the event loop."""
+    try:
+        spec = parse_spec(spec_text, source=source or "<request>", name=name)
+    except SpecError as exc:
+        raise spec_refused(exc) from None
+    if not spec.name:
+        raise InvalidRequest("the service needs a name: set `name:` in the spec or pass -n")
+    if spec.infra not in infras:
+        raise Unrunnable(
+            f"infra {spec.infra!r} is not available in this daemon "
+            f"(available: {', '.join(sorted(infras))})"
+        )
+    if spec.infra == "local":
+        problem = local_port_problem(spec)
+        if not problem and capacity is not None:
+            resources = spec.resources.model_dump(exclude_none=True)
+            problem = fit_problem(resources, capacity.inventory)
+        if problem:
+            raise Unrunnable(problem)
+    return spec
+
+
+def check_inputs(
+    spec: ServiceSpec,
+    *,
+    source: str | None,
+    base_dir: str | None,
+    envs: Mapping[str, str],
+    secrets: Mapping[str, str],
+) -> None:
+    """The files and values the spec names exist and fit (see :func:`corral.deploy.check`)."""
+    try:
+        deploy.check(
+            spec, source=source or "<request>", base_dir=base_dir, envs=envs, secrets=secrets
+        )
+    except SpecError as exc:
+        raise spec_refused(exc) from None
+
+
+def check_blue_green_room(
+    name: str, mode: str, spec: ServiceSpec, capacity: Capacity | None
+) -> None:
+    """Refuse a blue-green update that could never switch: on a machine too full for the
+    new version's first replicas beside the old ones (docs/gpus.md), they would wait for
+    ever while the old ones wait for them. A rolling update replaces one at a time there."""
+    if mode != "blue_green" or spec.infra != "local" or capacity is None:
+        return
+    policy = spec.service.replica_policy
+    needed = max(1, policy.min_replicas)
+    problem = capacity.room_beside(spec.resources.model_dump(exclude_none=True), needed)
+    if problem:
+        raise NoRoom(
+            f"a blue-green update of {name!r} needs room for {needed} replica(s) of the new "
+            f"version beside the old ones, and this machine has none: {problem}. Use "
+            "--mode rolling, which replaces one replica at a time on a full machine"
+        )
