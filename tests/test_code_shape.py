@@ -13,12 +13,10 @@ Conventions this test enforces, over every module under ``src/corral`` (parsed w
 * A function or method (nested ones included) may span at most ``MAX_FUNCTION_LINES`` lines,
   counted from its ``def`` line to its last line (``end_lineno - lineno + 1``; decorators are not
   counted). The exceptions are listed in ``ALLOWED`` with a one-line reason each.
-* ``BEING_SPLIT`` lists the violations, as of this test's writing, in modules other work is
-  restructuring (issue 13). It is not a place for new entries: it only shrinks.
 
 Functions are named ``<path under src/corral>:<qualified name>``, where a method is
-``Class.method`` and a nested function ``outer.inner``. An entry in either list that no longer
-matches a violation fails the test too, so the lists cannot rot.
+``Class.method`` and a nested function ``outer.inner``. An entry of ``ALLOWED`` that no longer
+matches a violation fails the test too, so the list cannot rot.
 """
 
 from __future__ import annotations
@@ -42,11 +40,6 @@ ALLOWED: dict[str, str] = {
         " (measured by bench/balancer.py)"
     ),
 }
-
-# Violations in modules that other helpers are restructuring under issue 13 (controller.py,
-# replicas.py, state.py, spec.py, jobs.py, infra/local.py, api.py, daemon.py, bootstrap.py).
-# The lead removes entries as those splits land; never add to this list.
-BEING_SPLIT: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -105,8 +98,7 @@ def violations() -> list[Violation]:
 
 
 def test_modules_and_functions_are_small_or_say_why() -> None:
-    excused = set(ALLOWED) | BEING_SPLIT
-    bad = [v for v in violations() if v.key not in excused]
+    bad = [v for v in violations() if v.key not in ALLOWED]
     assert not bad, (
         f"{len(bad)} module(s)/function(s) over the size limits; split them, or for a module add a"
         " 'Size: <reason>' line to its docstring (see this test's docstring):\n"
@@ -116,16 +108,15 @@ def test_modules_and_functions_are_small_or_say_why() -> None:
 
 def test_allowlists_name_only_current_violations() -> None:
     current = {v.key for v in violations()}
-    stale = sorted((set(ALLOWED) | BEING_SPLIT) - current)
+    stale = sorted(set(ALLOWED) - current)
     assert not stale, (
-        "these entries of ALLOWED/BEING_SPLIT in tests/test_code_shape.py are no longer"
+        "these entries of ALLOWED in tests/test_code_shape.py are no longer"
         " violations (split or renamed); remove them:\n" + "\n".join(f"  {k}" for k in stale)
     )
 
 
 def test_every_allowed_function_has_a_reason() -> None:
     assert all(reason.strip() for reason in ALLOWED.values())
-    assert not set(ALLOWED) & BEING_SPLIT
 
 
 def test_the_checker_sees_long_functions_and_unexplained_modules(tmp_path: Path) -> None:
