@@ -4,19 +4,57 @@ a replica that exited because its port was taken needs to be told: the app itsel
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Final
 
 import psutil
 
+# A port handed out is not handed out again by this process for this long, or until this
+# many newer ones were: between the pick and the app's own bind (its setup, its start-up) the
+# kernel sees the port free and returns it to the next bind(0), and two replicas launched
+# together were given the same port (seen in the chaos suite: one of them could not bind).
+HANDED_OUT_SECONDS: Final = 900.0
+HANDED_OUT_MAX: Final = 8192
+_ATTEMPTS: Final = 64
+
+_lock = threading.Lock()
+_handed_out: OrderedDict[tuple[str, int], float] = OrderedDict()
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` right now. Another process may take it before it is bound; the
-    local backend then keeps that process's answers from making a replica READY (see
-    ``LocalInfra.endpoint_conflict``) and the replica fails and is replaced, which is cheaper
-    than holding a reservation for every port handed out."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free on ``host`` right now and not handed out by this process recently (launch
+    jobs call this from several threads). Another process may still take it before it is
+    bound; the local backend then keeps that process's answers from making a replica READY
+    (see ``LocalInfra.endpoint_conflict``) and the replica fails and is replaced, which is
+    cheaper than holding a socket open for every port handed out."""
+    held: list[socket.socket] = []
+    try:
+        with _lock:
+            now = time.monotonic()
+            while _handed_out and (
+                len(_handed_out) > HANDED_OUT_MAX
+                or next(iter(_handed_out.values())) < now - HANDED_OUT_SECONDS
+            ):
+                _handed_out.popitem(last=False)
+            for _ in range(_ATTEMPTS):
+                # Each candidate stays bound while the next is asked for, so the kernel
+                # cannot offer the same one twice.
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(sock)
+                sock.bind((host, 0))
+                port = int(sock.getsockname()[1])
+                if (host, port) not in _handed_out:
+                    _handed_out[(host, port)] = now
+                    return port
+            raise OSError(f"no port on {host} that was not handed out in the last 15 minutes")
+    finally:
+        for sock in held:
+            with contextlib.suppress(OSError):
+                sock.close()
 
 
 def listeners(port: int) -> list[tuple[str, int | None]]:
