@@ -8,17 +8,22 @@ all, on 127.0.0.1, while this script:
    daemon back by themselves (``CORRAL_DAEMON_RESPAWN`` is left on); the time from the kill to
    a new daemon answering is recorded per cycle. The next kill waits for the new daemon to have
    adopted every service.
-2. Runs ``corral daemon stop`` (the workers must not bring that one back), SIGKILLs one replica
+2. Runs ``corral daemon restart-workers`` ``--restarts`` times (5 by default): every balancer
+   worker replaced by a new process, the upgrade path. Each time waits until the old workers
+   have exited (they finish what they hold: an idle keep-alive connection gets 3 s for its next
+   request) before the next.
+3. Runs ``corral daemon stop`` (the workers must not bring that one back), SIGKILLs one replica
    while no daemon runs, waits 3 s (traffic must pass over the dead replica), then
    ``corral daemon start``, which replaces the replica.
 
 Counted: every request sent, every failure with its kind, and which failures could be requests
 in flight on the killed replica (sent to its service within 100 ms before the kill, a POST that
 reached it cannot be retried). The verdict: 0 failures other than those. Also checked: the
-balancer workers after the run are the ones from before (adopted, never a second set) and each
+balancer workers after step 3 are the ones from before it (adopted, never a second set) and each
 service kept its port.
 
-Run: ``.venv/bin/python bench/dataplane_survival.py [--cycles 20]`` (about 2-3 minutes here).
+Run: ``.venv/bin/python bench/dataplane_survival.py [--cycles 20] [--restarts 5]`` (about 2-3
+minutes here).
 Results: a table on stdout and bench/results/dataplane_survival.json.
 """
 
@@ -121,11 +126,11 @@ def spec(directory: Path, name: str) -> Path:
     return path
 
 
-def run(cycles: int) -> dict[str, Any]:
+def run(cycles: int, restarts: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="corral-survival-") as tmp:
         home = Home(Path(tmp) / "home")
         try:
-            return _run(home, Path(tmp), cycles)
+            return _run(home, Path(tmp), cycles, restarts)
         finally:
             try:
                 home.cli("daemon", "start")
@@ -134,15 +139,37 @@ def run(cycles: int) -> dict[str, Any]:
                 home.cli("daemon", "stop", "--all")
 
 
-def _run(home: Home, tmp: Path, cycles: int) -> dict[str, Any]:
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def restart_workers(home: Home, restarts: int) -> list[float]:
+    """Seconds from each ``restart-workers`` to the last old worker gone."""
+    gone: list[float] = []
+    for n in range(restarts):
+        old = [w["pid"] for w in home.api("/v1/daemon")["balancer_workers"]]
+        started = time.monotonic()
+        home.cli("daemon", "restart-workers")
+        home.wait(lambda old=old: not any(alive(p) for p in old), 30, "the old workers to exit")
+        gone.append(time.monotonic() - started)
+        log(f"restart {n + 1}/{restarts}: old workers gone after {gone[-1]:.2f}s")
+    return gone
+
+
+def _run(home: Home, tmp: Path, cycles: int, restarts: int) -> dict[str, Any]:
     endpoints = {}
     for name in SERVICES:
         home.cli("up", str(spec(tmp, name)))
     home.wait(home.all_ready, 60, "every replica READY")
     for svc in home.api("/v1/services")["services"]:
         endpoints[svc["name"]] = svc["endpoint"]
-    workers_before = [w["pid"] for w in home.api("/v1/daemon")["balancer_workers"]]
-    duration = cycles * 3.5 + 25.0
+    duration = cycles * 3.5 + restarts * 8.0 + 25.0
     rate = TOTAL_RATE / len(SERVICES)
     loads = {
         n: PacedLoad(endpoints[n], rate=rate, duration=duration, post_every=3) for n in SERVICES
@@ -168,6 +195,8 @@ def _run(home: Home, tmp: Path, cycles: int) -> dict[str, Any]:
             home.wait(home.all_ready, 30, "the new daemon to adopt every service")
             log(f"cycle {cycle + 1}/{cycles}: daemon back in {back[-1]:.2f}s")
             time.sleep(1.0)
+        replaced = restart_workers(home, restarts)
+        workers_before = [w["pid"] for w in home.api("/v1/daemon")["balancer_workers"]]
         victim_service = SERVICES[0]
         victim = next(
             int(r["pid"])
@@ -210,6 +239,11 @@ def _run(home: Home, tmp: Path, cycles: int) -> dict[str, Any]:
             "median": round(statistics.median(back), 2) if back else None,
             "max": round(max(back), 2) if back else None,
         },
+        "restart_workers": restarts,
+        "old_workers_gone_s": {
+            "median": round(statistics.median(replaced), 2) if replaced else None,
+            "max": round(max(replaced), 2) if replaced else None,
+        },
         "daemon_stop_stayed_stopped": stayed_stopped,
         "workers_adopted": workers_before == workers_after,
         "ports_kept": ports_after == endpoints,
@@ -219,8 +253,9 @@ def _run(home: Home, tmp: Path, cycles: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--restarts", type=int, default=5)
     args = parser.parse_args()
-    result = run(args.cycles)
+    result = run(args.cycles, args.restarts)
     result["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
@@ -231,6 +266,9 @@ def main() -> None:
     print(f"{'p50 / p99 (ms)':<34} {result['p50_ms']:.1f} / {result['p99_ms']:.1f}")
     back = result["daemon_back_s"]
     print(f"{'daemon back after SIGKILL (s)':<34} median {back['median']}, max {back['max']}")
+    gone = result["old_workers_gone_s"]
+    print(f"{'restart-workers cycles':<34} {result['restart_workers']}")
+    print(f"{'old workers gone after (s)':<34} median {gone['median']}, max {gone['max']}")
     print(f"{'daemon stop stayed stopped':<34} {result['daemon_stop_stayed_stopped']}")
     print(f"{'same workers adopted':<34} {result['workers_adopted']}")
     print(f"{'every service kept its port':<34} {result['ports_kept']}")
