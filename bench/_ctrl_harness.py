@@ -278,14 +278,14 @@ class CorralHome:
                 except TimeoutError as exc:
                     problems.append(str(exc))
             try:
-                result = self.cli("daemon", "stop", timeout=45.0)
+                result = self.cli("daemon", "stop", "--all", timeout=45.0)  # workers too
                 if result.returncode != 0:
                     problems.append(
-                        f"{self.label}: `corral daemon stop` exited {result.returncode}: "
+                        f"{self.label}: `corral daemon stop --all` exited {result.returncode}: "
                         f"{result.stderr.strip()[-300:]}"
                     )
             except subprocess.TimeoutExpired:
-                problems.append(f"{self.label}: `corral daemon stop` timed out")
+                problems.append(f"{self.label}: `corral daemon stop --all` timed out")
         for pid, created in self.daemons.items():
             # `daemon stop` returns once the API is down; the process then stops its controllers
             # and its job pool. Give it that time before signalling it.

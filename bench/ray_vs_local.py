@@ -175,7 +175,7 @@ class Home:
             if down.returncode != 0:
                 problems.append(f"down --all failed: {down.stderr.strip()[-300:]}")
             pid = self.daemon_pid()
-            self.cli("daemon", "stop", timeout=60)
+            self.cli("daemon", "stop", "--all", timeout=60)  # workers too
             if pid is not None:
                 with contextlib.suppress(psutil.Error):
                     psutil.Process(pid).wait(30)
