@@ -30,6 +30,7 @@ Results: a table on stdout and bench/results/dataplane_survival.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -42,11 +43,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))  # the tests' open-loop load generator
 
 from load import PacedLoad  # noqa: E402
+
+from corral.procfs import running  # noqa: E402
 
 RESULTS = HERE / "results" / "dataplane_survival.json"
 SERVICES = ("alpha", "beta", "gamma")
@@ -139,24 +144,17 @@ def run(cycles: int, restarts: int) -> dict[str, Any]:
                 home.cli("daemon", "stop", "--all")
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def restart_workers(home: Home, restarts: int) -> list[float]:
     """Seconds from each ``restart-workers`` to the last old worker gone."""
     gone: list[float] = []
     for n in range(restarts):
-        old = [w["pid"] for w in home.api("/v1/daemon")["balancer_workers"]]
+        old = []
+        for worker in home.api("/v1/daemon")["balancer_workers"]:
+            with contextlib.suppress(psutil.Error):
+                old.append(psutil.Process(worker["pid"]))  # bound to this process, not the pid
         started = time.monotonic()
         home.cli("daemon", "restart-workers")
-        home.wait(lambda old=old: not any(alive(p) for p in old), 30, "the old workers to exit")
+        home.wait(lambda old=old: not any(map(running, old)), 30, "the old workers to exit")
         gone.append(time.monotonic() - started)
         log(f"restart {n + 1}/{restarts}: old workers gone after {gone[-1]:.2f}s")
     return gone
