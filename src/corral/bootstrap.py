@@ -258,7 +258,7 @@ async def serve(
     confinement = await _prepare_backends(home, home_marker, infras, store)
     dataplane = await _start_dataplane(home, store)
     async with _probe_session() as http:
-        deps = ControllerDeps(
+        deps = _controller_deps(
             store=store,
             pool=pool,
             infras=infras,
@@ -267,7 +267,6 @@ async def serve(
             http=http,
             dataplane=dataplane,
             capacity=Capacity(store, inventory),
-            **_settings(),
         )
         daemon = Daemon(home, store, deps)
         daemon.confinement = confinement
@@ -309,15 +308,34 @@ def _default_backends() -> dict[str, Infra]:
     return {"local": LocalInfra(), **_cluster_backends()}
 
 
-def _settings() -> dict[str, Any]:
-    """The controllers' knobs the daemon's environment may set (tests shorten them)."""
-    return {
-        "decision_interval": _env_float("CORRAL_DECISION_INTERVAL", 5.0),
-        "qps_window": _env_float("CORRAL_QPS_WINDOW", 60.0),
-        "teardown_timeout": _env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
-        "log_max_bytes": _env_bytes("CORRAL_LOG_MAX_BYTES"),
-        "launches_per_service": _env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
-    }
+def _controller_deps(
+    *,
+    store: Store,
+    pool: JobPool,
+    infras: dict[str, Infra],
+    home: Path,
+    home_marker: str,
+    http: aiohttp.ClientSession,
+    dataplane: DataPlane,
+    capacity: Capacity,
+) -> ControllerDeps:
+    """What every controller shares, with the knobs the daemon's environment may set (tests
+    shorten them)."""
+    return ControllerDeps(
+        store=store,
+        pool=pool,
+        infras=infras,
+        home=home,
+        home_marker=home_marker,
+        http=http,
+        dataplane=dataplane,
+        capacity=capacity,
+        decision_interval=_env_float("CORRAL_DECISION_INTERVAL", 5.0),
+        qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
+        teardown_timeout=_env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
+        log_max_bytes=_env_bytes("CORRAL_LOG_MAX_BYTES"),
+        launches_per_service=_env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
+    )
 
 
 def _probe_session() -> aiohttp.ClientSession:

@@ -50,7 +50,10 @@ def free_port(host: str = "127.0.0.1") -> int:
                 if (host, port) not in _handed_out:
                     _handed_out[(host, port)] = now
                     return port
-            raise OSError(f"no port on {host} that was not handed out in the last 15 minutes")
+            raise OSError(
+                f"no port on {host} that this process did not hand out in the last "
+                f"{HANDED_OUT_SECONDS / 60:g} minutes"
+            )
     finally:
         for sock in held:
             with contextlib.suppress(OSError):
