@@ -12,8 +12,11 @@ import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from corral.balancer import LoadBalancer, fast
 from corral.balancer.client import ClientConnection
@@ -135,6 +138,47 @@ RESPONSES = [
     [b"HTTP/1.1 200 OK\r\nX-Bad : 1\r\nContent-Length: 2\r\n\r\nok"],
     [b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 3\r\n\r\nerr"],
 ]
+
+
+# A request, then the same request line and Host line with other header lines after them.
+LEAD_BASE = b"GET /poll HTTP/1.1\r\nHost: h.example\r\nAccept: */*\r\n\r\n"
+LEAD_TAILS = [
+    [b"X-Request-Id: %d\r\n\r\n" % n for n in range(3)],
+    [b"Cookie: a=1\r\n\r\n", b"Connection: close\r\n\r\n"],
+    [b"X-Id: 1\r\n\r\n", b"Content-Length: 2\r\n\r\nhi", b"X-Id: 3\r\n\r\n"],
+    [b"Transfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"],
+    [b"Host: other\r\n\r\n"],  # a second Host
+    [b"hOST: h.example\r\n\r\n"],
+    [b"X-Forwarded-For: 1.1.1.1\r\n\r\n", b"X-Forwarded-Host: evil\r\n\r\n"],
+    [b"Expect: 100-continue\r\n\r\n", b"Upgrade: websocket\r\n\r\n"],
+    [b"Keep-Alive: 5\r\n\r\n", b"TE: trailers\r\n\r\n", b"X-Id: 2\r\n\r\n"],
+    # lines llhttp refuses: the general path's 400, never a request sent on
+    [b"X-Bad : 1\r\n\r\n"],
+    [b"X-Bad\x01: 1\r\n\r\n"],
+    [b"X-Bad: a\x00b\r\n\r\n"],
+    [b"X-Fold: a\r\n b\r\n\r\n"],
+    [b"X-Lf: a\nTransfer-Encoding: chunked\r\n\r\n"],
+    [b": empty-name\r\n\r\n"],
+    [b"No-Colon\r\n\r\n"],
+    # pipelined: the general path keeps them in order
+    [b"X-Id: 1\r\n\r\nGET /next HTTP/1.1\r\nHost: h.example\r\n\r\n"],
+]
+# The same request line with another Host line, none, or the same one elsewhere.
+LEAD_HOSTS = [
+    b"GET /poll HTTP/1.1\r\nHost: h.example.evil\r\nAccept: */*\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.exampl\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nAccept: */*\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nAccept: */*\r\nHost: h.example\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nAccept: */*\r\nHost: h.example\r\nHost: h.example\r\n\r\n",
+]
+
+
+def _with_id(first: bool, n: int) -> bytes:
+    """wrk's varied requests, with the request id before or after the Host line."""
+    lines = [b"Host: 127.0.0.1:8080", b"X-Request-Id: %d" % n]
+    if first:
+        lines.reverse()
+    return b"GET / HTTP/1.1\r\n" + b"\r\n".join(lines) + b"\r\n\r\n"
 
 
 @pytest.fixture
@@ -295,6 +339,13 @@ def _repeat(loop: asyncio.AbstractEventLoop, pairs: list[tuple[bytes, list[bytes
             (b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", RESPONSES[0]),
             (b"GET /b HTTP/1.0\r\nHost: h\r\n\r\n", RESPONSES[0]),
         ],
+        # the same request line and Host line, other lines new each time: the remembered lead
+        *(
+            [(LEAD_BASE, RESPONSES[0])] + [(LEAD_BASE[:-2] + line, RESPONSES[0]) for line in lines]
+            for lines in LEAD_TAILS
+        ),
+        [(LEAD_BASE, RESPONSES[0])] + [(request, RESPONSES[0]) for request in LEAD_HOSTS],
+        *([(_with_id(first, n), RESPONSES[0]) for n in range(4)] for first in (True, False)),
     ],
 )
 def test_repeated_exchanges_match_the_general_path(
@@ -321,3 +372,52 @@ def test_remembered_heads_are_used(loop: asyncio.AbstractEventLoop) -> None:
         assert got.endswith(b"Connection: close\r\n\r\nok") and rig.ct.closed
 
     loop.run_until_complete(go())
+
+
+def test_a_remembered_lead_spares_the_full_parse(loop: asyncio.AbstractEventLoop) -> None:
+    async def go() -> None:
+        rig = Rig()
+        rig.exchange(_with_id(True, 0), RESPONSES[0])
+        first_block = rig.client.blocks
+        assert rig.client.lead is not None and rig.client.lead[0] == b"GET / HTTP/1.1\r\n"
+        for n in range(1, 4):
+            sent, got = rig.exchange(_with_id(True, n), RESPONSES[0])
+            assert b"\r\nX-Request-Id: %d\r\n" % n in sent and got == RESPONSES[0][0]
+        # the header-block memo is set by the full parse only: it ran for the first request
+        assert rig.client.blocks is first_block
+
+    loop.run_until_complete(go())
+
+
+_NAMES = [b"X-Id", b"Cookie", b"Host", b"hoSt", b"Connection", b"Content-Length"]
+_NAMES += [b"Transfer-Encoding", b"X-Forwarded-For", b"Bad Name", b"X\x01", b"", b"X-Id "]
+_VALUE_BYTES = b"aZ09 \t:;,=/-\x00\x01\x7f\x80\xff\r\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(_NAMES), st.binary(max_size=12)).map(
+            lambda nv: nv[0] + b": " + bytes(_VALUE_BYTES[c % len(_VALUE_BYTES)] for c in nv[1])
+        ),
+        max_size=4,
+    ),
+    st.booleans(),
+)
+def test_any_lines_after_a_remembered_lead_match_the_general_path(
+    lines: list[bytes], host_first: bool
+) -> None:
+    """Whatever lines follow a remembered request line and Host line (good, bad, or ones the
+    balancer must act on), the fast path sends and answers what the general path does."""
+    host = b"Host: h.example"
+    head = [host, *lines] if host_first else [*lines, host]
+    request = b"GET /poll HTTP/1.1\r\n" + b"".join(line + b"\r\n" for line in head) + b"\r\n"
+    pairs = [(LEAD_BASE, RESPONSES[0]), (request, RESPONSES[0]), (LEAD_BASE, RESPONSES[0])]
+    loop = asyncio.new_event_loop()
+    try:
+        fast_result = _repeat(loop, pairs)
+        with mock.patch.object(fast, "try_request", lambda cl, data: False):
+            general_result = _repeat(loop, pairs)
+    finally:
+        loop.close()
+    assert fast_result == general_result

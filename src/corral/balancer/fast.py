@@ -22,6 +22,12 @@ only place where failures are handled:
   exactly the state the general path would have reached, and lets that handle it (retries
   included).
 
+What a parse found is remembered, so that what a client repeats is not parsed again: per client
+connection, its last parsed request (the same bytes again skip the parse and llhttp, whose
+verdict on them is known), its header lines (the same lines under another request line) and its
+request line and Host line (:data:`Lead`: a client that varies other headers, a request id or
+a cookie, has only those lines scanned); per replica, its last response head.
+
 Both sides are still validated by llhttp (the request parser the general path uses; a second,
 callback-free response parser per replica connection), so framing is as strict as before:
 conflicting or duplicate Content-Length and Transfer-Encoding are rejected, absolute-form
@@ -50,7 +56,7 @@ if TYPE_CHECKING:
     from corral.balancer.client import ClientConnection
     from corral.balancer.upstream import UpstreamConnection
 
-__all__ = ["Blocks", "FastState", "Memo", "materialize", "try_request", "try_response"]
+__all__ = ["Blocks", "FastState", "Lead", "Memo", "materialize", "try_request", "try_response"]
 
 # (replica connection, replica id, t0, method, origin-form target, client is HTTP/1.1, keep the
 #  client connection alive, kept header block, X-Forwarded-For line, Host value or None,
@@ -74,6 +80,11 @@ Memo = tuple[bytes, bytes, bytes, bool, bytes, "bytes | None", "bytes | None"]
 # A client connection's last header block with no header but Host to drop: the block, what is
 # kept of it, the Host value or None.
 Blocks = tuple[bytes, bytes, "bytes | None"]
+# What a client connection's last HTTP/1.1 request with no header but Host to drop shares with
+# the next ones from a client that varies other headers (a request or trace id, a cookie): its
+# request line (CRLF included), method, origin-form target, its Host line (CRLF before and
+# after) or None, the Host value or None.
+Lead = tuple[bytes, bytes, bytes, "bytes | None", "bytes | None"]
 # What a request head says that the fast path acts on: kept block, Host, Content-Length (-1:
 # none), Connection token, X-Forwarded-For.
 _Scanned = tuple[bytes, "bytes | None", int, "bytes | None", "bytes | None"]
@@ -101,11 +112,43 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     lb = cl.lb
     memo = cl.memo
     if memo is not None and memo[0] == data and not lb._stopping:
-        # The bytes of the last request on this connection again (a client polling one URL):
+        # The bytes of the last parsed request on this connection again (a client polling):
         # everything below depends on those bytes alone, and the parser is back where it was.
         _, method, target, http11, kept, host, token = memo
         keep_alive = (token != b"close" if http11 else token == b"keep-alive") and not cl._eof
         return _send(cl, method, target, http11, keep_alive, kept, cl.xff_line, host, None)
+    lead = cl.lead
+    if lead is not None and data.startswith(lead[0]) and not lb._stopping:
+        # A recent request's request line and Host line again, other lines new: only those
+        # are looked at (for a header to act on, a second Host among them). llhttp still
+        # checks the whole request.
+        at = len(lead[0]) - 2  # the header block starts with the request line's CRLF
+        end = data.find(b"\r\n\r\n", at)
+        if (
+            end >= 0
+            and end + 4 == len(data)
+            and end < _MEMO_MAX
+            and end + 4 <= lb._max_header_bytes
+            and (end <= _COUNT_HEADERS_ABOVE or data.count(_CRLF, 0, end) <= _MAX_HEADERS)
+        ):
+            block = data[at : end + 2]
+            _, method, target, host_line, host = lead
+            if host_line is None:
+                kept = block
+            elif (i := block.find(host_line)) >= 0:
+                kept = block[:i] + block[i + len(host_line) - 2 :]
+            else:
+                kept = b""  # Host is not the remembered one (a kept block is never empty)
+            if kept and REQUEST_RE.search(kept.lower()) is None:
+                parser = cl._parser
+                if parser is None:
+                    parser = cl._parser = httptools.HttpRequestParser(cl)
+                try:
+                    parser.feed_data(data)
+                except httptools.HttpParserError:  # the general path answers it
+                    cl._parser = None
+                    return False
+                return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, host, None)
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:
         return False
@@ -125,6 +168,7 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         return False
     block = data[eol : end + 2]
     blocks = cl.blocks
+    lead = None
     if blocks is not None and blocks[0] == block:
         # The header lines of the last request on this connection again (a client sends the
         # same headers with each request): what the scan below found in them. llhttp still
@@ -135,15 +179,18 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         # the common case: at most Host to take out (low has the same offsets as block)
         i = low.find(_HOST)
         if i < 0:
-            kept, host = block, None
+            kept, host, host_line = block, None, None
         else:
             j = low.find(_CRLF, i + 7)
             if low.find(_HOST, j) >= 0:
                 return False
             kept, host = block[:i] + block[j:], block[i + 7 : j].strip(_STRIP)
+            host_line = block[i : j + 2]
         length, token, xff = -1, None, None
         if end < _MEMO_MAX:
             cl.blocks = (block, kept, host)
+            if http11:
+                lead = (data[: eol + 2], method, target, host_line, host)
     else:
         scanned = _scan(block, low)
         if scanned is None:
@@ -174,6 +221,8 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         xff_line = cl.xff_line
         if body is None and persistent and end < _MEMO_MAX:
             cl.memo = (data, method, target, http11, kept, host, token)
+            if lead is not None:
+                cl.lead = lead
     else:
         peer = cl.peer
         xff_line = b"X-Forwarded-For: %b\r\n" % (xff + b", " + peer if peer else xff)
@@ -290,20 +339,25 @@ def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) ->
     """Relay ``data`` if it is the whole plain answer to the fast request in flight; False
     when the general path must handle it (nothing done yet)."""
     fast = cl.fast
-    end = data.find(b"\r\n\r\n")
-    if end < 0 or fast is None or conn._head:
+    if fast is None or conn._head:
         return False
     _, rid, t0, method, _, http11, keep_alive, _, _, _, _ = fast
     if method == b"HEAD":
         return False  # the general path knows its framing
     dest = conn.target
     memo = dest.memo
-    body_at = end + 4
-    if memo is not None and len(memo[0]) == body_at and data.startswith(memo[0]):
+    if memo is not None and data.startswith(memo[0]):
         # This replica's last validated head again (same bytes: same verdict from llhttp,
-        # whose state after a whole message is the one before it).
+        # whose state after a whole message is the one before it). It holds one CRLF CRLF,
+        # at its end, so that is where this head ends too.
         _, status, length, head = memo
+        body_at = len(memo[0])
+        end = body_at - 4
     else:
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        body_at = end + 4
         checked = _check_head(conn, data, end)
         if checked is None:
             return False
