@@ -26,7 +26,7 @@ import httptools
 
 from corral.balancer import fast
 from corral.balancer.exchange import DL_HEAD, DL_LINGER, DL_NONE, Exchange
-from corral.balancer.headers import connection_tokens, forwarded, scan_request
+from corral.balancer.headers import connection_tokens, forwarded, forwarded_host, scan_request
 from corral.balancer.http1 import BadRequest, error_response, origin_form, parse_request_line
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ class ClientConnection(asyncio.Protocol):
         else:
             xff_line = self.xff_line
         host = found.get(b"host")
-        fwd = forwarded(kept, xff_line, lb._proto_line, host[0] if host else None)
+        fwd = forwarded(kept, xff_line, lb._proto_line, forwarded_host(host[0] if host else None))
         ex = Exchange(lb, self, method, origin_form(target), http11, keep_alive, fwd, ws)
         expect = found.get(b"expect")
         ex.expect = expect is not None and expect[0].lower() == b"100-continue"

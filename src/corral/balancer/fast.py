@@ -49,7 +49,13 @@ from corral.balancer.exchange import (
     NONIDEMPOTENT_MAX_IDLE,
     Exchange,
 )
-from corral.balancer.headers import HOP_RE, REQUEST_OTHER_RE, REQUEST_RE, forwarded
+from corral.balancer.headers import (
+    HOP_RE,
+    REQUEST_OTHER_RE,
+    REQUEST_RE,
+    forwarded,
+    forwarded_host,
+)
 from corral.balancer.metrics import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
@@ -59,8 +65,8 @@ if TYPE_CHECKING:
 __all__ = ["Blocks", "FastState", "Lead", "Memo", "materialize", "try_request", "try_response"]
 
 # (replica connection, replica id, t0, method, origin-form target, client is HTTP/1.1, keep the
-#  client connection alive, kept header block, X-Forwarded-For line, Host value or None,
-#  Content-Length body or None): one tuple, not an object, per request.
+#  client connection alive, kept header block, X-Forwarded-For line, X-Forwarded-Host line or
+#  b"", Content-Length body or None): one tuple, not an object, per request.
 FastState = tuple[
     "UpstreamConnection",
     int,
@@ -71,20 +77,20 @@ FastState = tuple[
     bool,
     bytes,
     bytes,
-    "bytes | None",
+    bytes,
     "bytes | None",
 ]
 # A client connection's last fast request: its bytes (head only, no body), method, origin-form
-# target, HTTP/1.1, kept header block, Host value or None, Connection token.
-Memo = tuple[bytes, bytes, bytes, bool, bytes, "bytes | None", "bytes | None"]
+# target, HTTP/1.1, kept header block, X-Forwarded-Host line (b"": no Host), Connection token.
+Memo = tuple[bytes, bytes, bytes, bool, bytes, bytes, "bytes | None"]
 # A client connection's last header block with no header but Host to drop: the block, what is
-# kept of it, the Host value or None.
-Blocks = tuple[bytes, bytes, "bytes | None"]
+# kept of it, its X-Forwarded-Host line.
+Blocks = tuple[bytes, bytes, bytes]
 # What a client connection's last HTTP/1.1 request with no header but Host to drop shares with
 # the next ones from a client that varies other headers (a request or trace id, a cookie): its
 # request line (CRLF included), method, origin-form target, its Host line (CRLF before and
-# after) or None, the Host value or None.
-Lead = tuple[bytes, bytes, bytes, "bytes | None", "bytes | None"]
+# after) or None, its X-Forwarded-Host line.
+Lead = tuple[bytes, bytes, bytes, "bytes | None", bytes]
 # What a request head says that the fast path acts on: kept block, Host, Content-Length (-1:
 # none), Connection token, X-Forwarded-For.
 _Scanned = tuple[bytes, "bytes | None", int, "bytes | None", "bytes | None"]
@@ -114,9 +120,9 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     if memo is not None and memo[0] == data and not lb._stopping:
         # The bytes of the last parsed request on this connection again (a client polling):
         # everything below depends on those bytes alone, and the parser is back where it was.
-        _, method, target, http11, kept, host, token = memo
+        _, method, target, http11, kept, fhost, token = memo
         keep_alive = (token != b"close" if http11 else token == b"keep-alive") and not cl._eof
-        return _send(cl, method, target, http11, keep_alive, kept, cl.xff_line, host, None)
+        return _send(cl, method, target, http11, keep_alive, kept, cl.xff_line, fhost, None)
     lead = cl.lead
     if lead is not None and data.startswith(lead[0]) and not lb._stopping:
         # A recent request's request line and Host line again, other lines new: only those
@@ -132,7 +138,7 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
             and (end <= _COUNT_HEADERS_ABOVE or data.count(_CRLF, 0, end) <= _MAX_HEADERS)
         ):
             block = data[at : end + 2]
-            _, method, target, host_line, host = lead
+            _, method, target, host_line, fhost = lead
             if host_line is None:
                 kept = block
             elif (i := block.find(host_line)) >= 0:
@@ -148,7 +154,7 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
                 except httptools.HttpParserError:  # the general path answers it
                     cl._parser = None
                     return False
-                return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, host, None)
+                return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, fhost, None)
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:
         return False
@@ -173,29 +179,30 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         # The header lines of the last request on this connection again (a client sends the
         # same headers with each request): what the scan below found in them. llhttp still
         # checks the whole request below.
-        _, kept, host = blocks
+        _, kept, fhost = blocks
         length, token, xff = -1, None, None
     elif (low := block.lower()) is not None and REQUEST_OTHER_RE.search(low) is None:
         # the common case: at most Host to take out (low has the same offsets as block)
         i = low.find(_HOST)
         if i < 0:
-            kept, host, host_line = block, None, None
+            kept, fhost, host_line = block, b"", None
         else:
             j = low.find(_CRLF, i + 7)
             if low.find(_HOST, j) >= 0:
                 return False
-            kept, host = block[:i] + block[j:], block[i + 7 : j].strip(_STRIP)
-            host_line = block[i : j + 2]
+            kept, host_line = block[:i] + block[j:], block[i : j + 2]
+            fhost = forwarded_host(block[i + 7 : j].strip(_STRIP))
         length, token, xff = -1, None, None
         if end < _MEMO_MAX:
-            cl.blocks = (block, kept, host)
+            cl.blocks = (block, kept, fhost)
             if http11:
-                lead = (data[: eol + 2], method, target, host_line, host)
+                lead = (data[: eol + 2], method, target, host_line, fhost)
     else:
         scanned = _scan(block, low)
         if scanned is None:
             return False
         kept, host, length, token, xff = scanned
+        fhost = forwarded_host(host)
     head_end = end + 4
     if length < 0:
         body = None
@@ -220,13 +227,13 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     if xff is None:
         xff_line = cl.xff_line
         if body is None and persistent and end < _MEMO_MAX:
-            cl.memo = (data, method, target, http11, kept, host, token)
+            cl.memo = (data, method, target, http11, kept, fhost, token)
             if lead is not None:
                 cl.lead = lead
     else:
         peer = cl.peer
         xff_line = b"X-Forwarded-For: %b\r\n" % (xff + b", " + peer if peer else xff)
-    return _send(cl, method, target, http11, keep_alive, kept, xff_line, host, body)
+    return _send(cl, method, target, http11, keep_alive, kept, xff_line, fhost, body)
 
 
 def _scan(block: bytes, low: bytes) -> _Scanned | None:
@@ -274,7 +281,7 @@ def _send(
     keep_alive: bool,
     kept: bytes,
     xff_line: bytes,
-    host: bytes | None,
+    fhost: bytes,
     body: bytes | None,
 ) -> bool:
     """Pick a replica and write the request on one of its pooled connections; without one,
@@ -300,7 +307,7 @@ def _send(
             else:
                 idle.pop()
     if conn is None or rid is None:
-        fwd = forwarded(kept, xff_line, lb._proto_line, host)
+        fwd = forwarded(kept, xff_line, lb._proto_line, fhost)
         ex = Exchange(lb, cl, method, target, http11, keep_alive, fwd, None)
         cl._buf = body or b""
         cl._run(ex, None if body is None else len(body), False, rid)
@@ -313,7 +320,6 @@ def _send(
     tail = b"\r\n" if body is None else b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
     dest = conn.target
     conn.fast_client = cl
-    forwarded_host = b"" if host is None else b"X-Forwarded-Host: %b\r\n" % host
     out = b"".join(
         (
             method,
@@ -324,12 +330,12 @@ def _send(
             kept,
             xff_line,
             lb._proto_line,
-            forwarded_host,
+            fhost,
             tail,
         )
     )
     transport.write(out)  # type: ignore[union-attr]
-    cl.fast = (conn, rid, now, method, target, http11, keep_alive, kept, xff_line, host, body)
+    cl.fast = (conn, rid, now, method, target, http11, keep_alive, kept, xff_line, fhost, body)
     cl.deadline_kind = DL_FIRST_BYTE
     cl.deadline = now + lb._first_byte_timeout
     return True
@@ -489,11 +495,11 @@ def materialize(cl: ClientConnection) -> Exchange:
     have it in after sending the request; it takes over from here."""
     fast = cl.fast
     assert fast is not None
-    conn, rid, t0, method, target, http11, keep_alive, kept, xff_line, host, body = fast
+    conn, rid, t0, method, target, http11, keep_alive, kept, xff_line, fhost, body = fast
     cl.fast = None
     conn.fast_client = None
     lb = cl.lb
-    fwd = forwarded(kept, xff_line, lb._proto_line, host)
+    fwd = forwarded(kept, xff_line, lb._proto_line, fhost)
     ex = Exchange(lb, cl, method, target, http11, keep_alive, fwd, None)
     ex.t0 = t0
     if body is not None:
