@@ -24,11 +24,13 @@ What runs (everything on 127.0.0.1, every load bounded in time):
 3. Rounds: each round runs three phases, every target of a phase back to back in an order that
    rotates by round, each run after a short warm-up: ``wrk -t1 -c64`` against the one-worker
    targets, ``wrk -t1 -c1`` against them, and ``wrk -t1 -c64`` against the N-worker targets.
-   Every request carries its own ``X-Request-Id`` (``--requests same``: wrk's identical GETs),
-   so a proxy that remembers the last request's parse gains nothing real clients would not give
-   it. Reported per run: req/s, p50, p99 (wrk's), non-2xx + socket errors, and the proxy's CPU per
-   request: user+system CPU of its processes (psutil; nginx = master + workers, HAProxy = its
-   threads, corral xN = every process) over the run / requests. Ratios (to nginx with as many
+   Every request carries its own ``X-Request-Id`` (``--requests paths``: and its own path;
+   ``--requests same``: wrk's identical GETs), so a proxy that remembers the last request's
+   parse gains nothing real clients would not give it. Reported per run: req/s, p50, p99
+   (wrk's), non-2xx + socket errors, and the proxy's CPU per request: user+system CPU of its
+   processes (psutil; nginx = master + workers, HAProxy = its threads, corral xN = every
+   process) over the run / requests, also split into user and system time (a proxy's own work
+   against the kernel's). Ratios (to nginx with as many
    workers; p50 added = p50 minus direct's) are computed within a round, between runs seconds
    apart, and the median over rounds is what is checked against the targets: on a shared 2-core
    box the absolute figures drift by tens of percent over minutes, the ratios much less.
@@ -36,6 +38,10 @@ What runs (everything on 127.0.0.1, every load bounded in time):
    A raw-socket client measures time to first event and to the end of the stream, direct vs
    through corral, nginx (``proxy_buffering off``) and HAProxy, interleaved, and checks all 200
    events arrive; the first event may come at most 5 ms later than direct.
+
+``--syscalls`` then counts each proxy's syscalls and context switches per request at 64
+connections (``perf stat`` on the kernel's syscall tracepoints; needs perf and root): whether a
+proxy's extra CPU is its own work or more trips into the kernel.
 
 wrk, nginx and HAProxy are installed with ``apt-get install -y`` when missing (their service is
 not started); rows that need a tool that cannot be installed are skipped with a message.
@@ -56,6 +62,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -209,9 +216,9 @@ def processes() -> Iterator[list[Proc]]:
 # ---------------------------------------------------------------------------- CPU, wrk
 
 
-def cpu_by_process(pids: list[int]) -> dict[int, float]:
-    """User + system CPU seconds of these processes and their children (nginx's workers)."""
-    out: dict[int, float] = {}
+def cpu_by_process(pids: list[int]) -> dict[int, tuple[float, float]]:
+    """User and system CPU seconds of these processes and their children (nginx's workers)."""
+    out: dict[int, tuple[float, float]] = {}
     for pid in pids:
         try:
             proc = psutil.Process(pid)
@@ -221,7 +228,7 @@ def cpu_by_process(pids: list[int]) -> dict[int, float]:
         for p in family:
             with contextlib.suppress(psutil.Error):
                 t = p.cpu_times()
-                out[p.pid] = t.user + t.system
+                out[p.pid] = (t.user, t.system)
     return out
 
 
@@ -247,6 +254,9 @@ class Run:
     errors: int = 0
     cpu_s: float | None = None
     cpu_us_per_req: float | None = None
+    # The same split into user space and the kernel: where a difference between proxies is.
+    user_us_per_req: float | None = None
+    sys_us_per_req: float | None = None
     cpu_split_s: list[float] = field(default_factory=list)  # per process that used CPU
     note: str = ""
 
@@ -282,8 +292,10 @@ def parse_wrk(out: str, run: Run) -> None:
 
 # Every request carries its own X-Request-Id (1, 2, 3, ... per wrk thread), as traced traffic
 # does: no two consecutive requests on a connection are the same bytes, so a proxy cannot answer
-# the benchmark from a cache of the previous request's parse. ``--requests same`` sends wrk's
-# plain identical GET instead. Costs wrk ~4 us of CPU per request, far from its limit here.
+# the benchmark from a cache of the previous request's parse; they share the request line and
+# Host, as a client calling one endpoint does. ``--requests paths`` varies the path too (no line
+# of a request repeats the last one's but Host); ``--requests same`` sends wrk's plain identical
+# GET. The scripts cost wrk ~4 us of CPU per request, far from its limit here.
 VARIED_REQUESTS_LUA = """\
 local n = 0
 request = function()
@@ -291,6 +303,14 @@ request = function()
   return wrk.format(nil, nil, {["X-Request-Id"] = tostring(n)})
 end
 """
+PATHS_REQUESTS_LUA = """\
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, "/item/" .. n, {["X-Request-Id"] = tostring(n)})
+end
+"""
+REQUEST_SCRIPTS = {"varied": VARIED_REQUESTS_LUA, "paths": PATHS_REQUESTS_LUA}
 
 
 def wrk_cmd(wrk: list[str], port: int, conns: int, duration: int) -> list[str]:
@@ -317,7 +337,10 @@ def run_wrk(wrk: list[str], target: Target, conns: int, duration: int, phase: st
     )
     if target.pids:
         after = cpu_by_process(target.pids)
-        used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+        zero = (0.0, 0.0)
+        user = {pid: u - before.get(pid, zero)[0] for pid, (u, _) in after.items()}
+        system = {pid: k - before.get(pid, zero)[1] for pid, (_, k) in after.items()}
+        used = {pid: user[pid] + system[pid] for pid in after}
         run.cpu_s = round(sum(used.values()), 3)
         run.cpu_split_s = sorted((round(v, 2) for v in used.values() if v >= 0.02), reverse=True)
     if proc.returncode != 0:
@@ -325,7 +348,68 @@ def run_wrk(wrk: list[str], target: Target, conns: int, duration: int, phase: st
     parse_wrk(proc.stdout, run)
     if run.cpu_s is not None and run.requests:
         run.cpu_us_per_req = round(run.cpu_s / run.requests * 1e6, 2)
+        run.user_us_per_req = round(sum(user.values()) / run.requests * 1e6, 2)
+        run.sys_us_per_req = round(sum(system.values()) / run.requests * 1e6, 2)
     return run
+
+
+# Syscalls a proxy makes on the way of a request (``--syscalls``): reads, writes, waits.
+SYSCALL_GROUPS = {
+    "reads": ("read", "recvfrom", "recvmsg", "readv"),
+    "writes": ("write", "writev", "sendto", "sendmsg"),
+    "waits": ("epoll_wait", "epoll_pwait", "epoll_pwait2"),
+    "epoll_ctl": ("epoll_ctl",),
+}
+
+
+def count_syscalls(wrk: list[str], target: Target, seconds: int = 2) -> dict[str, Any]:
+    """Syscalls and context switches per request of the target's processes at 64 connections,
+    counted by ``perf stat`` on the kernel's syscall tracepoints while wrk runs. Tells whether a
+    proxy's extra CPU is its own work or more trips into the kernel."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return {"error": "perf is not installed"}
+    pids = sorted({pid for pid in cpu_by_process(target.pids)})
+    names = [n for group in SYSCALL_GROUPS.values() for n in group]
+    events = [f"syscalls:sys_enter_{n}" for n in names] + ["context-switches"]
+    load = subprocess.Popen(
+        wrk_cmd(wrk, target.port, 64, seconds + 2), stdout=subprocess.PIPE, text=True
+    )
+    time.sleep(1)
+    watch = ["-p", ",".join(map(str, pids)), "--", "sleep", str(seconds)]
+    stat = subprocess.run(
+        [perf, "stat", "-x,", "-e", ",".join(events), *watch],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 30,
+    )
+    out, _ = load.communicate(timeout=seconds + 30)
+    run = Run("syscalls", 0, target.name, 64, seconds + 2)
+    parse_wrk(out, run)
+    counts: dict[str, int] = {}
+    for line in stat.stderr.splitlines():
+        cells = line.split(",")
+        if len(cells) > 2 and cells[0].isdigit():
+            counts[cells[2].removeprefix("syscalls:sys_enter_")] = int(cells[0])
+    if not run.rps or not counts:
+        return {"error": f"perf counted nothing: {stat.stderr.strip()[-200:]}"}
+    requests = run.rps * seconds  # wrk's rate over the counted window
+    row = {g: sum(counts.get(n, 0) for n in ns) / requests for g, ns in SYSCALL_GROUPS.items()}
+    row["context_switches"] = counts.get("context-switches", 0) / requests
+    return {k: round(v, 3) for k, v in row.items()}
+
+
+def syscall_table(rows: dict[str, Any]) -> str:
+    cols = ["target", "reads", "writes", "waits", "epoll_ctl", "context switches"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for name, row in rows.items():
+        if "error" in row:
+            lines.append(f"| {name} | {row['error']} |")
+            continue
+        cells = [row["reads"], row["writes"], row["waits"], row["epoll_ctl"]]
+        cells.append(row["context_switches"])
+        lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -403,6 +487,12 @@ def summarize(phase: Phase, runs: list[Run], direct: str | None) -> dict[str, An
             "cpu_us_per_req": spread(
                 [r.cpu_us_per_req for r in good if r.cpu_us_per_req is not None], 2
             ),
+            "user_us_per_req": spread(
+                [r.user_us_per_req for r in good if r.user_us_per_req is not None], 2
+            ),
+            "sys_us_per_req": spread(
+                [r.sys_us_per_req for r in good if r.sys_us_per_req is not None], 2
+            ),
         }
         rps_ratio: list[float] = []
         cpu_ratio: list[float] = []
@@ -435,7 +525,7 @@ def ratio_text(s: dict[str, Any], unit: str = "x") -> str:
 
 
 def phase_table(ref: str, summary: dict[str, Any], direct: bool) -> str:
-    cols = ["target", "req/s", "p50 ms", "p99 ms", "errors", "CPU us/req"]
+    cols = ["target", "req/s", "p50 ms", "p99 ms", "errors", "CPU us/req", "user / sys"]
     if direct:
         cols.append("p50 added vs direct ms")
     cols += [f"req/s vs {ref}", f"CPU/req vs {ref}"]
@@ -448,6 +538,12 @@ def phase_table(ref: str, summary: dict[str, Any], direct: bool) -> str:
             fmt(s["p99_ms"]["median"], ".2f"),
             str(s["errors"]),
             fmt(s["cpu_us_per_req"]["median"], ".1f"),
+            (
+                f"{fmt(s['user_us_per_req']['median'], '.1f')} / "
+                f"{fmt(s['sys_us_per_req']['median'], '.1f')}"
+                if s["user_us_per_req"]["median"] is not None
+                else ""
+            ),
         ]
         if direct:
             cells.append(ratio_text(s["p50_added_ms"], "") if name != "direct" else "")
@@ -590,6 +686,7 @@ class Report:
     phases: dict[str, Any] = field(default_factory=dict)
     targets: list[dict[str, Any]] = field(default_factory=list)
     streaming: dict[str, Any] = field(default_factory=dict)
+    syscalls: dict[str, Any] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -723,9 +820,10 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="N for the N-worker phase")
     parser.add_argument(
         "--requests",
-        choices=["varied", "same"],
+        choices=["varied", "paths", "same"],
         default="varied",
-        help="varied (default): a distinct X-Request-Id on every request; same: identical GETs",
+        help="varied (default): a distinct X-Request-Id on every request; paths: and a distinct"
+        " path; same: identical GETs",
     )
     parser.add_argument(
         "--variant",
@@ -739,6 +837,11 @@ def main() -> int:
         type=Path,
         default=PROXY,
         help="the script that runs corral's balancer (default bench/_lb_proxy.py)",
+    )
+    parser.add_argument(
+        "--syscalls",
+        action="store_true",
+        help="also count each proxy's syscalls per request (perf stat; needs perf and root)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -902,9 +1005,9 @@ def main() -> int:
                 )
             loads: list[list[float]] = []
             wrk_base = [wrk]
-            if args.requests == "varied":
-                script = Path(tmp) / "varied.lua"
-                script.write_text(VARIED_REQUESTS_LUA)
+            if args.requests in REQUEST_SCRIPTS:
+                script = Path(tmp) / f"{args.requests}.lua"
+                script.write_text(REQUEST_SCRIPTS[args.requests])
                 wrk_base += ["-s", str(script)]
             runs = run_rounds(wrk_base, phases, rounds, warmup, loads)
             report.machine["loadavg_per_round"] = loads
@@ -922,6 +1025,11 @@ def main() -> int:
             stream_targets |= {t.name: t.port for t in one if t.name in ("haproxy", "corral")}
             log(f"streaming: {stream_rounds} rounds of /sse ({SSE_EVENTS} events) per target")
             report.streaming = run_streams(stream_targets, stream_rounds)
+            if args.syscalls:
+                log("syscalls per request, 64 connections, perf stat")
+                for t in [*one, *many]:
+                    if t.pids:
+                        report.syscalls[t.name] = count_syscalls(wrk_base, t)
         finally:
             for p in peers:
                 p.stop()
@@ -972,6 +1080,10 @@ def main() -> int:
     if report.streaming:
         print()
         print(stream_table(report.streaming))
+    if report.syscalls:
+        print()
+        print("Syscalls and context switches per request, 64 connections (perf stat):")
+        print(syscall_table(report.syscalls))
     print()
     print("Issue 11's targets (corral):")
     print(targets_table(report.targets))
