@@ -39,6 +39,10 @@ ALLOWED: dict[str, str] = {
         "the fast path's per-request send, kept flat: a split adds a call to every request"
         " (measured by bench/balancer.py)"
     ),
+    "balancer/fast.py:try_response": (
+        "the fast path's per-response relay and commit, kept flat: a split adds a call to every"
+        " request (measured by bench/balancer.py)"
+    ),
 }
 
 

@@ -42,7 +42,6 @@ class Counters:
         self._codes: dict[int, int] = {}
         self._latency = [0] * (len(LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
-        self._latency_count = 0
         self._retries = 0
         self._bad_requests = 0
         self._aborted = 0
@@ -81,7 +80,6 @@ class Counters:
         codes[status] = codes.get(status, 0) + 1
         self._latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self._latency_sum += seconds
-        self._latency_count += 1
 
     def _count_code(self, status: int) -> None:
         self._codes[status] = self._codes.get(status, 0) + 1

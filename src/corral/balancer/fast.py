@@ -316,7 +316,6 @@ def _send(
     lb._timestamps.append(now)  # what lb._count_request does, without the call
     in_flight = lb._in_flight
     in_flight[rid] = in_flight.get(rid, 0) + 1
-    lb._total_in_flight += 1
     tail = b"\r\n" if body is None else b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
     dest = conn.target
     conn.fast_client = cl
@@ -372,7 +371,8 @@ def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) ->
             dest.memo = (data[:body_at], status, length, head)
     if len(data) != body_at + length:
         return False
-    if keep_alive and not cl.lb._stopping:
+    lb = cl.lb
+    if keep_alive and not lb._stopping:
         extra = b"" if http11 else b"Connection: keep-alive\r\n"
     else:
         extra = b"Connection: close\r\n"
@@ -380,7 +380,45 @@ def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) ->
         out = data
     else:
         out = b"".join((data[: end + 2] if head is None else head, extra, data[end + 2 :]))
-    _done(cl, conn, rid, t0, status, out, keep_alive)
+    # Committed from here: count it, send it, give the replica and its connection back.
+    cl.fast = None
+    conn.fast_client = None
+    served = lb._served
+    served[rid] = served.get(rid, 0) + 1
+    now = time.monotonic()
+    seconds = now - t0
+    # LoadBalancer._record, inlined on purpose: per-request calls are what this path saves.
+    codes = lb._codes
+    codes[status] = codes.get(status, 0) + 1
+    lb._latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+    lb._latency_sum += seconds
+    closing = cl._closing
+    if not closing:
+        cl.transport.write(out)  # type: ignore[union-attr]
+    in_flight = lb._in_flight
+    count = in_flight.get(rid, 0)
+    if count > 1 or (count == 1 and not lb._drained and rid in lb._ready):
+        in_flight[rid] = count - 1  # what lb._release does when nothing waits on a 0
+    else:
+        lb._release(rid)
+    if conn.closed or dest.retired or conn.read_paused:
+        lb._pool.put(conn)
+    else:
+        conn.idle_since = now
+        dest.idle.append(conn)
+        lb._pool._targets.add(dest)
+    if closing:
+        return True
+    if not keep_alive or lb._stopping:
+        cl._close()
+        return True
+    cl.kept_alive = True
+    cl.deadline_kind = DL_HEAD
+    cl.deadline = now + lb._header_timeout
+    if cl._paused:
+        cl._unpause()
+    if cl._buf:
+        cl._process()
     return True
 
 
@@ -434,60 +472,6 @@ def _drop_keep_alive(data: bytes, low: bytes) -> bytes | None:
         m = HOP_RE.search(low, value_end)
     pieces.append(data[pos : len(low)])
     return b"".join(pieces)
-
-
-def _done(
-    cl: ClientConnection,
-    conn: UpstreamConnection,
-    rid: int,
-    t0: float,
-    status: int,
-    out: bytes,
-    keep_alive: bool,
-) -> None:
-    """Commit a fast response: count it, send it, give the replica and its connection back."""
-    cl.fast = None
-    conn.fast_client = None
-    lb = cl.lb
-    served = lb._served
-    served[rid] = served.get(rid, 0) + 1
-    now = time.monotonic()
-    seconds = now - t0
-    # LoadBalancer._record, inlined on purpose: per-request calls are what this path saves.
-    codes = lb._codes
-    codes[status] = codes.get(status, 0) + 1
-    lb._latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-    lb._latency_sum += seconds
-    lb._latency_count += 1
-    if not cl._closing:
-        cl.transport.write(out)  # type: ignore[union-attr]
-    in_flight = lb._in_flight
-    count = in_flight.get(rid, 0)
-    if count > 1 or (count == 1 and not lb._drained and rid in lb._ready):
-        # what lb._release does when nothing waits on this count reaching 0
-        in_flight[rid] = count - 1
-        lb._total_in_flight -= 1
-    else:
-        lb._release(rid)
-    target = conn.target
-    if conn.closed or target.retired or conn.read_paused:
-        lb._pool.put(conn)
-    else:
-        conn.idle_since = now
-        target.idle.append(conn)
-        lb._pool._targets.add(target)
-    if cl._closing:
-        return
-    if not keep_alive or lb._stopping:
-        cl._close()
-        return
-    cl.kept_alive = True
-    cl.deadline_kind = DL_HEAD
-    cl.deadline = now + lb._header_timeout
-    if cl._paused:
-        cl._unpause()
-    if cl._buf:
-        cl._process()
 
 
 def materialize(cl: ClientConnection) -> Exchange:

@@ -144,7 +144,6 @@ class LoadBalancer(Counters):
         self._pool = Pool()
         self._client_ssl: ssl.SSLContext | None = None
         self._in_flight: dict[int, int] = {}
-        self._total_in_flight = 0
         self._drained: dict[int, asyncio.Event] = {}
         # Replicas that could not be connected to: passed over for EJECT_SECONDS. A replica
         # whose process died has no requests in flight, so least_load would otherwise prefer it
@@ -338,7 +337,7 @@ class LoadBalancer(Counters):
     def in_flight(self, replica_id: int | None = None) -> int:
         """Requests in flight to one replica, or to all of them."""
         if replica_id is None:
-            return self._total_in_flight
+            return sum(self._in_flight.values())  # a handful of replicas: no running total
         return self._in_flight.get(replica_id, 0)
 
     async def wait_drained(self, replica_id: int, timeout: float) -> bool:
@@ -375,13 +374,13 @@ class LoadBalancer(Counters):
             "latency": {
                 "buckets": list(self._latency),
                 "sum": self._latency_sum,
-                "count": self._latency_count,
+                "count": sum(self._latency),
             },
             "retries": self._retries,
             "bad_requests": self._bad_requests,
             "aborted": self._aborted,
             "client_disconnects": self._client_gone,
-            "in_flight": self._total_in_flight,
+            "in_flight": sum(self._in_flight.values()),
             "replicas": {
                 str(rid): {
                     "ready": rid in self._ready,
@@ -435,14 +434,12 @@ class LoadBalancer(Counters):
 
     def _acquire(self, rid: int) -> None:
         self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
-        self._total_in_flight += 1
 
     def _release(self, rid: int) -> None:
         count = self._in_flight.get(rid, 0)
         if count <= 0:  # would be a bug; never let it go negative
             logger.error("balancer %s: in-flight count of replica %s already 0", self._name, rid)
             return
-        self._total_in_flight -= 1
         count -= 1
         self._in_flight[rid] = count
         if count == 0:
