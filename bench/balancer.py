@@ -20,7 +20,9 @@ What runs (everything on 127.0.0.1, every load bounded in time):
    (``nbthread N``) and ``corral xN`` (N ``_lb_proxy.py --reuse-port`` processes on one port,
    SO_REUSEPORT; skipped with a message when _lb_proxy.py does not take ``--reuse-port``).
    ``--variant NAME=ARGS`` adds more corral rows (``_lb_proxy.py ARGS``) to the one-worker
-   phases, to compare an option of the proxy in the same run.
+   phases, to compare an option of the proxy in the same run; ``--compare NAME=SRC`` adds one
+   running the engine from another source tree (a worktree of an earlier commit), to compare
+   commits side by side.
 3. Rounds: each round runs three phases, every target of a phase back to back in an order that
    rotates by round, each run after a short warm-up: ``wrk -t1 -c64`` against the one-worker
    targets, ``wrk -t1 -c1`` against them, and ``wrk -t1 -c64`` against the N-worker targets.
@@ -124,14 +126,19 @@ class Proc:
         return self.popen.pid
 
 
-def start_python(name: str, args: list[str], timeout: float = 20.0) -> Proc:
-    """Start one of the bench helpers and wait for its ``PORT n`` line."""
+def start_python(
+    name: str, args: list[str], timeout: float = 20.0, src: Path | None = None
+) -> Proc:
+    """Start one of the bench helpers and wait for its ``PORT n`` line; ``src``: import corral
+    from that source tree instead of this checkout's."""
+    env = None if src is None else {**os.environ, "PYTHONPATH": str(src)}
     popen = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=REPO,
+        env=env,
     )
     assert popen.stdout is not None
     deadline = time.monotonic() + timeout
@@ -169,11 +176,12 @@ def start_corral(
     workers: int,
     extra: list[str],
     procs: list[Proc],
+    src: Path | None = None,
 ) -> list[Proc]:
     """``workers`` _lb_proxy.py processes on one port (SO_REUSEPORT when more than one)."""
     args = [str(proxy), *(a for url in replica_urls for a in ("--replica", url)), *extra]
     if workers == 1:
-        started = [start_python(name, args)]
+        started = [start_python(name, args, src=src)]
     else:
         port = free_port()
         started = []
@@ -812,6 +820,24 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
     return variants
 
 
+def parse_compare(specs: list[str]) -> dict[str, Path]:
+    compare: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, src = spec.partition("=")
+        if not sep or not name.strip() or not (Path(src) / "corral").is_dir():
+            raise SystemExit(f"--compare wants NAME=SRC with SRC/corral a package, got {spec!r}")
+        compare[name.strip()] = Path(src).resolve()
+    return compare
+
+
+def source_commit(src: Path) -> str | None:
+    """The commit a --compare source tree is checked out at (a git worktree), if it is one."""
+    proc = subprocess.run(
+        ["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 round of 2 s runs, no warm-up")
@@ -833,6 +859,14 @@ def main() -> int:
         help="extra corral row: bench/_lb_proxy.py with these extra arguments (repeatable)",
     )
     parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="extra corral row running the engine from another source tree (e.g. a git worktree"
+        " of an earlier commit: SRC is its src/ directory), side by side in the same rounds",
+    )
+    parser.add_argument(
         "--proxy",
         type=Path,
         default=PROXY,
@@ -852,6 +886,7 @@ def main() -> int:
     stream_rounds = 3 if args.quick else 12
     workers: int = args.workers
     variants = parse_variants(args.variant)
+    compare = parse_compare(args.compare)
     t_start = time.monotonic()
     mark = cpu_mark()
 
@@ -867,6 +902,7 @@ def main() -> int:
             "workers": workers,
             "policy": "round robin everywhere",
             "variants": {k: shlex.join(v) for k, v in variants.items()},
+            "compare": {k: {"src": str(v), "commit": source_commit(v)} for k, v in compare.items()},
             "sse_events": SSE_EVENTS,
             "sse_interval_s": SSE_INTERVAL,
             "stream_rounds": stream_rounds,
@@ -930,9 +966,9 @@ def main() -> int:
             peers.append(p)
             return Target(name, p.port, [p.pid], n)
 
-        def corral(name: str, n: int, extra: list[str]) -> Target | None:
+        def corral(name: str, n: int, extra: list[str], src: Path | None = None) -> Target | None:
             try:
-                started = start_corral(args.proxy, name, urls, n, extra, procs)
+                started = start_corral(args.proxy, name, urls, n, extra, procs, src)
             except RuntimeError as exc:
                 log(f"{name} did not start ({exc}): its rows are skipped")
                 report.skipped.append(f"{name}: {exc}")
@@ -949,6 +985,7 @@ def main() -> int:
                 peer("haproxy", 1),
                 corral("corral", 1, []),
                 *(corral(name, 1, extra) for name, extra in variants.items()),
+                *(corral(name, 1, [], src) for name, src in compare.items()),
             ):
                 if t is not None:
                     one.append(t)
