@@ -160,6 +160,8 @@ LEAD_TAILS = [
     [b"X-Lf: a\nTransfer-Encoding: chunked\r\n\r\n"],
     [b": empty-name\r\n\r\n"],
     [b"No-Colon\r\n\r\n"],
+    # long lines (a big cookie): past the heads the memos keep, and past the header limit
+    [b"Cookie: " + b"c" * 3000 + b"\r\n\r\n", b"Cookie: " + b"d" * 9000 + b"\r\n\r\n"],
     # pipelined: the general path keeps them in order
     [b"X-Id: 1\r\n\r\nGET /next HTTP/1.1\r\nHost: h.example\r\n\r\n"],
 ]

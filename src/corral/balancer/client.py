@@ -66,7 +66,7 @@ class ClientConnection(asyncio.Protocol):
         # The last fast request's bytes with what fast.try_request found in them.
         self.memo: fast.Memo | None = None
         self.blocks: fast.Blocks | None = None  # the same for its header lines
-        self.lead: fast.Lead | None = None  # and for its request line and leading lines
+        self.lead: fast.Lead | None = None  # and for its request line and Host line
         self.deadline = 0.0
         self.deadline_kind = DL_HEAD
         # Back to waiting after an answer: an idle keep-alive connection, which a stopping

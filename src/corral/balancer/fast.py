@@ -133,7 +133,6 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         if (
             end >= 0
             and end + 4 == len(data)
-            and end < _MEMO_MAX
             and end + 4 <= lb._max_header_bytes
             and (end <= _COUNT_HEADERS_ABOVE or data.count(_CRLF, 0, end) <= _MAX_HEADERS)
         ):
