@@ -393,10 +393,31 @@ def test_a_remembered_lead_spares_the_full_parse(loop: asyncio.AbstractEventLoop
 
 _NAMES = [b"X-Id", b"Cookie", b"Host", b"hoSt", b"Connection", b"Content-Length"]
 _NAMES += [b"Transfer-Encoding", b"X-Forwarded-For", b"Bad Name", b"X\x01", b"", b"X-Id "]
-_VALUE_BYTES = b"aZ09 \t:;,=/-\x00\x01\x7f\x80\xff\r\n"
+_NAMES += [b"X(1)", b"X@", b"X/Y", b"X=Y", b'X"', b"X\t", b"\xffX", b"TE", b"Upgrade", b"Hostx"]
+_VALUE_BYTES = b"aZ09 \t:;,=/-\x00\x01\x0b\x1f\x7f\x80\xff\r\n"
 
 
-@settings(max_examples=300, deadline=None)
+def _after_lead(line: bytes) -> list[tuple[bytes, list[bytes]]]:
+    return [(LEAD_BASE, RESPONSES[0]), (LEAD_BASE[:-2] + line + b"\r\n\r\n", RESPONSES[0])]
+
+
+def test_every_byte_in_a_line_after_a_remembered_lead_gets_the_general_paths_verdict(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Lines after a remembered lead pass on a grammar of the fast path's own, not llhttp's:
+    each of the 256 bytes, in a header name and in a value, must be taken or refused as the
+    general path (llhttp) takes or refuses it."""
+    cases = [_after_lead(b"X-%c: v" % c) for c in range(256)]
+    cases += [_after_lead(b"X-V: a%cb" % c) for c in range(256)]
+    cases += [_after_lead(b"%cX: v" % c) for c in range(256)]
+    fast_results = [_repeat(loop, pairs) for pairs in cases]
+    with mock.patch.object(fast, "try_request", lambda cl, data: False):
+        general_results = [_repeat(loop, pairs) for pairs in cases]
+    differ = [cases[i][1][0] for i in range(len(cases)) if fast_results[i] != general_results[i]]
+    assert not differ, differ[:5]
+
+
+@settings(max_examples=400, deadline=None)
 @given(
     st.lists(
         st.tuples(st.sampled_from(_NAMES), st.binary(max_size=12)).map(

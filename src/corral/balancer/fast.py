@@ -26,12 +26,14 @@ What a parse found is remembered, so that what a client repeats is not parsed ag
 connection, its last parsed request (the same bytes again skip the parse and llhttp, whose
 verdict on them is known), its header lines (the same lines under another request line) and its
 request line and Host line (:data:`Lead`: a client that varies other headers, a request id or
-a cookie, has only those lines scanned); per replica, its last response head.
+a cookie, has only those lines checked); per replica, its last response head.
 
-Both sides are still validated by llhttp (the request parser the general path uses; a second,
+Both sides are validated by llhttp (the request parser the general path uses; a second,
 callback-free response parser per replica connection), so framing is as strict as before:
 conflicting or duplicate Content-Length and Transfer-Encoding are rejected, absolute-form
-targets never take this path.
+targets never take this path. Bytes llhttp has not seen pass only on a remembered lead, and
+only when every new line meets :data:`~corral.balancer.headers.PASS_LINES_RE`, a header-line
+grammar stricter than llhttp's that refuses every header the balancer acts on.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from corral.balancer.exchange import (
 )
 from corral.balancer.headers import (
     HOP_RE,
+    PASS_LINES_RE,
     REQUEST_OTHER_RE,
     REQUEST_RE,
     forwarded,
@@ -125,9 +128,10 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         return _send(cl, method, target, http11, keep_alive, kept, cl.xff_line, fhost, None)
     lead = cl.lead
     if lead is not None and data.startswith(lead[0]) and not lb._stopping:
-        # A recent request's request line and Host line again, other lines new: only those
-        # are looked at (for a header to act on, a second Host among them). llhttp still
-        # checks the whole request.
+        # A recent request's request line and Host line again (llhttp accepted them), other
+        # lines new: only those are looked at, by a grammar stricter than llhttp's that also
+        # refuses any header to act on (a second Host too). The parser is not fed, so it is
+        # where it was after the last whole request, as on the memo path.
         at = len(lead[0]) - 2  # the header block starts with the request line's CRLF
         end = data.find(b"\r\n\r\n", at)
         if (
@@ -144,15 +148,7 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
                 kept = block[:i] + block[i + len(host_line) - 2 :]
             else:
                 kept = b""  # Host is not the remembered one (a kept block is never empty)
-            if kept and REQUEST_RE.search(kept.lower()) is None:
-                parser = cl._parser
-                if parser is None:
-                    parser = cl._parser = httptools.HttpRequestParser(cl)
-                try:
-                    parser.feed_data(data)
-                except httptools.HttpParserError:  # the general path answers it
-                    cl._parser = None
-                    return False
+            if kept and PASS_LINES_RE.fullmatch(kept) is not None:
                 return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, fhost, None)
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:

@@ -29,6 +29,7 @@ from typing import Final
 __all__ = [
     "HOP_BY_HOP",
     "HOP_RE",
+    "PASS_LINES_RE",
     "REQUEST_OTHER_RE",
     "REQUEST_RE",
     "RESPONSE_RE",
@@ -122,6 +123,16 @@ RESPONSE_RE: Final = _pattern(HOP_BY_HOP | _RESPONSE_KEEP)
 # (found with bytes.find); a response without hop-by-hop headers passes unchanged.
 REQUEST_OTHER_RE: Final = _pattern(_REQUEST_DROP - {b"host"})
 HOP_RE: Final = _pattern(HOP_BY_HOP)
+# Header lines the fast path may pass on as they are without llhttp's word on them, all of a
+# block (each line with the CRLF before it, then the block's last CRLF): a token name (RFC 9110
+# 5.1), a colon, a value of visible bytes, spaces and tabs (5.5: no control byte, no lone CR or
+# LF), and none of them a header the balancer acts on. What this refuses (obs-fold, a space
+# before the colon, a bare LF, a control byte, a name to act on) goes to the full parse, where
+# llhttp judges it; tests/test_balancer_fastpath.py holds the two to the same verdicts.
+PASS_LINES_RE: Final = re.compile(
+    rb"(?:\r\n(?!(?i:" + _trie(set(_REQUEST_DROP)) + rb"):)"
+    rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*)*\r\n"
+)
 _RESPONSE_NAMED: Final = HOP_BY_HOP | _RESPONSE_KEEP
 
 
