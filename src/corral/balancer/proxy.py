@@ -11,8 +11,9 @@ Design points:
 * No framework on the hot path: asyncio Protocols on both sides (``loop.create_server`` for
   clients, ``loop.create_connection`` for replicas), httptools (llhttp) to validate request heads
   and parse responses, header blocks passed through as byte strings, a keep-alive pool per
-  replica. On uvloop a proxied request costs about what it costs nginx (4 syscalls: one read and
-  one write per side), against 8-12x with the aiohttp engine this replaced. It runs on the stock
+  replica. On uvloop a proxied request makes the syscalls nginx makes (one read and one write
+  per side) and costs 1.1-1.25x its CPU (docs/benchmarks.md), against 8-12x with the aiohttp
+  engine this replaced. It runs on the stock
   asyncio loop too (tests), as nothing here depends on the loop's implementation.
 * The common request (whole in one read, a pooled connection ready, a plain Content-Length
   answer) takes the fast path (:mod:`corral.balancer.fast`): no per-request object, about a
