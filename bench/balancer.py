@@ -32,10 +32,10 @@ What runs (everything on 127.0.0.1, every load bounded in time):
    (wrk's), non-2xx + socket errors, and the proxy's CPU per request: user+system CPU of its
    processes (psutil; nginx = master + workers, HAProxy = its threads, corral xN = every
    process) over the run / requests, also split into user and system time (a proxy's own work
-   against the kernel's). Ratios (to nginx with as many
-   workers; p50 added = p50 minus direct's) are computed within a round, between runs seconds
-   apart, and the median over rounds is what is checked against the targets: on a shared 2-core
-   box the absolute figures drift by tens of percent over minutes, the ratios much less.
+   against the kernel's). Ratios (to nginx with as many workers; p50 added = p50 minus
+   direct's) are computed within a round, between runs seconds apart, and the median over
+   rounds is what is checked against the targets: on a shared 2-core box the absolute figures
+   drift by tens of percent over minutes, the ratios much less.
 4. Streaming: each replica's ``/sse`` sends 200 events 5 ms apart (the first with the headers).
    A raw-socket client measures time to first event and to the end of the stream, direct vs
    through corral, nginx (``proxy_buffering off``) and HAProxy, interleaved, and checks all 200
@@ -187,7 +187,9 @@ def start_corral(
         started = []
         for i in range(workers):
             started.append(
-                start_python(f"{name}#{i + 1}", [*args, "--port", str(port), "--reuse-port"])
+                start_python(
+                    f"{name}#{i + 1}", [*args, "--port", str(port), "--reuse-port"], src=src
+                )
             )
             procs.append(started[-1])
         if {p.port for p in started} != {port}:
@@ -224,19 +226,25 @@ def processes() -> Iterator[list[Proc]]:
 # ---------------------------------------------------------------------------- CPU, wrk
 
 
-def cpu_by_process(pids: list[int]) -> dict[int, tuple[float, float]]:
-    """User and system CPU seconds of these processes and their children (nginx's workers)."""
-    out: dict[int, tuple[float, float]] = {}
+def family(pids: list[int]) -> list[psutil.Process]:
+    """These processes and their children (nginx's workers); gone ones are left out."""
+    out: list[psutil.Process] = []
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            family = [proc, *proc.children(recursive=True)]
+            out += [proc, *proc.children(recursive=True)]
         except psutil.Error:
             continue
-        for p in family:
-            with contextlib.suppress(psutil.Error):
-                t = p.cpu_times()
-                out[p.pid] = (t.user, t.system)
+    return out
+
+
+def cpu_by_process(pids: list[int]) -> dict[int, tuple[float, float]]:
+    """User and system CPU seconds of these processes and their children."""
+    out: dict[int, tuple[float, float]] = {}
+    for p in family(pids):
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            out[p.pid] = (t.user, t.system)
     return out
 
 
@@ -377,7 +385,7 @@ def count_syscalls(wrk: list[str], target: Target, seconds: int = 2) -> dict[str
     perf = shutil.which("perf")
     if perf is None:
         return {"error": "perf is not installed"}
-    pids = sorted({pid for pid in cpu_by_process(target.pids)})
+    pids = sorted({p.pid for p in family(target.pids)})
     names = [n for group in SYSCALL_GROUPS.values() for n in group]
     events = [f"syscalls:sys_enter_{n}" for n in names] + ["context-switches"]
     load = subprocess.Popen(
@@ -835,7 +843,9 @@ def source_commit(src: Path) -> str | None:
     proc = subprocess.run(
         ["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
-    return proc.stdout.strip() or None if proc.returncode == 0 else None
+    if proc.returncode != 0:
+        return None
+    return proc.stdout.strip() or None
 
 
 def main() -> int:
