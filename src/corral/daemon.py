@@ -208,10 +208,12 @@ class Daemon:
             mode=request.mode,
             adopt_live=same_replicas,
         )
+        # Remembered before the next await: once the row is current, the controller's next step
+        # (a timer may run it at any await) asks for this spec and must not parse it on the loop.
+        controller.remember(version, stored_spec)  # secrets: only in the version's values
         if version != next_version:  # nothing else adds versions; never seen
             log.error("service %s: version %d stored as %d", name, next_version, version)
         await asyncio.to_thread(self._prune_files, name)
-        controller.remember(version, stored_spec)  # secrets: only in the version's values
         controller.updated()
         return controller.snapshot()
 
