@@ -165,6 +165,54 @@ LEAD_TAILS = [
     # pipelined: the general path keeps them in order
     [b"X-Id: 1\r\n\r\nGET /next HTTP/1.1\r\nHost: h.example\r\n\r\n"],
 ]
+# A lead with Connection: keep-alive too (python-requests sends it with every request), then
+# requests that keep, drop, repeat or change that line.
+LEAD_KA = b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: keep-alive\r\nAccept: */*\r\n\r\n"
+LEAD_KA_NEXT = [
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: keep-alive\r\nX-Id: 1\r\n\r\n",
+    b"GET /other HTTP/1.1\r\nConnection: keep-alive\r\nX-Id: 2\r\nHost: h.example\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nX-Id: 3\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: close\r\nX-Id: 4\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: Keep-Alive\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: keep-alive, X-Secret\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: keep-alive\r\n"
+    b"Connection: keep-alive\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: keep-alive\r\nConnection: close\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nConnection: keep-alive\r\nX-Id: 5\r\n\r\n",
+    b"GET /poll HTTP/1.0\r\nHost: h.example\r\nConnection: keep-alive\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: keep-alive\r\nX-Id: 6\r\n\r\n",
+]
+
+# Other request lines with the remembered Host line (a client that varies its path or method),
+# taken on the fast path's own request-line grammar, and ones that grammar must refuse.
+LEAD_LINES = [
+    b"GET /item/1 HTTP/1.1\r\n",
+    b"DELETE /item/2?force=1&x=%20y HTTP/1.1\r\n",
+    b"OPTIONS /a#frag HTTP/1.1\r\n",
+    b"HEAD /h HTTP/1.1\r\n",
+    b"GET / HTTP/1.0\r\n",
+    b"GET http://h.example/abs HTTP/1.1\r\n",
+    b"GET * HTTP/1.1\r\n",
+    b"get /lower HTTP/1.1\r\n",
+    b"PROPFIND /dav HTTP/1.1\r\n",
+    b"GET  /two-spaces HTTP/1.1\r\n",
+    b"GET /sp ace HTTP/1.1\r\n",
+    b"GET /tab\t HTTP/1.1\r\n",
+    b"GET /ctl\x01 HTTP/1.1\r\n",
+    b"GET /del\x7f HTTP/1.1\r\n",
+    b"GET /high\xff HTTP/1.1\r\n",
+    b"GET /x HTTP/1.1 \r\n",
+    b"GET /x HTTP/1.2\r\n",
+    b"GET /x HTTP/1.1\n",
+    b"GET /x\r\n",
+]
+
+
+def _lead_line(line: bytes) -> bytes:
+    """LEAD_BASE's Host and Accept lines under another request line."""
+    return line + LEAD_BASE[LEAD_BASE.index(b"\r\n") + 2 :]
+
+
 # The same request line with another Host line, none, or the same one elsewhere.
 LEAD_HOSTS = [
     b"GET /poll HTTP/1.1\r\nHost: h.example.evil\r\nAccept: */*\r\n\r\n",
@@ -347,6 +395,16 @@ def _repeat(loop: asyncio.AbstractEventLoop, pairs: list[tuple[bytes, list[bytes
             for lines in LEAD_TAILS
         ),
         [(LEAD_BASE, RESPONSES[0])] + [(request, RESPONSES[0]) for request in LEAD_HOSTS],
+        *([(LEAD_BASE, RESPONSES[0]), (_lead_line(line), RESPONSES[0])] for line in LEAD_LINES),
+        *(
+            [(LEAD_KA, RESPONSES[0])] + [(LEAD_KA[:-2] + line, RESPONSES[0]) for line in lines]
+            for lines in LEAD_TAILS
+        ),
+        *([(LEAD_KA, RESPONSES[0]), (request, RESPONSES[0])] for request in LEAD_KA_NEXT),
+        [(LEAD_KA, RESPONSES[0])] + [(request, RESPONSES[0]) for request in LEAD_KA_NEXT],
+        [(b"GET / HTTP/1.1\r\nConnection: keep-alive\r\n\r\n", RESPONSES[0])]
+        + [(request, RESPONSES[0]) for request in LEAD_KA_NEXT],
+        [(LEAD_BASE, RESPONSES[0])] + [(_lead_line(line), RESPONSES[0]) for line in LEAD_LINES],
         *([(_with_id(first, n), RESPONSES[0]) for n in range(4)] for first in (True, False)),
     ],
 )
@@ -391,6 +449,92 @@ def test_a_remembered_lead_spares_the_full_parse(loop: asyncio.AbstractEventLoop
     loop.run_until_complete(go())
 
 
+def test_a_remembered_host_spares_the_full_parse_of_varied_paths(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    async def go() -> None:
+        rig = Rig()
+        rig.exchange(_with_id(True, 0), RESPONSES[0])
+        first_block = rig.client.blocks
+        for n in range(1, 4):
+            request = _with_id(True, n).replace(b"GET / ", b"GET /item/%d?q=%d " % (n, n))
+            sent, got = rig.exchange(request, RESPONSES[0])
+            assert b"/item/%d?q=%d HTTP/1.1\r\n" % (n, n) in sent, sent
+            assert got == RESPONSES[0][0]
+        # the header-block memo is set by the full parse only: it ran for the first request
+        assert rig.client.blocks is first_block
+
+    loop.run_until_complete(go())
+
+
+def test_a_remembered_connection_line_spares_the_full_parse(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A client that sends Connection: keep-alive with every request (python-requests) and
+    varies its path and request id has its lines checked, not scanned and fed to llhttp."""
+
+    async def go() -> None:
+        rig = Rig()
+        rig.exchange(LEAD_KA, RESPONSES[0])
+        assert rig.client.lead is not None
+        assert rig.client.lead[4] == b"\r\nConnection: keep-alive\r\n"
+        parser = rig.client._parser = mock.Mock()  # records what llhttp would have been fed
+        with mock.patch.object(fast, "scan_common_request", wraps=fast.scan_common_request) as scan:
+            for n in range(1, 4):
+                request = LEAD_KA.replace(b"/poll", b"/item/%d" % n)
+                sent, got = rig.exchange(request[:-2] + b"X-Id: %d\r\n\r\n" % n, RESPONSES[0])
+                assert b"Connection" not in sent and b"\r\nX-Id: %d\r\n" % n in sent, sent
+                assert got == RESPONSES[0][0]
+        assert scan.call_count == 0 and parser.feed_data.call_count == 0
+
+    loop.run_until_complete(go())
+
+
+def test_every_byte_in_a_request_line_after_a_remembered_host_gets_the_general_paths_verdict(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Request lines under a remembered Host pass on a grammar of the fast path's own: each of
+    the 256 bytes in a path, a query, a fragment and a method must be taken or refused as the
+    general path (llhttp) takes or refuses it."""
+    lines = [b"GET /a%cb HTTP/1.1\r\n" % c for c in range(256)]
+    lines += [b"GET /a?b=%c HTTP/1.1\r\n" % c for c in range(256)]
+    lines += [b"GET /a#%c HTTP/1.1\r\n" % c for c in range(256)]
+    lines += [b"GE%c /a HTTP/1.1\r\n" % c for c in range(256)]
+    lines += [b"GET /a HTTP/1.%c\r\n" % c for c in range(256)]
+    cases = [[(LEAD_BASE, RESPONSES[0]), (_lead_line(line), RESPONSES[0])] for line in lines]
+    fast_results = [_repeat(loop, pairs) for pairs in cases]
+    with mock.patch.object(fast, "try_request", lambda cl, data: False):
+        general_results = [_repeat(loop, pairs) for pairs in cases]
+    differ = [lines[i] for i in range(len(cases)) if fast_results[i] != general_results[i]]
+    assert not differ, differ[:5]
+
+
+_TARGET_BYTES = b"/?#%&=aZ09-._~!$'()*+,;:@[]{}|\\^`\"<> \t\x00\x01\x7f\x80\xff\r\n"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from([b"GET", b"POST", b"HEAD", b"OPTIONS", b"get", b"PURGE", b"", b"GET "]),
+    st.binary(max_size=16).map(lambda b: bytes(_TARGET_BYTES[c % len(_TARGET_BYTES)] for c in b)),
+    st.sampled_from([b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", b"  HTTP/1.1\r\n", b" HTTP/1.1\n"]),
+)
+def test_any_request_line_after_a_remembered_host_matches_the_general_path(
+    method: bytes, target: bytes, version: bytes
+) -> None:
+    """Whatever request line comes with a remembered Host line, the fast path sends and
+    answers what the general path does."""
+    request = _lead_line(method + b" " + target + version)
+    pairs = [(LEAD_BASE, RESPONSES[0]), (request, RESPONSES[0]), (LEAD_BASE, RESPONSES[0])]
+    loop = asyncio.new_event_loop()
+    try:
+        fast_result = _repeat(loop, pairs)
+        with mock.patch.object(fast, "try_request", lambda cl, data: False):
+            general_result = _repeat(loop, pairs)
+    finally:
+        loop.close()
+    assert fast_result == general_result
+
+
 _NAMES = [b"X-Id", b"Cookie", b"Host", b"hoSt", b"Connection", b"Content-Length"]
 _NAMES += [b"Transfer-Encoding", b"X-Forwarded-For", b"Bad Name", b"X\x01", b"", b"X-Id "]
 _NAMES += [b"X(1)", b"X@", b"X/Y", b"X=Y", b'X"', b"X\t", b"\xffX", b"TE", b"Upgrade", b"Hostx"]
@@ -426,16 +570,22 @@ def test_every_byte_in_a_line_after_a_remembered_lead_gets_the_general_paths_ver
         max_size=4,
     ),
     st.booleans(),
+    st.booleans(),
+    st.booleans(),
 )
 def test_any_lines_after_a_remembered_lead_match_the_general_path(
-    lines: list[bytes], host_first: bool
+    lines: list[bytes], host_first: bool, keep_alive_lead: bool, keep_alive: bool
 ) -> None:
     """Whatever lines follow a remembered request line and Host line (good, bad, or ones the
-    balancer must act on), the fast path sends and answers what the general path does."""
+    balancer must act on), with or without a remembered Connection: keep-alive, the fast path
+    sends and answers what the general path does."""
     host = b"Host: h.example"
     head = [host, *lines] if host_first else [*lines, host]
+    if keep_alive:
+        head.insert(len(head) // 2, b"Connection: keep-alive")
     request = b"GET /poll HTTP/1.1\r\n" + b"".join(line + b"\r\n" for line in head) + b"\r\n"
-    pairs = [(LEAD_BASE, RESPONSES[0]), (request, RESPONSES[0]), (LEAD_BASE, RESPONSES[0])]
+    lead = LEAD_KA if keep_alive_lead else LEAD_BASE
+    pairs = [(lead, RESPONSES[0]), (request, RESPONSES[0]), (lead, RESPONSES[0])]
     loop = asyncio.new_event_loop()
     try:
         fast_result = _repeat(loop, pairs)

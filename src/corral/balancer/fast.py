@@ -26,19 +26,22 @@ What a parse found is remembered, so that what a client repeats is not parsed ag
 connection, its last parsed request (the same bytes again skip the parse and llhttp, whose
 verdict on them is known), its header lines (the same lines under another request line) and its
 request line and Host line (:data:`Lead`: a client that varies other headers, a request id or
-a cookie, has only those lines checked); per replica, its last response head.
+a cookie, has only those lines checked; one that also varies its path or method has its request
+line checked too); per replica, its last response head.
 
 Both sides are validated by llhttp (the request parser the general path uses; a second,
 callback-free response parser per replica connection), so framing is as strict as before:
 conflicting or duplicate Content-Length and Transfer-Encoding are rejected, absolute-form
-targets never take this path. Bytes llhttp has not seen pass only on a remembered lead, and
-only when every new line meets :data:`~corral.balancer.headers.PASS_LINES_RE`, a header-line
-grammar stricter than llhttp's that refuses every header the balancer acts on.
+targets never take this path. Bytes llhttp has not seen pass only under a remembered Host line,
+and only when every new line meets a grammar stricter than llhttp's: :data:`_REQUEST_LINE_RE`
+for a new request line, :data:`~corral.balancer.headers.PASS_LINES_RE` for header lines (it
+also refuses every header the balancer acts on).
 """
 
 from __future__ import annotations
 
 import bisect
+import re
 import time
 from typing import TYPE_CHECKING, Final
 
@@ -55,9 +58,11 @@ from corral.balancer.headers import (
     HOP_RE,
     PASS_LINES_RE,
     REQUEST_OTHER_RE,
-    REQUEST_RE,
+    drop_keep_alive,
     forwarded,
     forwarded_host,
+    header_line,
+    scan_common_request,
 )
 from corral.balancer.metrics import LATENCY_BUCKETS
 
@@ -89,19 +94,25 @@ Memo = tuple[bytes, bytes, bytes, bool, bytes, bytes, "bytes | None"]
 # A client connection's last header block with no header but Host to drop: the block, what is
 # kept of it, its X-Forwarded-Host line.
 Blocks = tuple[bytes, bytes, bytes]
-# What a client connection's last HTTP/1.1 request with no header but Host to drop shares with
-# the next ones from a client that varies other headers (a request or trace id, a cookie): its
-# request line (CRLF included), method, origin-form target, its Host line (CRLF before and
-# after) or None, its X-Forwarded-Host line.
-Lead = tuple[bytes, bytes, bytes, "bytes | None", bytes]
-# What a request head says that the fast path acts on: kept block, Host, Content-Length (-1:
-# none), Connection token, X-Forwarded-For.
-_Scanned = tuple[bytes, "bytes | None", int, "bytes | None", "bytes | None"]
+# What a client connection's last HTTP/1.1 request with no header to drop but Host and
+# ``Connection: keep-alive`` (which an HTTP/1.1 request means anyway) shares with the next ones
+# from a client that varies other headers (a request or trace id, a cookie) or its request line:
+# its request line (CRLF included), method, origin-form target, its Host line and its Connection
+# line (each with the CRLF before and after it) or None, its X-Forwarded-Host line.
+Lead = tuple[bytes, bytes, bytes, "bytes | None", "bytes | None", bytes]
 
 # A validated response head: status, Content-Length, head rewritten (None: unchanged).
 _Checked = tuple[int, int, "bytes | None"]
 
 _METHODS: Final = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS"})
+# An HTTP/1.1 request line the fast path may pass on without llhttp's word on it: one of those
+# methods, an origin-form target of visible ASCII (llhttp accepts each such byte anywhere in a
+# path, query or fragment; it refuses controls, space, DEL and bytes above 0x7e in some places),
+# the version. Anything else goes to the full parse; tests/test_balancer_fastpath.py holds the
+# two to the same verdicts.
+_REQUEST_LINE_RE: Final = re.compile(
+    rb"(" + b"|".join(sorted(_METHODS)) + rb") (/[!-~]*) HTTP/1\.1\r\n"
+)
 
 # A head this long may hold MAX_HEADERS (128) minimal header lines; shorter ones cannot.
 # Request and response heads up to this long are remembered (one per client connection, one per
@@ -112,6 +123,7 @@ _MAX_HEADERS: Final = 128
 _CRLF: Final = b"\r\n"
 _STRIP: Final = b" \t"
 _HOST: Final = b"\r\nhost:"
+_CONNECTION: Final = b"\r\nconnection:"
 _LENGTH: Final = b"\r\ncontent-length:"
 
 
@@ -127,12 +139,20 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         keep_alive = (token != b"close" if http11 else token == b"keep-alive") and not cl._eof
         return _send(cl, method, target, http11, keep_alive, kept, cl.xff_line, fhost, None)
     lead = cl.lead
-    if lead is not None and data.startswith(lead[0]) and not lb._stopping:
-        # A recent request's request line and Host line again (llhttp accepted them), other
-        # lines new: only those are looked at, by a grammar stricter than llhttp's that also
-        # refuses any header to act on (a second Host too). The parser is not fed, so it is
+    if lead is not None and not lb._stopping:
+        # A recent request's Host line again (llhttp accepted it), other lines new: only those
+        # are looked at, by grammars stricter than llhttp's: the request line's (unless it is
+        # the remembered one, which llhttp accepted too) and the header lines' (which also
+        # refuses any header to act on, a second Host too). The parser is not fed, so it is
         # where it was after the last whole request, as on the memo path.
-        at = len(lead[0]) - 2  # the header block starts with the request line's CRLF
+        request_line, method, target, host_line, conn_line, fhost = lead
+        if data.startswith(request_line):
+            at = len(request_line) - 2  # the header block starts with the request line's CRLF
+        elif (m := _REQUEST_LINE_RE.match(data)) is not None:
+            method, target = m.group(1, 2)  # a client that varies its path
+            at = m.end() - 2
+        else:
+            at = len(data)  # nothing to find below
         end = data.find(b"\r\n\r\n", at)
         if (
             end >= 0
@@ -141,13 +161,16 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
             and (end <= _COUNT_HEADERS_ABOVE or data.count(_CRLF, 0, end) <= _MAX_HEADERS)
         ):
             block = data[at : end + 2]
-            _, method, target, host_line, fhost = lead
             if host_line is None:
                 kept = block
             elif (i := block.find(host_line)) >= 0:
                 kept = block[:i] + block[i + len(host_line) - 2 :]
             else:
                 kept = b""  # Host is not the remembered one (a kept block is never empty)
+            if conn_line is not None and (i := kept.find(conn_line)) >= 0:
+                # dropped as the full parse drops it (a missing one means the same in HTTP/1.1;
+                # a second one, or any other Connection line, is refused below)
+                kept = kept[:i] + kept[i + len(conn_line) - 2 :]
             if kept and PASS_LINES_RE.fullmatch(kept) is not None:
                 return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, fhost, None)
     end = data.find(b"\r\n\r\n")
@@ -191,13 +214,19 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         if end < _MEMO_MAX:
             cl.blocks = (block, kept, fhost)
             if http11:
-                lead = (data[: eol + 2], method, target, host_line, fhost)
+                lead = (data[: eol + 2], method, target, host_line, None, fhost)
     else:
-        scanned = _scan(block, low)
+        scanned = scan_common_request(block, low)
         if scanned is None:
             return False
         kept, host, length, token, xff = scanned
         fhost = forwarded_host(host)
+        if token == b"keep-alive" and http11 and length < 0 and xff is None and end < _MEMO_MAX:
+            # Host and Connection: keep-alive only (python-requests sends both every time):
+            # one of each, as the scan found them, so find gives each one's whole line.
+            host_line = None if host is None else header_line(block, low, _HOST)
+            conn_line = header_line(block, low, _CONNECTION)
+            lead = (data[: eol + 2], method, target, host_line, conn_line, fhost)
     head_end = end + 4
     if length < 0:
         body = None
@@ -229,43 +258,6 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         peer = cl.peer
         xff_line = b"X-Forwarded-For: %b\r\n" % (xff + b", " + peer if peer else xff)
     return _send(cl, method, target, http11, keep_alive, kept, xff_line, fhost, body)
-
-
-def _scan(block: bytes, low: bytes) -> _Scanned | None:
-    """The header lines to drop, when there is more than a Host line; None when one of them
-    needs the general path (anything but one Host, one Content-Length, one X-Forwarded-For
-    and ``Connection: keep-alive|close``)."""
-    host: bytes | None = None
-    xff: bytes | None = None
-    token: bytes | None = None
-    length = -1
-    pieces = []
-    pos = 0
-    search = REQUEST_RE.search
-    m = search(low)
-    while m is not None:
-        name = m.group(1)
-        value_end = low.find(_CRLF, m.end())
-        value = block[m.end() : value_end].strip(_STRIP)
-        if name == b"host" and host is None:
-            host = value
-        elif name == b"content-length" and length < 0:
-            if not value.isdigit():
-                return None
-            length = int(value)
-        elif name == b"connection" and token is None:
-            token = value.lower()
-            if token != b"keep-alive" and token != b"close":
-                return None
-        elif name == b"x-forwarded-for" and xff is None:
-            xff = value
-        else:
-            return None
-        pieces.append(block[pos : m.start()])
-        pos = value_end
-        m = search(low, value_end)
-    pieces.append(block[pos:])
-    return b"".join(pieces), host, length, token, xff
 
 
 def _send(
@@ -429,7 +421,7 @@ def _check_head(conn: UpstreamConnection, data: bytes, end: int) -> _Checked | N
     low = data[: end + 2].lower()  # same offsets as data
     head = None
     if HOP_RE.search(low) is not None:  # the common case has none
-        head = _drop_keep_alive(data, low)
+        head = drop_keep_alive(data, low)
         if head is None:
             return None
     i = low.find(_LENGTH)
@@ -447,26 +439,6 @@ def _check_head(conn: UpstreamConnection, data: bytes, end: int) -> _Checked | N
         conn.check = httptools.HttpResponseParser(None)
         return None  # the general path reports it (its parser sees the same error)
     return int(status), length, head
-
-
-def _drop_keep_alive(data: bytes, low: bytes) -> bytes | None:
-    """The response head (to its last header line) minus ``Connection: keep-alive`` and
-    Keep-Alive; None if it has another hop-by-hop header (the general path's job)."""
-    pieces = []
-    pos = 0
-    m = HOP_RE.search(low)
-    while m is not None:
-        value_end = low.find(_CRLF, m.end())
-        name = m.group(1)
-        if name != b"keep-alive" and (
-            name != b"connection" or low[m.end() : value_end].strip(_STRIP) != b"keep-alive"
-        ):
-            return None
-        pieces.append(data[pos : m.start()])
-        pos = value_end
-        m = HOP_RE.search(low, value_end)
-    pieces.append(data[pos : len(low)])
-    return b"".join(pieces)
 
 
 def materialize(cl: ClientConnection) -> Exchange:

@@ -33,9 +33,13 @@ __all__ = [
     "REQUEST_OTHER_RE",
     "REQUEST_RE",
     "RESPONSE_RE",
+    "CommonScan",
     "connection_tokens",
+    "drop_keep_alive",
     "forwarded",
     "forwarded_host",
+    "header_line",
+    "scan_common_request",
     "scan_request",
     "scan_response",
 ]
@@ -134,6 +138,11 @@ PASS_LINES_RE: Final = re.compile(
     rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*)*\r\n"
 )
 _RESPONSE_NAMED: Final = HOP_BY_HOP | _RESPONSE_KEEP
+_CRLF: Final = b"\r\n"
+_STRIP: Final = b" \t"
+# What a request head says that the fast path acts on: kept block, Host, Content-Length (-1:
+# none), Connection token, X-Forwarded-For.
+CommonScan = tuple[bytes, "bytes | None", int, "bytes | None", "bytes | None"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -240,3 +249,69 @@ def forwarded_host(host: bytes | None) -> bytes:
     """The X-Forwarded-Host line for the client's Host value; empty when it sent none. The fast
     path keeps it with what it remembers of a request, so it is made once, not per request."""
     return b"" if host is None else b"X-Forwarded-Host: %b\r\n" % host
+
+
+def header_line(block: bytes, low: bytes, name: bytes) -> bytes:
+    """The first header line named ``name`` (``b"\\r\\nname:"``, lower case) in a header block
+    that has one, with the CRLF before and after it, as the block spells it."""
+    i = low.find(name)
+    return block[i : low.find(_CRLF, i + len(name)) + 2]
+
+
+def scan_common_request(block: bytes, low: bytes) -> CommonScan | None:
+    """For the balancer's fast path (``low`` is ``block`` lower-cased): the header lines to
+    drop, when there is more than a Host line; None when one of them needs the general path
+    (anything but one Host, one Content-Length, one X-Forwarded-For and ``Connection:
+    keep-alive|close``)."""
+    host: bytes | None = None
+    xff: bytes | None = None
+    token: bytes | None = None
+    length = -1
+    pieces = []
+    pos = 0
+    search = REQUEST_RE.search
+    m = search(low)
+    while m is not None:
+        name = m.group(1)
+        value_end = low.find(_CRLF, m.end())
+        value = block[m.end() : value_end].strip(_STRIP)
+        if name == b"host" and host is None:
+            host = value
+        elif name == b"content-length" and length < 0:
+            if not value.isdigit():
+                return None
+            length = int(value)
+        elif name == b"connection" and token is None:
+            token = value.lower()
+            if token != b"keep-alive" and token != b"close":
+                return None
+        elif name == b"x-forwarded-for" and xff is None:
+            xff = value
+        else:
+            return None
+        pieces.append(block[pos : m.start()])
+        pos = value_end
+        m = search(low, value_end)
+    pieces.append(block[pos:])
+    return b"".join(pieces), host, length, token, xff
+
+
+def drop_keep_alive(data: bytes, low: bytes) -> bytes | None:
+    """For the balancer's fast path: the response head (to its last header line; ``low`` is it
+    lower-cased) minus ``Connection: keep-alive`` and Keep-Alive; None if it has another
+    hop-by-hop header (the general path's job)."""
+    pieces = []
+    pos = 0
+    m = HOP_RE.search(low)
+    while m is not None:
+        value_end = low.find(_CRLF, m.end())
+        name = m.group(1)
+        if name != b"keep-alive" and (
+            name != b"connection" or low[m.end() : value_end].strip(_STRIP) != b"keep-alive"
+        ):
+            return None
+        pieces.append(data[pos : m.start()])
+        pos = value_end
+        m = HOP_RE.search(low, value_end)
+    pieces.append(data[pos : len(low)])
+    return b"".join(pieces)
