@@ -9,6 +9,7 @@ heads the fast path must leave alone (it has to hand those over untouched).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -594,3 +595,40 @@ def test_any_lines_after_a_remembered_lead_match_the_general_path(
     finally:
         loop.close()
     assert fast_result == general_result
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_long_content_lengths_are_read_or_refused_not_internal_errors(
+    loop: asyncio.AbstractEventLoop, caplog: pytest.LogCaptureFixture, fast_path: bool
+) -> None:
+    """A Content-Length of more than 4300 digits (CPython's limit for int()): zero-padded, as
+    llhttp accepts it, it is read as its value on both sides; too large, it is the general
+    path's 400. Never an internal error."""
+
+    async def go() -> None:
+        padded = b"0" * 4400 + b"2"
+        rig = Rig()
+        sent, got = rig.exchange(
+            b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: %b\r\n\r\nhi" % padded, RESPONSES[0]
+        )
+        assert sent.endswith(b"\r\nContent-Length: 2\r\n\r\nhi") and got == RESPONSES[0][0]
+        sent, got = rig.exchange(
+            b"GET / HTTP/1.1\r\nHost: h\r\n\r\n",
+            [b"HTTP/1.1 200 OK\r\nContent-Length: %b\r\n\r\nok" % padded],
+        )
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\nok"), got[-80:]
+        sent, got = rig.exchange(
+            b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: %b\r\n\r\nhi" % (b"9" * 4400),
+            RESPONSES[0],
+        )
+        assert sent == b"" and got.split(b"\r\n")[0].endswith(b" 400 Bad Request"), got
+        assert b"Content-Length overflow" in got
+
+    with (
+        caplog.at_level(logging.ERROR),
+        mock.patch.object(
+            fast, "try_request", fast.try_request if fast_path else lambda cl, data: False
+        ),
+    ):
+        loop.run_until_complete(go())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

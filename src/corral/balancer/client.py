@@ -27,7 +27,13 @@ import httptools
 from corral.balancer import fast
 from corral.balancer.exchange import DL_HEAD, DL_LINGER, DL_NONE, Exchange
 from corral.balancer.headers import connection_tokens, forwarded, forwarded_host, scan_request
-from corral.balancer.http1 import BadRequest, error_response, origin_form, parse_request_line
+from corral.balancer.http1 import (
+    BadRequest,
+    content_length,
+    error_response,
+    origin_form,
+    parse_request_line,
+)
 
 if TYPE_CHECKING:
     from corral.balancer.proxy import LoadBalancer
@@ -259,7 +265,7 @@ class ClientConnection(asyncio.Protocol):
         chunked = b"transfer-encoding" in found  # llhttp accepts only chunked as the last coding
         if chunked or length or upgrade:
             self._parser = None  # the parser saw no body: a fresh one for the next request
-        self._run(ex, int(length[0]) if length else None, chunked, None)
+        self._run(ex, content_length(length[0]) if length else None, chunked, None)
 
     def _run(self, ex: Exchange, length: int | None, chunked: bool, picked: int | None) -> None:
         """Hand the buffer (the body, and any pipelined request) to a new exchange."""

@@ -278,7 +278,7 @@ def scan_common_request(block: bytes, low: bytes) -> CommonScan | None:
         if name == b"host" and host is None:
             host = value
         elif name == b"content-length" and length < 0:
-            if not value.isdigit():
+            if not value.isdigit() or len(value) > 15:  # a long (zero-padded) one: general path
                 return None
             length = int(value)
         elif name == b"connection" and token is None:

@@ -22,6 +22,7 @@ __all__ = [
     "CONTINUE",
     "ChunkedDecoder",
     "chunk",
+    "content_length",
     "error_response",
     "origin_form",
     "parse_request_line",
@@ -73,6 +74,14 @@ def origin_form(target: bytes) -> bytes:
     if path[:1] != b"/":
         path = b"/"
     return path + b"?" + url.query if url.query else path
+
+
+def content_length(value: bytes) -> int:
+    """A Content-Length value llhttp accepted, as a number. ``int()`` alone is not enough: the
+    grammar is 1*DIGIT, so llhttp reads a zero-padded ``000...02`` as 2 however long it is,
+    while CPython refuses to convert more than 4300 digits (a ValueError, which would turn a
+    valid message into an internal error)."""
+    return int(value.lstrip(b"0") or b"0")
 
 
 def chunk(data: bytes) -> bytes:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from corral.balancer.failures import Failure, describe
 from corral.balancer.headers import scan_response
-from corral.balancer.http1 import LAST_CHUNK
+from corral.balancer.http1 import LAST_CHUNK, content_length
 
 if TYPE_CHECKING:
     from corral.balancer.client import ClientConnection
@@ -104,7 +104,7 @@ class ResponseRelay:
         elif length is not None:
             mode = _RAW
             if self.idempotent and not self.streamed:
-                size = int(length[0])
+                size = content_length(length[0])
                 if 0 < size <= BUFFER_RESPONSE_BYTES:
                     mode = _WHOLE
         else:
