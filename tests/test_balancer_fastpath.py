@@ -62,8 +62,8 @@ class FakeTransport:
 class Rig:
     """A balancer with two replicas, one pooled connection each, and one client connection."""
 
-    def __init__(self) -> None:
-        self.lb = LoadBalancer(name="svc", policy="round_robin")
+    def __init__(self, **settings: Any) -> None:
+        self.lb = LoadBalancer(name="svc", policy="round_robin", **settings)
         self.lb.set_ready({1: "http://127.0.0.1:9001", 2: "http://127.0.0.1:9002/pre"})
         self.ups: dict[int, tuple[UpstreamConnection, FakeTransport]] = {}
         for rid, target in self.lb._ready.items():
@@ -182,6 +182,36 @@ LEAD_KA_NEXT = [
     b"GET /poll HTTP/1.1\r\nConnection: keep-alive\r\nX-Id: 5\r\n\r\n",
     b"GET /poll HTTP/1.0\r\nHost: h.example\r\nConnection: keep-alive\r\n\r\n",
     b"GET /poll HTTP/1.1\r\nHost: h.example\r\nConnection: keep-alive\r\nX-Id: 6\r\n\r\n",
+]
+
+# A POST with a body as a lead, then requests with other bodies and lengths (taken only when the
+# bytes after the head are exactly Content-Length's value), bodies the general path must frame,
+# and Content-Length values or spellings the general path must judge.
+LEAD_POST = b'POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 7\r\n\r\n{"a":1}'
+LEAD_POST_NEXT = [
+    b'POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 9\r\nX-Id: 1\r\n\r\n{"a":22}',
+    b"POST /v1/chat HTTP/1.1\r\nX-Id: 2\r\nContent-Length: 2\r\nHost: h.example\r\n\r\nhi",
+    b"PUT /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 0\r\n\r\n",
+    b"GET /api HTTP/1.1\r\nHost: h.example\r\nX-Id: 3\r\n\r\n",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length:  2 \r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length:\t2\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 002\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\ncontent-length: 2\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: +2\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 2 2\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 1_0\r\n\r\n0123456789",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: \r\n\r\n",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 2\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 5\r\n\r\nhi",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 2\r\n\r\nhiGET / HTTP/1.1\r\n\r\n",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 2\r\n\r\nhi\r\n\r\n",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 4\r\n\r\n\r\n\r\n",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 70000\r\n\r\n" + b"b" * 70000,
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi",
 ]
 
 # Other request lines with the remembered Host line (a client that varies its path or method),
@@ -405,6 +435,11 @@ def _repeat(loop: asyncio.AbstractEventLoop, pairs: list[tuple[bytes, list[bytes
         [(LEAD_KA, RESPONSES[0])] + [(request, RESPONSES[0]) for request in LEAD_KA_NEXT],
         [(b"GET / HTTP/1.1\r\nConnection: keep-alive\r\n\r\n", RESPONSES[0])]
         + [(request, RESPONSES[0]) for request in LEAD_KA_NEXT],
+        *([(LEAD_POST, RESPONSES[0]), (request, RESPONSES[0])] for request in LEAD_POST_NEXT),
+        [(LEAD_POST, RESPONSES[0])] + [(request, RESPONSES[0]) for request in LEAD_POST_NEXT],
+        *([(LEAD_BASE, RESPONSES[0]), (request, RESPONSES[0])] for request in LEAD_POST_NEXT),
+        [(LEAD_POST.replace(b"Content-Length", b"content-length"), RESPONSES[0])]
+        + [(request, RESPONSES[0]) for request in LEAD_POST_NEXT],
         [(LEAD_BASE, RESPONSES[0])] + [(_lead_line(line), RESPONSES[0]) for line in LEAD_LINES],
         *([(_with_id(first, n), RESPONSES[0]) for n in range(4)] for first in (True, False)),
     ],
@@ -489,6 +524,124 @@ def test_a_remembered_connection_line_spares_the_full_parse(
         assert scan.call_count == 0 and parser.feed_data.call_count == 0
 
     loop.run_until_complete(go())
+
+
+def test_a_remembered_lead_spares_the_full_parse_of_posts(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A client that POSTs small JSON bodies (an inference API's clients) has each request's
+    lines checked and its body framed by Content-Length, without the scan or llhttp."""
+
+    async def go() -> None:
+        rig = Rig()
+        rig.exchange(LEAD_POST, RESPONSES[0])
+        assert rig.client.lead is not None and rig.client.lead[5] == b"\r\nContent-Length:"
+        parser = rig.client._parser = mock.Mock()  # records what llhttp would have been fed
+        with mock.patch.object(fast, "scan_common_request", wraps=fast.scan_common_request) as scan:
+            for n in range(1, 4):
+                body = b'{"n":%d}' % (10**n)
+                request = b"POST /api/%d HTTP/1.1\r\nHost: h.example\r\nX-Id: %d\r\n" % (n, n)
+                request += b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+                sent, got = rig.exchange(request, RESPONSES[0])
+                assert sent.endswith(b"\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+                assert got == RESPONSES[0][0]
+        assert scan.call_count == 0 and parser.feed_data.call_count == 0
+
+    loop.run_until_complete(go())
+
+
+_LENGTH_VALUES = [
+    b"%d",
+    b" %d ",
+    b"0%d",
+    b"+%d",
+    b"%d ,%d",
+    b"-%d",
+    b"%d_0",
+    b"0x%d",
+    b"",
+    b"%d\x00",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.binary(max_size=24),
+    st.sampled_from(_LENGTH_VALUES),
+    st.integers(min_value=-2, max_value=2),
+    st.sampled_from([b"Content-Length", b"content-length", b"CONTENT-LENGTH"]),
+    st.booleans(),
+)
+def test_any_body_after_a_remembered_lead_matches_the_general_path(
+    body: bytes, value: bytes, off: int, name: bytes, lead_post: bool
+) -> None:
+    """Whatever Content-Length line and body follow a remembered lead (right, short, long,
+    malformed, spelled otherwise), the fast path sends and answers what the general path does."""
+    length = max(len(body) + off, 0)
+    line = name + b": " + (value % ((length,) * value.count(b"%d")))
+    request = b"POST /api HTTP/1.1\r\nHost: h.example\r\n%b\r\n\r\n%b" % (line, body)
+    lead = LEAD_POST if lead_post else LEAD_BASE
+    pairs = [(lead, RESPONSES[0]), (request, RESPONSES[0]), (lead, RESPONSES[0])]
+    loop = asyncio.new_event_loop()
+    try:
+        fast_result = _repeat(loop, pairs)
+        with mock.patch.object(fast, "try_request", lambda cl, data: False):
+            general_result = _repeat(loop, pairs)
+    finally:
+        loop.close()
+    assert fast_result == general_result
+
+
+def _bodies_past_the_limits(loop: asyncio.AbstractEventLoop, held: int) -> Any:
+    """After a POST lead, on balancers holding bodies up to ``held`` bytes and taking up to 6:
+    a PUT of 4 bytes whose replica closes before answering, and (on a fresh connection, with a
+    pooled replica connection free) a POST of 8 bytes."""
+    lead = LEAD_POST.replace(b'7\r\n\r\n{"a":1}', b"2\r\n\r\nhi")
+
+    async def go() -> Any:
+        rig = Rig(max_buffered_body=held, max_body_bytes=6)
+        seen = [rig.exchange(lead, RESPONSES[0])]
+        rig.client.data_received(
+            b"PUT /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 4\r\n\r\nabcd"
+        )
+        for conn, transport in rig.ups.values():
+            if transport.take():
+                conn.connection_lost(None)  # the replica closed before answering
+        retried = [t.take() for _, t in rig.ups.values()]
+        for (conn, _), sent in zip(rig.ups.values(), retried, strict=True):
+            if sent:
+                conn.data_received(RESPONSES[0][0])
+        seen.append((rig.ct.take(), retried))
+        stats = [rig.lb.stats()]
+        rig = Rig(max_buffered_body=held, max_body_bytes=6)
+        seen.append(rig.exchange(lead, RESPONSES[0]))
+        too_long = b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 8\r\n\r\n12345678"
+        seen.append(rig.exchange(too_long, RESPONSES[0]))
+        stats.append(rig.lb.stats())
+        for one in stats:
+            one["latency"] = one["latency"]["count"]
+        return seen, stats
+
+    return loop.run_until_complete(go())
+
+
+@pytest.mark.parametrize("held", [3, 1 << 20])
+def test_bodies_past_the_limits_after_a_lead_are_the_general_paths(
+    loop: asyncio.AbstractEventLoop, held: int
+) -> None:
+    """A body over max_buffered_body is not held for a retry (a PUT whose replica closed is a
+    502, else retried), one over max_body_bytes is a 413: the same after a remembered lead as
+    on the general path."""
+    fast_result = _bodies_past_the_limits(loop, held)
+    with mock.patch.object(fast, "try_request", lambda cl, data: False):
+        general_result = _bodies_past_the_limits(loop, held)
+    assert fast_result == general_result
+    _, (put_answer, retried), _, (_, post_answer) = fast_result[0]
+    if held < 4:
+        assert put_answer.startswith(b"HTTP/1.1 502 ") and retried == [b"", b""]
+    else:
+        assert put_answer == RESPONSES[0][0] and retried[0].startswith(b"PUT /api HTTP/1.1\r\n")
+    assert b" 413 " in post_answer.split(b"\r\n")[0]
 
 
 def test_every_byte_in_a_request_line_after_a_remembered_host_gets_the_general_paths_verdict(

@@ -27,7 +27,8 @@ connection, its last parsed request (the same bytes again skip the parse and llh
 verdict on them is known), its header lines (the same lines under another request line) and its
 request line and Host line (:data:`Lead`: a client that varies other headers, a request id or
 a cookie, has only those lines checked; one that also varies its path or method has its request
-line checked too); per replica, its last response head.
+line checked too, and a body is framed by its Content-Length line); per replica, its last
+response head.
 
 Both sides are validated by llhttp (the request parser the general path uses; a second,
 callback-free response parser per replica connection), so framing is as strict as before:
@@ -94,12 +95,13 @@ Memo = tuple[bytes, bytes, bytes, bool, bytes, bytes, "bytes | None"]
 # A client connection's last header block with no header but Host to drop: the block, what is
 # kept of it, its X-Forwarded-Host line.
 Blocks = tuple[bytes, bytes, bytes]
-# What a client connection's last HTTP/1.1 request with no header to drop but Host and
-# ``Connection: keep-alive`` (which an HTTP/1.1 request means anyway) shares with the next ones
-# from a client that varies other headers (a request or trace id, a cookie) or its request line:
-# its request line (CRLF included), method, origin-form target, its Host line and its Connection
-# line (each with the CRLF before and after it) or None, its X-Forwarded-Host line.
-Lead = tuple[bytes, bytes, bytes, "bytes | None", "bytes | None", bytes]
+# What a client connection's last HTTP/1.1 request with no header to drop but Host,
+# ``Connection: keep-alive`` (which an HTTP/1.1 request means anyway) and Content-Length shares
+# with the next ones from a client that varies other headers (a request or trace id, a cookie),
+# its request line or its body: its request line (CRLF included), method, origin-form target,
+# its Host line and its Connection line (each with the CRLF before and after it) or None, how it
+# spells ``\r\nContent-Length:`` (as written, if it had one), its X-Forwarded-Host line.
+Lead = tuple[bytes, bytes, bytes, "bytes | None", "bytes | None", bytes, bytes]
 
 # A validated response head: status, Content-Length, head rewritten (None: unchanged).
 _Checked = tuple[int, int, "bytes | None"]
@@ -125,6 +127,7 @@ _STRIP: Final = b" \t"
 _HOST: Final = b"\r\nhost:"
 _CONNECTION: Final = b"\r\nconnection:"
 _LENGTH: Final = b"\r\ncontent-length:"
+_LENGTH_NAME: Final = b"\r\nContent-Length:"  # as most clients spell it
 
 
 def try_request(cl: ClientConnection, data: bytes) -> bool:
@@ -145,7 +148,7 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         # the remembered one, which llhttp accepted too) and the header lines' (which also
         # refuses any header to act on, a second Host too). The parser is not fed, so it is
         # where it was after the last whole request, as on the memo path.
-        request_line, method, target, host_line, conn_line, fhost = lead
+        request_line, method, target, host_line, conn_line, length_name, fhost = lead
         if data.startswith(request_line):
             at = len(request_line) - 2  # the header block starts with the request line's CRLF
         elif (m := _REQUEST_LINE_RE.match(data)) is not None:
@@ -156,7 +159,6 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         end = data.find(b"\r\n\r\n", at)
         if (
             end >= 0
-            and end + 4 == len(data)
             and end + 4 <= lb._max_header_bytes
             and (end <= _COUNT_HEADERS_ABOVE or data.count(_CRLF, 0, end) <= _MAX_HEADERS)
         ):
@@ -171,8 +173,27 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
                 # dropped as the full parse drops it (a missing one means the same in HTTP/1.1;
                 # a second one, or any other Connection line, is refused below)
                 kept = kept[:i] + kept[i + len(conn_line) - 2 :]
-            if kept and PASS_LINES_RE.fullmatch(kept) is not None:
-                return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, fhost, None)
+            body = None
+            if (i := kept.find(length_name)) >= 0:
+                # A body (a POST's JSON): taken when the value is digits and the bytes after
+                # the head are exactly that many; else the line stays, and is refused below.
+                j = kept.find(_CRLF, i + 17)
+                value = kept[i + 17 : j].strip(_STRIP)
+                if (
+                    value.isdigit()
+                    and len(value) <= 15
+                    and end + 4 + int(value) == len(data)
+                    and len(data) - end - 4 <= lb._max_buffered_body
+                    and (lb._max_body is None or len(data) - end - 4 <= lb._max_body)
+                ):
+                    body = data[end + 4 :]
+                    kept = kept[:i] + kept[j:]
+            if (
+                (body is not None or end + 4 == len(data))
+                and kept
+                and PASS_LINES_RE.fullmatch(kept) is not None
+            ):
+                return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, fhost, body)
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:
         return False
@@ -214,19 +235,20 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
         if end < _MEMO_MAX:
             cl.blocks = (block, kept, fhost)
             if http11:
-                lead = (data[: eol + 2], method, target, host_line, None, fhost)
+                lead = (data[: eol + 2], method, target, host_line, None, _LENGTH_NAME, fhost)
     else:
         scanned = scan_common_request(block, low)
         if scanned is None:
             return False
         kept, host, length, token, xff = scanned
         fhost = forwarded_host(host)
-        if token == b"keep-alive" and http11 and length < 0 and xff is None and end < _MEMO_MAX:
-            # Host and Connection: keep-alive only (python-requests sends both every time):
-            # one of each, as the scan found them, so find gives each one's whole line.
+        if token != b"close" and http11 and xff is None and end < _MEMO_MAX:
+            # Host, Connection: keep-alive and Content-Length at most (a POST, python-requests'
+            # requests): one of each, as the scan found them, so find gives each one's line.
             host_line = None if host is None else header_line(block, low, _HOST)
-            conn_line = header_line(block, low, _CONNECTION)
-            lead = (data[: eol + 2], method, target, host_line, conn_line, fhost)
+            conn_line = None if token is None else header_line(block, low, _CONNECTION)
+            length_name = _LENGTH_NAME if length < 0 else block[(i := low.find(_LENGTH)) : i + 17]
+            lead = (data[: eol + 2], method, target, host_line, conn_line, length_name, fhost)
     head_end = end + 4
     if length < 0:
         body = None
@@ -250,8 +272,9 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     keep_alive = persistent and not cl._eof
     if xff is None:
         xff_line = cl.xff_line
-        if body is None and persistent and end < _MEMO_MAX:
-            cl.memo = (data, method, target, http11, kept, fhost, token)
+        if persistent and end < _MEMO_MAX:
+            if body is None:
+                cl.memo = (data, method, target, http11, kept, fhost, token)
             if lead is not None:
                 cl.lead = lead
     else:
