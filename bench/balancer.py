@@ -27,7 +27,8 @@ What runs (everything on 127.0.0.1, every load bounded in time):
    rotates by round, each run after a short warm-up: ``wrk -t1 -c64`` against the one-worker
    targets, ``wrk -t1 -c1`` against them, and ``wrk -t1 -c64`` against the N-worker targets.
    Every request carries its own ``X-Request-Id`` (``--requests paths``: and its own path;
-   ``--requests same``: wrk's identical GETs), so a proxy that remembers the last request's
+   ``--requests posts``: a POST of a small JSON body; ``--requests same``: wrk's identical
+   GETs), so a proxy that remembers the last request's
    parse gains nothing real clients would not give it. Reported per run: req/s, p50, p99
    (wrk's), non-2xx + socket errors, and the proxy's CPU per request: user+system CPU of its
    processes (psutil; nginx = master + workers, HAProxy = its threads, corral xN = every
@@ -326,7 +327,21 @@ request = function()
   return wrk.format(nil, "/item/" .. n, {["X-Request-Id"] = tostring(n)})
 end
 """
-REQUEST_SCRIPTS = {"varied": VARIED_REQUESTS_LUA, "paths": PATHS_REQUESTS_LUA}
+# ``--requests posts``: an inference API's traffic, a small JSON body on every request.
+POSTS_REQUESTS_LUA = """\
+local n = 0
+request = function()
+  n = n + 1
+  local body = '{"prompt": "hello", "max_tokens": 16, "n": ' .. n .. '}'
+  return wrk.format("POST", "/v1/completions",
+    {["Content-Type"] = "application/json", ["X-Request-Id"] = tostring(n)}, body)
+end
+"""
+REQUEST_SCRIPTS = {
+    "varied": VARIED_REQUESTS_LUA,
+    "paths": PATHS_REQUESTS_LUA,
+    "posts": POSTS_REQUESTS_LUA,
+}
 
 
 def wrk_cmd(wrk: list[str], port: int, conns: int, duration: int) -> list[str]:
@@ -856,10 +871,10 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="N for the N-worker phase")
     parser.add_argument(
         "--requests",
-        choices=["varied", "paths", "same"],
+        choices=["varied", "paths", "posts", "same"],
         default="varied",
         help="varied (default): a distinct X-Request-Id on every request; paths: and a distinct"
-        " path; same: identical GETs",
+        " path; posts: POSTs of a small JSON body; same: identical GETs",
     )
     parser.add_argument(
         "--variant",
