@@ -174,9 +174,10 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
                 # a second one, or any other Connection line, is refused below)
                 kept = kept[:i] + kept[i + len(conn_line) - 2 :]
             body = None
-            if (i := kept.find(length_name)) >= 0:
+            if end + 4 != len(data) and (i := kept.find(length_name)) >= 0:
                 # A body (a POST's JSON): taken when the value is digits and the bytes after
-                # the head are exactly that many; else the line stays, and is refused below.
+                # the head are exactly that many; else the line stays, and is refused below
+                # (as is a Content-Length: 0, left to the full parse).
                 j = kept.find(_CRLF, i + 17)
                 value = kept[i + 17 : j].strip(_STRIP)
                 if (
