@@ -389,6 +389,19 @@ def _repeat(loop: asyncio.AbstractEventLoop, pairs: list[tuple[bytes, list[bytes
     return loop.run_until_complete(go())
 
 
+def _assert_fast_matches_general(pairs: list[tuple[bytes, list[bytes]]]) -> None:
+    """What the fast path sends and answers for ``pairs`` is what the general path does (on a
+    loop of its own: hypothesis runs a test many times within one use of a fixture)."""
+    loop = asyncio.new_event_loop()
+    try:
+        fast_result = _repeat(loop, pairs)
+        with mock.patch.object(fast, "try_request", lambda cl, data: False):
+            general_result = _repeat(loop, pairs)
+    finally:
+        loop.close()
+    assert fast_result == general_result
+
+
 @pytest.mark.parametrize(
     "pairs",
     [
@@ -582,14 +595,7 @@ def test_any_body_after_a_remembered_lead_matches_the_general_path(
     request = b"POST /api HTTP/1.1\r\nHost: h.example\r\n%b\r\n\r\n%b" % (line, body)
     lead = LEAD_POST if lead_post else LEAD_BASE
     pairs = [(lead, RESPONSES[0]), (request, RESPONSES[0]), (lead, RESPONSES[0])]
-    loop = asyncio.new_event_loop()
-    try:
-        fast_result = _repeat(loop, pairs)
-        with mock.patch.object(fast, "try_request", lambda cl, data: False):
-            general_result = _repeat(loop, pairs)
-    finally:
-        loop.close()
-    assert fast_result == general_result
+    _assert_fast_matches_general(pairs)
 
 
 def _bodies_past_the_limits(loop: asyncio.AbstractEventLoop, held: int) -> Any:
@@ -679,14 +685,7 @@ def test_any_request_line_after_a_remembered_host_matches_the_general_path(
     answers what the general path does."""
     request = _lead_line(method + b" " + target + version)
     pairs = [(LEAD_BASE, RESPONSES[0]), (request, RESPONSES[0]), (LEAD_BASE, RESPONSES[0])]
-    loop = asyncio.new_event_loop()
-    try:
-        fast_result = _repeat(loop, pairs)
-        with mock.patch.object(fast, "try_request", lambda cl, data: False):
-            general_result = _repeat(loop, pairs)
-    finally:
-        loop.close()
-    assert fast_result == general_result
+    _assert_fast_matches_general(pairs)
 
 
 _NAMES = [b"X-Id", b"Cookie", b"Host", b"hoSt", b"Connection", b"Content-Length"]
@@ -740,14 +739,7 @@ def test_any_lines_after_a_remembered_lead_match_the_general_path(
     request = b"GET /poll HTTP/1.1\r\n" + b"".join(line + b"\r\n" for line in head) + b"\r\n"
     lead = LEAD_KA if keep_alive_lead else LEAD_BASE
     pairs = [(lead, RESPONSES[0]), (request, RESPONSES[0]), (lead, RESPONSES[0])]
-    loop = asyncio.new_event_loop()
-    try:
-        fast_result = _repeat(loop, pairs)
-        with mock.patch.object(fast, "try_request", lambda cl, data: False):
-            general_result = _repeat(loop, pairs)
-    finally:
-        loop.close()
-    assert fast_result == general_result
+    _assert_fast_matches_general(pairs)
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
