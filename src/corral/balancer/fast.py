@@ -64,6 +64,7 @@ from corral.balancer.headers import (
     forwarded_host,
     header_line,
     scan_common_request,
+    short_length,
 )
 from corral.balancer.metrics import LATENCY_BUCKETS
 
@@ -179,13 +180,11 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
                 # the head are exactly that many; else the line stays, and is refused below
                 # (as is a Content-Length: 0, left to the full parse).
                 j = kept.find(_CRLF, i + 17)
-                value = kept[i + 17 : j].strip(_STRIP)
+                size = len(data) - end - 4
                 if (
-                    value.isdigit()
-                    and len(value) <= 15
-                    and end + 4 + int(value) == len(data)
-                    and len(data) - end - 4 <= lb._max_buffered_body
-                    and (lb._max_body is None or len(data) - end - 4 <= lb._max_body)
+                    short_length(kept[i + 17 : j].strip(_STRIP)) == size
+                    and size <= lb._max_buffered_body
+                    and (lb._max_body is None or size <= lb._max_body)
                 ):
                     body = data[end + 4 :]
                     kept = kept[:i] + kept[j:]

@@ -42,6 +42,7 @@ __all__ = [
     "scan_common_request",
     "scan_request",
     "scan_response",
+    "short_length",
 ]
 
 HOP_BY_HOP: Final = frozenset(
@@ -258,6 +259,13 @@ def header_line(block: bytes, low: bytes, name: bytes) -> bytes:
     return block[i : low.find(_CRLF, i + len(name)) + 2]
 
 
+def short_length(value: bytes) -> int:
+    """A Content-Length value (stripped) as the fast path reads it: up to 15 digits; -1 for
+    anything else, which the general path judges (a longer, zero-padded value included: it is
+    read there by :func:`corral.balancer.http1.content_length`)."""
+    return int(value) if value.isdigit() and len(value) <= 15 else -1
+
+
 def scan_common_request(block: bytes, low: bytes) -> CommonScan | None:
     """For the balancer's fast path (``low`` is ``block`` lower-cased): the header lines to
     drop, when there is more than a Host line; None when one of them needs the general path
@@ -278,9 +286,9 @@ def scan_common_request(block: bytes, low: bytes) -> CommonScan | None:
         if name == b"host" and host is None:
             host = value
         elif name == b"content-length" and length < 0:
-            if not value.isdigit() or len(value) > 15:  # a long (zero-padded) one: general path
+            length = short_length(value)
+            if length < 0:
                 return None
-            length = int(value)
         elif name == b"connection" and token is None:
             token = value.lower()
             if token != b"keep-alive" and token != b"close":
