@@ -2,12 +2,12 @@
 
 httptools (llhttp) validates request heads and parses responses (on the fast path, what it
 accepted once stands in for it: the same bytes again, or the same Host line with new lines that
-stricter line grammars check; see :mod:`corral.balancer.fast`); what it
-does not give is *where* in the byte stream a message ends, which a proxy needs to pass blocks
-through whole and to serve pipelined requests. So the request side frames messages itself: the
-head ends at the first blank line (llhttp rejects bare-LF heads, so CRLF CRLF is the only end),
-a body is Content-Length bytes or chunked, decoded by :class:`ChunkedDecoder`, which reports how
-many bytes it used so the bytes after the body are kept for the next request.
+stricter line grammars check; see :mod:`corral.balancer.fast`); what it does not give is
+*where* in the byte stream a message ends, which a proxy needs to pass blocks through whole and
+to serve pipelined requests. So the request side frames messages itself: the head ends at the
+first blank line (llhttp rejects bare-LF heads, so CRLF CRLF is the only end), a body is
+Content-Length bytes or chunked, decoded by :class:`ChunkedDecoder`, which reports how many
+bytes it used so the bytes after the body are kept for the next request.
 """
 
 from __future__ import annotations

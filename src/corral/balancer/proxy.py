@@ -381,7 +381,7 @@ class LoadBalancer(Counters):
             "bad_requests": self._bad_requests,
             "aborted": self._aborted,
             "client_disconnects": self._client_gone,
-            "in_flight": sum(self._in_flight.values()),
+            "in_flight": self.in_flight(),
             "replicas": {
                 str(rid): {
                     "ready": rid in self._ready,
