@@ -144,12 +144,9 @@ def main() -> int:
     if args.child:
         child(args.requests)
         return 0
-    engines = {"corral": HERE.parent / "src"}
-    for spec in args.compare:
-        name, sep, src = spec.partition("=")
-        if not sep or not (Path(src) / "corral").is_dir():
-            raise SystemExit(f"--compare wants NAME=SRC with SRC/corral a package, got {spec!r}")
-        engines[name.strip()] = Path(src).resolve()
+    from balancer import parse_compare  # bench/balancer.py's --compare, same rules
+
+    engines = {"corral": HERE.parent / "src", **parse_compare(args.compare)}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     for r in range(args.rounds):
         # The order rotates by round, so no engine always runs first (or last) on a busy box.
