@@ -25,18 +25,17 @@ What runs (everything on 127.0.0.1, every load bounded in time):
    commits side by side.
 3. Rounds: each round runs three phases, every target of a phase back to back in an order that
    rotates by round, each run after a short warm-up: ``wrk -t1 -c64`` against the one-worker
-   targets, ``wrk -t1 -c1`` against them, and ``wrk -t1 -c64`` against the N-worker targets.
-   Every request carries its own ``X-Request-Id`` (``--requests paths``: and its own path;
-   ``--requests posts``: a POST of a small JSON body; ``--requests same``: wrk's identical
-   GETs), so a proxy that remembers the last request's
-   parse gains nothing real clients would not give it. Reported per run: req/s, p50, p99
-   (wrk's), non-2xx + socket errors, and the proxy's CPU per request: user+system CPU of its
-   processes (psutil; nginx = master + workers, HAProxy = its threads, corral xN = every
-   process) over the run / requests, also split into user and system time (a proxy's own work
-   against the kernel's). Ratios (to nginx with as many workers; p50 added = p50 minus
-   direct's) are computed within a round, between runs seconds apart, and the median over
-   rounds is what is checked against the targets: on a shared 2-core box the absolute figures
-   drift by tens of percent over minutes, the ratios much less.
+   targets, ``wrk -t1 -c1`` against them, and ``wrk -t1 -c64`` against the N-worker targets. Every
+   request carries its own ``X-Request-Id`` (``--requests paths``: and its own path; ``--requests
+   posts``: a POST of a small JSON body; ``--requests same``: wrk's identical GETs), so a proxy
+   that remembers the last request's parse gains nothing real clients would not give it. Reported
+   per run: req/s, p50, p99 (wrk's), non-2xx + socket errors, and the proxy's CPU per request:
+   user+system CPU of its processes (psutil; nginx = master + workers, HAProxy = its threads,
+   corral xN = every process) over the run / requests, also split into user and system time (a
+   proxy's own work against the kernel's). Ratios (to nginx with as many workers; p50 added = p50
+   minus direct's) are computed within a round, between runs seconds apart, and the median over
+   rounds is what is checked against the targets: on a shared 2-core box the absolute figures drift
+   by tens of percent over minutes, the ratios much less.
 4. Streaming: each replica's ``/sse`` sends 200 events 5 ms apart (the first with the headers).
    A raw-socket client measures time to first event and to the end of the stream, direct vs
    through corral, nginx (``proxy_buffering off``) and HAProxy, interleaved, and checks all 200
