@@ -30,6 +30,7 @@ __all__ = [
     "enter",
     "kill",
     "members",
+    "mount_point",
     "release_root",
     "replica_cgroup",
     "replica_root",
@@ -37,7 +38,8 @@ __all__ = [
 ]
 
 
-def _mount() -> Path | None:
+def mount_point() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted, or None."""
     try:
         for line in Path("/proc/self/mounts").read_text().splitlines():
             fields = line.split()
@@ -66,7 +68,7 @@ def replica_root(home_marker: str) -> Path | None:
     """The directory under which this home's replica cgroups go, or None (see
     :func:`unavailable_reason`). Checked once per process: made, and a child made and
     removed in it."""
-    mount, own = _mount(), _own_cgroup()
+    mount, own = mount_point(), _own_cgroup()
     if mount is None or own is None:
         _reason.append("no cgroup v2 hierarchy is mounted")
         return None

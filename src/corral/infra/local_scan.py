@@ -227,3 +227,39 @@ def survivors(info: HandleInfo) -> list[psutil.Process]:
         if env is not None and env.get(ENV_REPLICA_KEY) == info.key:
             found.append(proc)
     return found
+
+
+def end_home(home_marker: str, grace: float) -> list[str]:
+    """Stop every process of a home whose owner is gone (the home deleted): what a daemon, a
+    balancer worker or ``corral doctor`` does when no daemon will ever tear these replicas
+    down. As teardown does: TERM by process group, KILL after ``grace``, then each replica's
+    cgroup emptied and removed (which also stops what left the group and cleared its
+    environment). Returns one line per process stopped or left."""
+    found, marked = marked_processes(home_marker)
+    cgroup_dirs = {path for proc, _, _ in found if (path := _replica_cgroup_of(proc.pid))}
+    victims: dict[int, list[tuple[psutil.Process, str | None]]] = {}
+    for proc, key, pgid in found:
+        victims.setdefault(pgid, []).append((proc, key))
+    report = stop_groups(victims, marked, grace)
+    for path in cgroup_dirs:
+        if path.parent.name == f"corral-{home_marker}":
+            left = cgroups.kill(path)
+            if left:
+                report.append(f"could not empty {path}: {left}")
+    return report
+
+
+def _replica_cgroup_of(pid: int) -> Path | None:
+    """The cgroup v2 directory of ``pid`` when it is a corral replica's (``corral-<home id>/
+    <service>.<id>``), else None."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return None
+    mount = cgroups.mount_point()
+    for line in text.splitlines():
+        if line.startswith("0::") and mount is not None:
+            path = mount / line[3:].lstrip("/")
+            if path.parent.name.startswith("corral-"):
+                return path
+    return None
