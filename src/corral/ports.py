@@ -5,6 +5,7 @@ a replica that exited because its port was taken needs to be told: the app itsel
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -84,3 +85,62 @@ def port_holders(port: int) -> list[str]:
         except psutil.Error:
             holders.append(f"pid {pid}")
     return holders
+
+
+def _proc_address(text: str) -> str:
+    """An address of /proc/net/tcp{,6} (hex, each 32-bit word in host order) as text."""
+    raw = bytes.fromhex(text)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(words) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, words)
+
+
+def listening_sockets(port: int) -> list[tuple[str, int]]:
+    """(address, socket inode) of every TCP socket listening on ``port`` in this network
+    namespace, read from /proc/net/tcp and tcp6: no descriptor of any process is looked at,
+    so it sees another user's listener as well as one's own (undumpable) workers'."""
+    found: list[tuple[str, int]] = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            address, _, hex_port = fields[1].rpartition(":")
+            if int(hex_port, 16) != port:
+                continue
+            with contextlib.suppress(ValueError, OSError):
+                found.append((_proc_address(address), int(fields[9])))
+    return found
+
+
+WILDCARDS: Final = frozenset({"0.0.0.0", "::", ""})
+
+
+def reaches(listener: str, host: str) -> bool:
+    """A socket listening on address ``listener`` may take connections meant for ``host``
+    (the same address, or either of them a wildcard, or IPv4 under its IPv6 form)."""
+    if listener.startswith("::ffff:"):
+        listener = listener[7:]
+    return listener == host or listener in WILDCARDS or host in WILDCARDS
+
+
+def socket_owner(inode: int) -> str | None:
+    """``pid N (name)`` of the process holding socket ``inode``, when this user may look at its
+    descriptors (root may look at all); None otherwise. A scan of every process's descriptors:
+    only for the rare moment a foreign listener was found."""
+    target = f"socket:[{inode}]"
+    for proc in psutil.process_iter(["name"]):
+        try:
+            fds = os.listdir(f"/proc/{proc.pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{proc.pid}/fd/{fd}") == target:
+                    return f"pid {proc.pid} ({proc.info.get('name') or '?'})"
+    return None

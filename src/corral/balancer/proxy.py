@@ -36,7 +36,9 @@ Design points:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import ssl
 import threading
 import time
@@ -266,6 +268,15 @@ class LoadBalancer(Counters):
     @property
     def port(self) -> int:
         return self._port
+
+    def listener_inodes(self) -> list[int]:
+        """The inodes of its listening sockets: how the daemon tells, from /proc/net/tcp alone,
+        a listener of this home from another process's on the same port."""
+        inodes = []
+        for listener in getattr(self._server, "sockets", ()):
+            with contextlib.suppress(OSError):
+                inodes.append(os.fstat(listener.fileno()).st_ino)
+        return inodes
 
     @property
     def url(self) -> str:

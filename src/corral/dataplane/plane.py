@@ -45,8 +45,11 @@ from corral.dataplane.protocol import (
     socket_path,
 )
 from corral.dataplane.route import ServiceRoute
+from corral.dataplane.shared_ports import PortWatch
+from corral.dataplane.slots import SlotBook
 from corral.procfs import running as _running
-from corral.state import StateError, Store
+from corral.procfs import terminate_all
+from corral.state import Store
 
 # Re-exported: the controller, the CLI and the tests import them from here.
 __all__ = ["DEFAULT_WORKERS", "DataPlane", "ServiceRoute", "stop_recorded_workers"]
@@ -56,9 +59,8 @@ log = logging.getLogger("corral.dataplane")
 DEFAULT_WORKERS: Final = min(os.cpu_count() or 1, 4)
 # How often worker processes are checked (a dead one is restarted within about this long).
 CHECK_INTERVAL: Final = 0.25
-# A worker dying sooner than this after its start is a crash loop: restarts back off.
-CRASH_WINDOW: Final = 5.0
-SPAWN_BACKOFF_CAP: Final = 30.0
+# restart-workers: how long an old worker gets to drain after its successor took over.
+OLD_WORKER_GRACE: Final = WORKER_STOP_TIMEOUT
 
 
 @dataclass
@@ -69,6 +71,7 @@ class _Conn:
     pid: int
     writer: asyncio.StreamWriter
     seq: int = 0
+    heard: float = field(default_factory=time.monotonic)  # its last report
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -90,6 +93,8 @@ class DataPlane:
         self.respawn = respawn
         self._env = dict(env if env is not None else os.environ)
         self.routes: dict[str, ServiceRoute] = {}
+        self.slots = SlotBook(store)
+        self.ports = PortWatch()
         self._conns: dict[int, _Conn] = {}  # by pid
         self._times: dict[str, dict[int, int]] = defaultdict(dict)  # service -> bucket -> n
         self._known_pids: set[int] = set()  # workers already heard from (history sent once)
@@ -105,9 +110,6 @@ class DataPlane:
         self._notifies: set[asyncio.Future[None]] = set()
         self._bind_errors: dict[str, dict[int, str]] = defaultdict(dict)
         self.on_bind_error: Callable[[str, str], None] | None = None
-        self._spawned_at: dict[int, float] = {}  # slot -> monotonic time of the last spawn
-        self._next_spawn: dict[int, float] = {}
-        self._delay: dict[int, float] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class DataPlane:
             await asyncio.wait(handlers, timeout=2.0)
 
     async def _stop_workers(self) -> None:
-        rows = self._rows()
+        rows = self.slots.rows() or {}
         for conn in list(self._conns.values()):
             with contextlib.suppress(OSError):
                 conn.writer.write(encode({"t": "exit"}))
@@ -170,62 +172,45 @@ class DataPlane:
                     proc.kill()
         self._reap()
         for slot in rows:
-            with contextlib.suppress(StateError):
-                self.store.delete_worker(slot)
+            self.slots.delete(slot)
 
     # -- workers ------------------------------------------------------------------------------
-
-    def _rows(self) -> dict[int, Any]:
-        try:
-            return {row.slot: row for row in self.store.workers()}
-        except StateError as exc:
-            log.warning("balancer workers not checked: %s", exc)
-            return {}
 
     def _ensure_workers(self) -> None:
         """Adopt live recorded workers, start the missing ones, stop the extra ones."""
         self._reap()
-        rows = self._rows()
-        for slot, row in rows.items():
+        rows = self.slots.rows()
+        if rows is None:
+            return  # not known: a slot is never judged empty on a read that failed
+        for slot, extra in rows.items():
             if slot >= self.size:
-                proc = find_process(row.pid, row.created)
+                proc = find_process(extra.pid, extra.created)
                 if proc is not None:
                     with contextlib.suppress(psutil.Error):
                         proc.terminate()
-                with contextlib.suppress(StateError):
-                    self.store.delete_worker(slot)
+                self.slots.delete(slot)
         now = time.monotonic()
         for slot in range(self.size):
             row = rows.get(slot)
             if row is not None and find_process(row.pid, row.created) is not None:
                 continue
-            if now < self._next_spawn.get(slot, 0.0):
+            said_hello = row is not None and row.pid in self._known_pids
+            if not self.slots.may_start(slot, said_hello, now):
                 continue  # it keeps dying at once: do not start one 4 times a second
             if row is not None:
                 log.warning("balancer worker %d (pid %d) is gone; starting another", slot, row.pid)
-            # A worker that dies within CRASH_WINDOW of its start without ever saying hello
-            # doubles the wait before the next one (up to SPAWN_BACKOFF_CAP); one that served
-            # (or lived longer) is replaced at once.
-            started = self._spawned_at.get(slot)
-            said_hello = row is not None and row.pid in self._known_pids
-            quick = started is not None and now - started < CRASH_WINDOW and not said_hello
-            delay = min(SPAWN_BACKOFF_CAP, self._delay.get(slot, 0.5) * 2) if quick else 0.0
-            self._delay[slot] = delay or 0.5
-            self._next_spawn[slot] = now + delay
-            self._spawned_at[slot] = now
             self._spawn(slot)
 
-    def _spawn(self, slot: int) -> int | None:
-        child = start_worker(self.home, slot, self._env)
+    def _spawn(self, slot: int, *, successor: bool = False) -> int | None:
+        child = start_worker(self.home, slot, self._env, successor=successor)
         if child is None:
             return None
         self._children[child.pid] = child
         try:
-            created = psutil.Process(child.pid).create_time()
-            self.store.set_worker(slot, child.pid, created)
-        except (psutil.Error, StateError) as exc:
-            # Not recorded: it will say hello with its slot, and the next check adopts it.
-            log.warning("balancer worker %d (pid %d) not recorded yet: %s", slot, child.pid, exc)
+            self.slots.set(slot, child.pid, psutil.Process(child.pid).create_time())
+        except psutil.Error as exc:
+            # It died at once: the next check sees the slot's worker gone.
+            log.warning("balancer worker %d (pid %d) is gone already: %s", slot, child.pid, exc)
         log.info("started balancer worker %d (pid %d)", slot, child.pid)
         return child.pid
 
@@ -239,8 +224,21 @@ class DataPlane:
             await asyncio.sleep(CHECK_INTERVAL)
             try:
                 self._ensure_workers()
+                heard = {conn.pid: conn.heard for conn in self._conns.values()}
+                self.slots.end_frozen(heard, time.monotonic())
+                await self._check_ports()
             except Exception:
                 log.exception("checking balancer workers failed")
+
+    async def _check_ports(self) -> None:
+        """A listener on a service's port that is none of its workers' (shared_ports)."""
+        if len(self._conns) < self.size or not self.ports.due(time.monotonic()):
+            return  # a worker not connected yet has not reported the sockets it holds
+        reports = [r for conn in self._conns.values() for r in conn.reports.values()]
+        routes = {name: (r.route.host, r.route.port) for name, r in self.routes.items()}
+        for name in await asyncio.to_thread(self.ports.check, routes, reports):
+            if self.on_bind_error is not None:
+                self.on_bind_error(name, self.ports.problems[name])
 
     async def restart_workers(self, timeout: float = 15.0) -> list[dict[str, int]]:
         """Replace every worker with a new process, one slot at a time, new one first: it binds
@@ -248,8 +246,8 @@ class DataPlane:
         (which finishes its in-flight requests). How an upgrade of corral reaches the data
         plane without a moment where a port has no listener."""
         done: list[dict[str, int]] = []
-        for slot, old in sorted(self._rows().items()):
-            new = self._spawn(slot)
+        for slot, old in sorted((self.slots.rows() or {}).items()):
+            new = self._spawn(slot, successor=True)
             if new is None:
                 continue
 
@@ -263,11 +261,11 @@ class DataPlane:
             if conn is not None:
                 with contextlib.suppress(OSError):
                     conn.writer.write(encode({"t": "exit"}))
-            else:
-                proc = find_process(old.pid, old.created)
-                if proc is not None:
-                    with contextlib.suppress(psutil.Error):
-                        proc.terminate()
+            proc = find_process(old.pid, old.created)
+            if proc is not None:
+                # One worker per slot: the old one is gone before the next slot is touched.
+                # SIGTERM asks what "exit" asks (drain, then go); past the bound, SIGKILL.
+                await asyncio.to_thread(terminate_all, [proc], OLD_WORKER_GRACE)
             done.append({"slot": slot, "old_pid": old.pid, "new_pid": new})
         return done
 
@@ -314,17 +312,17 @@ class DataPlane:
         recorded worker is gone (a worker started but never recorded); else it is a second
         worker for a slot, and is told to exit."""
         slot, pid, created = int(hello["slot"]), int(hello["pid"]), float(hello["created"])
-        row = self._rows().get(slot)
-        if slot >= self.size:
-            return None
+        rows = self.slots.rows()
+        if slot >= self.size or rows is None:
+            return None  # unknown yet: it reconnects and is judged on the next hello
+        row = rows.get(slot)
         if row is None or (row.pid, row.created) != (pid, created):
             if row is not None and find_process(row.pid, row.created) is not None:
                 log.warning(
                     "balancer worker pid %d claims slot %d, held by pid %d", pid, slot, row.pid
                 )
                 return None
-            with contextlib.suppress(StateError):
-                self.store.set_worker(slot, pid, created)
+            self.slots.set(slot, pid, created)
         conn = _Conn(slot=slot, pid=pid, writer=writer, seq=int(hello.get("seq") or 0))
         self._conns[pid] = conn
         return conn
@@ -338,6 +336,7 @@ class DataPlane:
         if message["t"] != "report":
             return
         conn.seq = int(message.get("seq") or 0)
+        conn.heard = time.monotonic()
         services = message.get("services") or {}
         reports: dict[str, dict[str, Any]] = {}
         for name, report in services.items():
@@ -478,22 +477,14 @@ class DataPlane:
         return {name: merge_stats(stats) for name, stats in per.items() if name in self.routes}
 
     def bind_errors(self, name: str) -> list[str]:
-        return [
+        """Why the service's endpoint is not (only) served by its workers: ports they could
+        not bind, a foreign listener on the port."""
+        errors = [
             f"worker {slot}: {e}" for slot, e in sorted(self._bind_errors.get(name, {}).items())
         ]
+        shared = self.ports.problems.get(name)
+        return errors + ([shared] if shared else [])
 
     def workers(self) -> list[dict[str, Any]]:
-        out = []
-        for slot, row in sorted(self._rows().items()):
-            conn = self._conns.get(row.pid)
-            out.append(
-                {
-                    "slot": slot,
-                    "pid": row.pid,
-                    "alive": find_process(row.pid, row.created) is not None,
-                    "connected": conn is not None,
-                    "table_seq": conn.seq if conn else None,
-                    "started_at": row.started_at,
-                }
-            )
-        return out
+        conns = {pid: conn.seq for pid, conn in self._conns.items()}
+        return self.slots.view(conns)

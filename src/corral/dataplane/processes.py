@@ -16,6 +16,7 @@ from typing import IO, Final
 
 import psutil
 
+from corral.ownership import HOME_ID_FLAG, read_home_id
 from corral.procfs import running as _running
 from corral.procfs import terminate_all
 
@@ -25,9 +26,12 @@ log = logging.getLogger("corral.dataplane")
 WORKER_STOP_TIMEOUT: Final = 10.0
 
 
-def start_worker(home: Path, slot: int, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+def start_worker(
+    home: Path, slot: int, env: Mapping[str, str], *, successor: bool = False
+) -> subprocess.Popen[bytes] | None:
     """A new worker process for ``slot``, its output in the home's worker log; None (logged)
-    when it cannot be started."""
+    when it cannot be started. ``successor``: it serves beside the slot's current worker until
+    that one exits (restart-workers); any other second worker for a slot exits at once."""
     logfile = home / "dataplane" / f"worker-{slot}.log"
     try:
         out: IO[bytes] | int = open(logfile, "ab")  # noqa: SIM115 - closed below
@@ -43,6 +47,10 @@ def start_worker(home: Path, slot: int, env: Mapping[str, str]) -> subprocess.Po
                 "corral.dataplane.worker",
                 "--slot",
                 str(slot),
+                # Not the home's path (command lines are readable by everyone): its id, which
+                # is how `corral doctor` finds the owner of a worker whose home is gone.
+                *([HOME_ID_FLAG, home_id] if (home_id := read_home_id(home)) else []),
+                *(["--successor"] if successor else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=out,

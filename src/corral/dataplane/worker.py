@@ -21,6 +21,14 @@ What it does, and why each part is here rather than in the daemon:
   race) and the last daemon did not stop on purpose (``daemon.stopped``), it starts the command
   the daemon last said it was started with. A replica that dies while the daemon is down is
   then still replaced within seconds.
+* Ends with its home (:mod:`corral.ownership`): when the home is deleted or replaced, or its
+  state file is gone, it stops listening and exits; with no daemon connected it first ends
+  the home's replicas, as no daemon ever will. It never starts a daemon for a home that is
+  gone. A worker with no route and no daemon for ``IDLE_EXIT`` seconds exits too.
+* Holds its slot: ``dataplane/slot-N.lock`` (flock) is held for its life, so a second worker
+  for the same slot finds it taken and exits at once. A successor started by
+  ``restart-workers`` (``--successor``) serves beside its predecessor until the daemon has told
+  the old one to exit, and takes the lock when the old one releases it.
 """
 
 from __future__ import annotations
@@ -28,23 +36,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import fcntl
-import inspect
 import logging
 import os
-import resource
 import signal
 import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 from corral.balancer import LoadBalancer
 from corral.balancer.metrics import merge_stats
+from corral.dataplane.listeners import make_balancer
+from corral.dataplane.locks import daemon_holds_lock, take_slot
 from corral.dataplane.protocol import (
     HISTORY_SECONDS,
     MAX_MESSAGE,
@@ -56,6 +63,8 @@ from corral.dataplane.protocol import (
     socket_path,
 )
 from corral.limits import raise_open_files, undumpable
+from corral.ownership import CHECK_INTERVAL as HOME_CHECK_INTERVAL
+from corral.ownership import HomeWatch
 
 log = logging.getLogger("corral.worker")
 
@@ -69,6 +78,10 @@ SEND_TIMEOUT: Final = 5.0
 BIND_RETRY: Final = 1.0
 # An exiting worker leaves idle keep-alive connections open this long for one more request.
 IDLE_GRACE: Final = 3.0
+# A worker with no route and no daemon for this long exits ($CORRAL_WORKER_IDLE_EXIT).
+IDLE_EXIT: Final = 60.0
+# Replicas of a deleted home get this long after SIGTERM before SIGKILL.
+ORPHAN_GRACE: Final = 5.0
 
 
 @dataclass
@@ -79,9 +92,21 @@ class _Service:
 
 
 class Worker:
-    def __init__(self, home: Path, slot: int) -> None:
+    def __init__(
+        self,
+        home: Path,
+        slot: int,
+        *,
+        watch: HomeWatch | None = None,
+        idle_exit: float = IDLE_EXIT,
+        slot_lock: IO[str] | None = None,
+    ) -> None:
         self.home = home
         self.slot = slot
+        self.watch = watch
+        self.idle_exit = idle_exit
+        self.home_gone: str | None = None
+        self._slot_lock = slot_lock
         self.services: dict[str, _Service] = {}
         self.retiring: list[tuple[str, LoadBalancer]] = []
         self.errors: dict[str, str] = {}
@@ -220,7 +245,7 @@ class Worker:
         if svc is None or svc.key != key:
             ready = dict(route.ready) if route.ready is not None else (svc.ready if svc else {})
             try:
-                lb = _make_balancer(name, route, self._drained)
+                lb = make_balancer(name, route, self._drained)
                 # Before it listens: with SO_REUSEPORT the kernel sends it connections the moment
                 # it does, and a request must not meet an empty ready set (a 503) meanwhile.
                 lb.set_ready(ready)
@@ -305,6 +330,7 @@ class Worker:
                 "stats": merge_stats([lb.stats() for lb in lbs]) if lbs else None,
                 "times": bucket_times(times),
                 "port": svc.lb.port if svc is not None else None,
+                "inodes": svc.lb.listener_inodes() if svc is not None else [],
                 "error": self.errors.get(name),
             }
         await self._send({"t": "report", "seq": self.seq, "services": services})
@@ -312,9 +338,20 @@ class Worker:
     # -- bringing a crashed daemon back -------------------------------------------------------
 
     async def _supervise_loop(self) -> None:
-        next_bind = 0.0
+        next_bind = next_home_check = 0.0
         while True:
             await asyncio.sleep(0.25)
+            now = time.monotonic()
+            if now >= next_home_check:
+                next_home_check = now + HOME_CHECK_INTERVAL  # a few stat calls
+                if await self._home_lost():
+                    return
+            if self._slot_lock is None:
+                self._slot_lock = take_slot(self.home, self.slot)
+            if self._idle_too_long(now):
+                log.info("no route and no daemon for %gs: exiting", self.idle_exit)
+                self.stop.set()
+                return
             if self.unbound and time.monotonic() >= next_bind:
                 next_bind = time.monotonic() + BIND_RETRY
                 for name, route in list(self.unbound.items()):
@@ -330,8 +367,10 @@ class Worker:
                 continue
             if now - self._last_spawn < RESPAWN_BACKOFF:
                 continue
-            if (self.home / STOPPED_MARKER).exists() or _daemon_holds_lock(self.home):
+            if (self.home / STOPPED_MARKER).exists() or daemon_holds_lock(self.home):
                 continue
+            if self.watch is not None and self.watch.gone() is not None:
+                continue  # never a daemon for a home that is gone (the next check ends us)
             self._last_spawn = now
             try:
                 argv = [str(a) for a in self.respawn["argv"]]
@@ -341,6 +380,28 @@ class Worker:
                 log.error("cannot restart the daemon: bad command from it: %s", exc)
                 continue
             self._spawn_daemon(argv, env or dict(os.environ), cwd)
+
+    async def _home_lost(self) -> bool:
+        """True (and the worker stopping) when its home is gone. With no daemon connected the
+        home's replicas are ended first: no daemon will come back to do it."""
+        reason = self.watch.gone() if self.watch is not None else None
+        if reason is None:
+            return False
+        self.home_gone = reason
+        log.warning("%s: this balancer worker exits", reason)
+        marker = self.watch.home_id if self.watch is not None else None
+        if self._writer is None and marker is not None:
+            from corral.infra.local_scan import end_home
+
+            for line in await asyncio.to_thread(end_home, marker, ORPHAN_GRACE):
+                log.warning("home gone: %s", line)
+        self.stop.set()
+        return True
+
+    def _idle_too_long(self, now: float) -> bool:
+        if self._writer is not None or self.services or self.unbound or self.retiring:
+            return False
+        return now - self._disconnected_since >= self.idle_exit
 
     def _spawn_daemon(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         """Start the daemon's own command line again (never through a shell): ``argv`` is
@@ -363,50 +424,6 @@ class Worker:
         log.warning("no daemon for %.1fs: started one (pid %d)", RESPAWN_AFTER, child.pid)
 
 
-def _make_balancer(name: str, route: Route, on_drained: Callable[[int], None]) -> LoadBalancer:
-    context = route.server_context()
-    # A setting this worker's engine does not know (a newer daemon, during an upgrade) is left
-    # out rather than refusing the whole service.
-    known = inspect.signature(LoadBalancer).parameters
-    config = {k: v for k, v in route.config.items() if k in known}
-    if config.get("max_connections", 0) is None:
-        config["max_connections"] = default_max_connections()
-    for key in sorted(set(route.config) - set(config)):
-        log.warning("service %s: setting %r unknown to this worker, ignored", name, key)
-    return LoadBalancer(
-        name=name,
-        host=route.host,
-        port=route.port,
-        ssl_context=context,
-        reuse_port=True,
-        on_drained=on_drained,
-        **config,
-    )
-
-
-def default_max_connections() -> int:
-    """A service's share of this worker's descriptors when its spec sets none: a quarter of
-    the open-file limit (each proxied connection holds two)."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 1 << 20
-    return max(64, soft // 4)
-
-
-def _daemon_holds_lock(home: Path) -> bool:
-    """True while a daemon holds the home's lock (a live daemon, or one starting)."""
-    try:
-        with open(home / "daemon.lock", "a+") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-            return False
-    except OSError:
-        return True  # cannot tell: do not start a second daemon on a guess
-
-
 def _created() -> float:
     import psutil
 
@@ -419,6 +436,14 @@ def main(argv: list[str] | None = None) -> None:
         "--home", type=Path, default=None, help="corral home (default: $CORRAL_HOME)"
     )
     parser.add_argument("--slot", required=True, type=int)
+    parser.add_argument(
+        "--home-id", default=None, help="the home's id: names the owner on the command line"
+    )
+    parser.add_argument(
+        "--successor",
+        action="store_true",
+        help="started by restart-workers: serve beside the slot's old worker until it exits",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr,
@@ -431,7 +456,18 @@ def main(argv: list[str] | None = None) -> None:
     home = args.home or (Path(os.environ["CORRAL_HOME"]) if os.environ.get("CORRAL_HOME") else None)
     if home is None:
         parser.error("no home: pass --home or set CORRAL_HOME")
-    worker = Worker(home.resolve(), args.slot)
+    home = home.resolve()
+    try:
+        watch = HomeWatch(home)
+    except OSError as exc:
+        log.error("no home at %s (%s): exiting", home, exc)
+        sys.exit(1)
+    lock = take_slot(home, args.slot)
+    if lock is None and not args.successor:
+        log.error("another balancer worker holds slot %d of %s: exiting", args.slot, home)
+        sys.exit(0)
+    idle_exit = float(os.environ.get("CORRAL_WORKER_IDLE_EXIT") or IDLE_EXIT)
+    worker = Worker(home, args.slot, watch=watch, idle_exit=idle_exit, slot_lock=lock)
     try:
         import uvloop
     except ImportError:  # still correct on the stock loop, only slower

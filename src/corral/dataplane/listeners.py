@@ -1,0 +1,47 @@
+"""A service's listener in a balancer worker, built from its route in the daemon's table.
+
+Apart from :mod:`corral.dataplane.worker` so the worker module keeps to its lifecycle (the
+channel, reports, its home and its slot) and this one to what a route turns into.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import resource
+from collections.abc import Callable
+
+from corral.balancer import LoadBalancer
+from corral.dataplane.protocol import Route
+
+log = logging.getLogger("corral.worker")
+
+
+def make_balancer(name: str, route: Route, on_drained: Callable[[int], None]) -> LoadBalancer:
+    context = route.server_context()
+    # A setting this worker's engine does not know (a newer daemon, during an upgrade) is left
+    # out rather than refusing the whole service.
+    known = inspect.signature(LoadBalancer).parameters
+    config = {k: v for k, v in route.config.items() if k in known}
+    if config.get("max_connections", 0) is None:
+        config["max_connections"] = default_max_connections()
+    for key in sorted(set(route.config) - set(config)):
+        log.warning("service %s: setting %r unknown to this worker, ignored", name, key)
+    return LoadBalancer(
+        name=name,
+        host=route.host,
+        port=route.port,
+        ssl_context=context,
+        reuse_port=True,
+        on_drained=on_drained,
+        **config,
+    )
+
+
+def default_max_connections() -> int:
+    """A service's share of this worker's descriptors when its spec sets none: a quarter of
+    the open-file limit (each proxied connection holds two)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(64, soft // 4)

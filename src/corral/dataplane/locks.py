@@ -1,0 +1,45 @@
+"""The locks that keep one daemon per home and one balancer worker per slot.
+
+Both are ``flock`` locks on files in the home, held for the owner's life: the kernel drops
+them when the process dies however it dies, so a lock never outlives its holder and a check
+never has to guess from a pid or a heartbeat whether the holder is still there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+from typing import IO
+
+
+def daemon_holds_lock(home: Path) -> bool:
+    """True while a daemon holds the home's lock (a live daemon, or one starting)."""
+    try:
+        with open(home / "daemon.lock", "a+") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            return False
+    except OSError:
+        return True  # cannot tell: do not start a second daemon on a guess
+
+
+def slot_lock_path(home: Path, slot: int) -> Path:
+    return home / "dataplane" / f"slot-{slot}.lock"
+
+
+def take_slot(home: Path, slot: int) -> IO[str] | None:
+    """The slot's lock, held for the worker's life (closed with the process), or None while
+    another process holds it."""
+    try:
+        f = open(slot_lock_path(home, slot), "a+")  # noqa: SIM115 - held for life
+    except OSError:
+        return None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
