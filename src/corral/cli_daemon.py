@@ -109,7 +109,8 @@ def daemon_start(ctx: click.Context) -> None:
 @click.pass_context
 def daemon_stop(ctx: click.Context, everything: bool) -> None:
     """Stop the control plane. Services keep serving: the balancer workers and the replicas
-    keep running, and the next daemon (any corral command starts one) adopts them."""
+    keep running, and the next daemon (any corral command starts one) adopts them. With no
+    service left, the balancer workers stop too."""
     home = home_of(ctx)
     client = Client(home)
     if not client.health():
@@ -119,13 +120,16 @@ def daemon_stop(ctx: click.Context, everything: bool) -> None:
         if everything:
             _stop_orphan_workers(home)
         return
-    client.stop_daemon(workers=everything)
+    workers = client.stop_daemon(workers=everything)
     deadline = time.monotonic() + 30
     while client.health() and time.monotonic() < deadline:
         time.sleep(0.1)
-    if everything:
+    if workers:
         _stop_orphan_workers(home)  # any the daemon could not reach
-        out.print("daemon and balancer workers stopped: service endpoints no longer answer")
+        if everything:
+            out.print("daemon and balancer workers stopped: service endpoints no longer answer")
+        else:
+            out.print("daemon and balancer workers stopped (no service was left to serve)")
     else:
         out.print(
             "daemon stopped; services keep serving (balancer workers and replicas still run). "

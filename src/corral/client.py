@@ -310,9 +310,11 @@ class Client:
             params["replica"] = replica
         return self.stream(f"/v1/services/{quote(name, safe='')}/logs", params)
 
-    def stop_daemon(self, *, workers: bool = False) -> None:
-        """Stop the control plane; with ``workers`` the balancer workers too."""
-        self.request("POST", "/v1/daemon/stop", params={"all": "1"} if workers else None)
+    def stop_daemon(self, *, workers: bool = False) -> bool:
+        """Stop the control plane; with ``workers`` the balancer workers too. Returns whether
+        the workers stop (they also do when no service is left)."""
+        answer = self.request("POST", "/v1/daemon/stop", params={"all": "1"} if workers else None)
+        return bool(answer.get("balancer_workers_stop", workers))
 
 
 def ensure_daemon(home: Path, timeout: float = 20.0) -> Client:

@@ -90,6 +90,8 @@ class Daemon:
         self.stop_requested = asyncio.Event()
         # `corral daemon stop --all`: the balancer workers stop too (else they keep serving).
         self.stop_workers = False
+        # Why the home is no longer this daemon's (deleted, replaced), once that is seen.
+        self.home_lost: str | None = None
         self._deploy_locks: dict[str, asyncio.Lock] = {}
 
     async def start_controllers(self) -> None:
@@ -436,9 +438,12 @@ class Daemon:
         return controller.spec(svc.current_version), row
 
     def request_stop(self, *, workers: bool) -> bool:
-        """Stop the daemon; with ``workers`` the balancer workers too (else they keep serving
-        every service). Returns whether the workers will stop."""
-        self.stop_workers = self.stop_workers or workers
+        """Stop the daemon; with ``workers``, or when no service is left, the balancer workers
+        too (else they keep serving every service). Returns whether the workers will stop."""
+        # With no service left the workers have nothing to serve: they go too, or they would
+        # idle on until the home is deleted.
+        idle = not self.controllers
+        self.stop_workers = self.stop_workers or workers or idle
         self.stop_requested.set()
         return self.stop_workers
 

@@ -21,12 +21,15 @@ def service_view(svc: ServiceCore, decision: Decision | None, failed: str | None
         raise KeyError(svc.name)
     rows = svc.store.replicas(svc.name)
     statuses = [replica_status(r) for r in rows]
+    balancer_errors = svc.balancer.bind_errors() if svc.balancer is not None else []
     status = service_status(
         statuses,
         shutting_down=row.intent == "shutting_down",
         gave_up=row.failure is not None,
         controller_running=svc.balancer is not None,
-        controller_failed=failed is not None,
+        # An endpoint the workers cannot serve, or serve only in part (another process
+        # listens on its port too), is not READY whatever its replicas are.
+        controller_failed=failed is not None or bool(balancer_errors),
     )
     # A failed update leaves the old version serving: the service is not FAILED then,
     # and why the update failed is a field of its own.
@@ -48,7 +51,7 @@ def service_view(svc: ServiceCore, decision: Decision | None, failed: str | None
         "versions": _versions(svc),
         "traffic_held_for_version": svc.held_version,
         "traffic_versions": _serving(svc),
-        "balancer_errors": svc.balancer.bind_errors() if svc.balancer is not None else [],
+        "balancer_errors": balancer_errors,
         "failure": failed or (None if update_failed else row.failure),
         "last_update_failure": row.failure if update_failed else None,
         "last_decision": svc.last_decision,
