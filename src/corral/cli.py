@@ -16,6 +16,7 @@ from rich.console import Console
 from corral import __version__, cliview
 from corral.cli_common import client_error_text, client_of, err, fail, home_of, out
 from corral.cli_daemon import daemon
+from corral.cli_doctor import doctor
 from corral.cli_spec import check_deployable, load_or_exit, validate
 from corral.cli_wait import interrupted, keeps_running, wait_down, wait_ready, wait_rollout
 from corral.client import Client, ClientError, DaemonUnreachable
@@ -27,8 +28,8 @@ from corral.spec import (
 
 # Tables are laid out this wide at most, whatever the terminal (rows are never cut).
 WIDE = 400
-# Commands that never touch the home.
-HOMELESS = {"validate"}
+# Commands that never touch the home (doctor looks at every home of the machine).
+HOMELESS = {"validate", "doctor"}
 
 _home = home_of
 _fail = fail
@@ -61,6 +62,7 @@ def main(ctx: click.Context, home: Path | None) -> None:
 
 
 main.add_command(daemon)
+main.add_command(doctor)
 main.add_command(validate)
 
 
