@@ -41,6 +41,7 @@ from ray_cluster import LocalRayCluster  # noqa: E402
 from ray_support import cluster_dir, guard_topology, topology  # noqa: E402
 
 from corral import jobs  # noqa: E402
+from corral.infra import _ray_link  # noqa: E402
 from corral.infra import ray as ray_infra  # noqa: E402
 from corral.infra._ray_resources import parse_memory, ray_options  # noqa: E402
 from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle  # noqa: E402
@@ -321,6 +322,151 @@ def test_unreachable_cluster_fails_within_seconds(kind: str) -> None:
     assert "did not answer" in result.stdout, result.stdout
     assert f"127.0.0.1:{port}" in result.stdout
     assert took < 20, f"took {took:.1f}s"  # interpreter + Ray import included
+
+
+class _FakeRay:
+    """Stands for a connected RayInfra in the tests of RayLink: records what reaches it."""
+
+    name = "ray"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def launch(self, request: LaunchRequest) -> ReplicaHandle:
+        self.calls.append("launch")
+        return ReplicaHandle("ray", "http://127.0.0.1:1", {"actor_name": "corral-x-s-1"})
+
+    def terminate(self, handle: ReplicaHandle, grace: float) -> None:
+        self.calls.append("terminate")
+
+    def check(self, handle: ReplicaHandle) -> Liveness:
+        self.calls.append("check")
+        return Liveness.ALIVE
+
+    def exit_code(self, handle: ReplicaHandle) -> int | None:
+        return 3
+
+    def sweep(self, home_marker: str, known: Any, recorded: Any = None) -> list[str]:
+        self.calls.append("sweep")
+        return ["swept"]
+
+
+def _request(tmp: Path) -> LaunchRequest:
+    return LaunchRequest(
+        service="svc",
+        replica_id=1,
+        version=1,
+        run="true",
+        setup=None,
+        envs={},
+        workdir=None,
+        replica_dir=tmp / "replica-1",
+        log_path=tmp / "replica_1.log",
+        port=None,
+        resources={},
+        home_marker="x",
+        on_started=lambda handle: None,
+    )
+
+
+def test_link_waits_for_its_connection_then_delegates(tmp_path: Path) -> None:
+    """While connecting: launches wait (cancellably), checks are UNKNOWN (never evidence of
+    death), teardown refuses with the reason; once connected, ``on_connected`` runs before
+    anything reaches the backend, then every call does."""
+    release = threading.Event()
+    fake = _FakeRay()
+    order: list[str] = []
+
+    def make(address: str) -> _FakeRay:
+        assert release.wait(30), "never released"
+        return fake
+
+    link = _ray_link.RayLink("127.0.0.1:9", connect_timeout=30, make=make)
+    ready = threading.Event()
+    link.start(
+        on_connected=lambda infra: order.append(f"connected {infra is fake}"),
+        on_ready=lambda: (order.append("ready"), ready.set()),
+    )
+    handle = ReplicaHandle("ray", "", {"actor_name": "corral-x-s-1"})
+    assert "connecting to the Ray cluster at 127.0.0.1:9" in (link.not_ready() or "")
+    assert link.settling()
+    assert link.check(handle) is Liveness.UNKNOWN
+    assert link.exit_code(handle) is None
+    assert link.sweep("x", []) == []
+    with pytest.raises(RuntimeError, match="connecting to the Ray cluster"):
+        link.terminate(handle, 1.0)
+    pool = jobs.JobPool(max_workers=2)
+    try:
+        log = tmp_path / "launch.log"
+        waiting = pool.submit(link.launch, _request(tmp_path), log=log, name="waits")
+        wait_for(lambda: "waiting: connecting" in log.read_text(), 10, "the launch to wait")
+        assert waiting.cancel()
+        assert waiting.wait(10) and waiting.state is jobs.JobState.CANCELLED
+        launch = pool.submit(link.launch, _request(tmp_path), log=log, name="goes")
+        release.set()
+        assert ready.wait(10), "never ready"
+        assert launch.wait(10) and launch.state is jobs.JobState.SUCCEEDED
+    finally:
+        pool.shutdown(timeout=10)
+    assert order == ["connected True", "ready"]
+    assert link.not_ready() is None and not link.settling()
+    assert link.check(handle) is Liveness.ALIVE and link.exit_code(handle) == 3
+    link.terminate(handle, 1.0)
+    assert fake.calls == ["launch", "check", "terminate"]
+
+
+def test_link_reports_a_cluster_that_fails_and_keeps_trying(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A refused connection ends the first attempt (adoption goes on) with the reason in
+    words; the link tries again and connects once the cluster answers."""
+    monkeypatch.setattr(_ray_link, "_RETRY_FIRST", 0.05)
+    attempts: list[float] = []
+    fake = _FakeRay()
+
+    def make(address: str) -> _FakeRay:
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise RuntimeError(f"Ray cluster at {address} did not answer: Connection refused")
+        return fake
+
+    gate = threading.Event()  # the second attempt waits until the first was looked at
+
+    def held(address: str) -> _FakeRay:
+        if len(attempts) == 1:
+            assert gate.wait(10)
+        return make(address)
+
+    link = _ray_link.RayLink("127.0.0.1:9", connect_timeout=30, make=held)
+    ready = threading.Event()
+    link.start(on_ready=ready.set)
+    wait_for(lambda: not link.settling(), 10, "the first attempt to end")
+    reason = link.not_ready() or ""
+    assert reason.startswith("Ray cluster at 127.0.0.1:9 is not usable: did not answer"), reason
+    assert "still trying" in reason
+    gate.set()
+    assert ready.wait(10), f"not connected after {len(attempts)} attempts"
+    assert len(attempts) == 3 and link.not_ready() is None
+
+
+def test_link_says_when_the_first_attempt_outlives_its_timeout() -> None:
+    """An attempt that hangs (a silent cluster) is reported after ``connect_timeout`` and no
+    longer holds adoption up; the attempt goes on and would be used."""
+    release = threading.Event()
+    link = _ray_link.RayLink("127.0.0.1:9", connect_timeout=0.2, make=lambda a: _wait(release))
+    link.start()
+    try:
+        wait_for(lambda: not link.settling(), 10, "the first attempt to be overdue")
+        reason = link.not_ready() or ""
+        assert "is not usable: no answer within 0.2s" in reason, reason
+    finally:
+        release.set()
+    wait_for(lambda: link.not_ready() is None, 10, "the late connection to be used")
+
+
+def _wait(release: threading.Event) -> _FakeRay:
+    assert release.wait(30)
+    return _FakeRay()
 
 
 # -- launch, placement, serving -------------------------------------------------------------------

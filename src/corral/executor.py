@@ -212,17 +212,17 @@ class Executor:
         job.add_done_callback(functools.partial(self._from_thread, self._launch_done, r.id))
 
     def _grant(self, r: ReplicaRow, spec: ServiceSpec) -> Grant | None:
-        """What the replica may hold (written before its launch), or None while it waits: the
-        first time with a ``replica.waiting`` event, the reason kept for status."""
+        """What the replica may hold (written before its launch), or None while it waits (for
+        room, or for its backend to connect): the reason kept for status, and an event."""
         capacity = self.svc.deps.capacity
-        if capacity is None or r.infra != "local":
-            return Grant()
-        granted = capacity.grant(r.id, spec.resources.model_dump(exclude_none=True))
+        granted: Grant | str | None = self.svc.backend_waits(r)
+        if granted is None:
+            if capacity is None or r.infra != "local":
+                return Grant()
+            granted = capacity.grant(r.id, spec.resources.model_dump(exclude_none=True))
         if isinstance(granted, Grant):
             return granted
-        if capacity.note_wait(self.svc.name, r.id, granted):
-            self.svc.event(r.id, "replica.waiting", granted)
-            log.info("service %s: replica %d waits: %s", self.svc.name, r.id, granted)
+        self.svc.note_wait(r, granted)
         return None
 
     def _make_room(self, version: int, rows: list[ReplicaRow], target: int, ready_new: int) -> None:

@@ -22,7 +22,7 @@ import aiohttp
 from corral import logfiles
 from corral.capacity import Capacity
 from corral.dataplane.plane import DataPlane, ServiceRoute
-from corral.infra.base import Infra, Liveness, ReplicaHandle
+from corral.infra.base import Connecting, Infra, Liveness, ReplicaHandle
 from corral.jobs import Job, JobPool
 from corral.spec import ServiceSpec, parse_spec
 from corral.state import FailureKind, ReplicaRow, Store
@@ -165,7 +165,28 @@ class ServiceCore:
     def unknown_reason(self, r: ReplicaRow) -> str:
         if r.infra not in self.deps.infras:
             return f"backend {r.infra!r} is not available in this daemon; left as it is"
+        waits = self.backend_waits(r)
+        if waits is not None:
+            return f"backend {r.infra!r}: {waits}; checked again once it answers"
         return f"backend {r.infra!r} does not answer; checked again later"
+
+    def backend_waits(self, r: ReplicaRow) -> str | None:
+        """Why ``r``'s backend cannot launch it yet (a cluster still connecting: see
+        :class:`~corral.infra.base.Connecting`), or None; a wait that ended is forgotten."""
+        infra = self.deps.infras.get(r.infra)
+        if not isinstance(infra, Connecting):
+            return None
+        waits = infra.not_ready()
+        if waits is None and self.deps.capacity is not None:
+            self.deps.capacity.waiting.pop(r.id, None)
+        return waits
+
+    def note_wait(self, r: ReplicaRow, reason: str) -> None:
+        """A PENDING replica waits: the newest reason kept for status, one event per wait."""
+        capacity = self.deps.capacity
+        if capacity is not None and capacity.note_wait(self.name, r.id, reason):
+            self.event(r.id, "replica.waiting", reason)
+            log.info("service %s: replica %d waits: %s", self.name, r.id, reason)
 
     def infra_for(self, r: ReplicaRow) -> Infra:
         infra = self.deps.infras.get(r.infra)

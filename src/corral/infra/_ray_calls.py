@@ -9,12 +9,13 @@ here too, once per process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import ray
@@ -122,6 +123,27 @@ class _QuietSigtermWarning(logging.Filter):
         return "SIGTERM handler is not set" not in record.getMessage()
 
 
+@contextlib.contextmanager
+def _driver_outlives_gcs() -> Iterator[None]:
+    """Ray's GCS reconnect timeout set for one ``ray.init`` (it reads it once, at init), and
+    put back after: the daemon's driver never exits because its cluster went away."""
+    saved = os.environ.get(_RECONNECT_ENV)
+    os.environ[_RECONNECT_ENV] = _RECONNECT_TIMEOUT_S
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(_RECONNECT_ENV, None)
+        else:
+            os.environ[_RECONNECT_ENV] = saved
+
+
+def _reset() -> None:
+    """After a failed ``ray.init``: Ray may be half set up, and the daemon tries again."""
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+
+
 def _connect(address: str, namespace: str, timeout: float) -> None:
     """Connect this process to the cluster once (Ray allows one connection per process), within
     ``timeout`` s, or raise RuntimeError saying why."""
@@ -164,21 +186,16 @@ def _connect(address: str, namespace: str, timeout: float) -> None:
             kwargs["_node_ip_address"] = "127.0.0.1"
         # The driver must survive its cluster (see the module docstring). Read once, at init.
         logging.getLogger("ray._private.worker").addFilter(_QuietSigtermWarning())
-        saved = os.environ.get(_RECONNECT_ENV)
-        os.environ[_RECONNECT_ENV] = _RECONNECT_TIMEOUT_S
         try:
-            _bounded("connect", max(0.1, deadline - time.monotonic()), ray.init, **kwargs)
+            with _driver_outlives_gcs():
+                _bounded("connect", max(0.1, deadline - time.monotonic()), ray.init, **kwargs)
         except RayUnreachable:
             raise RuntimeError(
                 f"Ray cluster at {address} did not answer within {timeout:g}s"
             ) from None
         except Exception as exc:
+            _reset()
             raise RuntimeError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
-        finally:
-            if saved is None:
-                os.environ.pop(_RECONNECT_ENV, None)
-            else:
-                os.environ[_RECONNECT_ENV] = saved
         _connected.clear()
         _connected.add(address)
 

@@ -115,3 +115,19 @@ class EndpointOwner(Protocol):
         """None when the endpoint's listener is the replica's own, or when that cannot be told
         (the listener's owner is not visible); otherwise the reason it is not (who holds it)."""
         ...
+
+
+@runtime_checkable
+class Connecting(Protocol):
+    """Optional part of a backend that becomes usable some time after the daemon starts (a
+    cluster connected in the background, :mod:`corral.infra._ray_link`), so that the daemon
+    answers at once. Until then its replicas wait, with the reason shown, instead of failing."""
+
+    def not_ready(self) -> str | None:
+        """None once it can launch; otherwise why not, in words shown to users."""
+        ...
+
+    def settling(self) -> bool:
+        """True while its first connection attempt is under way (bounded by the backend):
+        a restarted daemon adopts its rows after it, so they are judged on a real answer."""
+        ...

@@ -63,7 +63,8 @@ short methods), kept whole because every part reads and writes the same record o
 process placed, launches in flight and the pump's latest answers; split, that state would be
 passed between modules. What stands alone is elsewhere: bounded calls and the connection in
 :mod:`corral.infra._ray_calls`, the log pump in :mod:`corral.infra._ray_pump`, resources and
-options in :mod:`corral.infra._ray_resources`.
+options in :mod:`corral.infra._ray_resources`, and the daemon's side of the connection (made
+in the background, so the daemon answers at once) in :mod:`corral.infra._ray_link`.
 """
 
 from __future__ import annotations
