@@ -1,0 +1,364 @@
+"""The building blocks of prefix-aware routing: prompt extraction, the prefix index, and the
+cross-process replica choice (corral.balancer.prompt, corral.balancer.prefix).
+
+Why: a prompt read wrong sends every turn of a conversation away from its cache; an index that
+answers a longer match than a replica holds, or grows without bound, misroutes or eats the
+worker's memory; and balancer workers that disagree on a key's replica split a conversation
+across caches. Each is checked against a property or a brute-force reference, not examples
+alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from corral.balancer.prefix import (
+    PrefixIndex,
+    block_hashes,
+    bounded_choice,
+    rendezvous_order,
+    stable_key,
+)
+from corral.balancer.prompt import extract_prompt, prompt_anchor, read_prompt
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+CHAT = "/v1/chat/completions"
+
+
+def _body(doc: Any) -> bytes:
+    return json.dumps(doc).encode()
+
+
+# -- prompt extraction -------------------------------------------------------------------------
+
+
+def test_completions_prompt_shapes() -> None:
+    path = "/v1/completions"
+    assert extract_prompt(path, _body({"prompt": "Once upon"})) == "Once upon"
+    joined = extract_prompt(path, _body({"prompt": ["a", "b"]}))
+    assert joined is not None and joined.startswith("a") and "b" in joined
+    ids = extract_prompt(path, _body({"prompt": [1, 2, 3]}))
+    longer = extract_prompt(path, _body({"prompt": [1, 2, 3, 4]}))
+    other = extract_prompt(path, _body({"prompt": [1, 23]}))
+    assert ids and longer and other
+    assert longer.startswith(ids) and not other.startswith(ids)
+    assert extract_prompt(path, _body({"prompt": [[1, 2], [3]]}))
+    for bad in ("", [], [1, "a"], [True, 2], {"a": 1}, 5, [[]], None):
+        assert extract_prompt(path, _body({"prompt": bad})) is None, bad
+
+
+def test_generate_and_other_apis() -> None:
+    assert extract_prompt("/generate", _body({"text": "sglang"})) == "sglang"
+    assert extract_prompt("/generate", _body({"inputs": "tgi", "parameters": {}})) == "tgi"
+    assert extract_prompt("/generate", _body({"input_ids": [5, 6]})) == "\x025,6,"
+    # Any path: a known field is found; a spec's field (dotted) is read first.
+    assert extract_prompt("/custom", _body({"prompt": "p"})) == "p"
+    doc = {"input": {"text": "mine"}, "prompt": "p"}
+    assert extract_prompt("/custom", _body(doc), field="input.text") == "mine"
+    assert extract_prompt("/custom", _body({"inputs": ["x", "y"]}), field="inputs.1") == "y"
+    assert extract_prompt("/custom", _body({"prompt": "p"}), field="input.text") == "p"
+    assert extract_prompt("/custom", _body({"other": "p"})) is None
+
+
+def test_chat_reads_every_message_and_tools_first() -> None:
+    doc = {
+        "model": "m",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Look"}, {"type": "image_url"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ],
+    }
+    text = extract_prompt(CHAT + "?stream=true", _body(doc))
+    assert text is not None
+    order = ["function", "Be brief.", "Look", "image_url", "c1", "42"]
+    places = [text.find(word) for word in order]
+    assert -1 not in places and places == sorted(places)
+    # Key order and spacing in the client's JSON change nothing.
+    reordered = {"messages": doc["messages"], "tools": doc["tools"][::-1]}
+    assert extract_prompt(CHAT, json.dumps(reordered, indent=3).encode()) == text
+    assert extract_prompt(CHAT, _body({"messages": [{"role": "user", "content": 3}]})) is None
+    assert extract_prompt(CHAT, _body({"messages": [{"content": "no role"}]})) is None
+    for bad in ([], "a string", [{"role": "user", "content": "x"}, "x"], {"role": "user"}):
+        assert extract_prompt(CHAT, _body({"messages": bad})) is None, bad
+    assert extract_prompt("/v1/completions", _body({"prompt": [{"role": "user"}]})) is None
+    messages = [{"role": "user", "content": "x"}]
+    assert extract_prompt("/api", _body({"input": messages}), field="input")
+
+
+_text = st.text(max_size=30)
+_part = st.one_of(
+    st.builds(lambda t: {"type": "text", "text": t}, _text),
+    st.builds(lambda u: {"type": "image_url", "image_url": {"url": u}}, _text),
+)
+_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+        "content": st.one_of(_text, st.lists(_part, max_size=3), st.none()),
+    },
+    optional={"name": _text, "tool_calls": st.lists(st.dictionaries(_text, _text, max_size=2))},
+)
+_tools = st.one_of(st.none(), st.lists(st.dictionaries(_text, _text, max_size=2), max_size=2))
+
+
+@given(st.lists(_message, min_size=1, max_size=6), st.lists(_message, max_size=4), _tools)
+def test_a_later_turn_starts_with_the_earlier_turn(
+    earlier: list[dict[str, Any]], new: list[dict[str, Any]], tools: Any
+) -> None:
+    first = {"messages": earlier, **({"tools": tools} if tools is not None else {})}
+    later = {**first, "messages": earlier + new, "max_tokens": 5}
+    body_a, body_b = _body(first), _body(later)
+    a, b = extract_prompt(CHAT, body_a), extract_prompt(CHAT, body_b)
+    assert a is not None and b is not None
+    assert b.startswith(a)
+    anchor_b = prompt_anchor(CHAT, body_b, b, 10_000)  # the parse remembered
+    assert prompt_anchor(CHAT, bytes(bytearray(body_b)), b, 10_000) == anchor_b  # parsed again
+    if any(m["role"] == "user" for m in earlier):  # the anchor is fixed by then
+        assert prompt_anchor(CHAT, body_a, a, 10_000) == anchor_b
+
+
+def test_anchor_tells_conversations_apart_and_needs_no_second_parse() -> None:
+    system = {"role": "system", "content": "You are a helpful assistant. " * 10}
+    one = _body({"messages": [system, {"role": "user", "content": "Plan a trip"}]})
+    two = _body({"messages": [system, {"role": "user", "content": "Fix my code"}]})
+    t1, t2 = extract_prompt(CHAT, one), extract_prompt(CHAT, two)
+    assert t1 is not None and t2 is not None
+    a1, a2 = prompt_anchor(CHAT, one, t1, 4096), prompt_anchor(CHAT, two, t2, 4096)
+    assert a1 != a2 and a1.endswith("Plan a trip\n")
+    assert prompt_anchor(CHAT, one, t1, 10) == t1[:10]
+    # Another object with the same bytes (no memo) gives the same anchor.
+    assert prompt_anchor(CHAT, bytes(bytearray(one)), t1, 4096) == a1
+    plain = _body({"prompt": "x" * 50})
+    assert prompt_anchor("/v1/completions", plain, "x" * 50, 20) == "x" * 20
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=20,
+)
+_paths = st.sampled_from([CHAT, "/v1/completions", "/generate", "/x?y=1", ""])
+_fields = st.sampled_from([None, "input", "input.text", "a.0.b", ".", ""])
+
+
+def _is_prompt(result: str | None) -> bool:
+    return result is None or (type(result) is str and result != "")
+
+
+@given(st.binary(max_size=200), _paths, _fields)
+def test_any_bytes_give_none_or_a_prompt_never_an_error(
+    body: bytes, path: str, field: str | None
+) -> None:
+    assert _is_prompt(extract_prompt(path, body, field))
+
+
+@given(_json, _paths, _fields, st.sampled_from(["messages", "prompt", "text", "inputs", "x"]))
+def test_any_json_gives_none_or_a_prompt_never_an_error(
+    value: Any, path: str, field: str | None, key: str
+) -> None:
+    for doc in (value, {key: value}, {key: value, "tools": value}, {"input": {"text": value}}):
+        body = json.dumps(doc).encode()
+        assert _is_prompt(extract_prompt(path, body, field))
+        prompt = read_prompt(path, body, field)
+        if prompt is not None:
+            assert 0 <= prompt.anchor_end <= len(prompt.text)
+
+
+def test_pathological_bodies() -> None:
+    for body in (b"[" * 100_000, b'{"prompt": ' + b"[" * 100_000, b"\xff\xfe", b"", b"null"):
+        assert extract_prompt("/v1/completions", body) is None
+    lone = extract_prompt("/v1/completions", b'{"prompt": "\\ud800 x"}')
+    assert lone is not None
+    assert stable_key(lone) == stable_key(lone) and block_hashes(lone * 40, 8)
+
+
+# -- the prefix index --------------------------------------------------------------------------
+
+
+class Reference:
+    """The index's promise, the slow way: per replica, an LRU list of prefixes (tuples of block
+    strings) touched last block first; a match is the longest run of leading prefixes held."""
+
+    def __init__(self, block: int, limit: int) -> None:
+        self.block, self.limit = block, limit
+        self.held: dict[int, list[tuple[str, ...]]] = {}
+
+    def prefixes(self, text: str) -> list[tuple[str, ...]]:
+        blocks = [text[i : i + self.block] for i in range(0, len(text), self.block)]
+        blocks = [b for b in blocks if len(b) == self.block]
+        return [tuple(blocks[: k + 1]) for k in range(len(blocks))]
+
+    def insert(self, rid: int, text: str) -> None:
+        lru = self.held.setdefault(rid, [])
+        for prefix in reversed(self.prefixes(text)[: self.limit]):
+            if prefix in lru:
+                lru.remove(prefix)
+            lru.append(prefix)
+        del lru[: max(0, len(lru) - self.limit)]
+
+    def match(self, text: str) -> dict[int, int]:
+        out = {}
+        for rid, lru in self.held.items():
+            k = 0
+            for prefix in self.prefixes(text):
+                if prefix not in lru:
+                    break
+                k += 1
+            if k:
+                out[rid] = k
+        return out
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "insert", "insert", "match", "forget"]),
+        st.integers(0, 4),
+        st.text(alphabet="ab", max_size=24),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300)
+@given(_ops, st.integers(1, 3), st.integers(1, 8))
+def test_index_matches_a_brute_force_reference(
+    ops: list[tuple[str, int, str]], block: int, limit: int
+) -> None:
+    index = PrefixIndex(block_chars=block, max_blocks_per_replica=limit)
+    ref = Reference(block, limit)
+    seen: set[str] = set()
+    for op, rid, text in ops:
+        if op == "insert":
+            index.insert(rid, index.hashes(text))
+            ref.insert(rid, text)
+        elif op == "forget":
+            index.forget(rid)
+            ref.held.pop(rid, None)
+        seen.add(text)
+        for probe in seen:
+            assert index.match(index.hashes(probe)) == ref.match(probe), probe
+        for r in range(5):
+            assert index.size(r) == len(ref.held.get(r, [])) <= limit
+
+
+def test_index_shapes_and_forget() -> None:
+    index = PrefixIndex(block_chars=4, max_blocks_per_replica=100)
+    system = "You are helpful. " * 4  # 68 chars: 17 whole blocks
+    turn1 = index.hashes(system + "Hi")
+    turn2 = index.hashes(system + "Hi there, how are you?")
+    assert len(turn1) == 17 and turn2[:17] == turn1 and len(turn2) == 22
+    index.insert(7, turn1)
+    index.insert(1000, turn2)
+    assert index.match(turn2) == {7: 17, 1000: 22}
+    assert index.match(index.hashes("other text entirely")) == {}
+    assert index.match([]) == {}
+    index.forget(7)
+    index.forget(7)
+    assert index.size(7) == 0 and index.match(turn2) == {1000: 22}
+    index.insert(8, turn1[:3])  # takes the freed bit
+    assert index.match(turn2) == {1000: 22, 8: 3} and sorted(index.replicas()) == [8, 1000]
+    assert len(index.hashes("x" * 400, limit_blocks=10)) == 10
+    capped = PrefixIndex(block_chars=4, max_blocks_per_replica=5)
+    capped.insert(1, turn2)
+    assert capped.size(1) == 5 and capped.match(turn2) == {1: 5}
+
+
+def test_eviction_takes_the_least_recently_used_conversation() -> None:
+    index = PrefixIndex(block_chars=8, max_blocks_per_replica=12)
+    old, hot, new = (index.hashes(c * 48) for c in "abc")  # 6 blocks each
+    index.insert(1, old)
+    index.insert(1, hot)
+    index.insert(1, hot[:2])  # a shorter turn of the same conversation: it is still in use
+    index.insert(1, new)
+    assert index.match(old) == {} and index.match(new) == {1: 6}
+    assert index.match(hot) == {1: 6} and index.size(1) == 12
+
+
+def test_eviction_takes_leaves_so_a_prefix_stays_matchable() -> None:
+    index = PrefixIndex(block_chars=1, max_blocks_per_replica=3)
+    index.insert(1, index.hashes("abc"))
+    index.insert(1, index.hashes("x"))  # one block out: the chain's last, not its first
+    assert index.match(index.hashes("abc")) == {1: 2}
+
+
+# -- choosing a replica across processes -------------------------------------------------------
+
+_PROBE = """
+import json, sys
+from corral.balancer.prefix import block_hashes, rendezvous_order, stable_key
+keys = [stable_key(f"conversation {i}") for i in range(200)]
+orders = [rendezvous_order(k, [3, 1, 4, 15, 9, 2, 6]) for k in keys]
+hashes = block_hashes("You are a helpful assistant. " * 40 + "\\u00e9\\ud800", 16)
+print(json.dumps([keys, orders, hashes]))
+"""
+
+
+def test_choices_and_hashes_agree_across_processes() -> None:
+    def run(seed: str) -> Any:
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(SRC)}
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+        )
+        return json.loads(out.stdout)
+
+    mine = run("1")
+    assert run("4242") == mine
+    assert mine[2] == block_hashes("You are a helpful assistant. " * 40 + "\u00e9\ud800", 16)
+    keys = [stable_key(f"conversation {i}") for i in range(200)]
+    assert mine[1] == [rendezvous_order(k, [3, 1, 4, 15, 9, 2, 6]) for k in keys]
+
+
+def test_rendezvous_spreads_keys_and_moves_only_the_removed_replicas() -> None:
+    replicas = list(range(10))
+    keys = [stable_key(f"k{i}") for i in range(5000)]
+    firsts = Counter(rendezvous_order(k, replicas)[0] for k in keys)
+    assert all(400 <= firsts[r] <= 600 for r in replicas), firsts
+    for gone in (0, 4, 9):
+        rest = [r for r in replicas if r != gone]
+        for key in keys:
+            before = rendezvous_order(key, replicas)
+            after = rendezvous_order(key, rest)
+            assert after == [r for r in before if r != gone]  # first changes only if it was gone
+
+
+@given(st.integers(), st.lists(st.integers(-(2**70), 2**70), min_size=1, max_size=12, unique=True))
+def test_rendezvous_is_a_permutation_in_any_input_order(key: int, replicas: list[int]) -> None:
+    order = rendezvous_order(key, replicas)
+    assert sorted(order) == sorted(replicas)
+    assert rendezvous_order(key, replicas[::-1]) == order
+
+
+@given(
+    st.lists(st.integers(0, 30), min_size=1, max_size=10, unique=True),
+    st.dictionaries(st.integers(0, 30), st.integers(0, 50) | st.floats(0, 50)),
+    st.floats(1.0, 3.0),
+)
+def test_bounded_choice_never_picks_over_the_bound_when_one_is_under(
+    order: list[int], loads: dict[int, float], factor: float
+) -> None:
+    chosen = bounded_choice(order, loads, factor)
+    total = sum(loads.get(r, 0) for r in order)
+    limit = math.ceil(factor * (total + 1) / len(order))
+    assert loads.get(chosen, 0) < limit
+    before = order[: order.index(chosen)]
+    assert all(loads.get(r, 0) >= limit for r in before)
+
+
+def test_bounded_choice_spills_a_hot_key_in_order() -> None:
+    order = [2, 0, 1]
+    assert bounded_choice(order, {}) == 2
+    assert bounded_choice(order, {2: 3, 0: 0, 1: 0}) == 0  # bound ceil(1.25 * 4 / 3) = 2
+    assert bounded_choice(order, {2: 1, 0: 0, 1: 0}) == 0  # bound ceil(1.25 * 2 / 3) = 1
+    assert bounded_choice(order, {2: 1, 0: 1, 1: 1}) == 2  # bound ceil(1.25 * 4 / 3) = 2
