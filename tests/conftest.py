@@ -13,9 +13,9 @@ behind, because a leak is a bug:
 2. the daemon is stopped by pid (SIGTERM, then SIGKILL after a deadline: needing SIGKILL fails
    the test), then its balancer workers (they outlive a daemon on purpose) by their recorded
    pids,
-3. every replica pid seen in a status during the test, and every process whose environment
-   carries this home's ``CORRAL_HOME_MARKER``, must be gone: survivors are killed by pid and
-   reported as a failure.
+3. every replica pid seen in a status during the test, every process whose environment
+   carries this home's ``CORRAL_HOME_MARKER`` and every balancer worker whose command line
+   names this home's id must be gone: survivors are killed by pid and reported as a failure.
 
 Everything waits with a deadline; nothing is killed by name, only by pid.
 """
@@ -535,6 +535,20 @@ class CorralHome:
                 continue
         return found
 
+    def worker_processes(self) -> list[int]:
+        """Live balancer workers of this home, found by the ``--home-id`` on their command
+        line (not by the state file: a worker it does not record must be found too)."""
+        from corral.ownership import worker_home_id
+
+        marker = self.marker
+        found = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                owner = worker_home_id(proc.cmdline())
+                if owner and owner[0] == marker and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc.pid)
+        return found if marker else []
+
     def home_processes(self) -> list[psutil.Process]:
         """Live processes with ``CORRAL_HOME`` set to this home (daemons, CLI runs)."""
         me = os.getpid()
@@ -580,6 +594,10 @@ class CorralHome:
         for proc in self.home_processes():  # CLI processes a test left (e.g. `logs --follow`)
             if kill_pids([proc.pid]):
                 problems.append(f"could not kill pid {proc.pid} of {self.path}")
+        workers = self.worker_processes()
+        if workers:
+            problems.append(f"balancer workers left running after teardown: {workers}")
+            kill_pids(workers)
         leaked = {p.pid for p in self.marked_processes()}
         leaked |= {pid for pid in self.replica_pids if pid_alive(pid)}
         if leaked:
@@ -672,6 +690,8 @@ def corral_home(tmp_path: Path) -> Iterator[CorralHome]:
         if key.startswith("CORRAL_"):
             del env[key]
     env["CORRAL_HOME"] = str(path)
+    # The machine-wide record of homes (corral.ownership) kept per test, not in /tmp.
+    env["CORRAL_RUNTIME_DIR"] = str(tmp_path / "runtime")
     env["PYTHONUNBUFFERED"] = "1"
     # Tests kill and restart daemons themselves; the workers' restart of a crashed daemon is
     # turned on by the tests of it.

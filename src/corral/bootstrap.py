@@ -28,7 +28,7 @@ from typing import IO, Any
 import aiohttp
 from aiohttp import web
 
-from corral import capture, logfiles
+from corral import capture, ownership
 from corral.api import make_runner
 from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
 from corral.capacity import Capacity
@@ -38,21 +38,23 @@ from corral.controller import (
     handle_from_row,
 )
 from corral.daemon import Daemon
+from corral.daemon_env import DaemonError, env_bytes, env_count, env_seconds
 from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
+from corral.infra._ray_link import RayLink, ray_installed
 from corral.infra.base import Infra, ReplicaHandle
-from corral.infra.inventory import InventoryError, load_inventory
+from corral.infra.inventory import Inventory, InventoryError, load_inventory
 from corral.infra.local import LocalInfra, replica_key
+from corral.infra.local_scan import end_home
 from corral.jobs import JobPool
 from corral.limits import raise_open_files, undumpable
 from corral.state import StateError, Store
 
+# DaemonError is re-exported: the CLI and the tests catch it from here.
+__all__ = ["DaemonError", "DaemonRunning", "serve", "server_tls_context"]
+
 log = logging.getLogger("corral.daemon")
-
-
-class DaemonError(RuntimeError):
-    """The daemon cannot start (another one runs, the home is unusable)."""
 
 
 class DaemonRunning(DaemonError):
@@ -80,6 +82,14 @@ def _home_id(home: Path) -> str:
     return path.read_text().strip()
 
 
+def _home_gone(daemon: Daemon, reason: str) -> None:
+    """Its home is gone: stop, and take the replicas and workers along (see _shut_down)."""
+    log.warning("%s: ending its replicas and balancer workers, then stopping", reason)
+    daemon.home_lost = reason
+    daemon.stop_workers = True
+    daemon.stop_requested.set()
+
+
 def _lock(home: Path) -> IO[str]:
     f = open(home / "daemon.lock", "a+")  # noqa: SIM115 - held for the daemon's life
     try:
@@ -90,41 +100,6 @@ def _lock(home: Path) -> IO[str]:
         pid = info.get("pid") if info else "?"
         raise DaemonRunning(f"another corral daemon (pid {pid}) already runs on {home}") from None
     return f
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise DaemonError(f"${name} must be a number of seconds, not {value!r}") from None
-    if not 0 < number < 3600:
-        raise DaemonError(f"${name} must be between 0 and 3600 seconds, not {number}")
-    return number
-
-
-def _env_bytes(name: str) -> int:
-    """A size cap from the environment (``CORRAL_LOG_MAX_BYTES``: bytes, or 64M / 1G; 0 turns
-    the cap off); a bad value stops the daemon with a message rather than run uncapped."""
-    try:
-        return logfiles.parse_max_bytes(os.environ.get(name))
-    except ValueError as exc:
-        raise DaemonError(f"${name}: {exc}") from None
-
-
-def _env_count(name: str, default: int, top: int = 64) -> int:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise DaemonError(f"${name} must be a whole number, not {value!r}") from None
-    if not 1 <= number <= top:
-        raise DaemonError(f"${name} must be between 1 and {top}, not {number}")
-    return number
 
 
 def _respawn_command() -> dict[str, Any] | None:
@@ -157,22 +132,17 @@ def _cluster_backends() -> dict[str, Infra]:
     """Backends for clusters the user pointed corral at (optional dependencies).
 
     Ray: set ``RAY_ADDRESS`` (or ``CORRAL_RAY_ADDRESS``, which wins) and install
-    ``corral[ray]``. A cluster that does not answer is reported in the daemon log and the
-    backend is left out: a spec asking for it then gets a clear 400 at ``corral up``.
+    ``corral[ray]``. It connects in the background (:mod:`corral.infra._ray_link`): the API
+    answers meanwhile and replicas on Ray wait, the reason shown (a cluster that does not answer
+    too, and the log says so). Without Ray installed, a spec on Ray gets a 400 at ``up``.
     """
     address = os.environ.get("CORRAL_RAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
     if not address:
         return {}
-    try:
-        from corral.infra.ray import RayInfra
-    except ImportError as exc:
-        log.error("RAY_ADDRESS is set but Ray is missing (pip install 'corral[ray]'): %s", exc)
+    if not ray_installed():
+        log.error("RAY_ADDRESS is set but Ray is missing (pip install 'corral[ray]')")
         return {}
-    try:
-        return {"ray": RayInfra(address)}
-    except Exception as exc:
-        log.error("Ray cluster at %s is not usable: %s", address, exc)
-        return {}
+    return {"ray": RayLink(address)}
 
 
 def _configure_logging() -> None:
@@ -246,16 +216,13 @@ async def serve(
     its certificate file, goes in ``daemon.json`` so a client here can verify exactly it."""
     lock, token = _open_home(home, host, tls=ssl_context is not None)
     home_marker = _home_id(home)
-    try:
-        inventory = await asyncio.to_thread(load_inventory)
-    except InventoryError as exc:
-        lock.close()
-        raise DaemonError(str(exc)) from None
-    log.info("inventory: %s", inventory.describe())
+    inventory = await _inventory(lock)
     store = Store(home / "state.db")
+    watch = ownership.own(home, home_marker)
     pool = JobPool(max_workers=8, limits={"launch": 16, "teardown": 16})
     infras = dict(infras) if infras is not None else _default_backends()
-    confinement = await _prepare_backends(home, home_marker, infras, store)
+    capacity = Capacity(store, inventory)
+    confinement = await _prepare_backends(home, home_marker, infras, store, capacity)
     dataplane = await _start_dataplane(home, store)
     async with _probe_session() as http:
         deps = _controller_deps(
@@ -266,7 +233,7 @@ async def serve(
             home_marker=home_marker,
             http=http,
             dataplane=dataplane,
-            capacity=Capacity(store, inventory),
+            capacity=capacity,
         )
         daemon = Daemon(home, store, deps)
         daemon.confinement = confinement
@@ -274,31 +241,63 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop_requested.set)
         await daemon.start_controllers()
-        backups = asyncio.create_task(_backup_loop(store, home), name="corral-backup")
+        chores = [
+            asyncio.create_task(_backup_loop(store, home), name="corral-backup"),
+            asyncio.create_task(
+                ownership.watch(watch, lambda why: _home_gone(daemon, why)), name="corral-home"
+            ),
+        ]
         dataplane.open()  # the re-adopted ready sets go to the workers in one table
         runner = make_runner(daemon, token)
         await runner.setup()
         try:
             await _serve_api(runner, home, host, port, ssl_context, tls_cert)
-            await daemon.stop_requested.wait()
-            # On purpose (a signal or `corral daemon stop`): the workers must not restart it.
-            with contextlib.suppress(OSError):
-                (home / STOPPED_MARKER).write_text(f"{time.time()}\n")
+            await _until_stopped(daemon, home)
         finally:
-            await _shut_down(daemon, runner, backups)
+            await _shut_down(daemon, runner, chores)
             lock.close()
 
 
+async def _inventory(lock: IO[str]) -> Inventory:
+    """The machine's GPUs, CPUs and memory (NVML or a declared file, off the loop); a bad one
+    stops the daemon before anything runs."""
+    try:
+        inventory = await asyncio.to_thread(load_inventory)
+    except InventoryError as exc:
+        lock.close()
+        raise DaemonError(str(exc)) from None
+    log.info("inventory: %s", inventory.describe())
+    return inventory
+
+
+async def _until_stopped(daemon: Daemon, home: Path) -> None:
+    await daemon.stop_requested.wait()
+    # On purpose (a signal or `corral daemon stop`): the workers must not restart it. (Not
+    # into a home that is gone: the path may be another home's now.)
+    if daemon.home_lost is None:
+        with contextlib.suppress(OSError):
+            (home / STOPPED_MARKER).write_text(f"{time.time()}\n")
+
+
 async def _prepare_backends(
-    home: Path, home_marker: str, infras: Mapping[str, Infra], store: Store
+    home: Path, home_marker: str, infras: Mapping[str, Infra], store: Store, capacity: Capacity
 ) -> dict[str, Any]:
-    """Before any controller runs: the local sandbox tried (its verdict is returned, for
-    ``/v1/daemon``), leftovers of a killed daemon swept, the state file backed up."""
+    """Before any controller runs: a cluster's connection started in the background (swept
+    once connected, before it may launch; then every controller looks again), the local
+    sandbox tried meanwhile (its verdict is returned, for ``/v1/daemon``), leftovers of a
+    killed daemon swept, the state file backed up."""
+    loop = asyncio.get_running_loop()
+    for link in infras.values():
+        if isinstance(link, RayLink):
+            link.start(
+                on_connected=lambda infra: _sweep(home_marker, {infra.name: infra}, store),
+                on_ready=lambda: loop.call_soon_threadsafe(capacity.freed),
+            )
     local = infras.get("local")
     confinement: dict[str, Any] = {"confined": False, "detail": "no local backend"}
     if isinstance(local, LocalInfra):
         confinement = await asyncio.to_thread(_guard_local, local, home, home_marker)
-    _sweep(home_marker, infras, store)
+    _sweep(home_marker, {n: i for n, i in infras.items() if not isinstance(i, RayLink)}, store)
     _backup(store, home)
     return confinement
 
@@ -330,11 +329,11 @@ def _controller_deps(
         http=http,
         dataplane=dataplane,
         capacity=capacity,
-        decision_interval=_env_float("CORRAL_DECISION_INTERVAL", 5.0),
-        qps_window=_env_float("CORRAL_QPS_WINDOW", 60.0),
-        teardown_timeout=_env_float("CORRAL_TEARDOWN_TIMEOUT", 120.0),
-        log_max_bytes=_env_bytes("CORRAL_LOG_MAX_BYTES"),
-        launches_per_service=_env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
+        decision_interval=env_seconds("CORRAL_DECISION_INTERVAL", 5.0),
+        qps_window=env_seconds("CORRAL_QPS_WINDOW", 60.0),
+        teardown_timeout=env_seconds("CORRAL_TEARDOWN_TIMEOUT", 120.0),
+        log_max_bytes=env_bytes("CORRAL_LOG_MAX_BYTES"),
+        launches_per_service=env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
     )
 
 
@@ -387,7 +386,7 @@ async def _start_dataplane(home: Path, store: Store) -> DataPlane:
     dataplane = DataPlane(
         home,
         store,
-        workers=_env_count("CORRAL_BALANCER_WORKERS", DEFAULT_WORKERS),
+        workers=env_count("CORRAL_BALANCER_WORKERS", DEFAULT_WORKERS),
         respawn=_respawn_command(),
     )
 
@@ -435,7 +434,9 @@ async def _serve_api(
     )
 
 
-async def _shut_down(daemon: Daemon, runner: web.AppRunner, backups: asyncio.Task[None]) -> None:
+async def _shut_down(
+    daemon: Daemon, runner: web.AppRunner, chores: list[asyncio.Task[None]]
+) -> None:
     """The API first (no new requests), then the controllers, then the data plane: unless
     asked, its workers keep serving for the next daemon. Then the jobs still running get up
     to 15 s, and the state file is closed."""
@@ -448,13 +449,22 @@ async def _shut_down(daemon: Daemon, runner: web.AppRunner, backups: asyncio.Tas
             "corral daemon stopping: balancer workers keep serving, replicas keep "
             "running; the next daemon adopts both"
         )
-    with contextlib.suppress(FileNotFoundError):
-        (home / "daemon.json").unlink()
+    lost = daemon.home_lost is not None
+    if not lost:  # a home that is gone may be another home's directory now: touch nothing
+        with contextlib.suppress(FileNotFoundError):
+            (home / "daemon.json").unlink()
     await runner.cleanup()
-    backups.cancel()
+    for chore in chores:  # the backup loop, the home's watch
+        chore.cancel()
     await daemon.stop_controllers()
     await deps.dataplane.stop(workers=daemon.stop_workers)
-    _backup(deps.store, home)
+    if lost:
+        # Nothing will ever adopt them: ended as a teardown ends them.
+        for line in await asyncio.to_thread(end_home, deps.home_marker, 5.0):
+            log.warning("home gone: %s", line)
+        ownership.unregister(deps.home_marker)
+    else:
+        _backup(deps.store, home)
     local = deps.infras.get("local")
     if isinstance(local, LocalInfra):
         local.release(deps.home_marker)

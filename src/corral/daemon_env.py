@@ -1,0 +1,50 @@
+"""The daemon's settings from its environment (``CORRAL_DECISION_INTERVAL`` and the like).
+
+A bad value stops the daemon with a message naming the variable, before anything runs: a typo
+must not leave a setting at a default the user did not mean (an uncapped log, say).
+"""
+
+from __future__ import annotations
+
+import os
+
+from corral import logfiles
+
+
+class DaemonError(RuntimeError):
+    """The daemon cannot start (another one runs, the home is unusable, a setting is bad)."""
+
+
+def env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise DaemonError(f"${name} must be a number of seconds, not {value!r}") from None
+    if not 0 < number < 3600:
+        raise DaemonError(f"${name} must be between 0 and 3600 seconds, not {number}")
+    return number
+
+
+def env_bytes(name: str) -> int:
+    """A size cap from the environment (``CORRAL_LOG_MAX_BYTES``: bytes, or 64M / 1G; 0 turns
+    the cap off); a bad value stops the daemon with a message rather than run uncapped."""
+    try:
+        return logfiles.parse_max_bytes(os.environ.get(name))
+    except ValueError as exc:
+        raise DaemonError(f"${name}: {exc}") from None
+
+
+def env_count(name: str, default: int, top: int = 64) -> int:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise DaemonError(f"${name} must be a whole number, not {value!r}") from None
+    if not 1 <= number <= top:
+        raise DaemonError(f"${name} must be between 1 and {top}, not {number}")
+    return number
