@@ -277,6 +277,9 @@ def _run(loop: asyncio.AbstractEventLoop, request: bytes, responses: list[bytes]
         sent, got = rig.exchange(request, responses)
         stats = rig.lb.stats()
         stats["latency"] = stats["latency"]["count"]  # the buckets depend on timing
+        stats["ttft"] = stats["ttft"]["count"]  # so does time to first token
+        for replica in stats["replicas"].values():
+            replica["ttft"] = replica["ttft"]["count"]
         for conn, _ in rig.ups.values():
             assert conn.fast_client is None or rig.client.fast is not None
         idle = sorted(len(t.idle) for t in rig.lb._ready.values())

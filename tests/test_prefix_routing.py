@@ -29,7 +29,7 @@ from corral.balancer.prefix import (
     rendezvous_order,
     stable_key,
 )
-from corral.balancer.prompt import extract_prompt, prompt_anchor, read_prompt
+from corral.balancer.prompt import extract_prompt, read_prompt
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 CHAT = "/v1/chat/completions"
@@ -123,25 +123,25 @@ def test_a_later_turn_starts_with_the_earlier_turn(
     a, b = extract_prompt(CHAT, body_a), extract_prompt(CHAT, body_b)
     assert a is not None and b is not None
     assert b.startswith(a)
-    anchor_b = prompt_anchor(CHAT, body_b, b, 10_000)  # the parse remembered
-    assert prompt_anchor(CHAT, bytes(bytearray(body_b)), b, 10_000) == anchor_b  # parsed again
+    pa, pb = read_prompt(CHAT, body_a), read_prompt(CHAT, body_b)
+    assert pa is not None and pb is not None and pa.chat and pb.chat
     if any(m["role"] == "user" for m in earlier):  # the anchor is fixed by then
-        assert prompt_anchor(CHAT, body_a, a, 10_000) == anchor_b
+        assert pa.text[: pa.anchor_end] == pb.text[: pb.anchor_end]
 
 
-def test_anchor_tells_conversations_apart_and_needs_no_second_parse() -> None:
+def test_the_anchor_tells_conversations_apart() -> None:
     system = {"role": "system", "content": "You are a helpful assistant. " * 10}
-    one = _body({"messages": [system, {"role": "user", "content": "Plan a trip"}]})
-    two = _body({"messages": [system, {"role": "user", "content": "Fix my code"}]})
-    t1, t2 = extract_prompt(CHAT, one), extract_prompt(CHAT, two)
-    assert t1 is not None and t2 is not None
-    a1, a2 = prompt_anchor(CHAT, one, t1, 4096), prompt_anchor(CHAT, two, t2, 4096)
+    one = read_prompt(
+        CHAT, _body({"messages": [system, {"role": "user", "content": "Plan a trip"}]})
+    )
+    two = read_prompt(
+        CHAT, _body({"messages": [system, {"role": "user", "content": "Fix my code"}]})
+    )
+    assert one is not None and two is not None and one.chat and two.chat
+    a1, a2 = one.text[: one.anchor_end], two.text[: two.anchor_end]
     assert a1 != a2 and a1.endswith("Plan a trip\n")
-    assert prompt_anchor(CHAT, one, t1, 10) == t1[:10]
-    # Another object with the same bytes (no memo) gives the same anchor.
-    assert prompt_anchor(CHAT, bytes(bytearray(one)), t1, 4096) == a1
-    plain = _body({"prompt": "x" * 50})
-    assert prompt_anchor("/v1/completions", plain, "x" * 50, 20) == "x" * 20
+    plain = read_prompt("/v1/completions", _body({"prompt": "x" * 50}))
+    assert plain == ("x" * 50, 50, False)  # no turns: the whole text, for a policy to cut
 
 
 _json = st.recursive(

@@ -33,7 +33,7 @@ from corral.dataplane.plane import ServiceRoute
 from corral.dataplane.protocol import Route
 from corral.errors import NoSuchReplica, ReplicaBusy
 from corral.executor import Executor
-from corral.infra.base import scratch_root
+from corral.infra.base import Connecting, scratch_root
 from corral.logcap import cap_logs
 from corral.ports import free_port
 from corral.prober import Prober
@@ -45,6 +45,7 @@ from corral.replicas import (
     failure_status,
     replica_status,
 )
+from corral.service_route import route_of
 from corral.servicecore import (
     LAUNCHES_PER_SERVICE,
     ControllerDeps,
@@ -170,6 +171,7 @@ class ServiceController:
         adopted."""
         for attempt in itertools.count(1):
             try:
+                await self._backends_settled(started)
                 adopt(self.svc, self.executor)
                 return
             except StateError as exc:
@@ -178,6 +180,23 @@ class ServiceController:
                 log.warning("service %s: adopting replicas postponed: %s", self.svc.name, exc)
             started.set()
             await asyncio.sleep(plan.backoff(attempt, base=0.5, cap=5.0))
+
+    async def _backends_settled(self, started: asyncio.Event) -> None:
+        """Rows on a backend still making its first connection (a cluster, bounded by the
+        backend's own timeout) are adopted after it: a restarted daemon then judges them on a
+        real answer instead of calling them unknown. Meanwhile the daemon answers
+        (``started``) and the balancer workers keep serving this service's last table."""
+        waits: list[Connecting] = []
+        for name in {r.infra for r in self.svc.store.replicas(self.svc.name)}:
+            infra = self.svc.deps.infras.get(name)
+            if isinstance(infra, Connecting):
+                waits.append(infra)
+        if not any(b.settling() for b in waits):
+            return
+        started.set()
+        log.info("service %s: adopting its replicas once its backend answers", self.svc.name)
+        while any(b.settling() for b in waits) and not self.svc.stopping:
+            await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
         """Stop controlling (daemon shutdown). Replicas keep running, and the balancer workers
@@ -428,37 +447,3 @@ class ServiceController:
     def snapshot(self) -> dict[str, Any]:
         """The service as the API shows it (plain data, computed now)."""
         return service_view(self.svc, self._decision, self.failed)
-
-
-def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route:
-    """The data plane's route of a service (everything but the ready set) from its spec.
-
-    Relative TLS file paths are taken from the directory the CLI ran in (``base_dir``), as
-    ``workdir`` is (SkyPilot's rule): the workers run elsewhere, and the path must mean the
-    same file to them."""
-    lb = spec.service.load_balancer
-    tls = spec.service.tls
-
-    def path(value: str) -> str:
-        file = Path(value).expanduser()
-        if not file.is_absolute() and base_dir:
-            file = Path(base_dir) / file
-        return str(file)
-
-    return Route(
-        port=port,
-        tls_cert=path(tls.certfile) if tls is not None else None,
-        tls_key=path(tls.keyfile) if tls is not None else None,
-        config={
-            "policy": spec.service.load_balancing_policy,
-            # At zero replicas a request waits for the first one instead of a 503.
-            "no_replica_wait": 60.0 if spec.service.replica_policy.min_replicas == 0 else 0.0,
-            "connect_timeout": lb.connect_timeout_seconds,
-            "first_byte_timeout": lb.first_byte_timeout_seconds or lb.stream_timeout_seconds,
-            "idle_timeout": lb.stream_timeout_seconds,
-            "max_body_bytes": lb.max_body_bytes,
-            "max_header_bytes": lb.max_header_bytes,
-            "header_timeout": lb.header_timeout_seconds,
-            "max_connections": lb.max_connections,
-        },
-    )

@@ -6,8 +6,9 @@ their ``stats()`` with :func:`merge_stats` and serves :func:`render` as Promethe
 """
 
 from corral.balancer.metrics import CONTENT_TYPE_LATEST, merge_stats, render
-from corral.balancer.policies import LeastLoad, Policy, PowerOfTwo, RoundRobin, make_policy
+from corral.balancer.policies import LeastLoad, Policy, PowerOfTwo, RoundRobin
 from corral.balancer.proxy import LoadBalancer
+from corral.balancer.routing import make_policy
 
 __all__ = [
     "CONTENT_TYPE_LATEST",

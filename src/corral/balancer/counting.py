@@ -12,7 +12,8 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Final
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
 
 from corral.balancer.metrics import LATENCY_BUCKETS
 
@@ -31,6 +32,22 @@ class Counters:
     FAILURE_LOG_INTERVAL: Final = 5.0
 
     _name: str
+    _policy_name: str
+    _port: int
+    _ready: Mapping[int, object]
+    _ready_ids: tuple[int, ...]
+    _in_flight: dict[int, int]
+    _held_total: int
+    _held_expired: int
+
+    if TYPE_CHECKING:  # the balancer's own, which stats() reads
+
+        @property
+        def url(self) -> str: ...
+
+        def in_flight(self, replica_id: int | None = None) -> int: ...
+
+        def held(self) -> int: ...
 
     def _init_counters(self) -> None:
         self._served: dict[int, int] = {}
@@ -42,6 +59,9 @@ class Counters:
         self._codes: dict[int, int] = {}
         self._latency = [0] * (len(LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
+        # Time to first token of streamed answers (the request sent to the first body bytes),
+        # for the service and per replica: what an LLM operator watches.
+        self._ttft: dict[int | None, list[float]] = {}
         self._retries = 0
         self._bad_requests = 0
         self._aborted = 0
@@ -80,6 +100,21 @@ class Counters:
         codes[status] = codes.get(status, 0) + 1
         self._latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self._latency_sum += seconds
+
+    def _observe_ttft(self, rid: int | None, seconds: float) -> None:
+        i = bisect.bisect_left(LATENCY_BUCKETS, seconds)
+        for key in (None, rid):
+            h = self._ttft.get(key)
+            if h is None:
+                h = self._ttft[key] = [0.0] * (len(LATENCY_BUCKETS) + 2)
+            h[i] += 1
+            h[-1] += seconds  # the last slot holds the sum
+
+    def ttft(self, rid: int | None = None) -> dict[str, Any]:
+        """The TTFT histogram (per-bucket counts, as ``latency``) of the service or a replica."""
+        h = self._ttft.get(rid) or [0.0] * (len(LATENCY_BUCKETS) + 2)
+        counts = [int(n) for n in h[:-1]]
+        return {"buckets": counts, "sum": h[-1], "count": sum(counts)}
 
     def _count_code(self, status: int) -> None:
         self._codes[status] = self._codes.get(status, 0) + 1
@@ -123,3 +158,42 @@ class Counters:
         skipped = self._suppressed.pop(rid, 0)
         more = f" ({skipped} more failure(s) not logged)" if skipped else ""
         logger.warning("balancer %s: replica %s: %s%s", self._name, rid, text, more)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for status output, metrics and tests; JSON-serialisable (string keys), a
+        fresh dict safe to keep or mutate. See :mod:`corral.balancer.metrics`."""
+        ids = sorted(set(self._ready) | set(self._in_flight) | set(self._served))
+        return {
+            "service": self._name,
+            "policy": self._policy_name,
+            "url": self.url if self._port else None,
+            "ready": list(self._ready_ids),
+            "requests": self._requests,
+            "errors": self._errors,
+            "errors_by_reason": dict(self._error_reasons),
+            "codes": {str(code): n for code, n in self._codes.items()},
+            "latency": {
+                "buckets": list(self._latency),
+                "sum": self._latency_sum,
+                "count": sum(self._latency),
+            },
+            "retries": self._retries,
+            "bad_requests": self._bad_requests,
+            "aborted": self._aborted,
+            "client_disconnects": self._client_gone,
+            "in_flight": self.in_flight(),
+            "ttft": self.ttft(),
+            "held": self.held(),
+            "held_total": self._held_total,
+            "held_expired": self._held_expired,
+            "replicas": {
+                str(rid): {
+                    "ready": rid in self._ready,
+                    "in_flight": self._in_flight.get(rid, 0),
+                    "served": self._served.get(rid, 0),
+                    "failed": self._failed.get(rid, 0),
+                    "ttft": self.ttft(rid),
+                }
+                for rid in ids
+            },
+        }

@@ -47,6 +47,7 @@ from corral.balancer.http1 import (
     chunk,
     error_response,
 )
+from corral.balancer.policies import RequestView
 from corral.balancer.relay import (
     _HEAD,
     _SPLICE,
@@ -138,6 +139,7 @@ class Exchange(ResponseRelay):
         self.status = 0
         self.started = False
         self.close_client = False
+        self.ttft_from = 0.0
         self.eof_ends = False
         self.pending_failure: Failure | None = None
         self.done = False
@@ -252,9 +254,12 @@ class Exchange(ResponseRelay):
         lb = self.lb
         rid = self.picked
         if rid is None or rid not in lb._ready:
-            rid = lb._pick(self.tried)
+            rid = lb._pick(self.tried, self._view() if lb._gated else None)
         self.picked = None
         if rid is None:
+            if lb._full(self.tried):  # every replica at its limit: wait here for room
+                lb._hold(self)
+                return
             if not self.tried and not self.waited and lb._no_replica_wait > 0:
                 self.waited = True
                 self.task = asyncio.get_running_loop().create_task(self._wait_ready())
@@ -275,6 +280,11 @@ class Exchange(ResponseRelay):
             self._send(conn, target)
         else:
             self.task = asyncio.get_running_loop().create_task(self._connect(target))
+
+    def _view(self) -> RequestView:
+        """The request as a policy sees it; the body only when held whole."""
+        whole = not self.streamed and not self.body_open
+        return RequestView(self.target, b"".join(self.body) if whole else None, self.fwd)
 
     async def _wait_ready(self) -> None:
         await self.lb._wait_for_ready(self.lb._no_replica_wait)
@@ -351,6 +361,7 @@ class Exchange(ResponseRelay):
         else:
             parts.append(b"\r\n")
         conn.write(b"".join(parts))
+        self.ttft_from = time.monotonic()
         if self.body_open:
             self.client.set_deadline(DL_BODY, self.lb._idle_timeout)
         else:

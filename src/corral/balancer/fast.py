@@ -67,6 +67,7 @@ from corral.balancer.headers import (
     short_length,
 )
 from corral.balancer.metrics import LATENCY_BUCKETS
+from corral.balancer.policies import RequestView
 
 if TYPE_CHECKING:
     from corral.balancer.client import ClientConnection
@@ -301,8 +302,12 @@ def _send(
     rid: int | None = None
     conn: UpstreamConnection | None = None
     now = time.monotonic()
-    if ids:
+    if lb._gated:  # a policy that reads the request, or a limit that may hold it
+        rid = lb._pick((), RequestView(target, body, kept))
+        ids = () if rid is None else ids
+    elif ids:
         rid = lb._policy.select(lb._healthy(ids) if lb._ejected else ids, lb._in_flight)
+    if ids and rid is not None:
         idle = lb._ready[rid].idle
         if idle:
             conn = idle[-1]
@@ -407,7 +412,7 @@ def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) ->
         cl.transport.write(out)  # type: ignore[union-attr]
     in_flight = lb._in_flight
     count = in_flight.get(rid, 0)
-    if count > 1 or (count == 1 and not lb._drained and rid in lb._ready):
+    if (count > 1 or (count == 1 and not lb._drained and rid in lb._ready)) and not lb._held:
         in_flight[rid] = count - 1  # what lb._release does when nothing waits on a 0
     else:
         lb._release(rid)
@@ -475,7 +480,7 @@ def materialize(cl: ClientConnection) -> Exchange:
     lb = cl.lb
     fwd = forwarded(kept, xff_line, lb._proto_line, fhost)
     ex = Exchange(lb, cl, method, target, http11, keep_alive, fwd, None)
-    ex.t0 = t0
+    ex.t0 = ex.ttft_from = t0  # sent in the same turn it was read
     if body is not None:
         ex.had_length = True
         if body:

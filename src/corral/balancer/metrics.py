@@ -119,6 +119,16 @@ def empty_latency() -> dict[str, Any]:
     return {"buckets": [0] * (len(LATENCY_BUCKETS) + 1), "sum": 0.0, "count": 0}
 
 
+def _add_histogram(into: dict[str, Any], more: Mapping[str, Any] | None) -> None:
+    if not more:
+        return
+    buckets = into["buckets"]
+    for i, n in enumerate(more.get("buckets", ())[: len(buckets)]):
+        buckets[i] += n
+    into["sum"] += more.get("sum", 0.0)
+    into["count"] += more.get("count", 0)
+
+
 def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Sum the ``stats()`` of one service's balancers in several worker processes.
 
@@ -136,10 +146,13 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "errors_by_reason": {},
         "codes": {},
         "latency": empty_latency(),
+        "ttft": empty_latency(),
+        "held": 0,
+        "held_total": 0,
+        "held_expired": 0,
         "replicas": {},
     }
     ready: set[int] = set()
-    buckets: list[int] = out["latency"]["buckets"]
     for one in stats:
         for key in ("service", "policy", "url"):
             if out[key] is None:
@@ -149,18 +162,19 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             out[key] += one.get(key, 0)
         _add_counts(out["errors_by_reason"], one.get("errors_by_reason"))
         _add_counts(out["codes"], one.get("codes"))
-        latency = one.get("latency") or {}
-        for i, n in enumerate(latency.get("buckets", ())[: len(buckets)]):
-            buckets[i] += n
-        out["latency"]["sum"] += latency.get("sum", 0.0)
-        out["latency"]["count"] += latency.get("count", 0)
+        _add_histogram(out["latency"], one.get("latency"))
+        _add_histogram(out["ttft"], one.get("ttft"))
+        for key in ("held", "held_total", "held_expired"):
+            out[key] += one.get(key, 0)
         for rid, rep in (one.get("replicas") or {}).items():
             mine = out["replicas"].setdefault(
-                str(rid), {"ready": False, **dict.fromkeys(_REPLICA_SUMMED, 0)}
+                str(rid),
+                {"ready": False, **dict.fromkeys(_REPLICA_SUMMED, 0), "ttft": empty_latency()},
             )
             mine["ready"] = mine["ready"] or bool(rep.get("ready"))
             for key in _REPLICA_SUMMED:
                 mine[key] += rep.get(key, 0)
+            _add_histogram(mine["ttft"], rep.get("ttft"))
     out["ready"] = sorted(ready)
     return out
 
@@ -197,24 +211,41 @@ class _Collector(Collector):
             "Request attempts beyond the first one (sent to another replica).",
             labels=["service"],
         )
+        ttft = HistogramMetricFamily(
+            "corral_lb_ttft_seconds",
+            "Time to first token of streamed answers: from the request sent to a replica to "
+            "the first bytes of its body.",
+            labels=["service"],
+        )
+        held = GaugeMetricFamily(
+            "corral_lb_held",
+            "Requests held in the balancer while every replica is at its in-flight limit.",
+            labels=["service"],
+        )
         for service, st in self._services.items():
             for code, n in sorted((st.get("codes") or {}).items()):
                 requests.add_metric([service, str(code)], n)
             for reason, n in sorted((st.get("errors_by_reason") or {}).items()):
                 errors.add_metric([service, reason], n)
-            latency = st.get("latency") or empty_latency()
-            cumulative = 0
-            buckets: list[tuple[str, float]] = []
-            counts = list(latency.get("buckets", ()))
-            counts += [0] * (len(LATENCY_BUCKETS) + 1 - len(counts))
-            for bound, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=False):
-                cumulative += n
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            seconds.add_metric([service], buckets, sum_value=latency.get("sum", 0.0))
+            _histogram(seconds, [service], st.get("latency"))
+            _histogram(ttft, [service], st.get("ttft"))
+            held.add_metric([service], st.get("held", 0))
             for rid, rep in sorted((st.get("replicas") or {}).items(), key=lambda kv: str(kv[0])):
                 in_flight.add_metric([service, str(rid)], rep.get("in_flight", 0))
             retries.add_metric([service], st.get("retries", 0))
-        yield from (requests, errors, seconds, in_flight, retries)
+        yield from (requests, errors, seconds, in_flight, retries, ttft, held)
+
+
+def _histogram(family: HistogramMetricFamily, labels: list[str], h: Any) -> None:
+    h = h or empty_latency()
+    cumulative = 0
+    buckets: list[tuple[str, float]] = []
+    counts = list(h.get("buckets", ()))
+    counts += [0] * (len(LATENCY_BUCKETS) + 1 - len(counts))
+    for bound, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=False):
+        cumulative += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    family.add_metric(labels, buckets, sum_value=h.get("sum", 0.0))
 
 
 def render(services: Mapping[str, Mapping[str, Any]]) -> bytes:

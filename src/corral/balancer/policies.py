@@ -1,31 +1,90 @@
 """Replica selection policies for the load balancer.
 
 A policy only chooses; it never owns state the balancer depends on. The balancer passes the
-candidate replica ids (already minus the replicas a retry has tried) and its live in-flight
-counts, and the policy returns one of the candidates. Policies run on the event loop thread for
-every request, so each ``select`` is a single linear pass with no sorting and no allocation
-beyond a couple of locals: the ready set of one service is small (tens of replicas), and a pass
-over it costs less than building any index would.
+candidate replica ids (already minus the replicas a retry has tried), its live in-flight counts
+and, only to a policy whose ``reads_request`` is true, a :class:`RequestView` (the target, the
+body it holds, the header lines); the policy returns one of the candidates. The balancer tells
+every policy when the ready set or the engines' own load changes (:meth:`Policy.update`), so
+one that keeps state per replica (a prefix index) forgets a replica that left.
+
+Policies run on the event loop thread for every request, so the load policies' ``select`` is a
+single linear pass with no sorting and no allocation beyond a couple of locals: the ready set
+of one service is small (tens of replicas), and a pass over it costs less than building any
+index would. Plain HTTP pays nothing for the request view: it is built only for a policy that
+reads it (``corral.balancer.prefix_policy``).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Final, NamedTuple, Protocol
 
-__all__ = ["POLICY_NAMES", "LeastLoad", "Policy", "PowerOfTwo", "RoundRobin", "make_policy"]
+__all__ = [
+    "EngineLoad",
+    "LeastLoad",
+    "Policy",
+    "PowerOfTwo",
+    "RequestView",
+    "RoundRobin",
+]
+
+
+# How far over the mean load a replica may be before a request goes past it (prefix_affinity,
+# session affinity): consistent hashing with bounded loads.
+DEFAULT_BALANCE: Final = 1.25
+
+
+class RequestView(NamedTuple):
+    """What a policy that reads requests sees of one: its target (path and query), its body
+    when the balancer holds it whole (None while it streams: too big, or chunked and still
+    arriving), and its header lines as sent (``Name: value\r\n`` each)."""
+
+    target: bytes
+    body: bytes | None
+    headers: bytes
+
+
+class EngineLoad(NamedTuple):
+    """A replica's own view of its load, read from its Prometheus metrics (vLLM, SGLang):
+    requests queued in the engine and running in its batch, and its KV-cache use (0..1)."""
+
+    waiting: float
+    running: float
+    kv_usage: float | None = None
 
 
 class Policy(Protocol):
     """Chooses the replica that gets the next request."""
 
-    def select(self, candidates: Sequence[int], in_flight: Mapping[int, int]) -> int:
+    # True only for a policy that reads the request (the balancer then passes a RequestView).
+    reads_request: bool
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        request: RequestView | None = None,
+    ) -> int:
         """Return one id out of ``candidates`` (never empty).
 
         ``in_flight`` maps replica id to requests currently sent to it; a missing id means 0.
         """
         ...
+
+    def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
+        """The ready set, or what the engines report, changed."""
+        ...
+
+
+class _Blind:
+    """The load policies' side of :class:`Policy`: they read no request and keep nothing per
+    replica."""
+
+    reads_request = False
+
+    def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
+        return None
 
 
 def _next_after(
@@ -53,7 +112,7 @@ def _next_after(
     return chosen
 
 
-class RoundRobin:
+class RoundRobin(_Blind):
     """Each replica in turn, by ascending id; ignores load.
 
     With a stable ready set of N replicas, N consecutive requests hit each replica exactly once.
@@ -66,7 +125,12 @@ class RoundRobin:
         self._seen: tuple[int, ...] | None = None
         self._succ: dict[int | None, int] = {}
 
-    def select(self, candidates: Sequence[int], in_flight: Mapping[int, int]) -> int:
+    def select(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        request: RequestView | None = None,
+    ) -> int:
         if candidates is self._seen:
             chosen = self._succ.get(self._last)
             if chosen is not None:
@@ -84,7 +148,7 @@ class RoundRobin:
         return "RoundRobin()"
 
 
-class LeastLoad:
+class LeastLoad(_Blind):
     """The replica with the fewest in-flight requests; ties rotate like round robin.
 
     Rotating among ties (instead of always taking the first) matters at low concurrency: with
@@ -95,7 +159,12 @@ class LeastLoad:
     def __init__(self) -> None:
         self._last: int | None = None
 
-    def select(self, candidates: Sequence[int], in_flight: Mapping[int, int]) -> int:
+    def select(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        request: RequestView | None = None,
+    ) -> int:
         # One pass: the least load so far, the smallest id with it, and the smallest id with
         # it after the last choice (what _next_after would find among the least loaded).
         last = self._last
@@ -126,7 +195,7 @@ class LeastLoad:
         return "LeastLoad()"
 
 
-class PowerOfTwo:
+class PowerOfTwo(_Blind):
     """Two replicas at random; the one with fewer in-flight requests wins.
 
     Nearly as good as least-load at spreading load but needs no full scan, and its randomness
@@ -136,7 +205,12 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()
 
-    def select(self, candidates: Sequence[int], in_flight: Mapping[int, int]) -> int:
+    def select(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        request: RequestView | None = None,
+    ) -> int:
         n = len(candidates)
         if n == 0:
             raise ValueError("no candidate replica")
@@ -151,23 +225,3 @@ class PowerOfTwo:
 
     def __repr__(self) -> str:
         return "PowerOfTwo()"
-
-
-POLICY_NAMES: tuple[str, ...] = ("round_robin", "least_load", "power_of_two")
-
-
-def make_policy(name: str) -> Policy:
-    """Build a fresh policy from its service-YAML name.
-
-    Raises ValueError for an unknown name, listing the valid ones, so a typo in the YAML is
-    reported at validation rather than silently falling back to a default.
-    """
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_load":
-        return LeastLoad()
-    if name == "power_of_two":
-        return PowerOfTwo()
-    raise ValueError(
-        f"unknown load balancing policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}"
-    )

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any, Final, NamedTuple
 
-__all__ = ["Prompt", "extract_prompt", "prompt_anchor", "read_prompt"]
+__all__ = ["Prompt", "extract_prompt", "read_prompt"]
 
 # Separators in the rendering. Control characters, rare in prompts, so that two different
 # message lists rarely render alike; an ambiguity would only merge two routing keys.
@@ -51,18 +51,14 @@ class Prompt(NamedTuple):
     """A request's prompt: its rendered ``text`` and where a conversation's anchor ends.
 
     ``anchor_end`` is the length of the part every later turn of the same conversation repeats
-    and nothing else tells apart: for chat, up to the end of the first user message (tools,
-    system prompt and that message); for other APIs, the whole text.
+    and nothing else tells apart: for chat (``chat`` true), up to the end of the first user
+    message (tools, system prompt and that message); for other APIs, which carry no turns, the
+    whole text, and a policy cuts it at a length of its choosing.
     """
 
     text: str
     anchor_end: int
-
-
-# The last body read and its prompt: prompt_anchor after extract_prompt on the same body (what
-# a policy does per request) reuses the parse instead of parsing again. Holding the body keeps
-# its identity from being reused by another object while it is remembered.
-_last: tuple[bytes, Prompt] | None = None
+    chat: bool = False
 
 
 def extract_prompt(path: str, body: bytes, field: str | None = None) -> str | None:
@@ -75,28 +71,9 @@ def extract_prompt(path: str, body: bytes, field: str | None = None) -> str | No
     return None if prompt is None else prompt.text
 
 
-def prompt_anchor(
-    path: str, body: bytes, text: str, anchor_chars: int, field: str | None = None
-) -> str:
-    """The start of ``text`` that names its conversation: the part every later turn repeats
-    (see :class:`Prompt`), cut at ``anchor_chars``.
-
-    ``text`` is what :func:`extract_prompt` returned for this body; the parse it made is reused
-    when this is the last body read (no second json.loads), else the body is read again.
-    """
-    last = _last
-    if last is not None and last[0] is body and last[1].text is text:
-        prompt: Prompt | None = last[1]
-    else:
-        prompt = read_prompt(path, body, field)
-    end = prompt.anchor_end if prompt is not None and prompt.text == text else len(text)
-    return text[: min(end, max(anchor_chars, 0))]
-
-
 def read_prompt(path: str, body: bytes, field: str | None = None) -> Prompt | None:
     """The prompt of a request and its anchor's end; None for a body without one. Never
     raises."""
-    global _last
     try:
         doc = json.loads(body)
     except (ValueError, TypeError, RecursionError):
@@ -104,12 +81,9 @@ def read_prompt(path: str, body: bytes, field: str | None = None) -> Prompt | No
     if type(doc) is not dict:
         return None
     try:
-        prompt = _from_doc(doc, path, field)
+        return _from_doc(doc, path, field)
     except (ValueError, TypeError, RecursionError):  # json.dumps of a pathological value
         return None
-    if prompt is not None:
-        _last = (body, prompt)
-    return prompt
 
 
 def _from_doc(doc: dict[str, Any], path: str, field: str | None) -> Prompt | None:
@@ -194,7 +168,7 @@ def _chat(messages: list[dict[str, Any]], tools: Any) -> Prompt | None:
         length += len(piece)
         if anchor_end < 0 and message["role"] == "user":
             anchor_end = length
-    return Prompt("".join(pieces), anchor_end if anchor_end >= 0 else length)
+    return Prompt("".join(pieces), anchor_end if anchor_end >= 0 else length, chat=True)
 
 
 def _message(message: dict[str, Any]) -> str | None:

@@ -48,7 +48,9 @@ from typing import Any, Final
 from corral.balancer.client import ClientConnection
 from corral.balancer.counting import Counters
 from corral.balancer.failures import describe, refused
-from corral.balancer.policies import make_policy
+from corral.balancer.gate import Gate
+from corral.balancer.policies import EngineLoad, RequestView
+from corral.balancer.routing import make_policy
 from corral.balancer.settings import (
     DEFAULT_HEADER_BYTES,
     DEFAULT_HEADER_TIMEOUT,
@@ -67,7 +69,7 @@ _refused = refused
 _describe = describe
 
 
-class LoadBalancer(Counters):
+class LoadBalancer(Counters, Gate):
     """Reverse proxy for one service; see the module docstring for the design."""
 
     # How long a replica that could not be connected to is passed over (unless all are).
@@ -98,6 +100,7 @@ class LoadBalancer(Counters):
         reuse_port: bool = False,
         on_drained: Callable[[int], None] | None = None,
         max_connections: int | None = None,
+        routing: Mapping[str, Any] | None = None,
     ) -> None:
         """Configure; nothing binds until :meth:`start`. See :mod:`corral.balancer.settings`."""
         first_byte, idle = check_settings(
@@ -118,7 +121,7 @@ class LoadBalancer(Counters):
         self._host = host
         self._requested_port = port
         self._policy_name = policy
-        self._policy = make_policy(policy)  # ValueError on a bad name, before anything binds
+        self._init_routing(routing or {})
         self._ssl_context = ssl_context
         self._scheme = "https" if ssl_context is not None else "http"
         self._proto_line = b"X-Forwarded-Proto: %b\r\n" % self._scheme.encode()
@@ -132,8 +135,7 @@ class LoadBalancer(Counters):
         self._max_header_bytes = max_header_bytes
         self._head_limit = head_limit(max_header_bytes)
         self._header_timeout = header_timeout
-        self._reuse_port = reuse_port
-        self._on_drained = on_drained
+        self._reuse_port, self._on_drained = reuse_port, on_drained
         self._tick_interval = tick_interval(header_timeout, first_byte, idle)
         self._init_state()
         self._init_counters()
@@ -161,6 +163,22 @@ class LoadBalancer(Counters):
         self._started = False
         self._stopping = False
         self._stopped = False
+
+    def _init_routing(self, routing: Mapping[str, Any]) -> None:
+        """The policy and the hold (docs/llm.md). ``routing``: ``options`` (the policy's),
+        ``max_in_flight_per_replica`` and ``hold_timeout`` (the gate's), ``workers`` (how
+        many balancer workers share the service's port, and so its limit)."""
+        # ValueError on a bad name or option, before anything binds.
+        self._policy = make_policy(self._policy_name, **dict(routing.get("options") or {}))
+        self._init_gate(
+            routing.get("max_in_flight_per_replica"),
+            float(routing.get("hold_timeout", 30.0)),
+            int(routing.get("workers", 1)),
+        )
+        # Whether a request must be looked at before a replica is picked: a policy reads it,
+        # or a limit may hold it. Plain HTTP under a load policy tests this one flag.
+        self._gated = self._policy.reads_request or bool(self._limit)
+        self._engines: dict[int, EngineLoad] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -296,6 +314,8 @@ class LoadBalancer(Counters):
                 deadline = client.deadline
                 if deadline and deadline <= now:
                     client.on_timeout()
+            if self._held:
+                self._expire_held(now)
             if now >= self._next_expire:
                 self._next_expire = now + 1.0
                 self._pool.expire(now)
@@ -338,6 +358,7 @@ class LoadBalancer(Counters):
                 self._pool.close_target(target)
         self._ready = ready
         self._ready_ids = tuple(sorted(ready))
+        self._policy.update(self._ready_ids, self._engines)
         if ready:
             self._ready_event.set()
         else:
@@ -370,53 +391,26 @@ class LoadBalancer(Counters):
             return self._in_flight.get(replica_id, 0) == 0
         return True
 
-    def stats(self) -> dict[str, Any]:
-        """Counters for status output, metrics and tests; JSON-serialisable (string keys), a
-        fresh dict safe to keep or mutate. See :mod:`corral.balancer.metrics`."""
-        ids = sorted(set(self._ready) | set(self._in_flight) | set(self._served))
-        return {
-            "service": self._name,
-            "policy": self._policy_name,
-            "url": self.url if self._port else None,
-            "ready": list(self._ready_ids),
-            "requests": self._requests,
-            "errors": self._errors,
-            "errors_by_reason": dict(self._error_reasons),
-            "codes": {str(code): n for code, n in self._codes.items()},
-            "latency": {
-                "buckets": list(self._latency),
-                "sum": self._latency_sum,
-                "count": sum(self._latency),
-            },
-            "retries": self._retries,
-            "bad_requests": self._bad_requests,
-            "aborted": self._aborted,
-            "client_disconnects": self._client_gone,
-            "in_flight": self.in_flight(),
-            "replicas": {
-                str(rid): {
-                    "ready": rid in self._ready,
-                    "in_flight": self._in_flight.get(rid, 0),
-                    "served": self._served.get(rid, 0),
-                    "failed": self._failed.get(rid, 0),
-                }
-                for rid in ids
-            },
-        }
-
     # ------------------------------------------------------------------ used by exchanges
 
-    def _pick(self, tried: Sequence[int]) -> int | None:
-        """Choose a ready replica not tried yet; None when there is none."""
+    def _pick(self, tried: Sequence[int], request: RequestView | None = None) -> int | None:
+        """Choose a ready replica not tried yet (with room, under a limit); None when there
+        is none. ``request`` goes to a policy that reads requests."""
         ids = self._ready_ids
-        if not tried:
-            if not ids:
-                return None
-            return self._policy.select(self._healthy(ids), self._in_flight)
-        candidates = [rid for rid in ids if rid not in tried]
+        candidates: Sequence[int] = ids if not tried else [r for r in ids if r not in tried]
+        if self._gated:
+            candidates = self._room(candidates)
         if not candidates:
             return None
-        return self._policy.select(self._healthy(candidates), self._in_flight)
+        if not self._gated:
+            return self._policy.select(self._healthy(candidates), self._in_flight)
+        return self._policy.select(self._healthy(candidates), self._in_flight, request)
+
+    def set_engine_load(self, engines: Mapping[int, EngineLoad]) -> None:
+        """What the replicas' engines report of their own load (the worker reads their
+        metrics): for a policy that weighs it."""
+        self._engines = dict(engines)
+        self._policy.update(self._ready_ids, self._engines)
 
     def _healthy(self, candidates: Sequence[int]) -> Sequence[int]:
         """Candidates minus recently unreachable ones (all of them if every one is)."""
@@ -454,6 +448,8 @@ class LoadBalancer(Counters):
             return
         count -= 1
         self._in_flight[rid] = count
+        if self._held:
+            self._room_freed()
         if count == 0:
             event = self._drained.pop(rid, None)
             if event is not None:

@@ -9,6 +9,7 @@ to the client yet) or must cut the client's connection (one already under way).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Final
 
 from corral.balancer.failures import Failure, describe
@@ -58,6 +59,7 @@ class ResponseRelay:
     done: bool
     status: int
     mode: int
+    ttft_from: float  # when the request went out, until its first streamed bytes came
     reply_head: bytes
     out: list[bytes]
     whole: list[bytes]
@@ -98,6 +100,8 @@ class ResponseRelay:
         if status_line[:9] != b"HTTP/1.1 ":
             status_line = b"HTTP/1.1 " + status_line[9:]
         length = found.get(b"content-length")
+        if length is not None:
+            self.ttft_from = 0.0  # a whole answer, not a stream: no first token to time
         extra = b""
         if self.head_only or status in (204, 304):
             mode = _NONE
@@ -135,6 +139,9 @@ class ResponseRelay:
 
     def on_response_body(self, data: bytes) -> None:
         mode = self.mode
+        if self.ttft_from and data:  # the first bytes of a streamed answer
+            self.lb._observe_ttft(self.rid, time.monotonic() - self.ttft_from)
+            self.ttft_from = 0.0
         if mode == _RAW:
             self.out.append(data)
         elif mode == _CHUNK:

@@ -17,16 +17,21 @@ from corral.dataplane.protocol import Route
 log = logging.getLogger("corral.worker")
 
 
-def make_balancer(name: str, route: Route, on_drained: Callable[[int], None]) -> LoadBalancer:
+def make_balancer(
+    name: str, route: Route, on_drained: Callable[[int], None], workers: int = 1
+) -> LoadBalancer:
+    """The listener of ``route``; ``workers``: how many workers share a per-replica limit."""
     context = route.server_context()
     # A setting this worker's engine does not know (a newer daemon, during an upgrade) is left
-    # out rather than refusing the whole service.
+    # out rather than refusing the whole service. The engines' metrics path is the worker's.
     known = inspect.signature(LoadBalancer).parameters
-    config = {k: v for k, v in route.config.items() if k in known}
+    given = {k: v for k, v in route.config.items() if k != "engine_metrics_path"}
+    config = {k: v for k, v in given.items() if k in known}
     if config.get("max_connections", 0) is None:
         config["max_connections"] = default_max_connections()
-    for key in sorted(set(route.config) - set(config)):
+    for key in sorted(set(given) - set(config)):
         log.warning("service %s: setting %r unknown to this worker, ignored", name, key)
+    config["routing"] = {**dict(config.get("routing") or {}), "workers": workers}
     return LoadBalancer(
         name=name,
         host=route.host,

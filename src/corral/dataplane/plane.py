@@ -425,6 +425,7 @@ class DataPlane:
         return {
             "t": "table",
             "seq": self._seq,
+            "workers": self.size,
             "services": {name: r.route.to_json() for name, r in self.routes.items()},
         }
 

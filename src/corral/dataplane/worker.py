@@ -50,6 +50,7 @@ from typing import IO, Any, Final
 
 from corral.balancer import LoadBalancer
 from corral.balancer.metrics import merge_stats
+from corral.dataplane import engines
 from corral.dataplane.listeners import make_balancer
 from corral.dataplane.locks import daemon_holds_lock, take_slot
 from corral.dataplane.protocol import (
@@ -89,6 +90,8 @@ class _Service:
     key: str
     lb: LoadBalancer
     ready: dict[int, str] = field(default_factory=dict)
+    engine_path: str | None = None  # where its replicas' engines publish their metrics
+    engines: dict[int, Any] = field(default_factory=dict)  # what they said last
 
 
 class Worker:
@@ -114,6 +117,7 @@ class Worker:
         # again every BIND_RETRY seconds, so a port freed later is taken without a daemon.
         self.unbound: dict[str, Route] = {}
         self.seq = 0
+        self.fleet = 1  # balancer workers of the home: each counts a share of a limit
         self.respawn: Mapping[str, Any] | None = None
         self.stop = asyncio.Event()
         self._writer: asyncio.StreamWriter | None = None
@@ -133,6 +137,7 @@ class Worker:
             asyncio.create_task(self._connect_loop()),
             asyncio.create_task(self._report_loop()),
             asyncio.create_task(self._supervise_loop()),
+            asyncio.create_task(self._engines_loop()),
         ]
         log.info("balancer worker %d (pid %d) started", self.slot, os.getpid())
         await self.stop.wait()
@@ -200,6 +205,7 @@ class Worker:
             self._history = bool(message.get("history"))
         elif kind == "table":
             services = message.get("services")
+            self.fleet = int(message.get("workers") or 1)
             if isinstance(services, Mapping):
                 await self._apply(services)
                 self.seq = int(message.get("seq") or 0)
@@ -245,7 +251,7 @@ class Worker:
         if svc is None or svc.key != key:
             ready = dict(route.ready) if route.ready is not None else (svc.ready if svc else {})
             try:
-                lb = make_balancer(name, route, self._drained)
+                lb = make_balancer(name, route, self._drained, self.fleet)
                 # Before it listens: with SO_REUSEPORT the kernel sends it connections the moment
                 # it does, and a request must not meet an empty ready set (a 503) meanwhile.
                 lb.set_ready(ready)
@@ -271,6 +277,8 @@ class Worker:
         if route.ready is not None:
             svc.ready = dict(route.ready)
         svc.lb.set_ready(svc.ready)
+        path = route.config.get("engine_metrics_path")
+        svc.engine_path = str(path) if path else None
 
     def _retire(self, name: str, lb: LoadBalancer) -> None:
         """Stop a listener in the background; its in-flight requests finish (and stay counted
@@ -331,9 +339,18 @@ class Worker:
                 "times": bucket_times(times),
                 "port": svc.lb.port if svc is not None else None,
                 "inodes": svc.lb.listener_inodes() if svc is not None else [],
+                "engines": {str(k): v for k, v in svc.engines.items()} if svc else {},
                 "error": self.errors.get(name),
             }
         await self._send({"t": "report", "seq": self.seq, "services": services})
+
+    async def _engines_loop(self) -> None:
+        """Every engines.INTERVAL: the replicas' own load, where their route says to read it."""
+        while True:
+            await asyncio.sleep(engines.INTERVAL)
+            for svc in list(self.services.values()):
+                if svc.engine_path and svc.ready:
+                    svc.engines = await engines.refresh(svc.lb, svc.ready, svc.engine_path)
 
     # -- bringing a crashed daemon back -------------------------------------------------------
 

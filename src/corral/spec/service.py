@@ -19,6 +19,7 @@ from corral.spec.values import (
     DEFAULT_UPSCALE_DELAY_SECONDS,
     MAX_REPLICAS,
     MAX_SECONDS,
+    POLICY_ALIASES,
     HeaderName,
     HeaderValue,
     LoadBalancingPolicy,
@@ -193,6 +194,25 @@ class LoadBalancerSettings(Section):
     # 503. None: a quarter of the worker's open-file limit, so no service can use up the
     # descriptors every other service (and the worker's own upstream connections) need.
     max_connections: int | None = Field(None, ge=1, le=1 << 22)
+    # LLM serving (docs/llm.md). The JSON field that holds the prompt for an API the
+    # prefix_affinity policy does not know (dotted: "input.text").
+    prompt_field: str | None = Field(None, min_length=1, max_length=200)
+    # A replica is passed over while its load is this many times the mean (prefix_affinity,
+    # session affinity): how far a hot prompt family may pile onto its replica.
+    balance_factor: float = Field(1.25, ge=1.0, le=10.0)
+    # Requests in flight to one replica before the balancer holds the next ones itself, FIFO,
+    # until one has room (instead of queueing them in the engines); None: no limit.
+    max_in_flight_per_replica: int | None = Field(None, ge=1, le=1 << 16)
+    # How long a held request may wait for room before a 503 with Retry-After.
+    hold_timeout_seconds: float = Field(30.0, gt=0, le=MAX_SECONDS)
+    # Session affinity: requests carrying the same value of this header (or cookie) go to
+    # the same replica, from every balancer worker.
+    session_header: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    # Where each replica's engine publishes Prometheus metrics (vLLM, SGLang: /metrics): read
+    # every second for its queue and KV-cache use. None: /metrics under prefix_affinity, else
+    # not read.
+    engine_metrics_path: str | None = Field(None, pattern=r"^/[^\s]*$", max_length=500)
 
 
 # Long enough for a model download in `setup`; a hung setup fails the launch after it.
@@ -255,8 +275,12 @@ class ServiceSection(Section):
     @field_validator("load_balancing_policy", mode="before")
     @classmethod
     def _policy_case(cls, value: Any) -> Any:
-        # SkyServe matches policy names case-insensitively.
-        return value.strip().lower() if isinstance(value, str) else value
+        # SkyServe matches policy names case-insensitively; other LLM routers' names for
+        # prefix_affinity are taken too.
+        if not isinstance(value, str):
+            return value
+        name = value.strip().lower()
+        return POLICY_ALIASES.get(name, name)
 
     @field_validator("ports", mode="before")
     @classmethod

@@ -1,0 +1,213 @@
+"""Routing for LLM engines: send a prompt where its prefix is cached, without hot spots.
+
+An engine answers a prompt whose leading tokens are in its prefix (KV) cache many times faster
+than one it must compute; each replica has its own cache. So a conversation's turns, each the
+previous turn plus a little, should reach the replica that served the previous turn, and a
+document many questions share should be cached on as few replicas as keep up with them.
+
+How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call their kin
+``cache_aware``, and that name is accepted too):
+
+1. The prompt is read from the body (:func:`corral.balancer.prompt.extract_prompt`: the OpenAI
+   APIs, SGLang's and TGI's ``/generate``, or a field the spec names). No prompt (not JSON, a
+   body too big to hold, another API): the request goes by load (``least_load``).
+2. Its **anchor** is the prompt's start that every later turn of the same conversation repeats:
+   the rendering up to the first user message for chat, the first ``anchor_chars`` otherwise.
+   Its hash is the same in every balancer worker (a stable hash, not Python's salted one), and
+   so is the order of replicas it gives (rendezvous hashing). A new connection per turn, on
+   whichever worker, therefore reaches the same replica with no state shared between workers,
+   and a replica that leaves moves only its own conversations.
+3. **Bounded load**: a replica is skipped while its load (requests in flight from this worker,
+   plus what its engine reports queued) is at ``balance`` times the mean or more; the next in
+   the anchor's order takes the request. A prompt family too hot for one replica spreads to
+   the next ones in its order, and only to them (Mirrokni et al., consistent hashing with
+   bounded loads): no replica carries more than ``balance`` times its share.
+4. Within those under the bound, a replica this worker knows holds a longer prefix of this
+   prompt (its index of block hashes, :class:`corral.balancer.prefix.PrefixIndex`, bounded and
+   LRU) wins over the anchor's first choice: after a spill, the next turn follows the cache.
+
+Everything here is per worker and in memory: a daemon SIGKILL or upgrade changes nothing, and a
+worker restarted relearns from traffic while the anchors keep routing consistent meanwhile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from corral.balancer.policies import DEFAULT_BALANCE, EngineLoad, LeastLoad, RequestView
+from corral.balancer.prefix import PrefixIndex, rendezvous_order, stable_key
+from corral.balancer.prompt import read_prompt
+
+__all__ = ["DEFAULT_BALANCE", "PrefixAffinity", "SessionAffinity"]
+
+DEFAULT_ANCHOR_CHARS: Final = 1024
+DEFAULT_BLOCK_CHARS: Final = 64
+DEFAULT_INDEX_BLOCKS: Final = 1 << 16
+
+
+# A replica is never passed over while its load is within this many requests of the mean: at
+# low load ``balance`` times the mean is below one request, and a conversation would leave
+# its replica whenever that replica had anything in flight.
+SLACK: Final = 2.0
+
+
+def bound(loads: Mapping[int, float], candidates: Sequence[int], balance: float) -> float:
+    """The load at which a replica is passed over: ``balance`` times the mean once this
+    request is counted, or the mean plus SLACK requests, whichever is higher."""
+    mean = (sum(loads.get(rid, 0.0) for rid in candidates) + 1.0) / len(candidates)
+    return max(math.ceil(balance * mean), mean + SLACK)
+
+
+class PrefixAffinity:
+    """See the module docstring."""
+
+    reads_request = True
+
+    def __init__(
+        self,
+        *,
+        prompt_field: str | None = None,
+        balance: float = DEFAULT_BALANCE,
+        anchor_chars: int = DEFAULT_ANCHOR_CHARS,
+        block_chars: int = DEFAULT_BLOCK_CHARS,
+        index_blocks: int = DEFAULT_INDEX_BLOCKS,
+    ) -> None:
+        if balance < 1.0:
+            raise ValueError(f"balance must be at least 1.0, not {balance}")
+        if anchor_chars < 1 or block_chars < 1 or index_blocks < 1:
+            raise ValueError("anchor_chars, block_chars and index_blocks must be positive")
+        self.prompt_field = prompt_field
+        self.balance = balance
+        self.anchor_chars = anchor_chars
+        self.index = PrefixIndex(block_chars=block_chars, max_blocks_per_replica=index_blocks)
+        self._by_load = LeastLoad()
+        self._ready: frozenset[int] = frozenset()
+        self._waiting: dict[int, float] = {}
+        self.routed = 0  # requests routed by their prompt (the rest went by load)
+
+    def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
+        now = frozenset(ready)
+        for rid in self._ready - now:
+            self.index.forget(rid)  # a replica that left: what it cached is gone with it
+        self._ready = now
+        self._waiting = {rid: load.waiting for rid, load in engines.items()}
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        request: RequestView | None = None,
+    ) -> int:
+        if request is None or request.body is None or len(candidates) == 1:
+            return self._by_load.select(candidates, in_flight)
+        path = request.target.partition(b"?")[0].decode("latin-1")
+        prompt = read_prompt(path, request.body, self.prompt_field)
+        if prompt is None:
+            return self._by_load.select(candidates, in_flight)
+        self.routed += 1
+        text = prompt.text
+        anchor = text[: prompt.anchor_end if prompt.chat else self.anchor_chars]
+        hashes = self.index.hashes(text)
+        own = len(anchor) // self.index.block_chars  # blocks shared beyond this mean nothing
+        chosen = self._choose(candidates, in_flight, stable_key(anchor), hashes, own)
+        self.index.insert(chosen, hashes)
+        return chosen
+
+    def _choose(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        key: int,
+        hashes: list[int],
+        anchor_blocks: int,
+    ) -> int:
+        waiting = self._waiting
+        loads = {rid: in_flight.get(rid, 0) + waiting.get(rid, 0.0) for rid in candidates}
+        limit = bound(loads, candidates, self.balance)
+        order = [rid for rid in rendezvous_order(key, candidates) if loads[rid] < limit]
+        if not order:
+            return self._by_load.select(candidates, in_flight)
+        matched = self.index.match(hashes) if hashes else {}
+        first = order[0]
+        best = max(order, key=lambda rid: matched.get(rid, 0))
+        # Only a match past the anchor is this conversation's own cache: a shared system
+        # prompt, cached everywhere, must not pull it away from its replica.
+        mine = matched.get(best, 0)
+        return best if mine > anchor_blocks and mine > matched.get(first, 0) else first
+
+    def __repr__(self) -> str:
+        return f"PrefixAffinity(balance={self.balance})"
+
+
+class SessionAffinity:
+    """A session (a header or cookie the spec names) stays on one replica, the same from every
+    balancer worker (rendezvous hashing on the session's value, under the same load bound); a
+    request without one goes to ``inner``. A replica that leaves moves only its sessions."""
+
+    reads_request = True
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        header: str | None = None,
+        cookie: str | None = None,
+        balance: float = DEFAULT_BALANCE,
+    ) -> None:
+        if not header and not cookie:
+            raise ValueError("session affinity needs a header or a cookie name")
+        self.inner = inner
+        self.header = b"\r\n" + header.lower().encode() + b":" if header else None
+        self.cookie = cookie.encode() + b"=" if cookie else None
+        self.balance = balance
+
+    def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
+        self.inner.update(ready, engines)
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        request: RequestView | None = None,
+    ) -> int:
+        session = self._session(request.headers) if request is not None else None
+        if session is None or len(candidates) == 1:
+            chosen: int = self.inner.select(candidates, in_flight, request)
+            return chosen
+        loads = {rid: float(in_flight.get(rid, 0)) for rid in candidates}
+        limit = bound(loads, candidates, self.balance)
+        for rid in rendezvous_order(stable_key(session), candidates):
+            if loads[rid] < limit:
+                return rid
+        chosen = self.inner.select(candidates, in_flight, request)
+        return chosen
+
+    def _session(self, headers: bytes) -> str | None:
+        low = b"\r\n" + headers.lower()
+        if self.header is not None:
+            value = _header_value(low, headers, self.header)
+            if value:
+                return value
+        if self.cookie is not None:
+            cookies = _header_value(low, headers, b"\r\ncookie:")
+            for part in (cookies or "").split(";"):
+                name, _, value = part.strip().partition("=")
+                if (name + "=").encode() == self.cookie and value:
+                    return value
+        return None
+
+    def __repr__(self) -> str:
+        return f"SessionAffinity({self.inner!r})"
+
+
+def _header_value(low: bytes, headers: bytes, name: bytes) -> str | None:
+    """The value of header ``name`` (``\\r\\nname:``, lower case) in the block, or None."""
+    i = low.find(name)
+    if i < 0:
+        return None
+    start = i + len(name) - 2  # offsets in ``low`` are 2 past those in ``headers``
+    end = headers.find(b"\r\n", start)
+    value = headers[start : end if end >= 0 else len(headers)]
+    return value.strip().decode("latin-1") or None

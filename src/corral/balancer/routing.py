@@ -1,0 +1,56 @@
+"""A policy from its name in the spec and its options.
+
+Apart from :mod:`corral.balancer.policies` because the LLM policies
+(:mod:`corral.balancer.prefix_policy`) build on the load policies there: this module is above
+both, so neither imports the other's users.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from corral.balancer.policies import DEFAULT_BALANCE, LeastLoad, Policy, PowerOfTwo, RoundRobin
+
+__all__ = ["ALIASES", "POLICY_NAMES", "make_policy"]
+
+POLICY_NAMES: Final = ("round_robin", "least_load", "power_of_two", "prefix_affinity")
+# Other routers' names for the same thing (SGLang's and vLLM's routers: ``cache_aware``).
+ALIASES: Final = {"cache_aware": "prefix_affinity", "prefix_aware": "prefix_affinity"}
+
+
+def make_policy(
+    name: str,
+    *,
+    prompt_field: str | None = None,
+    balance: float = DEFAULT_BALANCE,
+    session_header: str | None = None,
+    session_cookie: str | None = None,
+) -> Policy:
+    """Build a fresh policy from its service-YAML name and options.
+
+    Raises ValueError for an unknown name, listing the valid ones, so a typo in the YAML is
+    reported at validation rather than silently falling back to a default. A session header or
+    cookie wraps any policy in session affinity.
+    """
+    name = ALIASES.get(name, name)
+    if name == "prefix_affinity" or session_header or session_cookie:
+        # Imported here: a service under a load policy never loads the prompt readers.
+        from corral.balancer.prefix_policy import PrefixAffinity, SessionAffinity
+    policy: Policy
+    if name == "round_robin":
+        policy = RoundRobin()
+    elif name == "least_load":
+        policy = LeastLoad()
+    elif name == "power_of_two":
+        policy = PowerOfTwo()
+    elif name == "prefix_affinity":
+        policy = PrefixAffinity(prompt_field=prompt_field, balance=balance)
+    else:
+        raise ValueError(
+            f"unknown load balancing policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}"
+        )
+    if session_header or session_cookie:
+        policy = SessionAffinity(
+            policy, header=session_header, cookie=session_cookie, balance=balance
+        )
+    return policy

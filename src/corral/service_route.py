@@ -1,0 +1,72 @@
+"""A service's route in the data plane, from its spec: what every balancer worker is told.
+
+Apart from :mod:`corral.controller` so what a spec means to the balancer (its policy and the
+options of the LLM policies, timeouts, limits, TLS files) reads in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from corral.dataplane.protocol import Route
+from corral.spec import ServiceSpec
+
+
+def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route:
+    """The data plane's route of a service (everything but the ready set) from its spec.
+
+    Relative TLS file paths are taken from the directory the CLI ran in (``base_dir``), as
+    ``workdir`` is (SkyPilot's rule): the workers run elsewhere, and the path must mean the
+    same file to them."""
+    lb = spec.service.load_balancer
+    tls = spec.service.tls
+
+    def path(value: str) -> str:
+        file = Path(value).expanduser()
+        if not file.is_absolute() and base_dir:
+            file = Path(base_dir) / file
+        return str(file)
+
+    return Route(
+        port=port,
+        tls_cert=path(tls.certfile) if tls is not None else None,
+        tls_key=path(tls.keyfile) if tls is not None else None,
+        config={
+            "policy": spec.service.load_balancing_policy,
+            # At zero replicas a request waits for the first one instead of a 503.
+            "no_replica_wait": 60.0 if spec.service.replica_policy.min_replicas == 0 else 0.0,
+            "connect_timeout": lb.connect_timeout_seconds,
+            "first_byte_timeout": lb.first_byte_timeout_seconds or lb.stream_timeout_seconds,
+            "idle_timeout": lb.stream_timeout_seconds,
+            "max_body_bytes": lb.max_body_bytes,
+            "max_header_bytes": lb.max_header_bytes,
+            "header_timeout": lb.header_timeout_seconds,
+            "max_connections": lb.max_connections,
+            **llm_settings(spec),
+        },
+    )
+
+
+def llm_settings(spec: ServiceSpec) -> dict[str, Any]:
+    """What the balancer needs of the LLM knobs (docs/llm.md), only those a spec sets: a
+    route without them reads the same to a worker that predates them."""
+    lb = spec.service.load_balancer
+    prefix = spec.service.load_balancing_policy == "prefix_affinity"
+    named = {
+        "prompt_field": lb.prompt_field,
+        "session_header": lb.session_header,
+        "session_cookie": lb.session_cookie,
+    }
+    options: dict[str, Any] = {k: v for k, v in named.items() if v}
+    if options or prefix:
+        options["balance"] = lb.balance_factor
+    routing: dict[str, Any] = {"options": options} if options else {}
+    if lb.max_in_flight_per_replica:
+        routing["max_in_flight_per_replica"] = lb.max_in_flight_per_replica
+        routing["hold_timeout"] = lb.hold_timeout_seconds
+    out: dict[str, Any] = {"routing": routing} if routing else {}
+    metrics = lb.engine_metrics_path or ("/metrics" if prefix else None)
+    if metrics:
+        out["engine_metrics_path"] = metrics
+    return out

@@ -1,0 +1,482 @@
+"""The balancer's LLM routing: held requests, session and prefix affinity, engine metrics.
+
+Real balancers (corral.balancer.LoadBalancer) on 127.0.0.1 in front of real HTTP replicas: small
+aiohttp apps whose answers the test controls, and the project's LLM engine simulator
+(corral.llmsim) where the engines' own behaviour matters. Two balancers on one port stand for
+two balancer workers: they share no state, as worker processes do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from corral.balancer import LoadBalancer
+from corral.balancer.policies import EngineLoad, RequestView
+from corral.dataplane import engines
+from corral.llmsim import EngineConfig, SimServer
+
+T = TypeVar("T")
+HOST = "127.0.0.1"
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+class Replica:
+    """Answers ``/hold`` when its gate opens, anything else at once, naming itself."""
+
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+        self.gate = asyncio.Event()
+        self.arrived = 0
+        self.paths: list[str] = []
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> Replica:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, HOST, 0)
+        await site.start()
+        self.url = f"http://{HOST}:{self._runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.paths.append(request.path)
+        if request.path == "/hold":
+            self.arrived += 1
+            await self.gate.wait()
+        return web.json_response({"replica": self.rid})
+
+
+@asynccontextmanager
+async def fleet(n: int) -> AsyncIterator[list[Replica]]:
+    replicas = [await Replica(i + 1).start() for i in range(n)]
+    try:
+        yield replicas
+    finally:
+        for r in replicas:
+            await r.stop()
+
+
+@asynccontextmanager
+async def balancer(replicas: dict[int, str], **kwargs: Any) -> AsyncIterator[LoadBalancer]:
+    lb = LoadBalancer(name="llm", **kwargs)
+    await lb.start()
+    lb.set_ready(replicas)
+    try:
+        yield lb
+    finally:
+        await lb.stop()
+
+
+async def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# -- holding requests while every replica is at its limit ----------------------------------------
+
+
+def test_a_request_waits_in_the_balancer_until_a_replica_has_room() -> None:
+    """With one request in flight allowed per replica, a third request to two busy replicas
+    waits in the balancer (never reaching an engine queue) and goes out the moment one of them
+    answers; FIFO order is kept."""
+
+    async def go() -> None:
+        async with fleet(2) as (one, two):
+            ready = {1: one.url, 2: two.url}
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
+            async with balancer(ready, routing=routing) as lb, aiohttp.ClientSession() as http:
+                url = f"http://{HOST}:{lb.port}"
+                first = [asyncio.create_task(http.get(url + "/hold")) for _ in range(2)]
+                await wait_until(lambda: one.arrived + two.arrived == 2, 10, "two held requests")
+                third = asyncio.create_task(http.get(url + "/after"))
+                await wait_until(lambda: lb.held() == 1, 10, "the third request held")
+                await asyncio.sleep(0.2)
+                assert "/after" not in one.paths + two.paths  # not sent while both are full
+                one.gate.set()
+                answer = await third
+                assert answer.status == 200
+                assert (await answer.json())["replica"] == 1  # the one that had room
+                two.gate.set()
+                for task in first:
+                    assert (await task).status == 200
+                assert lb.stats()["held_total"] == 1 and lb.held() == 0
+
+    run(go())
+
+
+def test_a_held_request_gets_503_with_retry_after_at_its_bound() -> None:
+    async def go() -> None:
+        async with fleet(1) as (one,):
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 0.5}
+            async with (
+                balancer({1: one.url}, routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}"
+                busy = asyncio.create_task(http.get(url + "/hold"))
+                await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
+                answer = await http.get(url + "/late", timeout=aiohttp.ClientTimeout(total=10))
+                assert answer.status == 503
+                assert answer.headers["Retry-After"] == "1"
+                assert "in flight" in (await answer.json())["error"]
+                assert lb.stats()["held_expired"] == 1
+                one.gate.set()
+                assert (await busy).status == 200
+
+    run(go())
+
+
+def test_the_limit_is_shared_between_balancer_workers() -> None:
+    """Each worker sees only its own requests: a limit of 4 with 2 workers lets each send 2."""
+
+    async def go() -> None:
+        async with fleet(1) as (one,):
+            routing = {"max_in_flight_per_replica": 4, "hold_timeout": 20, "workers": 2}
+            async with (
+                balancer({1: one.url}, routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}"
+                tasks = [asyncio.create_task(http.get(url + "/hold")) for _ in range(3)]
+                await wait_until(lambda: one.arrived == 2 and lb.held() == 1, 10, "2 out, 1 held")
+                one.gate.set()
+                for task in tasks:
+                    assert (await task).status == 200
+
+    run(go())
+
+
+# -- session affinity -----------------------------------------------------------------------------
+
+
+def test_a_session_stays_on_one_replica_from_every_worker_and_moves_only_when_it_leaves() -> None:
+    async def go() -> None:
+        async with fleet(4) as replicas:
+            ready = {r.rid: r.url for r in replicas}
+            options = {"options": {"session_header": "X-Session-ID"}}
+            async with (
+                balancer(ready, routing=options) as a,
+                balancer(ready, routing=options) as b,
+                aiohttp.ClientSession() as http,
+            ):
+                sessions = [f"user-{i}" for i in range(40)]
+
+                async def where(lb: LoadBalancer, session: str) -> int:
+                    headers = {"X-Session-ID": session}
+                    async with http.get(f"http://{HOST}:{lb.port}/x", headers=headers) as r:
+                        return int((await r.json())["replica"])
+
+                home = {s: await where(a, s) for s in sessions}
+                for s in sessions:  # the other "worker", and again, agree
+                    assert await where(b, s) == home[s], s
+                    assert await where(a, s) == home[s], s
+                assert len(set(home.values())) >= 3  # spread, not all on one
+                gone = home[sessions[0]]
+                rest = {rid: url for rid, url in ready.items() if rid != gone}
+                a.set_ready(rest)
+                b.set_ready(rest)
+                for s in sessions:
+                    now = await where(a, s)
+                    assert now == await where(b, s)
+                    assert now != gone
+                    if home[s] != gone:
+                        assert now == home[s], "a session of a replica still there moved"
+
+    run(go())
+
+
+# -- prefix affinity -------------------------------------------------------------------------------
+
+
+SYSTEMS = [f"You are assistant number {i}. " + "Follow the house rules. " * 100 for i in range(5)]
+
+
+def chat(system: str, turns: list[str]) -> bytes:
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(turns) - 1:
+            messages.append({"role": "assistant", "content": f"answer {i} to {text}"})
+    return json.dumps({"model": "m", "messages": messages, "max_tokens": 4}).encode()
+
+
+def view(body: bytes, path: bytes = b"/v1/chat/completions") -> RequestView:
+    return RequestView(path, body, b"Host: x\r\n")
+
+
+def test_a_conversation_reaches_one_replica_whichever_worker_takes_each_turn() -> None:
+    """Two policies (two workers, no shared state), turns dealt between them at random: every
+    turn of a conversation reaches the replica of its first turn; conversations spread over
+    the replicas; a replica that leaves moves only its own conversations."""
+    from corral.balancer.routing import make_policy
+
+    workers = [make_policy("prefix_affinity"), make_policy("cache_aware")]
+    ready = (1, 2, 3, 4)
+    for policy in workers:
+        policy.update(ready, {})
+    rng = random.Random(7)
+    homes: dict[int, int] = {}
+    for turn in range(1, 6):
+        for conv in range(60):
+            body = chat(SYSTEMS[conv % 5], [f"question {conv}.{t}" for t in range(turn)])
+            rid = rng.choice(workers).select(ready, {}, view(body))
+            assert homes.setdefault(conv, rid) == rid, (conv, turn)
+    shares = Counter(homes.values())
+    assert max(shares.values()) <= 0.4 * 60, shares  # not one family per replica
+    left = (1, 2, 3)
+    for policy in workers:
+        policy.update(left, {})
+    for conv in range(60):
+        body = chat(SYSTEMS[conv % 5], [f"question {conv}.{t}" for t in range(6)])
+        rid = workers[conv % 2].select(left, {}, view(body))
+        if homes[conv] != 4:
+            assert rid == homes[conv]
+
+
+def test_a_hot_prompt_family_spreads_no_further_than_its_load_bound() -> None:
+    """One document asked about by many concurrent requests: its first replica takes them
+    up to the bound (balance x the mean), then the next replicas of its order do."""
+    from corral.balancer.routing import make_policy
+
+    policy = make_policy("prefix_affinity", balance=1.25)
+    ready = (1, 2, 3, 4)
+    policy.update(ready, {})
+    document = "The shared document. " * 200
+    in_flight: Counter[int] = Counter()
+    for q in range(40):  # none finishes: the load only grows
+        body = json.dumps({"model": "m", "prompt": document + f"Question {q}?"}).encode()
+        rid = policy.select(ready, in_flight, view(body, b"/v1/completions"))
+        in_flight[rid] += 1
+    assert max(in_flight.values()) <= 1.25 * 40 / 4 + 1, in_flight
+    # with little load it stays on one replica: the document is computed once
+    policy = make_policy("prefix_affinity")
+    policy.update(ready, {})
+    firsts = {
+        policy.select(
+            ready,
+            {},
+            view(json.dumps({"prompt": document + f"Q{q}"}).encode(), b"/v1/completions"),
+        )
+        for q in range(10)
+    }
+    assert len(firsts) == 1
+
+
+def test_an_engine_queue_counts_as_load() -> None:
+    """A replica whose engine reports a long queue is passed over for a new conversation."""
+    from corral.balancer.routing import make_policy
+
+    policy = make_policy("prefix_affinity")
+    ready = (1, 2)
+    policy.update(ready, {})
+    body = chat(SYSTEMS[0], ["hello"])
+    first = policy.select(ready, {}, view(body))
+    other = 2 if first == 1 else 1
+    policy = make_policy("prefix_affinity")
+    policy.update(ready, {first: EngineLoad(waiting=50, running=8)})
+    assert policy.select(ready, {}, view(body)) == other
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b'{"prompt": 42}',
+        b'{"messages": "hello"}',
+        b'{"prompt": "trunc',
+        b"[1, 2, 3]",
+        json.dumps({"prompt": None}).encode(),
+    ],
+    ids=["not-json", "prompt-int", "messages-str", "truncated", "array", "null"],
+)
+def test_a_request_without_a_readable_prompt_goes_by_load(body: bytes) -> None:
+    from corral.balancer.routing import make_policy
+
+    policy = make_policy("prefix_affinity")
+    policy.update((1, 2), {})
+    assert policy.select((1, 2), {1: 3}, view(body, b"/v1/completions")) == 2
+
+
+def test_bad_bodies_are_proxied_not_failed() -> None:
+    """Through a real balancer under prefix_affinity: bodies that are not a prompt (not JSON,
+    the wrong type, cut short by Content-Length) and a 100 MB body (over the buffer: streamed,
+    routed by load) each reach a replica or get a 4xx; never a 500, never a stalled worker."""
+
+    async def go() -> None:
+        async with fleet(2) as replicas:
+            ready = {r.rid: r.url for r in replicas}
+            routing = {"options": {"balance": 1.25}}
+            async with (
+                balancer(ready, policy="prefix_affinity", routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}/v1/completions"
+                for body in (b"not json", b'{"prompt": 42}', b'{"prompt": [null]}'):
+                    async with http.post(url, data=body) as r:
+                        assert r.status == 200, body
+                big = b'{"prompt": "' + b"x" * (100 << 20) + b'"}'
+                async with http.post(url, data=big) as r:
+                    assert r.status == 200
+                reader, writer = await asyncio.open_connection(HOST, lb.port)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                    b'Connection: close\r\n\r\n{"prompt": "cut'
+                )
+                writer.write_eof()
+                head = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+                assert not head or head.startswith(b"HTTP/1.1 4"), head[:100]
+                async with http.post(url, data=b'{"prompt": "still serving"}') as r:
+                    assert r.status == 200
+
+    run(go(), timeout=120)
+
+
+# -- the engines' own metrics ---------------------------------------------------------------------
+
+
+def test_engine_metrics_are_read_from_a_real_engine() -> None:
+    """corral.dataplane.engines reads a simulated vLLM's /metrics: the queue it reports is the
+    load the policy weighs."""
+
+    async def go() -> None:
+        config = EngineConfig(max_batch=1, step_base_ms=50, speed=1.0)
+        async with SimServer(config) as sim, aiohttp.ClientSession() as http:
+            body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 40}
+            tasks = [
+                asyncio.create_task(http.post(sim.url + "/v1/completions", json=body))
+                for _ in range(3)
+            ]
+            got: dict[int, Any] = {}
+            lb = LoadBalancer(name="x")
+
+            async def queued() -> bool:
+                got.update(await engines.refresh(lb, {1: sim.url}, "/metrics"))
+                return bool(got) and got[1].get("waiting", 0) >= 1
+
+            for _ in range(100):
+                if await queued():
+                    break
+                await asyncio.sleep(0.05)
+            assert got[1]["waiting"] >= 1 and got[1]["running"] == 1, got
+            assert lb._engines[1].waiting == got[1]["waiting"]
+            for task in tasks:
+                (await task).release()
+
+    run(go())
+
+
+def test_engine_metric_text_is_summed_over_label_sets() -> None:
+    text = (
+        "# HELP vllm:num_requests_waiting x\n"
+        'vllm:num_requests_waiting{model_name="a"} 2.0\n'
+        'vllm:num_requests_waiting{model_name="b"} 3\n'
+        "sglang:num_running_reqs 4\n"
+        'vllm:kv_cache_usage_perc{model_name="a",x="}"} 0.5\n'
+        "garbage line\n"
+    )
+    got = engines.parse(text)
+    assert got["waiting"] == 5.0 and got["running"] == 4.0 and got["kv_usage"] == 0.5
+
+
+# -- through a real daemon and its balancer workers -----------------------------------------------
+
+
+def test_conversations_find_their_cache_through_corral_across_workers_and_a_daemon_kill(
+    corral_home: Any, tmp_path: Any
+) -> None:
+    """A service of 3 simulated engines under prefix_affinity, 2 balancer workers, a new
+    connection per turn: every later turn of a conversation finds its earlier turns in the
+    engine's prefix cache (it reached the same replica), also after the daemon is SIGKILLed
+    mid-way (the workers route on with what they hold)."""
+    import signal
+    import sys
+    import urllib.request
+
+    from conftest import spec_text, write_spec
+
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "2"
+    run_line = f"exec {sys.executable} -m corral.llmsim --host 127.0.0.1 --port $PORT --speed 5"
+    extra = "  load_balancing_policy: prefix_affinity\n"
+    text = spec_text("chat", 3, run=run_line).replace("service:\n", "service:\n" + extra)
+    spec = write_spec(tmp_path / "chat.yaml", text)
+    corral_home.run("up", str(spec), "-y", timeout=120)
+    svc = corral_home.wait_replicas("chat", 3, timeout=60)
+    url = str(svc["endpoint"]) + "/v1/chat/completions"
+
+    def ask(conv: int, turns: int) -> tuple[int, int]:
+        body = json.loads(chat(SYSTEMS[conv % 5], [f"q{conv}.{t}" for t in range(turns)]))
+        request = urllib.request.Request(
+            url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:  # a new connection each
+            usage = json.loads(answer.read())["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    previous: dict[int, int] = {}
+    for turn in range(1, 6):
+        if turn == 3:
+            corral_home.stop_daemon(signal.SIGKILL)
+        for conv in range(12):
+            prompt, cached = ask(conv, turn)
+            if conv in previous:  # all of the last turn's prompt but its last block
+                assert cached >= previous[conv] - 16, (conv, turn, cached, previous[conv])
+            previous[conv] = prompt
+
+
+# -- the spec ------------------------------------------------------------------------------------
+
+
+def test_the_llm_settings_are_checked_and_reach_the_route() -> None:
+    from corral.service_route import route_of
+    from corral.spec import SpecError, parse_spec
+
+    base = "run: x\nservice:\n  readiness_probe: /health\n  replicas: 2\n"
+    spec = parse_spec(
+        base + "  load_balancing_policy: Cache_Aware\n"
+        "  load_balancer:\n    max_in_flight_per_replica: 8\n    session_header: X-Session-ID\n"
+    )
+    assert spec.service.load_balancing_policy == "prefix_affinity"
+    config = route_of(spec, 8080).config
+    assert config["routing"]["options"] == {"session_header": "X-Session-ID", "balance": 1.25}
+    assert config["routing"]["max_in_flight_per_replica"] == 8
+    assert config["engine_metrics_path"] == "/metrics"
+    LoadBalancer(name="x", policy=config["policy"], routing=config["routing"])  # it builds
+    plain = route_of(parse_spec(base), 8080).config
+    assert "routing" not in plain and "engine_metrics_path" not in plain  # no cost, no change
+    for bad, field in (
+        ("max_in_flight_per_replica: 0", "max_in_flight_per_replica"),
+        ("session_header: 'a b'", "session_header"),
+        ("balance_factor: 0.5", "balance_factor"),
+        ("engine_metrics_path: metrics", "engine_metrics_path"),
+    ):
+        with pytest.raises(SpecError) as caught:
+            parse_spec(base + f"  load_balancer:\n    {bad}\n")
+        assert field in str(caught.value), (bad, str(caught.value))
