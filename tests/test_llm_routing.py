@@ -450,6 +450,32 @@ def test_conversations_find_their_cache_through_corral_across_workers_and_a_daem
                 assert cached >= previous[conv] - 16, (conv, turn, cached, previous[conv])
             previous[conv] = prompt
 
+    # What an operator sees: TTFT of streamed answers, the engines' queue and hit rate.
+    corral_home.start_daemon()
+    body = json.loads(chat(SYSTEMS[0], ["stream this"]))
+    body["stream"] = True
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        events = answer.read().decode().split("\n\n")
+    assert events[-2] == "data: [DONE]", events[-3:]
+
+    def reported() -> dict[str, Any] | None:
+        now = corral_home.service("chat")
+        llm = now["llm"] if now else None
+        if not llm or not llm["streams"] or llm["prefix_hit_rate"] is None:
+            return None
+        return dict(now)
+
+    shown = corral_home.wait_for(reported, 30, "the LLM figures in the service view")
+    assert shown["llm"]["prefix_hit_rate"] > 0.5, shown["llm"]
+    assert shown["llm"]["ttft_p50_seconds"] is not None and shown["llm"]["queue"] == 0
+    assert all(r["llm"] and r["llm"]["running"] is not None for r in shown["replicas"])
+    metrics = corral_home.api("GET", "/metrics").body.decode()
+    assert 'corral_lb_ttft_seconds_count{service="chat"}' in metrics
+    assert "corral_engine_prefix_queries{" in metrics
+
 
 # -- the spec ------------------------------------------------------------------------------------
 

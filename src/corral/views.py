@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from corral.autoscale import Decision
+from corral.llm_view import replica_llm, service_llm
 from corral.replicas import ReplicaStatus, ServiceStatus, replica_status, service_status
 from corral.servicecore import ServiceCore
 from corral.spec import ServiceSpec
@@ -22,6 +23,7 @@ def service_view(svc: ServiceCore, decision: Decision | None, failed: str | None
     rows = svc.store.replicas(svc.name)
     statuses = [replica_status(r) for r in rows]
     balancer_errors = svc.balancer.bind_errors() if svc.balancer is not None else []
+    stats = svc.balancer.stats() if svc.balancer is not None else None
     status = service_status(
         statuses,
         shutting_down=row.intent == "shutting_down",
@@ -56,7 +58,8 @@ def service_view(svc: ServiceCore, decision: Decision | None, failed: str | None
         "last_update_failure": row.failure if update_failed else None,
         "last_decision": svc.last_decision,
         "created_at": row.created_at,
-        "replicas": _replicas(svc, rows, statuses),
+        "llm": service_llm(stats),
+        "replicas": _replicas(svc, rows, statuses, stats),
     }
 
 
@@ -92,14 +95,20 @@ def _serving(svc: ServiceCore) -> list[int]:
 
 
 def _replicas(
-    svc: ServiceCore, rows: list[ReplicaRow], statuses: list[ReplicaStatus]
+    svc: ServiceCore,
+    rows: list[ReplicaRow],
+    statuses: list[ReplicaStatus],
+    stats: dict[str, Any] | None,
 ) -> list[dict[str, Any]]:
     capacity = svc.deps.capacity
     devices = capacity.devices() if capacity is not None else {}
     waiting = capacity.waiting if capacity is not None else {}
+    balanced = (stats or {}).get("replicas") or {}
+    engines = (stats or {}).get("engines") or {}
     now = time.time()
-    return [
-        replica_view(
+    views = []
+    for r, status in zip(rows, statuses, strict=True):
+        view = replica_view(
             svc,
             r,
             status,
@@ -107,8 +116,9 @@ def _replicas(
             devices=devices.get(r.id),
             waiting=waiting.get(r.id) if status is ReplicaStatus.PENDING else None,
         )
-        for r, status in zip(rows, statuses, strict=True)
-    ]
+        view["llm"] = replica_llm(balanced.get(str(r.id)), engines.get(str(r.id)))
+        views.append(view)
+    return views
 
 
 def replica_view(

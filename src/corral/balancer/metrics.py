@@ -179,6 +179,17 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# The engine signals (corral.dataplane.engines) published as gauges, with what each is.
+_ENGINE_GAUGES: Final = {
+    "waiting": "requests queued in the engine",
+    "running": "requests in its batch",
+    "kv_usage": "KV-cache use, 0 to 1",
+    "prefix_hits": "prefix-cache hits, tokens, since it started",
+    "prefix_queries": "prefix-cache queries, tokens, since it started",
+    "generation_tokens": "tokens generated since it started",
+}
+
+
 class _Collector(Collector):
     """Metric families of ``{service: merged stats}``, built at collect time."""
 
@@ -234,6 +245,20 @@ class _Collector(Collector):
                 in_flight.add_metric([service, str(rid)], rep.get("in_flight", 0))
             retries.add_metric([service], st.get("retries", 0))
         yield from (requests, errors, seconds, in_flight, retries, ttft, held)
+        yield from self._engines()
+
+    def _engines(self) -> Iterator[Metric]:
+        for key, what in _ENGINE_GAUGES.items():
+            family = GaugeMetricFamily(
+                f"corral_engine_{key}",
+                f"What each replica's LLM engine reports ({what}), read by the balancer.",
+                labels=["service", "replica"],
+            )
+            for service, st in self._services.items():
+                for rid, signals in sorted((st.get("engines") or {}).items()):
+                    if key in signals:
+                        family.add_metric([service, str(rid)], float(signals[key]))
+            yield family
 
 
 def _histogram(family: HistogramMetricFamily, labels: list[str], h: Any) -> None:

@@ -468,14 +468,23 @@ class DataPlane:
             out.extend([(bucket + 0.5) * TIME_BUCKET] * times[bucket])
         return out
 
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """Every service's counters, summed over the connected workers."""
+    def stats(self, only: str | None = None) -> dict[str, dict[str, Any]]:
+        """Every service's counters (or ``only`` that one's), summed over the connected
+        workers, with what its replicas' engines said last (to any worker)."""
         per: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+        engines: dict[str, dict[str, Any]] = defaultdict(dict)
         for conn in self._conns.values():
             for name, report in conn.reports.items():
+                if only is not None and name != only:
+                    continue
                 if report.get("stats"):
                     per[name].append(report["stats"])
-        return {name: merge_stats(stats) for name, stats in per.items() if name in self.routes}
+                engines[name].update(report.get("engines") or {})
+        return {
+            name: {**merge_stats(stats), "engines": engines[name]}
+            for name, stats in per.items()
+            if name in self.routes
+        }
 
     def bind_errors(self, name: str) -> list[str]:
         """Why the service's endpoint is not (only) served by its workers: ports they could

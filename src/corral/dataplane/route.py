@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from corral.dataplane.protocol import Route
 
@@ -64,6 +64,10 @@ class ServiceRoute:
 
     def request_timestamps(self, window: float = 60.0) -> list[float]:
         return self._plane.request_times(self.name, window)
+
+    def stats(self) -> dict[str, Any] | None:
+        """This service's balancer counters and engine reports, or None before any report."""
+        return self._plane.stats(self.name).get(self.name)
 
     def bind_errors(self) -> list[str]:
         return self._plane.bind_errors(self.name)

@@ -1,0 +1,81 @@
+"""What an LLM operator watches, per service and per replica, as the API shows it.
+
+Time to first token (measured by the balancer workers on every streamed answer), requests held
+in the balancer, and what each replica's engine reports of itself (its queue, its batch, its
+KV-cache use, its prefix-cache hit rate): the figures `corral status --json` and the daemon's
+``/metrics`` carry, computed when asked from the workers' latest reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from corral.balancer.metrics import LATENCY_BUCKETS
+
+
+def quantile(histogram: Mapping[str, Any] | None, q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` of a per-bucket histogram (the
+    largest finite bound for the overflow bucket); None when it counted nothing."""
+    counts = list((histogram or {}).get("buckets") or ())
+    total = sum(counts)
+    if not total:
+        return None
+    seen = 0
+    for i, n in enumerate(counts):
+        seen += n
+        if seen >= q * total:
+            return LATENCY_BUCKETS[min(i, len(LATENCY_BUCKETS) - 1)]
+    return LATENCY_BUCKETS[-1]
+
+
+def _hit_rate(signals: Mapping[str, Any]) -> float | None:
+    queries = signals.get("prefix_queries")
+    if queries:
+        return round(float(signals.get("prefix_hits", 0.0)) / float(queries), 4)
+    rate = signals.get("cache_hit_rate")  # SGLang reports the rate itself
+    return None if rate is None else round(float(rate), 4)
+
+
+def replica_llm(stats: Mapping[str, Any] | None, engine: Mapping[str, Any] | None) -> Any:
+    """One replica's figures, or None when it has neither streamed nor reported anything."""
+    ttft = ((stats or {}).get("ttft")) or {}
+    if not ttft.get("count") and not engine:
+        return None
+    engine = engine or {}
+    return {
+        "ttft_p50_seconds": quantile(ttft, 0.5),
+        "ttft_p99_seconds": quantile(ttft, 0.99),
+        "streams": int(ttft.get("count") or 0),
+        "waiting": engine.get("waiting"),
+        "running": engine.get("running"),
+        "kv_cache_usage": engine.get("kv_usage"),
+        "prefix_hit_rate": _hit_rate(engine),
+    }
+
+
+def service_llm(stats: Mapping[str, Any] | None) -> Any:
+    """The service's figures (its engines summed), or None when there are none."""
+    stats = stats or {}
+    ttft = stats.get("ttft") or {}
+    engines: Mapping[str, Mapping[str, Any]] = stats.get("engines") or {}
+    if not ttft.get("count") and not engines and not stats.get("held_total"):
+        return None
+    summed: dict[str, float] = {}
+    for signals in engines.values():
+        for key in ("waiting", "running", "prefix_hits", "prefix_queries"):
+            if key in signals:
+                summed[key] = summed.get(key, 0.0) + float(signals[key])
+    rates = [r for s in engines.values() if (r := _hit_rate(s)) is not None]
+    return {
+        "ttft_p50_seconds": quantile(ttft, 0.5),
+        "ttft_p99_seconds": quantile(ttft, 0.99),
+        "streams": int(ttft.get("count") or 0),
+        "held": int(stats.get("held") or 0),
+        "held_expired": int(stats.get("held_expired") or 0),
+        "queue": summed.get("waiting"),
+        "running": summed.get("running"),
+        "prefix_hit_rate": _hit_rate(summed)
+        if "prefix_queries" in summed
+        else (round(sum(rates) / len(rates), 4) if rates else None),
+    }
