@@ -234,3 +234,29 @@ def test_workers_leave_when_nothing_is_left_to_serve(
     idle = wait_for(corral_home.worker_pids, 20, "workers of the new daemon")
     corral_home.stop_daemon(signal.SIGKILL)
     wait_for(lambda: not any(pid_alive(p) for p in idle), 30, "idle workers to exit by themselves")
+
+
+def test_home_watch_sees_deletion_replacement_and_a_lost_state_file(tmp_path: Path) -> None:
+    from corral.ownership import HomeWatch
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "home_id").write_text("abc\n")
+    (home / "state.db").write_text("")
+    watch = HomeWatch(home)
+    assert watch.gone() is None
+    (home / "state.db").unlink()
+    assert watch.gone() is None  # once: a restore's moment between two files
+    (home / "state.db").write_text("")
+    assert watch.gone() is None
+    (home / "state.db").unlink()
+    watch.gone()
+    assert "state file" in str(watch.gone())
+    (home / "state.db").write_text("")
+    (home / "home_id").write_text("other\n")
+    assert "home_id" in str(watch.gone())
+    shutil.rmtree(home)
+    assert "deleted" in str(watch.gone())
+    home.mkdir()  # a new home at the path (the kernel may even give it the same inode)
+    (home / "state.db").write_text("")
+    assert watch.gone() is not None

@@ -57,6 +57,7 @@ class HomeWatch:
         self._dir = (st.st_dev, st.st_ino)
         self.home_id = read_home_id(home)
         self._had_state = (home / STATE_FILE).exists()
+        self._state_missing = False
 
     def gone(self) -> str | None:
         """Why the home is no longer this process's, or None while it is."""
@@ -71,7 +72,13 @@ class HomeWatch:
         if self.home_id is not None and read_home_id(self.home) != self.home_id:
             return f"the home {self.home} has another home_id now"
         if self._had_state and not (self.home / STATE_FILE).exists():
-            return f"the state file of {self.home} was deleted"
+            # Twice in a row: `corral daemon restore` moves the old file aside a moment
+            # before it writes the new one.
+            if self._state_missing:
+                return f"the state file of {self.home} was deleted"
+            self._state_missing = True
+            return None
+        self._state_missing = False
         return None
 
 
