@@ -1,0 +1,98 @@
+"""corral's LoadBalancer alone in a process, in front of LLM engines, for bench/llm_routing.py.
+
+Why a process of its own: the benchmark charges the router's CPU (psutil cpu_times of this
+process) per request, as it does nginx's and the Rust routers', so the balancer must be the only
+thing in it. Why the engine refresh: a real balancer worker reads every engine's ``/metrics``
+each ``corral.dataplane.engines.INTERVAL`` and hands their queues to the policy
+(``prefix_affinity`` weighs them), so a benchmark without it would measure a policy that never
+runs like that; this loop does the same call, :func:`corral.dataplane.engines.refresh`.
+
+Run: ``python bench/_llm_lb.py --replica URL ... --policy P [--option KEY=JSON]
+[--max-in-flight N] [--workers W] [--port N] [--reuse-port]``; prints ``PORT <n>`` once
+listening, serves until SIGTERM/SIGINT, then prints ``STATS {json}`` (requests routed by their
+prompt, for a policy that counts them). Listens on 127.0.0.1 only; on uvloop as in production.
+With ``--reuse-port`` several of these serve one port (``--workers`` tells each how many share
+it, as ``routing["workers"]`` does in corral's data plane).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from typing import Any
+
+import uvloop
+
+from corral.balancer import LoadBalancer
+from corral.dataplane import engines
+
+METRICS_PATH = "/metrics"
+
+
+def routing_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``routing`` mapping corral's data plane builds from a service's YAML."""
+    options: dict[str, Any] = {}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    routing: dict[str, Any] = {"options": options, "workers": args.workers}
+    if args.max_in_flight is not None:
+        routing["max_in_flight_per_replica"] = args.max_in_flight
+    return routing
+
+
+async def refresh_forever(lb: LoadBalancer, ready: dict[int, str]) -> None:
+    """What a balancer worker does for a service with engine metrics: read them every INTERVAL."""
+    while True:
+        with contextlib.suppress(Exception):  # an engine slow to answer is skipped, as there
+            await engines.refresh(lb, ready, METRICS_PATH)
+        await asyncio.sleep(engines.INTERVAL)
+
+
+async def main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    lb = LoadBalancer(
+        name="llm-bench",
+        port=args.port,
+        policy=args.policy,
+        reuse_port=args.reuse_port,
+        routing=routing_of(args),
+    )
+    await lb.start()
+    ready = {i + 1: url for i, url in enumerate(args.replica)}
+    lb.set_ready(ready)
+    refresher = asyncio.create_task(refresh_forever(lb, ready))
+    print(f"PORT {lb.port}", flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    refresher.cancel()
+    policy = getattr(lb, "_policy", None)
+    stats = {"policy": repr(policy), "routed_by_prompt": getattr(policy, "routed", None)}
+    print(f"STATS {json.dumps(stats)}", flush=True)
+    await lb.stop()
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--replica", action="append", required=True, help="an engine's URL")
+    parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--option", action="append", default=[], help="policy option KEY=JSON")
+    parser.add_argument("--max-in-flight", type=int, default=None, help="per replica (a hold)")
+    parser.add_argument("--workers", type=int, default=1, help="processes sharing the port")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT")
+    uvloop.run(main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    cli()
