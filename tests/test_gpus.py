@@ -14,6 +14,7 @@ the inventory; a bad declared inventory stops the daemon at start.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -94,10 +95,12 @@ def held_claims(home: CorralHome) -> Counter[str]:
 
 
 def fill_machine(home: CorralHome, tmp_path: Path) -> None:
-    """svc-a: 2x A100:1; svc-b: L4:1 pinned to 1 CPU; svc-c: {A10G, L4}:1 (takes the L4), with
-    its own CUDA_VISIBLE_DEVICES in the spec (corral's wins); svc-e: asks for nothing."""
+    """svc-a: 2x A100:1; svc-b: L4:1 pinned to 1 CPU of its own; svc-c: {A10G, L4}:1 (takes
+    the L4), with its own CUDA_VISIBLE_DEVICES in the spec (corral's wins); svc-e: asks for
+    nothing."""
     home.run("up", "-d", str(gpu_spec(tmp_path, "svc-a", 2, "accelerators: A100:1")))
-    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-b", 1, "accelerators: L4:1\ncpus: 1")))
+    pinned = "accelerators: L4:1\ncpus: 1\ncpu_pinning: exclusive"
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-b", 1, pinned)))
     own = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     spec_c = gpu_spec(tmp_path, "svc-c", 1, "accelerators: {A10G: 1, L4: 1}", envs=own)
     home.run("up", "-d", str(spec_c))
@@ -125,13 +128,14 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     assert e["env"]["CUDA_VISIBLE_DEVICES"] == "" and e["env"]["NVIDIA_VISIBLE_DEVICES"] == "void"
     assert e["devices"] is None
     index = 2 + L4.index(visible(b)[0])
-    assert f"GPU {index} CPU {b['affinity'][0]}" in home.run("status", "svc-b").stdout
+    # DEVICES names the GPU as the replica's CUDA_VISIBLE_DEVICES does: by UUID
+    assert f"{visible(b)[0]} CPU {b['affinity'][0]}" in home.run("status", "svc-b").stdout
 
     # what holds each device: `corral daemon status` and /metrics
     info = json.loads(home.run("daemon", "status").stdout)["inventory"]
     assert [len(g["held_by"]) for g in info["gpus"]] == [1, 1, 1, 1]
     assert {g["held_by"][0]["service"] for g in info["gpus"][:2]} == {"svc-a"}
-    assert info["cpus_held"] == 1 and info["memory_held"] == 0
+    assert info["cpus_held"] == 1 and info["cpus_asked"] == 0 and info["memory_asked"] == 0
     metrics = http(
         home.api_url + "/metrics", headers={"Authorization": f"Bearer {home.token}"}
     ).body.decode()
@@ -195,6 +199,29 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     assert sorted(visible(d) + visible(a)) == sorted(A100)
     assert int(d["replica"]) == d_id
     assert held_claims(home) == Counter(A100 + L4)
+
+
+def test_shared_cpus_run_every_replica_asked_and_say_so(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`cpus: N+` (SkyPilot's VM size) on a machine with N cores: both replicas run, neither
+    pinned, and status says they share the CPUs (it was: the second PENDING for good)."""
+    cores = len(os.sched_getaffinity(0))
+    spec = gpu_spec(tmp_path, "svc-s", 2, f"cpus: {cores}+")
+    checked = corral_home.run("validate", str(spec))
+    assert f"resources.cpus: 2 replicas x {cores} CPUs asked" in " ".join(checked.stderr.split())
+    corral_home.run("up", "-d", str(spec))
+    corral_home.wait_replicas("svc-s", 2, timeout=60)
+    reports = seen(corral_home, "svc-s")
+    assert len(reports) == 2
+    for r in reports.values():
+        assert r["affinity"] == sorted(os.sched_getaffinity(0))  # not pinned
+        assert r["devices"]["cpus"] == cores and not r["devices"]["exclusive"]
+    shown = " ".join(corral_home.run("status", "svc-s").stdout.split())
+    assert f"{cores} CPUs shared ({2 * cores} CPUs asked of {cores})" in shown, shown
+    info = json.loads(corral_home.run("daemon", "status").stdout)["inventory"]
+    assert info["cpus_asked"] == 2 * cores and info["cpus_held"] == 0
+    assert info["warnings"] == [f"{2 * cores} CPUs asked of {cores}"]
 
 
 def test_sigkill_during_a_launch_keeps_its_devices(gpu_home: CorralHome, tmp_path: Path) -> None:

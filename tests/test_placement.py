@@ -19,6 +19,7 @@ from corral.infra.placement import (
     model_matches,
     never_fits,
     place,
+    share_warnings,
 )
 from corral.spec import parse_spec
 from corral.state import Store
@@ -143,15 +144,9 @@ def test_plain_model_takes_the_smaller_card_first() -> None:
             "needs 0.5 of one L4; the machine has 2 L4, both held by b replicas 3 and 4",
         ),
         (
-            {"cpus": "4"},
-            [holder("a", 1, cpus=6.0)],
-            "needs 4 CPUs; the machine has 8, 2 free (held: 6 by a replica 1)",
-        ),
-        (
-            {"memory": "48"},
-            [holder("a", 1, memory=32 * GiB)],
-            "needs 48 GiB of memory; the machine has 64 GiB, 32 GiB free "
-            "(held: 32 GiB by a replica 1)",
+            {"cpus": "4", "cpu_pinning": "exclusive"},
+            [holder("a", 1, cpus=6.0, exclusive=True), holder("b", 2, cpus=8.0)],
+            "needs 4 CPUs of its own; the machine has 8, 2 not reserved (held: 6 by a replica 1)",
         ),
     ],
 )
@@ -163,17 +158,64 @@ def test_place_waits_with_reason(
     assert outcome.reason == reason
 
 
-def test_cpus_are_pinned_to_ids_nobody_else_holds() -> None:
-    held = [holder("a", 1, cpus=2.0, cpu_ids=(0, 1))]
-    claim = place(ask_of({"cpus": 3}), MACHINE, held)
-    assert isinstance(claim, Claim) and claim.cpu_ids == (2, 3, 4)
-    fraction = place(ask_of({"cpus": 0.5}), MACHINE, held)
-    assert isinstance(fraction, Claim) and fraction.cpu_ids == () and fraction.cpus == 0.5
-    at_least = place(ask_of({"cpus": "2+"}), MACHINE, held)
-    assert isinstance(at_least, Claim) and at_least.cpus == 2
+def test_exclusive_cpus_are_pinned_to_ids_nobody_else_holds() -> None:
+    held = [holder("a", 1, cpus=2.0, cpu_ids=(0, 1), exclusive=True), holder("b", 2, cpus=8.0)]
+    exclusive = {"cpus": 3, "cpu_pinning": "exclusive"}
+    claim = place(ask_of(exclusive), MACHINE, held)
+    assert isinstance(claim, Claim) and claim.cpu_ids == (2, 3, 4) and claim.exclusive
     declared = Inventory(MACHINE.gpus, 8, GiB)  # a declared count names no real CPU
-    unpinned = place(ask_of({"cpus": 3}), declared, [])
-    assert isinstance(unpinned, Claim) and unpinned.cpu_ids == ()
+    unpinned = place(ask_of(exclusive), declared, [])
+    assert isinstance(unpinned, Claim) and unpinned.cpu_ids == () and unpinned.exclusive
+    # a claim stored before the flag existed was exclusive exactly when it was pinned
+    assert Claim.from_json({"cpus": 2, "cpu_ids": [0, 1]}).exclusive
+    assert not Claim.from_json({"cpus": 2}).exclusive
+
+
+TWO_CORES = Inventory((), 2, 8 * GiB, cpu_ids=(0, 1), source="test")
+
+
+@pytest.mark.parametrize("cpus", [2, "2+", 0.75, "16"])
+def test_shared_cpus_never_wait_nor_pin(cpus: Any) -> None:
+    """SkyPilot's `cpus: 2+` sizes a VM; on one machine replicas share its cores: four of them
+    on two cores all run, none pinned (issue: the second one stayed PENDING for good)."""
+    ask = ask_of({"cpus": cpus, "memory": "4+"})
+    assert never_fits(ask, TWO_CORES) is None
+    holders: list[Holder] = []
+    for n in range(4):
+        claim = place(ask, TWO_CORES, holders)
+        assert isinstance(claim, Claim), claim
+        assert claim.cpu_ids == () and not claim.exclusive and claim.memory == 4 * GiB
+        holders.append(Holder("svc", n, claim))
+    warned = share_warnings(ask, 4, TWO_CORES)
+    assert any(w.startswith("resources.cpus: 4 replicas x ") for w in warned), warned
+    assert any("they share them" in w and "cpu_pinning: exclusive" in w for w in warned)
+    assert any(w.startswith("resources.memory: 4 replicas x 4 GiB") for w in warned), warned
+    assert share_warnings(ask_of({"cpus": 1}), 2, TWO_CORES) == []
+
+
+def test_exclusive_cpus_wait_and_warn() -> None:
+    ask = ask_of({"cpus": 2, "cpu_pinning": "exclusive"})
+    first = place(ask, TWO_CORES, [])
+    assert isinstance(first, Claim) and first.cpu_ids == (0, 1)
+    second = place(ask, TWO_CORES, [Holder("svc", 1, first)])
+    assert isinstance(second, NoFit) and "needs 2 CPUs of its own" in second.reason
+    (warning,) = share_warnings(ask, 2, TWO_CORES)
+    assert "1 run at once, the others wait" in warning
+    too_many = never_fits(ask_of({"cpus": 3, "cpu_pinning": "exclusive"}), TWO_CORES)
+    assert too_many is not None and too_many.field == "resources.cpus"
+
+
+@pytest.mark.parametrize(
+    ("resources", "field"),
+    [
+        ({"cpu_pinning": "exclusive"}, "resources.cpu_pinning"),
+        ({"cpus": "0.5", "cpu_pinning": "exclusive"}, "resources.cpus"),
+    ],
+)
+def test_exclusive_needs_whole_cpus(resources: dict[str, Any], field: str) -> None:
+    with pytest.raises(AskError) as caught:
+        ask_of(resources)
+    assert caught.value.field == field
 
 
 @pytest.mark.parametrize(
@@ -183,7 +225,7 @@ def test_cpus_are_pinned_to_ids_nobody_else_holds() -> None:
         ({"accelerators": ["A100:3"]}, "resources.accelerators", "the machine has 2 A100"),
         ({"accelerators": ["GPU:5"]}, "resources.accelerators", "the machine has 4 GPU"),
         ({"accelerators": ["A100-40GB:1"]}, "resources.accelerators", "no A100-40GB"),
-        ({"cpus": "16"}, "resources.cpus", "needs 16 CPUs"),
+        ({"cpus": "16", "cpu_pinning": "exclusive"}, "resources.cpus", "needs 16 CPUs"),
         ({"memory": "128"}, "resources.memory", "needs 128 GiB"),
     ],
 )

@@ -15,9 +15,11 @@ What is enforced and what only accounted (docs/gpus.md says the same):
   ``NVIDIA_VISIBLE_DEVICES`` name only its devices (by UUID where known), and a replica that
   asked for none sees none while the inventory has GPUs. A process that ignores the variables
   (opens ``/dev/nvidia*`` itself) is not stopped.
-* CPUs: accounted (the asks of live replicas stay within the inventory); a whole ``cpus`` ask
-  is also pinned to that many CPUs of its own (``sched_setaffinity`` before the replica runs).
-* memory: accounted only.
+* CPUs and memory: a soft ask, a share of the machine (SkyPilot's ``cpus: 2+`` sizes a VM):
+  recorded and shown, never a reason to wait; asks beyond the machine are warned about
+  (``validate``, the DEVICES column of status, ``corral daemon status``). Only
+  ``resources.cpu_pinning: exclusive`` reserves CPUs: whole CPUs of the replica's own, pinned
+  (``sched_setaffinity`` before it runs), and it waits while they are taken.
 
 Waiting is visible: :attr:`Capacity.waiting` holds why each replica that does not fit waits
 (shown in status), and every controller is woken when a claim is freed.
@@ -43,11 +45,12 @@ from corral.infra.placement import (
     ask_of,
     never_fits,
     place,
+    share_warnings,
 )
 from corral.replicas import ReplicaStatus, is_live, replica_status, scale_down_victims
 from corral.state import HeldClaim, ReplicaRow, Store
 
-__all__ = ["Capacity", "Grant", "fit_problem", "replica_env"]
+__all__ = ["Capacity", "Grant", "fit_problem", "fit_warnings", "replica_env"]
 
 log = logging.getLogger("corral.capacity")
 
@@ -91,6 +94,15 @@ def fit_problem(resources: Mapping[str, Any], inventory: Inventory) -> str | Non
         return f"{exc}; this machine: {inventory.describe()}"
     problem = never_fits(ask, inventory)
     return None if problem is None else str(problem)
+
+
+def fit_warnings(resources: Mapping[str, Any], replicas: int, inventory: Inventory) -> list[str]:
+    """What ``replicas`` replicas of a spec get less of than they ask (shared CPUs or memory
+    beyond the machine, exclusive CPUs for fewer of them): they run, but the user should know."""
+    try:
+        return share_warnings(ask_of(resources), replicas, inventory)
+    except AskError:
+        return []  # fit_problem reports it
 
 
 class Capacity:
@@ -273,10 +285,21 @@ class Capacity:
 
     # -- views --------------------------------------------------------------------------------
 
+    def oversubscribed(self, holders: Sequence[Holder]) -> str | None:
+        """``6 CPUs asked of 2``: what live replicas ask beyond the machine in shared CPUs (they
+        share the cores; shown by status next to each such replica), or None."""
+        asked = sum(h.claim.cpus for h in holders if not h.claim.exclusive)
+        reserved = sum(h.claim.cpus for h in holders if h.claim.exclusive)
+        if asked + reserved <= self.inventory.cpus + _EPS:
+            return None
+        return f"{asked + reserved:g} CPUs asked of {self.inventory.cpus:g}"
+
     def devices(self) -> dict[int, dict[str, Any]]:
-        """Per replica id, what it holds (for status)."""
+        """Per replica id, what it holds or (shared CPUs, memory) asked, for status."""
         out = {}
-        for h in self.holders():
+        holders = self.holders()
+        over = self.oversubscribed(holders)
+        for h in holders:
             gpus = []
             for address, share in h.claim.gpus.items():
                 gpu = self.inventory.gpu(address)
@@ -293,6 +316,8 @@ class Capacity:
                 "cpus": h.claim.cpus,
                 "cpu_ids": list(h.claim.cpu_ids),
                 "memory": h.claim.memory,
+                "exclusive": h.claim.exclusive,
+                "oversubscribed": over if h.claim.cpus and not h.claim.exclusive else None,
             }
         return out
 
@@ -321,8 +346,10 @@ class Capacity:
         return {
             **self.inventory.to_json(),
             "gpus": gpus,
-            "cpus_held": sum(h.claim.cpus for h in holders),
-            "memory_held": sum(h.claim.memory for h in holders),
+            "cpus_held": sum(h.claim.cpus for h in holders if h.claim.exclusive),
+            "cpus_asked": sum(h.claim.cpus for h in holders if not h.claim.exclusive),
+            "memory_asked": sum(h.claim.memory for h in holders),
+            "warnings": [w for w in (self.oversubscribed(holders),) if w],
             "waiting": waiting,
         }
 

@@ -20,9 +20,14 @@ device that still has room first, so whole devices stay whole). Anything else (`
 refused. A set or list of options (``{L4, A100}:1``, ``[A100:1, L4:2]``) is tried in the order
 written; the first that fits now is taken.
 
-``cpus`` and ``memory`` are sums: the asks of every replica holding them stay within the
-inventory (``4+`` asks 4). A whole ``cpus`` ask on an inventory with real CPU ids also gets
-that many CPU ids no other replica is pinned to (the caller pins the replica to them).
+``cpus`` and ``memory`` are soft asks, a share of the machine: SkyPilot's ``cpus: 2+`` sizes a
+VM ("at least 2"), and on one machine replicas share its cores and memory the way processes
+do, so these asks never make a replica wait and are never pinned; what the replicas ask beyond
+the machine is a warning (:func:`share_warnings`), not a refusal. Only memory one replica asks
+beyond the whole machine is refused: it could never have it. Reserved CPUs are corral's
+explicit extension, ``resources.cpu_pinning: exclusive``: that many whole CPUs no other
+exclusive replica holds (pinned to their ids when the inventory has real ones), and the
+replica waits until they are free.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ __all__ = [
     "model_matches",
     "never_fits",
     "place",
+    "share_warnings",
 ]
 
 ANY_GPU = "GPU"
@@ -81,6 +87,7 @@ class Ask:
     options: tuple[Option, ...] = ()
     cpus: float = 0.0
     memory: int = 0
+    exclusive: bool = False  # cpus are reserved (resources.cpu_pinning: exclusive), not shared
 
     @property
     def empty(self) -> bool:
@@ -96,6 +103,7 @@ class Claim:
     memory: int = 0
     cpu_ids: tuple[int, ...] = ()
     option: str | None = None  # the option that was taken, as the spec wrote it
+    exclusive: bool = False  # ``cpus`` reserved; otherwise cpus and memory are only asked
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -104,16 +112,20 @@ class Claim:
             "memory": self.memory,
             "cpu_ids": list(self.cpu_ids),
             "option": self.option,
+            "exclusive": self.exclusive,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Claim:
+        cpu_ids = tuple(int(c) for c in data.get("cpu_ids") or ())
         return cls(
             gpus={str(k): float(v) for k, v in dict(data.get("gpus") or {}).items()},
             cpus=float(data.get("cpus") or 0.0),
             memory=int(data.get("memory") or 0),
-            cpu_ids=tuple(int(c) for c in data.get("cpu_ids") or ()),
+            cpu_ids=cpu_ids,
             option=data.get("option"),
+            # A claim stored before the flag existed was exclusive when it was pinned.
+            exclusive=bool(data.get("exclusive", bool(cpu_ids))),
         )
 
 
@@ -165,7 +177,21 @@ def ask_of(resources: Mapping[str, Any]) -> Ask:
             memory = parse_memory(str(resources["memory"]))
         except ValueError as exc:
             raise AskError("resources.memory", str(exc).partition(": ")[2]) from None
-    return Ask(tuple(options), cpus, memory)
+    return Ask(tuple(options), cpus, memory, _exclusive(resources.get("cpu_pinning"), cpus))
+
+
+def _exclusive(pinning: Any, cpus: float) -> bool:
+    """Whether ``cpus`` are reserved: only when the spec says so, and then in whole CPUs (a
+    fraction of a CPU cannot be anyone's alone)."""
+    if pinning in (None, "shared"):
+        return False
+    if pinning != "exclusive":
+        raise AskError("resources.cpu_pinning", f"expected shared or exclusive, got {pinning!r}")
+    if not cpus:
+        raise AskError("resources.cpu_pinning", "exclusive needs `cpus`: how many whole CPUs")
+    if not cpus.is_integer():
+        raise AskError("resources.cpus", f"exclusive CPUs are whole CPUs, got {cpus:g}")
+    return True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -231,22 +257,17 @@ def _choose(option: Option, gpus: Sequence[Gpu], used: Mapping[str, float]) -> d
 
 
 def place(ask: Ask, inventory: Inventory, holders: Sequence[Holder]) -> Claim | NoFit:
-    """What ``ask`` gets now, next to ``holders``, or why it must wait (naming who holds what)."""
-    cpus_used = sum(h.claim.cpus for h in holders)
-    if ask.cpus and cpus_used + ask.cpus > inventory.cpus + _EPS:
-        holding = [h for h in holders if h.claim.cpus]
+    """What ``ask`` gets now, next to ``holders``, or why it must wait (naming who holds what).
+
+    Only GPUs and exclusive CPUs can make it wait: shared ``cpus`` and ``memory`` are recorded
+    (shown in status) but hold nothing back (module docstring)."""
+    reserved = [h for h in holders if h.claim.exclusive and h.claim.cpus]
+    cpus_used = sum(h.claim.cpus for h in reserved)
+    if ask.exclusive and cpus_used + ask.cpus > inventory.cpus + _EPS:
         return NoFit(
-            f"needs {ask.cpus:g} CPUs; the machine has {inventory.cpus:g}, "
-            f"{max(0.0, inventory.cpus - cpus_used):g} free "
-            f"({_held_by(holding, lambda h: f'{h.claim.cpus:g}')})"
-        )
-    memory_used = sum(h.claim.memory for h in holders)
-    if ask.memory and memory_used + ask.memory > inventory.memory:
-        holding = [h for h in holders if h.claim.memory]
-        return NoFit(
-            f"needs {_gib(ask.memory)} of memory; the machine has {_gib(inventory.memory)}, "
-            f"{_gib(max(0, inventory.memory - memory_used))} free "
-            f"({_held_by(holding, lambda h: _gib(h.claim.memory))})"
+            f"needs {ask.cpus:g} CPUs of its own; the machine has {inventory.cpus:g}, "
+            f"{max(0.0, inventory.cpus - cpus_used):g} not reserved "
+            f"({_held_by(reserved, lambda h: f'{h.claim.cpus:g}')})"
         )
     gpus: dict[str, float] = {}
     taken: Option | None = None
@@ -265,13 +286,14 @@ def place(ask: Ask, inventory: Inventory, holders: Sequence[Holder]) -> Claim | 
         gpus=gpus,
         cpus=ask.cpus,
         memory=ask.memory,
-        cpu_ids=_pin(ask.cpus, inventory, holders),
+        cpu_ids=_pin(ask.cpus, inventory, reserved) if ask.exclusive else (),
         option=f"{taken.model}:{taken.count:g}" if taken else None,
+        exclusive=ask.exclusive,
     )
 
 
 def _pin(cpus: float, inventory: Inventory, holders: Sequence[Holder]) -> tuple[int, ...]:
-    """CPU ids for a whole ``cpus`` ask (none for fractions, or on a declared CPU count)."""
+    """CPU ids for an exclusive ``cpus`` ask (none on a declared CPU count: it names no CPU)."""
     if not cpus or not cpus.is_integer() or not inventory.cpu_ids:
         return ()
     pinned = {c for h in holders for c in h.claim.cpu_ids}
@@ -331,8 +353,8 @@ def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
     """Why ``ask`` cannot fit even on this machine with nothing running, naming the field and
     listing the inventory; None when it can."""
     listing = f"this machine: {inventory.describe()}"
-    if ask.cpus > inventory.cpus + _EPS:
-        return AskError("resources.cpus", f"needs {ask.cpus:g} CPUs; {listing}")
+    if ask.exclusive and ask.cpus > inventory.cpus + _EPS:
+        return AskError("resources.cpus", f"needs {ask.cpus:g} CPUs of its own; {listing}")
     if ask.memory > inventory.memory:
         return AskError("resources.memory", f"needs {_gib(ask.memory)}; {listing}")
     if ask.options and not any(_choose(o, inventory.gpus, {}) for o in ask.options):
@@ -340,3 +362,29 @@ def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
         why = "; ".join(_why_not(o, inventory, ()) for o in ask.options)
         return AskError("resources.accelerators", f"needs {wants}: {why}; {listing}")
     return None
+
+
+def share_warnings(ask: Ask, replicas: int, inventory: Inventory) -> list[str]:
+    """What ``replicas`` replicas asking ``ask`` will get, where it is less than they ask: shared
+    CPUs or memory asked beyond the machine (they share what there is), or exclusive CPUs for
+    fewer replicas than asked (the others wait). Warnings, shown by ``validate``: the spec runs."""
+    out = []
+    count = f"{replicas} replica{'s' if replicas != 1 else ''}"
+    if ask.cpus and ask.exclusive and replicas * ask.cpus > inventory.cpus + _EPS:
+        fit = int((inventory.cpus + _EPS) // ask.cpus)
+        out.append(
+            f"resources.cpus: {count} x {ask.cpus:g} CPUs of their own, the machine has "
+            f"{inventory.cpus:g}: {fit} run at once, the others wait for CPUs"
+        )
+    elif ask.cpus and replicas * ask.cpus > inventory.cpus + _EPS:
+        out.append(
+            f"resources.cpus: {count} x {ask.cpus:g} CPUs asked, the machine has "
+            f"{inventory.cpus:g}: they share them (a soft ask, not reserved; "
+            "`resources.cpu_pinning: exclusive` reserves whole CPUs, and then replicas wait)"
+        )
+    if ask.memory and replicas * ask.memory > inventory.memory:
+        out.append(
+            f"resources.memory: {count} x {_gib(ask.memory)} asked, the machine has "
+            f"{_gib(inventory.memory)}: they share it (a soft ask: nothing reserves or limits it)"
+        )
+    return out

@@ -2,7 +2,7 @@
 
 import math
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -15,7 +15,8 @@ _ACCEL_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.\-]*)(?::(\d+(?:\.\d+)?))?")
 
 
 class Resources(Section):
-    """What one replica needs. Only ``ports`` matters locally; the rest waits for other infra."""
+    """What one replica needs: ``ports``, and ``accelerators``/``cpus``/``memory`` placed on the
+    local machine's inventory (docs/gpus.md) or asked of Ray."""
 
     _PLACEMENT: ClassVar[tuple[str, ...]] = (
         "cloud",
@@ -47,6 +48,9 @@ class Resources(Section):
     cpus: str | None = None
     memory: str | None = None
     accelerators: list[str] = Field(default_factory=list)
+    # corral's own: ``cpus`` is a share of the machine (SkyPilot's sizing ask) unless this says
+    # ``exclusive``: whole CPUs reserved and pinned, the replica waiting until they are free.
+    cpu_pinning: Literal["shared", "exclusive"] | None = None
 
     cloud: Any = None
     region: Any = None
