@@ -961,3 +961,15 @@ def parse_error(text: str) -> SpecError:
     with pytest.raises(SpecError) as caught:
         parse_spec(text)
     return caught.value
+
+
+def test_a_colon_in_run_hints_at_a_block(tmp_path: Path) -> None:
+    """`run: echo "a: b"` is not YAML, and `run:` over an indented `echo a: b` is a mapping:
+    either way the writer meant one command, and a block (`run: |`) says so."""
+    for text in ('name: x\nrun: echo "a: b"\n', "name: x\nsetup:\n  pip install a: b\nrun: y\n"):
+        (issue,) = errors_of(tmp_path, text).issues
+        key = "run" if text.startswith("name: x\nrun") else "setup"
+        assert issue.line == 2 and issue.hint is not None, issue
+        assert f"`{key}: |`" in issue.hint, issue
+    (plain,) = errors_of(tmp_path, "name: x\nrun: y\nservice: [\n").issues
+    assert plain.hint is None

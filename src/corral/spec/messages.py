@@ -14,6 +14,7 @@ from pydantic import AliasChoices
 
 from corral.spec.errors import SpecIssue
 from corral.spec.model import ServiceSpec
+from corral.spec.reader import command_block_hint
 from corral.spec.resources import Resources
 from corral.spec.section import Section
 from corral.spec.service import (
@@ -150,6 +151,8 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
     if kind in plain:
         if "[key]" in loc:
             return f"names here must be text, got {show(got)}"
+        if loc in (("run",), ("setup",)) and isinstance(got, dict):
+            return f"{plain[kind]}, got {show(got)}; {command_block_hint(str(loc[0]))}"
         return f"{plain[kind]}, got {show(got)}"
     if kind == "invalid_key":
         return f"field names must be text, got {show(loc[-1])}"
@@ -166,7 +169,7 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
 
 
 # The parts of a message that say what to do, shown as the issue's hint.
-_HINT_MARKERS = ("; did you mean ", ": it belongs under ")
+_HINT_MARKERS = ("; did you mean ", ": it belongs under ", "; write the command as a block")
 
 
 def make_issue(loc: str, message: str, line: int | None) -> SpecIssue:

@@ -198,7 +198,9 @@ def read_yaml(text: str, source: str) -> tuple[Any, Node, list[SpecIssue]]:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         what = " ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
-        raise fail(f"not valid YAML: {what}", None if mark is None else mark.line + 1) from None
+        line = None if mark is None else mark.line + 1
+        issue = SpecIssue("", f"not valid YAML: {what}", line, _command_hint(text, line))
+        raise SpecError([issue], source) from None
     except ReaderError as exc:
         line = text.count("\n", 0, max(exc.position, 0)) + 1
         raise fail(f"not valid YAML: character {exc.character!r} is not allowed", line) from None
@@ -222,3 +224,21 @@ def read_yaml(text: str, source: str) -> tuple[Any, Node, list[SpecIssue]]:
         if loader is not None:
             loader.dispose()
     return data, root, issues
+
+
+def command_block_hint(key: str) -> str:
+    """`run: echo "a: b"`: YAML reads the `: ` inside a command as a mapping (or refuses the
+    line). The command is meant as text, and a block says so whatever it holds."""
+    return (
+        f"write the command as a block: `{key}: |` and the command on the next line, indented "
+        "(YAML reads `a: b` in a command as a mapping)"
+    )
+
+
+def _command_hint(text: str, line: int | None) -> str | None:
+    """A top-level `run:`/`setup:` line YAML refused: most often a `: ` inside the command."""
+    lines = text.splitlines()
+    if line is None or not 0 < line <= len(lines):
+        return None
+    key = lines[line - 1].split(":", 1)[0]
+    return command_block_hint(key) if key in ("run", "setup") else None
