@@ -22,6 +22,7 @@ import pytest
 from conftest import CorralHome, LineReader, get_json, spec_text, write_spec
 
 from corral import __version__
+from corral.state import Store
 
 
 def _ids(home: CorralHome, name: str) -> list[int]:
@@ -35,11 +36,16 @@ def test_version_and_no_daemon(corral_home: CorralHome) -> None:
     # --json is always JSON; without a daemon no service is known.
     result = corral_home.run("status", "--json")
     assert json.loads(result.stdout) == {"services": []}
+    # A home with services whose daemon is not running (a home with none: no services, see
+    # test_cli_first_hour.py).
+    corral_home.path.mkdir(parents=True, exist_ok=True)
+    Store(corral_home.path / "state.db").create_service(
+        "kept", "run: x", source=None, base_dir=None, lb_port=None
+    )
     human = corral_home.run("status", check=False)
     assert human.returncode == 1
     assert "corral daemon start" in human.stderr and "Traceback" not in human.stderr
     # A daemon that died without cleaning up: its daemon.json names a port nobody serves.
-    corral_home.path.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -57,6 +63,8 @@ def test_version_and_no_daemon(corral_home: CorralHome) -> None:
     assert json.loads(corral_home.run("status", "--json").stdout) == {"services": []}
     info.unlink()  # no daemon to stop at teardown
     corral_home.daemon_pids.discard(dead.pid)
+    for db in corral_home.path.glob("state.db*"):
+        db.unlink()  # nor a service to take down
 
 
 def test_unusable_home_is_one_line_and_exit_78(corral_home: CorralHome, tmp_path: Path) -> None:
@@ -291,7 +299,9 @@ def _drain(reader: LineReader) -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("verb", [("down", "nothing-here"), ("logs", "nothing-here", "1")])
+@pytest.mark.parametrize(
+    "verb", [("update", "nothing-here", "--to-version", "1"), ("logs", "nothing-here", "1")]
+)
 def test_verbs_without_daemon_say_how_to_start_one(
     corral_home: CorralHome, verb: tuple[str, ...]
 ) -> None:

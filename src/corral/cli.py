@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import fnmatch
-import json
+# First: Ctrl-C during the imports below ends corral with one line (see cli_start).
+from corral import cli_start  # noqa: F401  (installs the handler)
+
+# isort: split
 import os
 import sys
 from collections.abc import Callable
@@ -11,23 +13,27 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
-from corral import __version__, cliview
-from corral.cli_common import client_error_text, client_of, err, fail, home_of, out
+from corral import __version__
+from corral.cli_common import (
+    CorralGroup,
+    client_error_text,
+    client_of,
+    fail,
+    home_of,
+    interrupted,
+    out,
+)
 from corral.cli_daemon import daemon
 from corral.cli_doctor import doctor
 from corral.cli_spec import check_deployable, load_or_exit, validate
-from corral.cli_wait import interrupted, keeps_running, wait_down, wait_ready, wait_rollout
-from corral.client import Client, ClientError, DaemonUnreachable
+from corral.cli_status import matching, serviceless, status
+from corral.client import Client, ClientError
 from corral.envflags import given_values, values_options
 from corral.home import EXIT_BAD_HOME, default_home, home_problem
-from corral.spec import (
-    generated_name,
-)
 
-# Tables are laid out this wide at most, whatever the terminal (rows are never cut).
-WIDE = 400
+# What `down -a` says when there is nothing to take down (`sky serve down -a` says the same).
+NO_SERVICES = "No existing services."
 # Commands that never touch the home (doctor looks at every home of the machine).
 HOMELESS = {"validate", "doctor"}
 
@@ -41,7 +47,7 @@ def _yes_option(what: str) -> Callable[[Any], Any]:
     return click.option("-y", "--yes", is_flag=True, help=f"Do not ask before {what}.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=CorralGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="corral")
 @click.option(
     "--home",
@@ -63,6 +69,7 @@ def main(ctx: click.Context, home: Path | None) -> None:
 
 main.add_command(daemon)
 main.add_command(doctor)
+main.add_command(status)
 main.add_command(validate)
 
 
@@ -99,33 +106,9 @@ def up(
             "while the daemon was starting: it may keep starting in the "
             "background (`corral daemon status`); no service was created"
         )
-    generated = name is None and not spec.name
-    for _attempt in range(5):
-        if generated:
-            name = generated_name()
-            out.print(f"service name: [bold]{name}[/bold] (generated; pass -n NAME to choose)")
-        try:
-            service = client.create(
-                file.read_text(),
-                name=name,
-                source=str(file.resolve()),
-                base_dir=os.getcwd(),
-                envs=envs,
-                secrets=secrets,
-            )
-            break
-        except ClientError as exc:
-            if not (generated and exc.status == 409):
-                _fail(_client_error_text(exc))
-                return
-        except KeyboardInterrupt:
-            interrupted(
-                f"before the daemon answered: `corral status {name or spec.name}` "
-                "shows whether the service was created"
-            )
-    else:
-        _fail("five generated names were all taken; pass -n NAME")
-        return
+    service = _create(client, file, spec.name, name, envs, secrets)
+    from corral.cli_wait import keeps_running, wait_ready
+
     svc_name = service["name"]
     try:  # from here on a Ctrl-C says what keeps running, even between these lines
         out.print(f"service [bold]{svc_name}[/bold] accepted; endpoint {service['endpoint']}")
@@ -134,6 +117,42 @@ def up(
         wait_ready(client, svc_name, timeout)
     except KeyboardInterrupt:
         interrupted(keeps_running(client, svc_name, "its replicas keep starting"))
+
+
+def _create(
+    client: Client,
+    file: Path,
+    spec_name: str | None,
+    name: str | None,
+    envs: dict[str, str],
+    secrets: dict[str, str],
+) -> dict[str, Any]:
+    """Send the spec; without a name, under a generated one (another, if that one is taken)."""
+    generated = name is None and not spec_name
+    for _attempt in range(5):
+        if generated:
+            from corral.spec import generated_name
+
+            name = generated_name()
+            out.print(f"service name: [bold]{name}[/bold] (generated; pass -n NAME to choose)")
+        try:
+            return client.create(
+                file.read_text(),
+                name=name,
+                source=str(file.resolve()),
+                base_dir=os.getcwd(),
+                envs=envs,
+                secrets=secrets,
+            )
+        except ClientError as exc:
+            if not (generated and exc.status == 409):
+                _fail(_client_error_text(exc) + _update_hint(exc, name or spec_name, file))
+        except KeyboardInterrupt:
+            interrupted(
+                f"before the daemon answered: `corral status {name or spec_name}` "
+                "shows whether the service was created"
+            )
+    _fail("five generated names were all taken; pass -n NAME")
 
 
 @main.command()
@@ -198,6 +217,8 @@ def update(
             f"before the daemon answered: `corral status {name}` shows whether "
             "the new version was stored"
         )
+    from corral.cli_wait import keeps_running, wait_rollout
+
     version = service["version"]
     try:  # from here on a Ctrl-C says what keeps running, even between these lines
         out.print(f"service [bold]{name}[/bold]: version {version} accepted ({mode})")
@@ -209,86 +230,6 @@ def update(
             keeps_running(client, name, f"the rollout of version {version} goes on")
             + f" `corral update {name} --to-version N` rolls back."
         )
-
-
-def _matching(client: Client, patterns: tuple[str, ...]) -> list[dict[str, Any]]:
-    """The services named by ``patterns``: names, or globs as SkyServe takes them
-    (`'svc-*'`). A plain name that does not exist is an error; so is a glob matching none."""
-    services = client.services()
-    chosen: dict[str, dict[str, Any]] = {}
-    for pattern in patterns:
-        if not any(c in pattern for c in "*?["):
-            match = [s for s in services if s["name"] == pattern]
-            if not match:
-                match = [client.service(pattern)]  # the daemon's 404 (or 400) says why
-        else:
-            match = [s for s in services if fnmatch.fnmatchcase(s["name"], pattern)]
-            if not match:
-                _fail(f"no service matches {pattern!r} (see `corral status`)")
-        for s in match:
-            chosen.setdefault(s["name"], s)
-    return list(chosen.values())
-
-
-@main.command()
-@click.argument("names", nargs=-1)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable).")
-@click.option("--endpoint", is_flag=True, help="Print only the service's endpoint.")
-@click.option("-v", "--verbose", is_flag=True, help="Every replica, with why it failed.")
-@click.pass_context
-def status(
-    ctx: click.Context, names: tuple[str, ...], as_json: bool, endpoint: bool, verbose: bool
-) -> None:
-    """Show services, their endpoints and replicas (NAMES may be globs)."""
-    client = _client(ctx, start=False)
-    try:
-        services = _matching(client, names) if names else client.services()
-    except DaemonUnreachable as exc:
-        if as_json:
-            # Nothing answers, so no service is known to be running (the balancers may
-            # still serve: `corral daemon start` brings them under control again).
-            click.echo(json.dumps({"services": []}, indent=2))
-            err.print(f"note: {exc}", soft_wrap=True, markup=False)
-            return
-        _fail(str(exc))
-    except ClientError as exc:
-        if as_json:
-            click.echo(json.dumps({"services": [], "error": str(exc)}, indent=2))
-            sys.exit(1)
-        _fail(_client_error_text(exc))
-    if as_json:
-        click.echo(json.dumps({"services": services}, indent=2, default=str))
-        return
-    if endpoint:
-        _print_endpoint(services, names)
-        return
-    if not services:
-        out.print("no services")
-        return
-    # As wide as the rows need (a narrow terminal wraps them): nothing is cut or dropped.
-    wide = Console(highlight=False, width=max(out.width, WIDE))
-    wide.print(cliview.services_table(services), crop=False)
-    table, folded = cliview.replicas_table(services, verbose)
-    wide.print()
-    wide.print(table, crop=False)
-    for line in folded:
-        out.print(line, soft_wrap=True)
-    for s in services:
-        for style, text in cliview.service_notes(s):
-            out.print(text, style=style or None, soft_wrap=True, markup=False)
-
-
-def _print_endpoint(services: list[dict[str, Any]], names: tuple[str, ...]) -> None:
-    """`status --endpoint`: the endpoint alone, for scripts (`curl $(corral status --endpoint
-    svc)/...`); one service, as SkyServe wants it."""
-    if len(services) != 1:
-        count = "no" if not services else str(len(services))
-        verb = "match" if names else "exist"
-        _fail(f"{count} services {verb}; name one: `corral status NAME --endpoint`")
-    service = services[0]
-    if not service.get("endpoint"):
-        _fail(f"service {service['name']} has no endpoint yet (status {service['status']})")
-    click.echo(service["endpoint"])
 
 
 @main.command()
@@ -385,20 +326,29 @@ def down(
 
     NAMES may be globs ('svc-*'). With --replica-id, only that replica goes, and the service
     replaces it (SkyServe's semantics)."""
-    if bool(names) == all_:
-        _fail("name the services to take down (globs allowed), or --all; not both")
+    if not names and not all_:
+        _fail("name the services to take down (globs allowed), or -a/--all for every one")
+    if names and all_:
+        _fail("name services or give -a/--all, not both")
     if replica_id is not None and (all_ or len(names) != 1):
         _fail("--replica-id takes exactly one service name (and no --all)")
     client = _client(ctx, start=False)
     if replica_id is not None:
         _down_replica(client, names[0], replica_id, purge=purge, yes=yes)
         return
+    if serviceless(client):
+        if all_:
+            out.print(NO_SERVICES)  # as `sky serve down -a`, and no daemon started for it
+            return
+        _fail(f"no service matches {' '.join(names)}: {_home(ctx)} has no services")
+    if not client.answered:  # the home holds services: a daemon takes them down
+        client = _client(ctx, start=True)
     try:
-        targets = [s["name"] for s in (client.services() if all_ else _matching(client, names))]
+        targets = [s["name"] for s in (client.services() if all_ else matching(client, names))]
     except ClientError as exc:
         _fail(_client_error_text(exc))
     if not targets:
-        out.print("no services")
+        out.print(NO_SERVICES)
         return
     _confirm(yes, f"Tear down {'all services: ' if all_ else ''}{', '.join(targets)}?")
     try:
@@ -408,6 +358,8 @@ def down(
     except ClientError as exc:
         _fail(_client_error_text(exc))
     if wait:
+        from corral.cli_wait import wait_down
+
         try:
             wait_down(client, targets, purge=purge, timeout=timeout)
         except KeyboardInterrupt:
@@ -415,6 +367,13 @@ def down(
                 f"{', '.join(targets)} keep shutting down in the daemon; `corral status` shows "
                 "what is left"
             )
+
+
+def _update_hint(exc: ClientError, name: str | None, file: Path) -> str:
+    """`up` of a name that exists: SkyServe's way to change a running service is `update`."""
+    if exc.status != 409 or not name:
+        return ""
+    return f"; to roll out {file} as its next version: `corral update {name} {file}`"
 
 
 def _confirm(yes: bool, question: str) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -69,6 +69,8 @@ def daemon_run(
         )
     if gpus is not None:
         os.environ["CORRAL_GPUS"] = gpus  # read with the rest of the inventory at start
+    import asyncio  # the daemon's own imports: not paid by every other command
+
     from corral.bootstrap import (  # heavy: imported only here
         DaemonError,
         DaemonRunning,
@@ -188,13 +190,49 @@ def _stop_orphan_workers(home: Path) -> None:
 
 
 @daemon.command("status")
+@click.option("--json", "as_json", is_flag=True, help="The API's whole document (stable).")
 @click.pass_context
-def daemon_status(ctx: click.Context) -> None:
-    """Show whether the daemon runs, and its pid and jobs."""
+def daemon_status(ctx: click.Context, as_json: bool) -> None:
+    """Show whether the daemon runs: its pid, jobs, balancer workers and inventory."""
     client = Client(home_of(ctx))
     if not client.health():
         if isinstance(client.last_error, UntrustedDaemon):
             fail(str(client.last_error))
         out.print(f"no daemon running on {home_of(ctx)}")
         sys.exit(1)
-    click.echo(json.dumps(client.request("GET", "/v1/daemon"), indent=2))
+    info = client.request("GET", "/v1/daemon")
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for label, text in daemon_rows(info, time.time()):
+        click.echo(f"{label:<18}{text}")
+
+
+def daemon_rows(info: dict[str, Any], now: float) -> list[tuple[str, str]]:
+    """`corral daemon status` for a person: one labelled line per part (``--json`` has all)."""
+    from corral.cliview import age
+
+    started = info.get("started_at")
+    up = f", up {age(now - float(started))}" if started else ""
+    rows = [("daemon", f"pid {info.get('pid')}{up}, serving {info.get('home')}")]
+    rows.append(("services", str(info.get("services", "?"))))
+    jobs = info.get("jobs") or {}
+    rows.append(("jobs", ", ".join(f"{k} {v}" for k, v in jobs.items()) or "none"))
+    for w in info.get("balancer_workers") or ():
+        link = "connected" if w.get("connected") else "not connected"
+        state = w.get("state") if w.get("alive") else "gone"
+        text = f"slot {w.get('slot')}: pid {w.get('pid')} {state}, {link}"
+        rows.append(("balancer workers" if len(rows) == 3 else "", text))
+    confinement = info.get("confinement") or {}
+    if confinement:
+        rows.append(("confinement", str(confinement.get("detail", ""))))
+    inventory = info.get("inventory") or {}
+    if inventory:
+        gpus = len(inventory.get("gpus") or ())
+        memory = float(inventory.get("memory") or 0) / 1024**3
+        rows.append(("inventory", str(inventory.get("source", ""))))
+        rows.append(("", f"{inventory.get('cpus')} CPUs, {memory:.3g} GiB, {gpus} GPUs"))
+    files = info.get("open_files") or {}
+    if files:
+        rows.append(("open files", f"{files.get('in_use')} of {files.get('limit')}"))
+    return rows

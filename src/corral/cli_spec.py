@@ -2,7 +2,9 @@
 and `update` make before anything is sent to the daemon.
 
 Kept apart from :mod:`corral.cli` so the verbs that talk to the daemon and the checks that
-need no daemon (``validate`` never touches the home) can be read alone.
+need no daemon (``validate`` never touches the home) can be read alone. The spec layer
+(pydantic, YAML: 0.15 s of imports on an idle machine, more on a busy one) is imported inside
+the functions that read a spec, so `corral status` and the other verbs never pay for it.
 """
 
 from __future__ import annotations
@@ -11,20 +13,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from corral.cli_common import err, fail, out
-from corral.deploy import check
-from corral.infra.local_rules import local_mount_issues, local_port_problem
-from corral.spec import (
-    ServiceSpec,
-    SpecError,
-    SpecIssue,
-    load_spec,
-    path_issues,
-)
+
+if TYPE_CHECKING:
+    from corral.spec import ServiceSpec, SpecIssue
 
 
 @click.command()
@@ -42,10 +38,16 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
 
     No name is needed (`up` makes one up). Relative paths are taken from the current
     directory, as `up` takes them."""
+    from corral.spec import SpecError, load_spec
+
     spec = None
+    notes: list[str] = []
+    used = None  # the inventory the resources were checked against (this shell's)
     try:
         spec = load_spec(file, name=name)
         issues = deploy_issues(spec)
+        fit, notes, used = placement_here(spec)
+        issues += fit
     except SpecError as exc:
         issues = exc.issues
     source = str(file)
@@ -53,16 +55,19 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         document = {
             "valid": not issues,
             "spec": spec.summary() if spec is not None else None,
-            "warnings": list(spec.warnings) if spec is not None else [],
+            "warnings": (list(spec.warnings) if spec is not None else []) + notes,
             "errors": [issue.as_json() for issue in issues],
+            "inventory": used,
         }
         click.echo(json.dumps(document, indent=2, default=str))
         if issues:
             sys.exit(1)
         return
     if spec is not None:
-        for warning in spec.warnings:
+        for warning in [*spec.warnings, *notes]:
             err.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
+    if used:
+        err.print(f"resources checked against {used}", soft_wrap=True, markup=False)
     if issues:
         err.print(str(SpecError(issues, source)), soft_wrap=True, markup=False)
         err.print(f"[red]{file}: {len(issues)} problem(s)[/red]")
@@ -75,13 +80,13 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
 
 def deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
     """What stops a parsed spec from being deployed from here: its paths, and this backend."""
+    from corral.infra.local_rules import local_mount_issues, local_port_problem
+    from corral.spec import SpecIssue, path_issues
+
     issues = path_issues(spec, os.getcwd()) + local_mount_issues(spec, os.getcwd())
     problem = local_port_problem(spec) if spec.infra == "local" else None
     if problem:
         issues.append(SpecIssue("run", problem, spec.line_of("run")))
-    fit = fit_problem_here(spec) if spec.infra == "local" else None
-    if fit:
-        issues.append(SpecIssue("resources", fit, spec.line_of("resources")))
     return issues
 
 
@@ -89,6 +94,9 @@ def check_deployable(
     file: Path, spec: ServiceSpec, envs: dict[str, str], secrets: dict[str, str]
 ) -> None:
     """Every problem of the spec with these values, before anything is sent."""
+    from corral.deploy import check
+    from corral.spec import SpecError
+
     issues = deploy_issues(spec)
     try:
         check(spec, source=str(file), base_dir=os.getcwd(), envs=envs, secrets=secrets)
@@ -99,20 +107,35 @@ def check_deployable(
         sys.exit(1)
 
 
-def fit_problem_here(spec: Any) -> str | None:
-    """Whether the spec's resources can ever fit on this machine, read the way the daemon
-    reads it (NVML, CORRAL_INVENTORY, CORRAL_GPUS): no daemon needed."""
-    from corral.capacity import fit_problem  # psutil, pynvml: only when validating
+def placement_here(spec: ServiceSpec) -> tuple[list[SpecIssue], list[str], str | None]:
+    """``validate`` only: whether the spec's resources can ever fit on the machine as this shell
+    reads it (NVML, CORRAL_INVENTORY, CORRAL_GPUS), what its replicas would get less of than they
+    ask, and which inventory that was. ``up`` and ``update`` leave placement to the daemon: its
+    inventory, not this shell's, is the one that counts, and it refuses what never fits (400)."""
+    from corral.capacity import fit_problem, fit_warnings  # psutil, pynvml: only here
     from corral.infra.inventory import InventoryError, load_inventory
+    from corral.spec import SpecIssue
 
+    if spec.infra != "local":
+        return [], [], None
+    line = spec.line_of("resources")
     try:
         inventory = load_inventory()
     except InventoryError as exc:
-        return f"the machine's inventory cannot be read: {exc}"
-    return fit_problem(spec.resources.model_dump(exclude_none=True), inventory)
+        why = f"the machine's inventory cannot be read: {exc}"
+        return [SpecIssue("resources", why, line)], [], None
+    resources = spec.resources.model_dump(exclude_none=True)
+    used = f"this shell's inventory, {inventory.source} (a daemon uses its own)"
+    problem = fit_problem(resources, inventory)
+    if problem:
+        return [SpecIssue("resources", problem, line)], [], used
+    replicas = spec.service.replica_policy.max_replicas
+    return [], fit_warnings(resources, replicas, inventory), used
 
 
 def load_or_exit(file: Path, name: str | None, *, need_name: bool = True) -> ServiceSpec:
+    from corral.spec import SpecError, load_spec
+
     try:
         spec = load_spec(file, name=name)
     except SpecError as exc:

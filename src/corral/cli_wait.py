@@ -4,29 +4,21 @@ time elapsed, and what Ctrl-C leaves running."""
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 from corral import cliview
-from corral.cli_common import client_error_text, err, fail, out
+from corral.cli_common import client_error_text, fail, out
 from corral.client import Client, ClientError
 
 FAILED_SERVICE = {"FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"}
 LIVE = {"PENDING", "PROVISIONING", "STARTING", "READY", "NOT_READY"}
-# Exit code of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.
-EXIT_INTERRUPTED = 130
 # While waiting, a line saying what is awaited at least this often (seconds) when nothing changes.
 PROGRESS_EVERY = 15.0
 
 _fail = fail
 _client_error_text = client_error_text
-
-
-def interrupted(message: str) -> NoReturn:
-    err.print(f"\n[yellow]interrupted:[/yellow] {message}", markup=True, soft_wrap=True)
-    sys.exit(EXIT_INTERRUPTED)
 
 
 def keeps_running(client: Client, name: str, what: str) -> str:

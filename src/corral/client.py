@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-import psutil
-
 from corral.apiconn import (
     ENV_API_CA,
     ENV_API_TOKEN,
@@ -78,6 +76,8 @@ class Client:
         self.last_error: ClientError | None = None
         # The endpoint and token that proved to be this home's daemon (see _prove).
         self._trusted: tuple[Endpoint, str] | None = None
+        # Whether the daemon answered when the CLI first asked (None: not asked yet).
+        self.answered: bool | None = None
 
     def _connection(
         self, timeout: float | None
@@ -134,6 +134,8 @@ class Client:
         self._trusted = (ep, token)
 
     def _impostor(self, ep: Endpoint, why: str) -> UntrustedDaemon:
+        import psutil  # only here: every CLI command imports this module
+
         info = read_info(self.home) or {}
         pid = info.get("pid")
         alive = isinstance(pid, int) and psutil.pid_exists(pid)

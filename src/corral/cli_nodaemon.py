@@ -1,0 +1,113 @@
+"""What the CLI does when no daemon answers, before it tells anyone to start one.
+
+Two cases are not the user's to fix:
+
+* The daemon crashed (SIGKILL, OOM) and the balancer workers are about to start it again (they
+  do ~1 s + 0.5 s per slot after losing it, unless it stopped on purpose, see
+  corral.dataplane.worker): telling the user to run `corral daemon start` would race that
+  restart. Live workers hold their slot locks and an on-purpose stop leaves ``daemon.stopped``,
+  so the CLI can tell, and waits a few seconds for the new daemon instead.
+* The home has no services at all (or was never used): as with `sky serve status`, that is
+  "no services", not an error, and no daemon is started only to say so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from corral.client import Client
+
+# How long a command waits for the workers to bring a crashed daemon back (seconds). Workers
+# respawn after ~1 s + 0.5 s per slot; a daemon answers well under a second after it starts.
+RESPAWN_WAIT = 5.0
+RESPAWN_NOTE = "the daemon stopped unexpectedly; corral is restarting it..."
+
+
+def _holders(locks: list[Path]) -> set[int] | None:
+    """The pids holding a flock on any of ``locks``, from /proc/locks (None: not readable,
+    not Linux). A pid that waits for a lock (``->``) holds none."""
+    inodes = set()
+    for lock in locks:
+        try:
+            inodes.add(lock.stat().st_ino)
+        except OSError:
+            continue
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    pids = set()
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK":
+            with contextlib.suppress(ValueError):
+                if int(fields[5].rsplit(":", 1)[-1]) in inodes:
+                    pids.add(int(fields[4]))
+    return pids
+
+
+def _respawns(pid: int) -> bool:
+    """Whether the balancer worker ``pid`` starts a crashed daemon again: not when it was
+    started with CORRAL_DAEMON_RESPAWN=0 (as its daemon was: the worker inherits its env)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return True  # cannot tell: the wait is short, and a new daemon ends it
+    return b"CORRAL_DAEMON_RESPAWN=0" not in environ
+
+
+def respawn_expected(home: Path) -> bool:
+    """The balancer workers of ``home`` will start its daemon again: one of them runs (it
+    holds its slot's lock), may respawn the daemon, and the daemon did not stop on purpose
+    (no ``daemon.stopped``)."""
+    from corral.dataplane.protocol import STOPPED_MARKER
+
+    if (home / STOPPED_MARKER).exists():
+        return False
+    holders = _holders(sorted((home / "dataplane").glob("slot-*.lock")))
+    # No /proc/locks (not Linux): no telling, so no waiting (the message says what to do).
+    return any(_respawns(pid) for pid in holders or ())
+
+
+def await_respawn(client: Client, say: Callable[[str], None], wait: float = RESPAWN_WAIT) -> bool:
+    """Whether the home's daemon answers, after waiting up to ``wait`` s for the workers to
+    restart it when it crashed (``say`` tells the user). A remote API ($CORRAL_API_URL) has
+    no workers here: it is asked once."""
+    from corral.client import ENV_API_URL
+
+    if client.health():
+        return True
+    if os.environ.get(ENV_API_URL) or not respawn_expected(client.home):
+        return False
+    say(RESPAWN_NOTE)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if client.health():
+            return True
+    return False
+
+
+def home_services(home: Path) -> list[str] | None:
+    """The names of the services ``home``'s state file holds (read only, without a daemon);
+    [] for a home never used; None when the file cannot be read (then assume some)."""
+    import sqlite3
+
+    path = home / "state.db"
+    if not path.exists():
+        return []
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = db.execute("SELECT name FROM services ORDER BY name").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+    return [str(name) for (name,) in rows]
