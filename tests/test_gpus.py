@@ -132,7 +132,7 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     assert f"{visible(b)[0]} CPU {b['affinity'][0]}" in home.run("status", "svc-b").stdout
 
     # what holds each device: `corral daemon status` and /metrics
-    info = json.loads(home.run("daemon", "status").stdout)["inventory"]
+    info = home.api("GET", "/v1/daemon").json()["inventory"]
     assert [len(g["held_by"]) for g in info["gpus"]] == [1, 1, 1, 1]
     assert {g["held_by"][0]["service"] for g in info["gpus"][:2]} == {"svc-a"}
     assert info["cpus_held"] == 1 and info["cpus_asked"] == 0 and info["memory_asked"] == 0
@@ -164,7 +164,7 @@ def test_full_machine_waits_then_starts_and_survives_sigkill(
     assert pending["status"] == "PENDING" and pending["devices"] is None
     assert reason in " ".join(home.run("status").stdout.split())
     d_id = pending["id"]
-    info = json.loads(home.run("daemon", "status").stdout)["inventory"]
+    info = home.api("GET", "/v1/daemon").json()["inventory"]
     assert info["waiting"] == [{"service": "svc-d", "replica": d_id, "reason": reason}]
 
     def wait_events() -> list[dict[str, Any]]:
@@ -219,9 +219,57 @@ def test_shared_cpus_run_every_replica_asked_and_say_so(
         assert r["devices"]["cpus"] == cores and not r["devices"]["exclusive"]
     shown = " ".join(corral_home.run("status", "svc-s").stdout.split())
     assert f"{cores} CPUs shared ({2 * cores} CPUs asked of {cores})" in shown, shown
-    info = json.loads(corral_home.run("daemon", "status").stdout)["inventory"]
+    info = corral_home.api("GET", "/v1/daemon").json()["inventory"]
     assert info["cpus_asked"] == 2 * cores and info["cpus_held"] == 0
     assert info["warnings"] == [f"{2 * cores} CPUs asked of {cores}"]
+
+
+def test_up_and_update_leave_placement_to_the_daemon(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """The daemon runs on a declared inventory (one H100); `up` and `update` come from a shell
+    without CORRAL_INVENTORY (and without a GPU). The daemon's inventory is the one that counts:
+    what fits there is placed, what never fits is refused by the daemon (its 400 shown), never
+    by the client reading its own shell ("the machine has no H100 ... NVML unavailable")."""
+    home = corral_home
+    path = tmp_path / "inventory.yaml"
+    path.write_text("gpus:\n  - {name: NVIDIA H100 80GB HBM3, uuid: GPU-h100}\n")
+    home.start_daemon(env={**home.env, "CORRAL_INVENTORY": str(path)})
+    assert "CORRAL_INVENTORY" not in home.env
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-h", 1, "accelerators: H100:1")))
+    home.wait_replicas("svc-h", 1, timeout=60)
+    (report,) = seen(home, "svc-h").values()
+    assert visible(report) == ["GPU-h100"]
+    home.run(
+        "update",
+        "-d",
+        "svc-h",
+        str(gpu_spec(tmp_path, "svc-h", 1, "accelerators: H100:1", version="2")),
+    )
+    assert home.service("svc-h")["version"] == 2
+
+    too_many = gpu_spec(tmp_path, "svc-2", 1, "accelerators: H100:2")
+    for args in (("up", "-d", str(too_many)), ("update", "-d", "svc-h", str(too_many))):
+        refused = home.run(*args, check=False)
+        said = " ".join((refused.stdout + refused.stderr).split())
+        assert refused.returncode != 0, said
+        assert "resources.accelerators" in said and "the machine has 1 H100" in said, said
+        assert "NVML" not in said and "Traceback" not in said, said
+    assert home.service("svc-2") is None
+
+
+def test_gpus_none_hides_every_gpu_from_replicas(corral_home: CorralHome, tmp_path: Path) -> None:
+    """`corral daemon run --gpus none` on a machine with GPUs: a replica sees none of them."""
+    home = corral_home
+    path = tmp_path / "inventory.yaml"
+    path.write_text(INVENTORY)
+    env = {**home.env, "CORRAL_INVENTORY": str(path)}
+    home.start_daemon(argv=home.cli("daemon", "run", "--gpus", "none"), env=env)
+    home.run("up", "-d", str(gpu_spec(tmp_path, "svc-n", 1, "")))
+    home.wait_replicas("svc-n", 1, timeout=60)
+    (report,) = seen(home, "svc-n").values()
+    assert report["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert report["env"]["NVIDIA_VISIBLE_DEVICES"] == "void"
 
 
 def test_sigkill_during_a_launch_keeps_its_devices(gpu_home: CorralHome, tmp_path: Path) -> None:
@@ -390,8 +438,8 @@ def test_asks_that_can_never_fit_are_refused(
     text = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 1, text
     assert "resources.accelerators" in text and why in text
-    assert "0: NVIDIA A100-SXM4-80GB, 80 GiB; 1: NVIDIA A100-SXM4-80GB" in text
-    assert "3: NVIDIA L4, 24 GiB" in text
+    if "whole number" not in why:  # a malformed count needs no inventory
+        assert "its GPUs: 2x NVIDIA A100-SXM4-80GB 80 GiB, 2x NVIDIA L4 24 GiB" in text
     assert gpu_home.daemon_info() is None  # validate reads the inventory itself
 
     # the daemon refuses it too (the API is the trust boundary), naming the same field
@@ -401,7 +449,8 @@ def test_asks_that_can_never_fit_are_refused(
     )
     assert answer.status == 400, answer.body
     message = answer.json()["error"]
-    assert "resources.accelerators" in message and why in message and "NVIDIA L4" in message
+    assert "resources.accelerators" in message and why in message
+    assert "whole number" in why or "2x NVIDIA L4 24 GiB (inventory from" in message
     answer = gpu_home.api(
         "POST", "/v1/services/good/versions", body={"spec": spec.read_text().replace("bad", "good")}
     )

@@ -70,9 +70,10 @@ def replica_env(claim: Claim, inventory: Inventory) -> dict[str, str]:
     without a known UUID is named by index, and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` then makes
     CUDA count the way NVML does."""
     if not claim.gpus:
-        if not inventory.gpus:
-            return {}
-        # Asked for none on a machine that has some: it must not grab GPU 0 from its owner.
+        if not inventory.gpus and not inventory.selected:
+            return {}  # no GPU seen, none set aside: nothing to hide
+        # Asked for none on a machine that has some (or whose GPUs were all left to other work
+        # by ``--gpus none``): it must not grab GPU 0 from its owner.
         return {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
     gpus = sorted(
         (g for g in inventory.gpus if g.address in claim.gpus),
@@ -86,12 +87,12 @@ def replica_env(claim: Claim, inventory: Inventory) -> dict[str, str]:
 
 
 def fit_problem(resources: Mapping[str, Any], inventory: Inventory) -> str | None:
-    """Why a local spec's ``resources`` can never run on this machine (the field named, the
-    inventory listed), or None."""
+    """Why a local spec's ``resources`` can never run on this machine (the field named, with
+    what the machine has of it), or None."""
     try:
         ask = ask_of(resources)
     except AskError as exc:
-        return f"{exc}; this machine: {inventory.describe()}"
+        return str(exc)  # malformed: whatever the machine has
     problem = never_fits(ask, inventory)
     return None if problem is None else str(problem)
 

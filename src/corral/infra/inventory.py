@@ -74,12 +74,24 @@ class Inventory:
     cpu_ids: tuple[int, ...] = ()
     source: str = "machine"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # A GPU selection was given (``CORRAL_GPUS``, ``--gpus``; ``none`` too): the machine has GPUs
+    # that are not corral's, so a replica without a claim must be told it has none.
+    selected: bool = False
 
     def gpu(self, address: str) -> Gpu | None:
         return next((g for g in self.gpus if g.address == address), None)
 
+    def gpu_summary(self) -> str:
+        """``2x NVIDIA A100-SXM4-80GB 80 GiB, 2x NVIDIA L4 24 GiB``: the models, for a refusal
+        that needs them (one entry per model and size, not per device: a refusal stays a line)."""
+        counts: dict[str, int] = {}
+        for g in self.gpus:
+            size = f" {g.memory / 1024**3:.0f} GiB" if g.memory else ""
+            counts[g.name + size] = counts.get(g.name + size, 0) + 1
+        return ", ".join(f"{n}x {model}" for model, n in counts.items()) or "none"
+
     def describe(self) -> str:
-        """One line for error messages: what a spec was checked against."""
+        """One line for the daemon's log: every device, what a spec is checked against."""
         gpus = "; ".join(g.describe() for g in self.gpus) if self.gpus else "none"
         return (
             f"GPUs: {gpus}; CPUs: {self.cpus:g}; memory: {self.memory / 1024**3:.1f} GiB "
@@ -158,16 +170,19 @@ def load_inventory(environ: Mapping[str, str] | None = None) -> Inventory:
             memory = parse_memory(str(declared["memory"]))
         except ValueError as exc:
             raise InventoryError(f"{path}: {exc}") from None
-    selection = env.get(ENV_SELECT)
-    if selection is not None and selection.strip():
-        gpus = _select(gpus, selection.strip())
-        source += f", {ENV_SELECT}={selection.strip()}"
-    return Inventory(tuple(gpus), cpus, memory, cpu_ids, source, tuple(notes))
+    selection = (env.get(ENV_SELECT) or "").strip() or None
+    if selection is not None:
+        gpus = _select(gpus, selection)
+        source += f", {ENV_SELECT}={selection}"
+    return Inventory(
+        tuple(gpus), cpus, memory, cpu_ids, source, tuple(notes), selected=selection is not None
+    )
 
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        with path.open() as stream:  # a stream, so YAML's errors name the file's path
+            data = yaml.safe_load(stream)
     except OSError as exc:
         raise InventoryError(f"{ENV_FILE}: cannot read {path}: {exc}") from None
     except yaml.YAMLError as exc:

@@ -351,16 +351,26 @@ def _gib(size: int) -> str:
 
 def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
     """Why ``ask`` cannot fit even on this machine with nothing running, naming the field and
-    listing the inventory; None when it can."""
-    listing = f"this machine: {inventory.describe()}"
+    what the machine has of that resource (not every device: a refusal stays one line), and
+    which inventory that was; None when it can."""
+    source = f"(inventory from {inventory.source})"
     if ask.exclusive and ask.cpus > inventory.cpus + _EPS:
-        return AskError("resources.cpus", f"needs {ask.cpus:g} CPUs of its own; {listing}")
+        return AskError(
+            "resources.cpus",
+            f"needs {ask.cpus:g} CPUs of its own; the machine has {inventory.cpus:g} {source}",
+        )
     if ask.memory > inventory.memory:
-        return AskError("resources.memory", f"needs {_gib(ask.memory)}; {listing}")
+        return AskError(
+            "resources.memory",
+            f"needs {_gib(ask.memory)}; the machine has {_gib(inventory.memory)} {source}",
+        )
     if ask.options and not any(_choose(o, inventory.gpus, {}) for o in ask.options):
         wants = " or ".join(o.describe() for o in ask.options)
         why = "; ".join(_why_not(o, inventory, ()) for o in ask.options)
-        return AskError("resources.accelerators", f"needs {wants}: {why}; {listing}")
+        return AskError(
+            "resources.accelerators",
+            f"needs {wants}: {why}; its GPUs: {inventory.gpu_summary()} {source}",
+        )
     return None
 
 
