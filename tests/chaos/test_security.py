@@ -616,7 +616,7 @@ def test_tls_on_every_interface(corral_home: CorralHome, tmp_path: Path) -> None
     check(True)
 
     # The CLI finds the scheme and the certificate in daemon.json.
-    result = corral_home.run("daemon", "status")
+    result = corral_home.run("daemon", "status", "--json")
     check(json.loads(result.stdout)["pid"] == pid, result.stdout)
     check("no services" in corral_home.run("status").stdout)
     # ... verifies it: trusting another certificate, it refuses (and starts no second daemon).
@@ -635,7 +635,7 @@ def test_tls_on_every_interface(corral_home: CorralHome, tmp_path: Path) -> None
         CORRAL_API_CA=str(cert),
     )
     result = subprocess.run(
-        corral_home.cli("daemon", "status"),
+        corral_home.cli("daemon", "status", "--json"),
         env=remote_env,
         capture_output=True,
         text=True,
