@@ -99,19 +99,24 @@ def services_table(services: list[dict[str, Any]]) -> Table:
 
 
 def devices_text(held: dict[str, Any] | None) -> str:
-    """``GPU 0,2 cpus 0-1``: what a replica holds (see corral.capacity)."""
+    """``GPU-5f3c..,GPU-9a1d.. CPU 0-1``: what a replica holds (see corral.capacity). A GPU is
+    named as its ``CUDA_VISIBLE_DEVICES`` names it (the UUID; ``GPU 2`` without one), so the
+    two can be compared; shared CPUs say so, and what the machine's replicas ask beyond it."""
     if not held:
         return "-"
     parts = []
     if held["gpus"]:
         shares = [
-            f"{g['index']}" + (f"({g['share']:g})" if g["share"] < 1 else "") for g in held["gpus"]
+            (g["uuid"] or f"GPU {g['index']}") + (f"({g['share']:g})" if g["share"] < 1 else "")
+            for g in held["gpus"]
         ]
-        parts.append("GPU " + ",".join(shares))
+        parts.append(",".join(shares))
     if held["cpu_ids"]:
         parts.append("CPU " + ",".join(map(str, held["cpu_ids"])))
     elif held["cpus"]:
-        parts.append(f"{held['cpus']:g} CPUs")
+        shared = "" if held.get("exclusive") else " shared"
+        over = f" ({held['oversubscribed']})" if held.get("oversubscribed") else ""
+        parts.append(f"{held['cpus']:g} CPUs{shared}{over}")
     if held["memory"]:
         parts.append(f"{held['memory'] / 1024**3:.3g} GiB")
     return " ".join(parts) or "-"
