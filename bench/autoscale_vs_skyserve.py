@@ -3,7 +3,9 @@
 Both autoscalers are pure decision functions once their clock is in the caller's hands, so this
 runs them side by side on synthetic request traces (step, ramp, spike, diurnal, and an idle
 service woken by bursts) with a simulated clock, and reports, per matched target change, when
-each one moved and by how much corral was earlier or later.
+each one moved and by how much corral was earlier or later. The diurnal trace also runs with
+``num_overprovision`` (1 with the default delays, 2 with the short ones): both add it to the
+target their hysteresis keeps, so its rows should be the plain ones with every target moved up.
 
 * SkyServe: ``sky.serve.autoscalers.Autoscaler.from_spec`` on a ``SkyServiceSpec`` built by
   SkyPilot's own ``SkyServiceSpec.from_yaml_config`` from the ``service:`` mapping below. Each
@@ -82,6 +84,26 @@ SPECS: dict[str, dict[str, Any]] = {
         "readiness_probe": "/health",
         "replica_policy": {"min_replicas": 0, "max_replicas": 10, "target_qps_per_replica": 2},
     },
+    "overprovision": {  # the defaults, plus spare replicas on top of the computed target
+        "readiness_probe": "/health",
+        "replica_policy": {
+            "min_replicas": 1,
+            "max_replicas": 10,
+            "target_qps_per_replica": 2,
+            "num_overprovision": 1,
+        },
+    },
+    "overprovision, short delays": {
+        "readiness_probe": "/health",
+        "replica_policy": {
+            "min_replicas": 1,
+            "max_replicas": 10,
+            "target_qps_per_replica": 2,
+            "upscale_delay_seconds": 60,
+            "downscale_delay_seconds": 120,
+            "num_overprovision": 2,
+        },
+    },
 }
 
 
@@ -126,7 +148,13 @@ TRACES = [
     Trace("step", 100 * MIN, _step, 12.0),
     Trace("ramp", 150 * MIN, _ramp, 20.0),
     Trace("spike", 110 * MIN, _spike, 30.0),
-    Trace("diurnal", 4 * HOUR, _diurnal, 18.0),
+    Trace(
+        "diurnal",
+        4 * HOUR,
+        _diurnal,
+        18.0,
+        specs=("defaults", "short delays", "overprovision", "overprovision, short delays"),
+    ),
     Trace("idle + bursts", 3 * HOUR, _idle, 6.0, specs=("scale to zero",)),
 ]
 

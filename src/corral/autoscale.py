@@ -44,11 +44,12 @@ The semantics follow SkyServe's request-rate autoscaler (see skyserve-facts.md, 
   within 5 s of it, SkyServe's within 20 s. What this costs: on load that hovers at a threshold
   corral moves whenever some phase of SkyServe's clock would, so it changes the target more
   often than one SkyServe does (``bench/autoscale_vs_skyserve.py`` counts both).
-* **Overprovision**: the final target is the hysteresis target plus ``num_overprovision``, so it
-  stays within ``[min_replicas, max_replicas + num_overprovision]``, except that a target of 0
-  stays 0: spare capacity for no load would make scale-to-zero (``min_replicas: 0``) impossible.
-  The same rule holds for a fixed ``replicas: 0`` (a paused service), which is the one place this
-  differs from "fixed target = min + overprovision".
+* **Overprovision**: the final target is the hysteresis target plus ``num_overprovision``, added
+  last as SkyServe does (the hold compares raw and target without it: it shifts every target and
+  no move in time), so it stays within ``[min_replicas, max_replicas + num_overprovision]``,
+  except that a target of 0 stays 0: spare capacity for no load would make scale-to-zero
+  (``min_replicas: 0``) impossible. The same rule holds for a fixed ``replicas: 0`` (a paused
+  service), which is the one place this differs from "fixed target = min + overprovision".
 * **Initial target** is ``min_replicas``.
 * **Decision interval**: corral decides every 5 s (SkyServe: 20 s) and every 1 s while an
   autoscaled service sits at zero (SkyServe: 5 s), because deciding is a cheap in-process
