@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from corral.capacity import Capacity, Grant, fit_problem, replica_env
+from corral.infra._ray_resources import ray_options
 from corral.infra.inventory import Gpu, Inventory, InventoryError, load_inventory, read_nvml
 from corral.infra.placement import (
     AskError,
@@ -273,6 +274,13 @@ def test_replica_env_names_devices_by_uuid_else_by_index() -> None:
         "NVIDIA_VISIBLE_DEVICES": "void",
     }
     assert replica_env(Claim(), Inventory((), 1, GiB)) == {}
+
+
+def test_cpu_pinning_on_ray_is_a_note_not_a_wrong_reason() -> None:
+    placement = ray_options({"cpus": "2", "cpu_pinning": "exclusive"})
+    assert placement.options["num_cpus"] == 2
+    assert placement.notes == ["cpu_pinning 'exclusive': Ray reserves num_cpus but pins no CPU"]
+    assert ray_options({"cpus": "2", "cpu_pinning": "shared"}).notes == []
 
 
 def test_gpus_none_hides_every_gpu(tmp_path: Path) -> None:

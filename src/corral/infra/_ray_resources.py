@@ -71,7 +71,7 @@ _NUMBER_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)(B?)\+?", re.IGNORECAS
 _UNITS = {"": 1024**3, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4, "P": 1024**5}
 
 # Resource fields this module interprets; ``ports`` is handled by the backend itself.
-_HANDLED = frozenset({"cpus", "memory", "accelerators", "labels", "ports"})
+_HANDLED = frozenset({"cpus", "memory", "accelerators", "labels", "ports", "cpu_pinning"})
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,9 @@ def ray_options(resources: Mapping[str, Any]) -> RayPlacement:
         options["num_cpus"] = parse_cpus(str(cpus))
         if str(cpus).strip().endswith("+"):
             notes.append(f"cpus {cpus!r}: Ray cannot ask for 'at least'; asking the minimum")
+    if resources.get("cpu_pinning") == "exclusive":
+        # Ray's num_cpus is already a reservation on the node; nothing pins the actor to cores.
+        notes.append("cpu_pinning 'exclusive': Ray reserves num_cpus but pins no CPU")
     memory = resources.get("memory")
     if memory is not None:
         options["memory"] = parse_memory(str(memory))
