@@ -67,9 +67,13 @@ EXPECTED: dict[str, tuple[str, object]] = {
     "http_server__task.yaml": ("ok", []),
     "https__service.yaml": ("ok", ["service.https"]),
     "huggingface-tgi.yaml": ("ok", []),
-    "llama-3-8b.yaml": (
+    "llama-3-8b.yaml": (  # the one example with no `service:` (a model-only spec)
         "error",
-        {"model": (3, "model-only specs are not supported"), "run": (None, "is required")},
+        {
+            "model": (3, "model-only specs are not supported"),
+            "run": (None, "is required"),
+            "service": (None, "needs a `service:` section"),
+        },
     ),
     "llama2__llama2.yaml": (
         "ok",
@@ -148,8 +152,8 @@ def test_skyserve_example(name: str) -> None:
     if not path.is_file():
         pytest.skip(f"shared example {path} not found")
     outcome, expected = EXPECTED[name]
-    if outcome == "ok":
-        spec = load_spec(path)
+    if outcome == "ok":  # read as `corral validate` reads a file: `service:` required
+        spec = load_spec(path, require_service=True)
         assert isinstance(expected, list)
         warned = [w.split(":", 1)[0] for w in spec.warnings]
         assert warned == expected
@@ -157,7 +161,7 @@ def test_skyserve_example(name: str) -> None:
         return
     assert isinstance(expected, dict)
     with pytest.raises(SpecError) as caught:
-        load_spec(path)
+        load_spec(path, require_service=True)
     issues = by_loc(caught.value)
     assert set(issues) == set(expected)
     for loc, (line, words) in expected.items():
@@ -973,3 +977,27 @@ def test_a_colon_in_run_hints_at_a_block(tmp_path: Path) -> None:
         assert f"`{key}: |`" in issue.hint, issue
     (plain,) = errors_of(tmp_path, "name: x\nrun: y\nservice: [\n").issues
     assert plain.hint is None
+
+
+def test_a_file_without_service_is_a_task_not_a_service(tmp_path: Path) -> None:
+    """SkyServe refuses a YAML without `service:` (a task); so does what a person submits. A
+    spec stored without one (an older corral accepted it) still reads, with the defaults."""
+    path = write(tmp_path, "name: task\nrun: echo hi\n")
+    with pytest.raises(SpecError) as caught:
+        load_spec(path, require_service=True)
+    (issue,) = caught.value.issues
+    assert issue.loc == "service" and "readiness_probe" in issue.message, issue
+    empty = write(tmp_path, "run: echo hi\nservice:\n", "empty.yaml")
+    with pytest.raises(SpecError) as caught:
+        load_spec(empty, require_service=True)
+    assert [(i.loc, i.line) for i in caught.value.issues] == [("service", 2)]
+    stored = load_spec(path)
+    assert stored.service.replica_policy.min_replicas == 1
+    served = load_spec(
+        write(tmp_path, "run: x\nservice:\n  replicas: 2\n", "s.yaml"), require_service=True
+    )
+    assert served.service.replica_policy.min_replicas == 2
+    typo = write(tmp_path, "run: x\nservce:\n  replicas: 2\n", "typo.yaml")
+    with pytest.raises(SpecError) as caught:
+        load_spec(typo, require_service=True)
+    assert [i.loc for i in caught.value.issues] == ["servce"]  # did you mean, not "missing"

@@ -283,7 +283,9 @@ def test_every_problem_at_once_in_text_and_json(corral_home: CorralHome, tmp_pat
     assert errors["servce"]["hint"] == "did you mean 'service'?"
     assert set(errors["resources.cpus"]) == {"field", "line", "message", "hint"}
 
-    (tmp_path / "bad.yaml").write_text("run: python3 server.py\nworkdir: nowhere\n")
+    (tmp_path / "bad.yaml").write_text(
+        "run: python3 server.py\nworkdir: nowhere\nservice:\n  readiness_probe: /\n"
+    )
     missing = json.loads(
         corral_home.run("validate", "--json", str(bad), check=False, cwd=tmp_path).stdout
     )

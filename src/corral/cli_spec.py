@@ -44,7 +44,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
     notes: list[str] = []
     used = None  # the inventory the resources were checked against (this shell's)
     try:
-        spec = load_spec(file, name=name)
+        spec = load_spec(file, name=name, require_service=True)
         issues = deploy_issues(spec)
         fit, notes, used = placement_here(spec)
         issues += fit
@@ -137,7 +137,7 @@ def load_or_exit(file: Path, name: str | None, *, need_name: bool = True) -> Ser
     from corral.spec import SpecError, load_spec
 
     try:
-        spec = load_spec(file, name=name)
+        spec = load_spec(file, name=name, require_service=True)
     except SpecError as exc:
         err.print(str(exc), soft_wrap=True, markup=False)
         sys.exit(1)

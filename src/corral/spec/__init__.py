@@ -19,8 +19,9 @@ Choices that differ from SkyServe, and why:
 * ``readiness_probe`` may be left out: it defaults to ``GET /``. SkyServe does the same in its
   parser (``config.get('readiness_probe', '/')``); a service with no probe at all could never
   become READY, so a default is kinder than an error.
-* The whole ``service:`` section may be left out (one replica, default probe): every corral spec
-  is a service, so the section carries no information by its mere presence.
+* A spec a person submits (``corral validate``, ``up``, ``update``) needs its ``service:``
+  section, as in SkyServe: a YAML without one is a SkyPilot task (``require_service``). A spec
+  stored by an older corral without one still reads as one replica with the default probe.
 * ``replicas: N`` is normalised to ``replica_policy`` with ``min == max == N`` so consumers read
   one shape; SkyServe keeps ``max_replicas = None`` instead.
 * A YAML null (``key:`` with nothing after it) means "not given", as in SkyServe, except in

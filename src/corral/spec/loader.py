@@ -1,5 +1,6 @@
 """Reading a spec: file or text in, a validated :class:`ServiceSpec` or one SpecError out."""
 
+import difflib
 import os
 from typing import Any
 
@@ -81,8 +82,35 @@ def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSp
     return spec
 
 
-def parse_spec(text: str, source: str = "<string>", name: str | None = None) -> ServiceSpec:
+# A YAML without `service:` is a SkyPilot task, not a service: `sky serve up` refuses it.
+MISSING_SERVICE = (
+    "a service needs a `service:` section with at least a readiness_probe "
+    "(`service:` then `  readiness_probe: /health`), as in SkyServe; without one this is a "
+    "SkyPilot task, not a service"
+)
+
+
+def _no_service(data: Any) -> bool:
+    """No `service:` (or an empty one), and no misspelling of it either: a `servce:` is
+    already reported with "did you mean 'service'?", and saying it is missing would mislead."""
+    if not isinstance(data, dict) or data.get("service") is not None:
+        return False
+    keys = [k for k in data if isinstance(k, str) and k != "service"]
+    return not difflib.get_close_matches("service", keys, n=1, cutoff=0.75)
+
+
+def parse_spec(
+    text: str,
+    source: str = "<string>",
+    name: str | None = None,
+    *,
+    require_service: bool = False,
+) -> ServiceSpec:
     """Parse and validate a spec; ``name`` (e.g. from the command line) overrides ``name:``.
+
+    ``require_service``: refuse a spec without a ``service:`` section, as SkyServe does. Asked
+    for what a person submits (`corral validate`, `up`, `update`); not for a spec already
+    stored, which an older corral accepted without one (one replica, probe ``GET /``).
 
     Raises SpecError listing every problem found, and nothing else, whatever ``text`` holds.
     """
@@ -90,6 +118,8 @@ def parse_spec(text: str, source: str = "<string>", name: str | None = None) -> 
         if not isinstance(text, str):
             raise SpecError([SpecIssue("", f"expected YAML text, got {show(text)}")], source)
         data, root, issues = read_yaml(text, source)
+        if require_service and _no_service(data):
+            issues = [*issues, SpecIssue("service", MISSING_SERVICE, locate(root, ("service",))[1])]
         if name is not None and isinstance(data, dict):
             data = {**data, "name": name}
         try:
@@ -109,8 +139,11 @@ def parse_spec(text: str, source: str = "<string>", name: str | None = None) -> 
         raise SpecError([SpecIssue("", message)], source) from exc
 
 
-def load_spec(path: str | os.PathLike[str], name: str | None = None) -> ServiceSpec:
-    """Read a spec file and parse it; unreadable files are SpecErrors like any other problem."""
+def load_spec(
+    path: str | os.PathLike[str], name: str | None = None, *, require_service: bool = False
+) -> ServiceSpec:
+    """Read a spec file and parse it (see :func:`parse_spec`); unreadable files are SpecErrors
+    like any other problem."""
     source = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
 
     def fail(message: str, line: int | None = None) -> SpecError:
@@ -135,4 +168,4 @@ def load_spec(path: str | os.PathLike[str], name: str | None = None) -> ServiceS
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise fail("is not UTF-8 text (is it a binary file?)", line) from None
-    return parse_spec(text, source=source, name=name)
+    return parse_spec(text, source=source, name=name, require_service=require_service)
