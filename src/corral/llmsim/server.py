@@ -311,8 +311,15 @@ def spawn(
 ) -> tuple[subprocess.Popen[str], str]:
     """Start a simulator as a child process of this Python and wait until it listens; return
     the process and its URL. The caller ends it (``terminate()``, then ``wait()``)."""
-    argv = command(config, host=host, port=port, model=model, default_max_tokens=default_max_tokens)
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(  # an argv list (never a shell): python -m corral.llmsim ...
+        [
+            *command(
+                config, host=host, port=port, model=model, default_max_tokens=default_max_tokens
+            )
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout is not None
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
@@ -324,4 +331,4 @@ def spawn(
                 break
     process.kill()
     process.wait()
-    raise RuntimeError(f"corral.llmsim did not start: {argv}")
+    raise RuntimeError(f"corral.llmsim did not start: {process.args!r}")
