@@ -14,12 +14,26 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	$(PY) examples/run_demo.py
+# The demo needs corral alone: its own lean venv (pip install -e ., no test tools), not the
+# development one (Ray, Playwright, schemathesis, mypy: over 600 MB for `make test`).
+DEMO_VENV ?= .venv-demo
+DEMO_PY := $(DEMO_VENV)/bin/python
+DEMO_STAMP := $(DEMO_VENV)/.installed
+# The demo's home: examples/run_demo.py uses $CORRAL_HOME when set, so demo-down does too.
+DEMO_HOME := $(if $(CORRAL_HOME),$(CORRAL_HOME),$(CURDIR)/.corral-demo)
 
-demo-down: $(STAMP)
-	CORRAL_HOME=$(CURDIR)/.corral-demo $(PY) -m corral down --all
-	CORRAL_HOME=$(CURDIR)/.corral-demo $(PY) -m corral daemon stop --all
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_PY) -m pip install --quiet --upgrade pip
+	$(DEMO_PY) -m pip install --quiet -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_PY) examples/run_demo.py
+
+demo-down: $(DEMO_STAMP)
+	CORRAL_HOME=$(DEMO_HOME) $(DEMO_PY) -m corral down --all -y
+	CORRAL_HOME=$(DEMO_HOME) $(DEMO_PY) -m corral daemon stop --all
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
@@ -66,4 +80,4 @@ soak: $(STAMP)
 	$(PY) bench/soak.py
 
 clean:
-	rm -rf $(VENV) $(SKY_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SKY_VENV) $(DEMO_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -8,6 +8,7 @@ $CORRAL_HOME), so it never touches ~/.corral.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -77,10 +78,14 @@ def main() -> None:
     for who, count in sorted(hit(endpoint, 12).items()):
         print(f"   {who}: {count}")
     corral("status")
+    # The `corral` of the venv running this (`make demo` builds .venv-demo), as typed from here.
+    cli = Path(sys.executable).parent / "corral"
+    with contextlib.suppress(ValueError):
+        cli = cli.relative_to(Path.cwd())
     print(
         f"\nThe demo service keeps running at {endpoint}.\n"
-        f"  look:       CORRAL_HOME={HOME} .venv/bin/corral status\n"
-        f"  logs:       CORRAL_HOME={HOME} .venv/bin/corral logs demo <ID> --no-follow\n"
+        f"  look:       CORRAL_HOME={HOME} {cli} status\n"
+        f"  logs:       CORRAL_HOME={HOME} {cli} logs demo <ID> --no-follow\n"
         f"  take down:  make demo-down"
     )
 
