@@ -56,8 +56,8 @@ _UNSUPPORTED = {
         "the server"
     ),
     "autoscaling": (
-        "autoscaling is set in service.replica_policy (min_replicas, max_replicas, "
-        "target_qps_per_replica)"
+        "autoscaling is set under service: service.autoscaling.metrics, or "
+        "service.replica_policy (min_replicas, max_replicas, target_qps_per_replica)"
     ),
     "pool": "SkyPilot worker pools are not supported; size a service with replicas",
     "workers": "SkyPilot worker pools are not supported; size a service with replicas",

@@ -1,7 +1,8 @@
 """``service:``: how replicas are probed, sized and load balanced, and its old spellings."""
 
 import json
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 
@@ -97,8 +98,11 @@ class ReplicaPolicy(Section):
     )
 
     min_replicas: int = Field(ge=0, le=MAX_REPLICAS)
-    # Declared before max_replicas: max_replicas' check needs it.
+    # Declared before max_replicas: max_replicas' check needs them. The second is corral's
+    # name for SkyServe's `autoscaling.metrics: [{type: queue_depth, target: N}]`: the
+    # requests an LLM engine should hold (running and waiting) per replica (docs/llm.md).
     target_qps_per_replica: float | None = Field(default=None, gt=0)
+    target_queue_per_replica: float | None = Field(default=None, gt=0)
     max_replicas: int = Field(default=None, ge=0, le=MAX_REPLICAS, validate_default=True)
     upscale_delay_seconds: float = Field(DEFAULT_UPSCALE_DELAY_SECONDS, ge=0, le=MAX_SECONDS)
     downscale_delay_seconds: float = Field(DEFAULT_DOWNSCALE_DELAY_SECONDS, ge=0, le=MAX_SECONDS)
@@ -116,9 +120,10 @@ class ReplicaPolicy(Section):
     def _max_defaults_to_min(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
             return value
-        if info.data.get("target_qps_per_replica") is not None:
+        if _target_of(info.data) is not None:
             raise ValueError(
-                "is required when target_qps_per_replica is set: it caps how far autoscaling may go"
+                f"is required when {_target_of(info.data)} is set: it caps how far autoscaling "
+                "may go"
             )
         # Without autoscaling the policy is fixed at min_replicas. If min_replicas itself was
         # invalid its own error is reported; 0 only keeps this field quiet.
@@ -134,7 +139,8 @@ class ReplicaPolicy(Section):
             raise ValueError(f"must be at least min_replicas ({low}), got {value}")
         if (
             "target_qps_per_replica" in info.data
-            and info.data["target_qps_per_replica"] is None
+            and "target_queue_per_replica" in info.data
+            and _target_of(info.data) is None
             and value != low
         ):
             raise ValueError(
@@ -146,8 +152,33 @@ class ReplicaPolicy(Section):
 
     @property
     def autoscaling(self) -> bool:
-        """True when the replica count follows the request rate rather than staying fixed."""
-        return self.target_qps_per_replica is not None and self.max_replicas > self.min_replicas
+        """True when the replica count follows the load (request rate or the engines' queue)
+        rather than staying fixed."""
+        target = self.target_qps_per_replica or self.target_queue_per_replica
+        return target is not None and self.max_replicas > self.min_replicas
+
+
+def _target_of(data: Mapping[str, Any]) -> str | None:
+    """The autoscaling target field set, if any (for messages)."""
+    for name in ("target_qps_per_replica", "target_queue_per_replica"):
+        if data.get(name) is not None:
+            return name
+    return None
+
+
+class AutoscalingMetric(Section):
+    """One of SkyServe's ``service.autoscaling.metrics``: what to scale on, and the target
+    per replica (``queue_depth``: requests in an engine, running and waiting; ``qps``:
+    requests per second)."""
+
+    type: Literal["queue_depth", "qps"]
+    target: float = Field(gt=0)
+
+
+class AutoscalingSettings(Section):
+    """SkyServe's ``service.autoscaling:`` (its model-first specs): the metric to follow."""
+
+    metrics: list[AutoscalingMetric] = Field(min_length=1, max_length=1)
 
 
 class TlsSettings(Section):
@@ -231,6 +262,10 @@ class ServiceSection(Section):
 
     readiness_probe: ReadinessProbe = Field(default_factory=ReadinessProbe)
     replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
+    # SkyServe's shape with `autoscaling:` (its model-first specs): `replicas` is the least,
+    # `max_replicas` the most.
+    max_replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
+    autoscaling: AutoscalingSettings | None = None
     # Always set after validation (from replica_policy:, replicas: or the default of 1).
     replica_policy: ReplicaPolicy = Field(default=None, validate_default=True)
     load_balancing_policy: LoadBalancingPolicy = DEFAULT_LOAD_BALANCING_POLICY
@@ -262,6 +297,26 @@ class ServiceSection(Section):
     @classmethod
     def _one_sizing_form(cls, value: Any, info: ValidationInfo) -> Any:
         replicas = info.data.get("replicas")
+        scaling: AutoscalingSettings | None = info.data.get("autoscaling")
+        most = info.data.get("max_replicas")
+        if scaling is not None and value is None:
+            metric = scaling.metrics[0]
+            field = (
+                "target_queue_per_replica"
+                if metric.type == "queue_depth"
+                else "target_qps_per_replica"
+            )
+            least = 1 if replicas is None else replicas
+            return {"min_replicas": least, "max_replicas": most or least, field: metric.target}
+        if most is not None or scaling is not None:
+            raise ValueError(
+                "max_replicas and autoscaling at the service level go with replicas (the "
+                "least) and not with replica_policy: use one form"
+                if value is not None
+                else "max_replicas at the service level needs autoscaling.metrics (what to "
+                "scale on); or use replica_policy (min_replicas, max_replicas, "
+                "target_qps_per_replica)"
+            )
         if value is None:
             count = 1 if replicas is None else replicas
             return {"min_replicas": count, "max_replicas": count}

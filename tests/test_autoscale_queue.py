@@ -1,0 +1,132 @@
+"""Autoscaling on what LLM engines hold (queue_depth), pure over a simulated clock, through the
+spec, and through a real daemon in front of simulated engines."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import CorralHome, spec_text, write_spec
+
+from corral.autoscale_queue import QueueDepthAutoscaler, queue_depth
+from corral.spec import SpecError, parse_spec
+
+BASE = "run: x\nservice:\n  readiness_probe: /health\n"
+
+
+def policy(text: str) -> Any:
+    return parse_spec(BASE + text).service.replica_policy
+
+
+def test_skyserves_model_first_service_shape_is_read() -> None:
+    p = policy(
+        "  replicas: 1\n  max_replicas: 3\n"
+        "  autoscaling:\n    metrics:\n      - type: queue_depth\n        target: 5\n"
+    )
+    assert (p.min_replicas, p.max_replicas, p.target_queue_per_replica) == (1, 3, 5)
+    assert p.autoscaling and p.target_qps_per_replica is None
+    qps = policy("  max_replicas: 2\n  autoscaling:\n    metrics: [{type: qps, target: 3}]\n")
+    assert (qps.min_replicas, qps.max_replicas, qps.target_qps_per_replica) == (1, 2, 3)
+    for bad, says in (
+        ("  max_replicas: 3\n", "needs autoscaling.metrics"),
+        ("  autoscaling:\n    metrics: [{type: tokens, target: 5}]\n", "type"),
+        ("  autoscaling:\n    metrics: [{type: queue_depth, target: 0}]\n", "target"),
+        (
+            "  max_replicas: 2\n  autoscaling:\n    metrics: [{type: qps, target: 1}]\n"
+            "  replica_policy: {min_replicas: 1}\n",
+            "one form",
+        ),
+    ):
+        with pytest.raises(SpecError) as caught:
+            parse_spec(BASE + bad)
+        assert says in str(caught.value), (bad, str(caught.value))
+
+
+def test_the_target_follows_the_depth_with_skyserves_holds() -> None:
+    p = policy(
+        "  replica_policy:\n    min_replicas: 1\n    max_replicas: 4\n"
+        "    target_queue_per_replica: 5\n    upscale_delay_seconds: 60\n"
+        "    downscale_delay_seconds: 120\n    num_overprovision: 1\n"
+    )
+    scaler = QueueDepthAutoscaler(p)
+    scaler.observe(3)
+    assert scaler.decide(0.0, []).target == 2  # 1 replica, +1 overprovision
+    scaler.observe(17)  # wants 4
+    assert scaler.decide(10.0, []).target == 2
+    assert scaler.decide(49.0, []).target == 2  # SkyServe: int(60/20)=3 looks, 40 s held
+    decision = scaler.decide(50.0, [])
+    assert (decision.target, decision.raw_target) == (5, 4)
+    scaler.observe(100)
+    assert scaler.decide(60.0, []).target == 5  # clipped at max_replicas (4) + 1
+    scaler.observe(0)
+    assert scaler.decide(70.0, []).target == 5
+    assert scaler.decide(169.0, []).target == 5  # 120 s delay: 100 s held
+    assert scaler.decide(170.0, []).target == 2
+    scaler.observe(12)  # a dip that ends before the hold restarts it
+    scaler.decide(180.0, [])
+    scaler.observe(0)
+    scaler.decide(190.0, [])
+    scaler.observe(12)
+    assert scaler.decide(225.0, []).target == 2  # the dip at 190 reset the up-hold
+
+
+def test_from_zero_a_waiting_request_is_demand() -> None:
+    p = policy(
+        "  replica_policy:\n    min_replicas: 0\n    max_replicas: 2\n"
+        "    target_queue_per_replica: 4\n"
+    )
+    scaler = QueueDepthAutoscaler(p)
+    assert scaler.decide(100.0, []).target == 0
+    assert scaler.decide(101.0, [100.5]).target == 1  # at once
+
+
+def test_depth_is_what_the_engines_hold_else_in_flight_plus_held() -> None:
+    stats = {
+        "held": 2,
+        "replicas": {
+            "1": {"ready": True, "in_flight": 9},
+            "2": {"ready": True, "in_flight": 3},
+            "3": {"ready": False, "in_flight": 1},
+        },
+        "engines": {"1": {"waiting": 4.0, "running": 8.0}},
+    }
+    assert queue_depth(stats) == 2 + 12 + 3
+    assert queue_depth(None) == 0
+
+
+def test_a_service_scales_out_when_its_engines_fill(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """Two replicas at most, 2 requests per replica wanted: 6 long generations at once fill the
+    first engine, and a second replica is launched and becomes READY."""
+    corral_home.env["CORRAL_DECISION_INTERVAL"] = "0.5"
+    run = f"exec {sys.executable} -m corral.llmsim --host 127.0.0.1 --port $PORT --speed 0.5"
+    text = spec_text("grow", 1, run=run).replace(
+        "  replicas: 1\n",
+        "  replica_policy:\n    min_replicas: 1\n    max_replicas: 2\n"
+        "    target_queue_per_replica: 2\n    upscale_delay_seconds: 0\n",
+    )
+    corral_home.run("up", str(write_spec(tmp_path / "grow.yaml", text)), "-y", timeout=120)
+    svc = corral_home.wait_replicas("grow", 1, timeout=60)
+    url = str(svc["endpoint"]) + "/v1/completions"
+    body = json.dumps({"model": "m", "prompt": "write", "max_tokens": 400}).encode()
+
+    def generate() -> None:
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "x/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            answer.read()
+
+    threads = [threading.Thread(target=generate, daemon=True) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    grown = corral_home.wait_replicas("grow", 2, timeout=90, exact=False)
+    events = corral_home.api("GET", "/v1/services/grow/events").json()["events"]
+    assert any("request(s) in the engines" in str(e) for e in events), events
+    assert grown["target"] == 2
+    for thread in threads:
+        thread.join(120)
