@@ -188,3 +188,13 @@ def test_run_written_as_a_mapping_hints_at_a_block(corral_home: CorralHome, tmp_
     result = corral_home.run("validate", str(spec), check=False)
     assert result.returncode == 1
     assert "run: |" in result.stderr, result.stderr
+
+
+def test_a_remote_api_that_does_not_answer_is_an_error(corral_home: CorralHome) -> None:
+    """$CORRAL_API_URL names a daemon elsewhere: an empty home here says nothing of its
+    services, so no answer from it is an error, not "no services"."""
+    remote = {"CORRAL_API_URL": "http://127.0.0.1:9", "CORRAL_API_TOKEN": "x" * 43}
+    result = corral_home.run("status", check=False, env=remote)
+    assert result.returncode == 1 and "is not reachable" in result.stderr, result
+    down = corral_home.run("down", "-a", "-y", check=False, env=remote)
+    assert down.returncode == 1 and "is not reachable" in down.stderr, down

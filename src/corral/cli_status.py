@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ import click
 
 from corral.cli_common import client_error_text, client_of, console, err, fail, home_of, out
 from corral.cli_nodaemon import home_services
-from corral.client import ClientError, DaemonUnreachable, UntrustedDaemon
+from corral.client import ENV_API_URL, ClientError, DaemonUnreachable, UntrustedDaemon
 
 if TYPE_CHECKING:
     from corral.client import Client
@@ -48,10 +49,11 @@ def matching(client: Client, patterns: tuple[str, ...]) -> list[dict[str, Any]]:
 def serviceless(client: Client) -> bool:
     """No daemon answers (none came back from a crash either) and the home holds no service:
     nothing runs that a daemon would have to be asked about. A daemon that answers but cannot
-    prove it is this home's is not "none": the request says why."""
+    prove it is this home's is not "none": the request says why; nor is a remote API
+    ($CORRAL_API_URL) that does not answer: the home here says nothing about its services."""
     if client.answered if client.answered is not None else client.health():
         return False
-    if isinstance(client.last_error, UntrustedDaemon):
+    if isinstance(client.last_error, UntrustedDaemon) or os.environ.get(ENV_API_URL):
         return False
     return home_services(client.home) == []
 
