@@ -15,6 +15,7 @@ from corral.capacity import Capacity, fit_problem
 from corral.errors import BadSpec, InvalidRequest, NoRoom, Unrunnable
 from corral.infra.base import Infra
 from corral.infra.local_rules import local_port_problem
+from corral.model_engines import ModelUnavailable, engine_command
 from corral.spec import ServiceSpec, SpecError, parse_spec
 
 
@@ -47,6 +48,11 @@ def check_spec(
             f"infra {spec.infra!r} is not available in this daemon "
             f"(available: {', '.join(sorted(infras))})"
         )
+    if spec.model and not spec.run:
+        try:
+            engine_command(spec)  # an engine and weights this machine has, or why not
+        except ModelUnavailable as exc:
+            raise Unrunnable(str(exc)) from None
     if spec.infra == "local":
         problem = local_port_problem(spec)
         if not problem and capacity is not None:

@@ -47,7 +47,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         spec = load_spec(file, name=name, require_service=True)
         issues = deploy_issues(spec)
         fit, notes, used = placement_here(spec)
-        issues += fit
+        issues += fit + model_issues(spec)
     except SpecError as exc:
         issues = exc.issues
     source = str(file)
@@ -88,6 +88,21 @@ def deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
     if problem:
         issues.append(SpecIssue("run", problem, spec.line_of("run")))
     return issues
+
+
+def model_issues(spec: ServiceSpec) -> list[SpecIssue]:
+    """``validate`` only: a model-first spec this shell's machine has no engine or weights
+    for (the daemon judges `up` on its own machine, before anything starts)."""
+    if not spec.model or spec.run:
+        return []
+    from corral.model_engines import ModelUnavailable, engine_command
+    from corral.spec import SpecIssue
+
+    try:
+        engine_command(spec)
+    except ModelUnavailable as exc:
+        return [SpecIssue("model", str(exc), spec.line_of("model"))]
+    return []
 
 
 def check_deployable(

@@ -11,10 +11,12 @@ they did then (the workdir in place, the spec's envs).
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
 from corral.infra.local_rules import local_mount_issues, local_mounts
+from corral.model_engines import ModelUnavailable, engine_command
 from corral.spec import (
     ServiceSpec,
     SpecError,
@@ -129,3 +131,16 @@ def launch_inputs(
     envs, secrets = read_values(directory)
     workdir = directory / "workdir" if (directory / "workdir").is_dir() else None
     return workdir, {**spec.envs, **envs, **secrets}
+
+
+def run_command(spec: ServiceSpec) -> str:
+    """What a replica runs: the spec's ``run``, or for a model-first spec the engine this
+    machine has for it (corral.model_engines). Admission refuses a model nothing here can run,
+    so the fallback (a replica that fails at once with the reason in its log) only meets a
+    machine that lost its engine since."""
+    if spec.run:
+        return spec.run
+    try:
+        return engine_command(spec)
+    except ModelUnavailable as exc:
+        return f"echo {shlex.quote(str(exc))} >&2; exit 78"

@@ -179,14 +179,13 @@ class Executor:
             self.svc.deps.home, self.svc.name, r.version, spec, base
         )
         replica_dir = scratch_root(self.svc.deps.home_marker) / self.svc.name / str(r.id)
-        port = None
-        if "PORT" not in (spec.run or ""):
-            port = spec.replica_port()
+        run = deploy.run_command(spec)
+        port = None if "PORT" in run else spec.replica_port()
         request = LaunchRequest(
             service=self.svc.name,
             replica_id=r.id,
             version=r.version,
-            run=spec.run or "",
+            run=run,
             setup=spec.setup,
             envs={**envs, **grant.env},  # corral's device variables win
             workdir=workdir,

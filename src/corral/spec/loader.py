@@ -95,6 +95,8 @@ def _no_service(data: Any) -> bool:
     already reported with "did you mean 'service'?", and saying it is missing would mislead."""
     if not isinstance(data, dict) or data.get("service") is not None:
         return False
+    if data.get("model") and not data.get("run"):
+        return False  # SkyServe's minimal model-first spec: a service whatever it omits
     keys = [k for k in data if isinstance(k, str) and k != "service"]
     return not difflib.get_close_matches("service", keys, n=1, cutoff=0.75)
 

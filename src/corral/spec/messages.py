@@ -51,10 +51,6 @@ _UNSUPPORTED = {
         "corral's load balancer does not check an auth key; remove it and check credentials "
         "in the service itself"
     ),
-    "model": (
-        "SkyServe's model-only specs are not supported; give the `run` command that starts "
-        "the server"
-    ),
     "autoscaling": (
         "autoscaling is set under service: service.autoscaling.metrics, or "
         "service.replica_policy (min_replicas, max_replicas, target_qps_per_replica)"

@@ -2,7 +2,14 @@
 
 from typing import Any, ClassVar, Self
 
-from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from corral.spec.resources import Resources
 from corral.spec.section import Section
@@ -16,6 +23,9 @@ class ServiceSpec(Section):
     _PLACEMENT: ClassVar[tuple[str, ...]] = ("file_mounts", "volumes", "config")
 
     name: str | None = None
+    # SkyServe's model-first specs: the model to serve, with no `run` (corral picks the engine:
+    # corral.model_engines). Declared before `run`, whose check reads it.
+    model: str | None = Field(default=None, min_length=1, max_length=500)
     run: str | None = Field(default=None, validate_default=True)
     setup: str | None = None
     envs: dict[EnvName, EnvValue] = Field(default_factory=dict)
@@ -80,13 +90,28 @@ class ServiceSpec(Section):
 
     @field_validator("run")
     @classmethod
-    def _has_command(cls, value: str | None) -> str | None:
-        if value is None or not value.strip():
+    def _has_command(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if (value is None or not value.strip()) and not info.data.get("model"):
             raise ValueError(
                 "is required: the shell command that starts one replica, "
-                "e.g. `python3 -m http.server $PORT`"
+                "e.g. `python3 -m http.server $PORT` (or `model:` for an LLM corral starts)"
             )
-        return value
+        return value or None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_first_defaults(cls, data: Any) -> Any:
+        """A model-first spec says little: the engines corral starts answer /health, and
+        route best by prompt prefix (docs/llm.md). What the spec does say wins."""
+        if not isinstance(data, dict) or not data.get("model") or data.get("run"):
+            return data
+        service = data.get("service")
+        if service is None:
+            service = {}
+        if not isinstance(service, dict):
+            return data  # its own error says what is wrong with it
+        defaults = {"readiness_probe": "/health", "load_balancing_policy": "prefix_affinity"}
+        return {**data, "service": {**defaults, **service}}
 
     @field_validator("workdir", mode="before")
     @classmethod
