@@ -238,3 +238,31 @@ def test_restart_workers_replaces_every_worker_under_load(
     assert len(new) == len(old) and set(new).isdisjoint(old), (old, new, result.stdout)
     wait_for(lambda: not any(pid_alive(pid) for pid in old), 15, "the old workers to exit")
     assert outcome.failed == 0, (outcome.summary(), outcome.errors, outcome.examples)
+
+
+def test_one_daemon_is_brought_back_however_many_workers_see_the_crash(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """Every worker sees a crashed daemon; only one starts another (a worker that started
+    one a moment ago holds the others back), so a `daemon stop` right after the comeback
+    leaves no second daemon to take the home's lock later."""
+    corral_home.env["CORRAL_DAEMON_RESPAWN"] = "1"
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "3"
+    up(corral_home, tmp_path, "single", 1)
+    old = corral_home.daemon_pid()
+    os.kill(old, signal.SIGKILL)
+
+    def new_daemon() -> int | None:
+        info = corral_home.daemon_info()
+        pid = int(info["pid"]) if info else None
+        return pid if pid and pid != old and corral_home.healthy() else None
+
+    back = wait_for(new_daemon, 30, "a worker to start a new daemon")
+    corral_home.daemon_pids.add(back)
+    corral_home.run("daemon", "stop")
+    wait_for(lambda: finished(back), 30, "the daemon stopped on purpose to exit")
+    deadline = time.monotonic() + 2 * (RESPAWN_AFTER + RESPAWN_STAGGER * 3) + 3
+    while time.monotonic() < deadline:
+        running = [p.pid for p in corral_home.home_processes() if "daemon" in " ".join(p.cmdline())]
+        assert not running and corral_home.daemon_info() is None, f"a second daemon: {running}"
+        time.sleep(0.1)

@@ -8,6 +8,7 @@ never has to guess from a pid or a heartbeat whether the holder is still there.
 from __future__ import annotations
 
 import fcntl
+import time
 from pathlib import Path
 from typing import IO
 
@@ -43,3 +44,32 @@ def take_slot(home: Path, slot: int) -> IO[str] | None:
         f.close()
         return None
     return f
+
+
+def claim_respawn(home: Path, within: float) -> bool:
+    """Whether this worker may start a daemon now: no other worker of the home started one in
+    the last ``within`` seconds. Every worker of a home sees a crashed daemon, and a daemon
+    takes a second to take the home's lock; without this, a second worker started a second
+    daemon in that second, which took the lock once the first was stopped on purpose."""
+    path = home / "dataplane" / "respawn.lock"
+    try:
+        with open(path, "a+") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # another worker is deciding right now
+            f.seek(0)
+            try:
+                last = float(f.read().strip() or 0.0)
+            except ValueError:
+                last = 0.0
+            now = time.time()
+            if 0 <= now - last < within:
+                return False
+            f.seek(0)
+            f.truncate()
+            f.write(f"{now}\n")
+            f.flush()
+            return True
+    except OSError:
+        return False  # cannot tell: never a second daemon on a guess

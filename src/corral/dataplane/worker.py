@@ -52,7 +52,7 @@ from corral.balancer import LoadBalancer
 from corral.balancer.metrics import merge_stats
 from corral.dataplane import engines
 from corral.dataplane.listeners import make_balancer
-from corral.dataplane.locks import daemon_holds_lock, take_slot
+from corral.dataplane.locks import claim_respawn, daemon_holds_lock, take_slot
 from corral.dataplane.protocol import (
     HISTORY_SECONDS,
     MAX_MESSAGE,
@@ -388,6 +388,8 @@ class Worker:
                 continue
             if self.watch is not None and self.watch.gone() is not None:
                 continue  # never a daemon for a home that is gone (the next check ends us)
+            if not claim_respawn(self.home, RESPAWN_BACKOFF):
+                continue  # another worker started one a moment ago
             self._last_spawn = now
             try:
                 argv = [str(a) for a in self.respawn["argv"]]
