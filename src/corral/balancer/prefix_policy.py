@@ -85,7 +85,6 @@ class PrefixAffinity:
         self._by_load = LeastLoad()
         self._ready: frozenset[int] = frozenset()
         self._waiting: dict[int, float] = {}
-        self.routed = 0  # requests routed by their prompt (the rest went by load)
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
         now = frozenset(ready)
@@ -106,11 +105,12 @@ class PrefixAffinity:
         prompt = read_prompt(path, request.body, self.prompt_field)
         if prompt is None:
             return self._by_load.select(candidates, in_flight)
-        self.routed += 1
         text = prompt.text
         anchor = text[: prompt.anchor_end if prompt.chat else self.anchor_chars]
         hashes = self.index.hashes(text)
-        own = len(anchor) // self.index.block_chars  # blocks shared beyond this mean nothing
+        # A cached match no longer than the anchor may be another conversation's (a shared
+        # system prompt): only one past it is this conversation's own.
+        own = len(anchor) // self.index.block_chars
         chosen = self._choose(candidates, in_flight, stable_key(anchor), hashes, own)
         self.index.insert(chosen, hashes)
         return chosen
