@@ -506,3 +506,24 @@ def test_the_llm_settings_are_checked_and_reach_the_route() -> None:
         with pytest.raises(SpecError) as caught:
             parse_spec(base + f"  load_balancer:\n    {bad}\n")
         assert field in str(caught.value), (bad, str(caught.value))
+
+
+def test_a_new_document_goes_by_load_and_its_next_questions_follow_it() -> None:
+    """Four documents first seen together land on four replicas (by load, not by a hash
+    that may put two on one), and each one's later questions find it there."""
+    from corral.balancer.routing import make_policy
+
+    policy = make_policy("prefix_affinity")
+    ready = (1, 2, 3, 4)
+    policy.update(ready, {})
+    docs = [f"Document {d}. " + "Its shared text goes on. " * 150 for d in range(4)]
+    in_flight: Counter[int] = Counter()
+    homes = {}
+    for d, doc in enumerate(docs):  # all four in flight at once
+        body = json.dumps({"prompt": doc + "First question?"}).encode()
+        homes[d] = policy.select(ready, in_flight, view(body, b"/v1/completions"))
+        in_flight[homes[d]] += 1
+    assert sorted(homes.values()) == [1, 2, 3, 4]
+    for d, doc in enumerate(docs):
+        body = json.dumps({"prompt": doc + "Another question?"}).encode()
+        assert policy.select(ready, in_flight, view(body, b"/v1/completions")) == homes[d]
