@@ -96,6 +96,7 @@ import psutil
 import uvloop
 from _lb_peers import apt_install, find_binary, free_port, tool_version
 
+from corral.balancer.http1 import BadRequest, ChunkedDecoder
 from corral.llmsim import EngineConfig, command
 
 HERE = Path(__file__).resolve().parent
@@ -517,20 +518,11 @@ class Result:
 def parse_stream(body: bytes, chunked: bool) -> tuple[str, str, bool]:
     """(the generated text, the serving engine's model name, whether [DONE] came)."""
     if chunked:
-        out, i = [], 0
-        while True:
-            eol = body.find(b"\r\n", i)
-            if eol < 0:
-                break
-            try:
-                size = int(body[i:eol].split(b";")[0], 16)
-            except ValueError:
-                break
-            if size == 0:
-                break
-            out.append(body[eol + 2 : eol + 2 + size])
-            i = eol + 2 + size + 2
-        body = b"".join(out)
+        try:
+            pieces, _, _ = ChunkedDecoder().feed(body)
+        except BadRequest:
+            pieces = []
+        body = b"".join(pieces)
     text, model, done = [], "", False
     for line in body.split(b"\n"):
         if not line.startswith(b"data:"):

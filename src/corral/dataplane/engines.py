@@ -22,6 +22,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from corral.balancer import LoadBalancer
+from corral.balancer.http1 import BadRequest, ChunkedDecoder
 from corral.balancer.policies import EngineLoad
 
 INTERVAL: Final = 1.0
@@ -102,20 +103,12 @@ async def fetch(base: str, path: str) -> dict[str, float] | None:
 
 
 def _unchunk(body: bytes) -> bytes:
-    out, i = [], 0
-    while True:
-        eol = body.find(b"\r\n", i)
-        if eol < 0:
-            break
-        try:
-            size = int(body[i:eol].split(b";")[0], 16)
-        except ValueError:
-            break
-        if size == 0:
-            break
-        out.append(body[eol + 2 : eol + 2 + size])
-        i = eol + 2 + size + 2
-    return b"".join(out)
+    """A chunked body's data (the balancer's own decoder); empty when its framing is broken."""
+    try:
+        pieces, _, _ = ChunkedDecoder().feed(body)
+    except BadRequest:
+        return b""
+    return b"".join(pieces)
 
 
 async def read_all(ready: Mapping[int, str], path: str) -> dict[int, dict[str, float]]:
