@@ -70,6 +70,13 @@ def replica_pids(svc: dict[str, Any]) -> list[int]:
     return [int(r["pid"]) for r in svc["replicas"] if r["status"] == "READY" and r["pid"]]
 
 
+def new_daemon(home: CorralHome, old: int) -> int | None:
+    """The pid of a daemon other than ``old`` that answers, or None yet."""
+    info = home.daemon_info()
+    pid = int(info["pid"]) if info else None
+    return pid if pid and pid != old and home.healthy() else None
+
+
 def kill_group(pid: int) -> None:
     os.killpg(os.getpgid(pid), signal.SIGKILL)
     wait_for(lambda: not pid_alive(pid), 10, f"replica pid {pid} to die")
@@ -178,12 +185,7 @@ def test_a_crashed_daemon_is_brought_back_and_replaces_a_dead_replica(
     os.kill(old, signal.SIGKILL)
     kill_group(victim)
 
-    def new_daemon() -> int | None:
-        info = corral_home.daemon_info()
-        pid = int(info["pid"]) if info else None
-        return pid if pid and pid != old and corral_home.healthy() else None
-
-    new = wait_for(new_daemon, 30, "a worker to start a new daemon")
+    new = wait_for(lambda: new_daemon(corral_home, old), 30, "a worker to start a new daemon")
     corral_home.daemon_pids.add(new)
     svc = corral_home.wait_replicas("phoenix", 2, timeout=60)
     assert victim not in replica_pids(svc)
@@ -252,12 +254,7 @@ def test_one_daemon_is_brought_back_however_many_workers_see_the_crash(
     old = corral_home.daemon_pid()
     os.kill(old, signal.SIGKILL)
 
-    def new_daemon() -> int | None:
-        info = corral_home.daemon_info()
-        pid = int(info["pid"]) if info else None
-        return pid if pid and pid != old and corral_home.healthy() else None
-
-    back = wait_for(new_daemon, 30, "a worker to start a new daemon")
+    back = wait_for(lambda: new_daemon(corral_home, old), 30, "a worker to start a new daemon")
     corral_home.daemon_pids.add(back)
     corral_home.run("daemon", "stop")
     wait_for(lambda: finished(back), 30, "the daemon stopped on purpose to exit")

@@ -97,17 +97,9 @@ def await_respawn(client: Client, say: Callable[[str], None], wait: float = RESP
 def home_services(home: Path) -> list[str] | None:
     """The names of the services ``home``'s state file holds (read only, without a daemon);
     [] for a home never used; None when the file cannot be read (then assume some)."""
-    import sqlite3
+    from corral.home import read_state
 
-    path = home / "state.db"
-    if not path.exists():
-        return []
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        try:
-            rows = db.execute("SELECT name FROM services ORDER BY name").fetchall()
-        finally:
-            db.close()
-    except sqlite3.Error:
+    rows = read_state(home, "SELECT name FROM services ORDER BY name")
+    if rows is None:
         return None
     return [str(name) for (name,) in rows]

@@ -145,3 +145,21 @@ def ensure_token(home: Path) -> tuple[str, list[str]]:
         f.write(token + "\n")
     tmp.replace(path)
     return token, notes
+
+
+def read_state(home: Path, sql: str) -> list[tuple[Any, ...]] | None:
+    """Rows of a read-only query on the home's state file, with no daemon running: [] for a
+    home never used (no file), None when the file cannot be read."""
+    import sqlite3
+
+    path = home / "state.db"
+    if not path.exists():
+        return []
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            return [tuple(row) for row in db.execute(sql).fetchall()]
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None

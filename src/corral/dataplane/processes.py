@@ -7,7 +7,6 @@ Kept apart from :mod:`corral.dataplane.plane` (the daemon's bookkeeping of its w
 from __future__ import annotations
 
 import logging
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -16,6 +15,7 @@ from typing import IO, Final
 
 import psutil
 
+from corral.home import read_state
 from corral.ownership import HOME_ID_FLAG, read_home_id
 from corral.procfs import running as _running
 from corral.procfs import terminate_all
@@ -84,17 +84,7 @@ def stop_recorded_workers(home: Path, timeout: float = WORKER_STOP_TIMEOUT) -> l
     """Stop the balancer workers recorded in the home's state file, with no daemon running
     (``corral daemon stop --all``): SIGTERM (they finish in-flight requests), then SIGKILL.
     Only processes whose pid and creation time match a record are touched."""
-    db_path = home / "state.db"
-    if not db_path.exists():
-        return []
-    try:
-        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
-        try:
-            rows = db.execute("SELECT pid, created FROM balancer_workers").fetchall()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return []
+    rows = read_state(home, "SELECT pid, created FROM balancer_workers") or []
     procs = [
         p for pid, created in rows if (p := find_process(int(pid), float(created))) is not None
     ]
