@@ -250,7 +250,9 @@ def test_scale_to_zero_holds_the_first_request(corral_home: CorralHome, tmp_path
         " upscale_delay_seconds: 1, downscale_delay_seconds: 2}\n"
     )
     path = write_spec(tmp_path / "zero.yaml", spec("zero", version="1", service=policy))
-    home.run("up", str(path), "--detach")
+    # `up` returns: no replica is the steady state of a scale-to-zero service with no traffic.
+    said = home.run("up", str(path), timeout=60).stdout
+    assert "up with no replica" in said and "the first request to http://127.0.0.1:" in said
     svc: Any = home.wait_for(
         lambda: (s := home.service("zero")) and s["target"] == 0 and s, 20, "target 0"
     )

@@ -108,6 +108,15 @@ def wait_ready(client: Client, name: str, timeout: float | None) -> None:
                 soft_wrap=True,
             )
             return
+        if status == "NO_REPLICA" and service.get("target") == 0:
+            # Scale to zero (min_replicas: 0) with no traffic yet: this is its steady state,
+            # not a step on the way to READY.
+            out.print(
+                f"[green]service {name} is up with no replica[/green] (min_replicas: 0): "
+                f"the first request to {service['endpoint']} starts one",
+                soft_wrap=True,
+            )
+            return
         if status in FAILED_SERVICE:
             failed = [r for r in service["replicas"] if r.get("failure")]
             hint = ""
