@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 from click.testing import CliRunner
-from conftest import CorralHome, finished, spec_text, write_spec
+from conftest import APPS, CorralHome, finished, spec_text, write_spec
 
 from corral.cli_common import CorralGroup
 from corral.cli_nodaemon import RESPAWN_NOTE
@@ -198,3 +198,23 @@ def test_a_remote_api_that_does_not_answer_is_an_error(corral_home: CorralHome) 
     assert result.returncode == 1 and "is not reachable" in result.stderr, result
     down = corral_home.run("down", "-a", "-y", check=False, env=remote)
     assert down.returncode == 1 and "is not reachable" in down.stderr, down
+
+
+def test_a_starting_replica_shows_what_its_last_probe_got(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A readiness path that answers 503 is told apart from an app not listening: the
+    replica's view and `corral status` carry the last probe's result while it is STARTING."""
+    run = f"exec {sys.executable} faulty.py --mode flap --up 0 --down 600"
+    spec = write_spec(tmp_path / "sick.yaml", spec_text("sick", 1, run=run, workdir=APPS))
+    corral_home.run("up", str(spec), "--detach")
+
+    def probed() -> dict[str, object] | None:
+        svc = corral_home.service("sick")
+        replicas = svc["replicas"] if svc else []
+        return replicas[0] if replicas and replicas[0].get("last_probe") == "HTTP 503" else None
+
+    replica = corral_home.wait_for(probed, 30, "the last probe's 503 in the replica's view")
+    assert replica["status"] == "STARTING", replica
+    shown = corral_home.run("status", "sick").stdout
+    assert "last probe: HTTP 503" in shown, shown

@@ -55,13 +55,18 @@ def ready_text(service: dict[str, Any]) -> str:
 
 
 def status_text(replica: dict[str, Any]) -> str:
-    """A replica's status; a STARTING one says for how long, out of its initial delay."""
+    """A replica's status; a STARTING one says for how long, out of its initial delay, and
+    what its last probe got (an app answering 500 is told apart from one not listening)."""
     status = str(replica["status"])
     started = replica.get("starting_seconds")
+    last = replica.get("last_probe")
+    seen = f"; last probe: {last}" if last else ""
     if status == "STARTING" and started is not None:
         delay = replica.get("initial_delay_seconds")
         limit = f" of {age(float(delay))} initial delay" if delay is not None else ""
-        return f"STARTING ({age(float(started))}{limit})"
+        return f"STARTING ({age(float(started))}{limit}{seen})"
+    if status == "NOT_READY" and last:
+        return f"NOT_READY (last probe: {last})"
     return status
 
 

@@ -147,6 +147,10 @@ def replica_view(
         "devices": devices,
         "waiting": waiting,
     }
+    if status in (ReplicaStatus.STARTING, ReplicaStatus.NOT_READY):
+        # What the last readiness probe got, while it is not READY (None before the first).
+        probed = svc.rt.probes.get(r.id)
+        view["last_probe"] = probed.last_error if probed is not None else None
     if status is ReplicaStatus.STARTING and r.launched_at is not None:
         # How long it has been trying, against how long it may (then FAILED_INITIAL_DELAY).
         view["starting_seconds"] = round(now - r.launched_at, 1)
