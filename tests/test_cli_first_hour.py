@@ -218,3 +218,19 @@ def test_a_starting_replica_shows_what_its_last_probe_got(
     assert replica["status"] == "STARTING", replica
     shown = corral_home.run("status", "sick").stdout
     assert "last probe: HTTP 503" in shown, shown
+
+
+def test_a_command_that_cannot_start_fails_at_once_with_the_shells_line(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`run: pyhton3 ...`: the shell cannot find it (exit 127). `up` ends at the first
+    failure, not after three relaunches, and says what the shell said."""
+    text = spec_text("typo", 2, run="pyhton3 -m http.server $PORT")
+    spec = write_spec(tmp_path / "typo.yaml", text)
+    result = corral_home.run("up", str(spec), "-y", check=False, timeout=60)
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert "code 127" in said and "pyhton3" in said and "not found" in said, said
+    svc = corral_home.service("typo")
+    assert svc is not None and svc["status"] == "FAILED", svc
+    assert len(svc["replicas"]) <= 2, svc["replicas"]  # no relaunches after the first failures

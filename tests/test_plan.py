@@ -68,6 +68,7 @@ class R:
     updated_at: float = 0.0
     teardown_attempts: int = 0
     handle_json: str | None = None
+    exit_code: int | None = None
 
 
 def ready(rid: int, version: int = 1, at: float = 0.0) -> R:
@@ -272,6 +273,28 @@ def test_crash_loop_gives_up_after_three_unrecoverable_failures() -> None:
         facts(rows, target=1, version_ready=False, failure=reason), now=1000.0
     )
     assert without_notes(again) == [Hold(None)]
+
+
+@pytest.mark.parametrize(
+    ("row", "why"),
+    [
+        (replace(crashed(1, 1.0), exit_code=127, failure="exit 127"), "exit 127"),
+        (replace(crashed(1, 1.0), exit_code=126, failure="exit 126"), "exit 126"),
+    ],
+    ids=["command-not-found", "not-executable"],
+)
+def test_a_failure_no_relaunch_can_mend_gives_up_at_once(row: R, why: str) -> None:
+    """`pyhton3: command not found` (127), a command that is not executable (126): the first
+    such failure before READY fails the version with its line."""
+    actions = plan.toward_target(facts([row], target=2, version_ready=False), now=1000.0)
+    fail = [a for a in actions if isinstance(a, Fail)]
+    assert fail and why in fail[0].reason and "1 replica failed" in fail[0].reason, actions
+    assert not any(isinstance(a, Add) for a in actions)
+    # An ordinary crash (exit 1), or a port another process took (a relaunch gets a port of
+    # its own), is relaunched: it may have been a passing fault.
+    for passing in (crashed(1, 1.0), replace(crashed(1, 1.0), failure="is in use by pid 7")):
+        ordinary = plan.toward_target(facts([passing], target=2, version_ready=False), 1000.0)
+        assert not any(isinstance(a, Fail) for a in ordinary)
 
 
 @pytest.mark.parametrize(

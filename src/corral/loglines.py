@@ -94,3 +94,14 @@ def balancer_lines(
     # Each line starts with its time (the workers' logging format): merged in time order.
     found.sort(key=lambda line: line[:23])
     return found, after
+
+
+def last_line(path: Path, limit: int = 300) -> str:
+    """The last non-empty line of ``path`` (at most ``limit`` characters), or ""."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(tail_offset(path, 3))
+            lines = [line.strip() for line in f.read(64 * 1024).splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1].decode("utf-8", "replace")[:limit] if lines else ""

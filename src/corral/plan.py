@@ -47,6 +47,15 @@ BACKOFF_CAP = 30.0
 UNRECOVERABLE = frozenset(
     {ReplicaStatus.FAILED, ReplicaStatus.FAILED_INITIAL_DELAY, ReplicaStatus.FAILED_PROVISION}
 )
+# Exits no relaunch can mend: the shell could not find (127) or run (126) the command. One is
+# enough to give up: three relaunches would only repeat the same line. (A port taken by another
+# process is not one of them: a relaunch gets a port of its own.)
+HOPELESS_EXIT_CODES = frozenset({126, 127})
+
+
+def hopeless(r: Row) -> bool:
+    """A failure before READY that the next launch would meet again, whatever it retried."""
+    return failure_status(r) is ReplicaStatus.FAILED and r.exit_code in HOPELESS_EXIT_CODES
 
 
 def backoff(failures: int, *, base: float = 1.0, cap: float = BACKOFF_CAP) -> float:
@@ -67,6 +76,8 @@ class Row(ReplicaFacts, Protocol):
     def teardown_attempts(self) -> int: ...
     @property
     def handle_json(self) -> str | None: ...
+    @property
+    def exit_code(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -291,11 +302,12 @@ def gave_up(version: int, version_ready: bool, current: Sequence[Row]) -> str | 
     if version_ready:
         return None
     failed = [r for r in current if failure_status(r) in UNRECOVERABLE]
-    if len(failed) < MAX_FAILURES_BEFORE_READY:
+    if len(failed) < MAX_FAILURES_BEFORE_READY and not any(hopeless(r) for r in failed):
         return None
     last = max(failed, key=lambda r: r.id)
     return (
-        f"version {version} never became ready and {len(failed)} replicas failed; "
+        f"version {version} never became ready and {len(failed)} "
+        f"replica{'s' if len(failed) != 1 else ''} failed; "
         f"last: replica {last.seq or last.id} {failure_status(last)}: "
         f"{last.failure or 'no detail'}"
     )

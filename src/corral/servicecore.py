@@ -24,6 +24,8 @@ from corral.capacity import Capacity
 from corral.dataplane.plane import DataPlane, ServiceRoute
 from corral.infra.base import Connecting, Infra, Liveness, ReplicaHandle
 from corral.jobs import Job, JobPool
+from corral.loglines import last_line
+from corral.plan import HOPELESS_EXIT_CODES
 from corral.spec import ServiceSpec, parse_spec
 from corral.state import FailureKind, ReplicaRow, Store
 
@@ -235,6 +237,8 @@ class ServiceCore:
             return
         code = infra.exit_code(handle)
         said = f"code {code}" if code is not None else "exit code unknown: no daemon was watching"
+        if code in HOPELESS_EXIT_CODES:  # the shell's own line says it: `pyhton3: not found`
+            said += f": {last_line(self.replica_log(r.id))}"
         self.mark_failed(
             r,
             FailureKind.APP,
