@@ -321,3 +321,29 @@ def test_old_versions_files_are_pruned_and_rollback_says_so(
     back = corral_home.api("POST", "/v1/services/hist/versions", body={"from_version": 5})
     assert back.status == 201, back.body
     assert (versions / "14" / "workdir" / "server.py").read_text() == SERVER.format(code="v1")
+
+
+def test_an_update_of_the_service_section_moves_the_traffic_to_its_version(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """The replicas are kept and relabelled: `traffic_versions` and the replicas name the new
+    version at once (it kept naming the old one), the same processes serve."""
+    make_app(tmp_path, "v1")
+
+    def text(timeout: int) -> str:
+        return (
+            f"workdir: app\nrun: exec {sys.executable} server.py\n"
+            "service:\n  readiness_probe:\n    path: /\n    period_seconds: 0.2\n"
+            f"    timeout_seconds: {timeout}\n  replicas: 2\n"
+        )
+
+    write_spec(tmp_path / "same.yaml", text(2))
+    corral_home.run("up", str(tmp_path / "same.yaml"), "-n", "same", cwd=tmp_path)
+    before = corral_home.wait_replicas("same", 2)
+    write_spec(tmp_path / "same.yaml", text(3))
+    corral_home.run("update", "same", str(tmp_path / "same.yaml"), cwd=tmp_path, timeout=60)
+    after = corral_home.service("same")
+    assert after is not None and after["version"] == 2
+    assert after["traffic_versions"] == [2], after
+    assert {r["version"] for r in after["replicas"]} == {2}
+    assert {r["pid"] for r in after["replicas"]} == {r["pid"] for r in before["replicas"]}

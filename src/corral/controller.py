@@ -408,6 +408,16 @@ class ServiceController:
             if vrow is not None and vrow.mode is UpdateMode.BLUE_GREEN:
                 self.svc.held_version = svc.current_version
                 self.svc.publish_ready()
+        # An update of the service section only relabels the live replicas in the state file:
+        # the versions their traffic is counted under follow (status, traffic_versions).
+        versions = self.svc.rt.versions
+        relabelled = False
+        for r in self.svc.store.replicas(self.svc.name):
+            if r.id in self.svc.rt.ready and versions.get(r.id) != r.version:
+                versions[r.id] = r.version
+                relabelled = True
+        if relabelled:
+            self.svc.publish_ready()
         self.wake()
 
     def _reconcile_down(self, replicas: list[ReplicaRow], *, purge: bool) -> bool:
