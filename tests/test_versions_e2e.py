@@ -293,24 +293,27 @@ def test_every_problem_at_once_in_text_and_json(corral_home: CorralHome, tmp_pat
     assert missing["errors"][0]["line"] == 2 and missing["spec"]["name"] is None
 
 
+def probe_timeout_spec(timeout: int, replicas: int = 1) -> str:
+    """The app of make_app, its probe timeout the only thing that varies: a change of the
+    service section alone, which keeps the replicas (relabelled)."""
+    return (
+        f"workdir: app\nrun: exec {sys.executable} server.py\n"
+        "service:\n  readiness_probe:\n    path: /\n    period_seconds: 0.2\n"
+        f"    timeout_seconds: {timeout}\n  replicas: {replicas}\n"
+    )
+
+
 def test_old_versions_files_are_pruned_and_rollback_says_so(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:
     make_app(tmp_path, "v1")
 
-    def text(timeout: int) -> str:
-        return (
-            f"workdir: app\nrun: exec {sys.executable} server.py\n"
-            "service:\n  readiness_probe:\n    path: /\n    period_seconds: 0.2\n"
-            f"    timeout_seconds: {timeout}\n  replicas: 1\n"
-        )
-
-    write_spec(tmp_path / "small.yaml", text(2))
+    write_spec(tmp_path / "small.yaml", probe_timeout_spec(2))
     corral_home.run("up", str(tmp_path / "small.yaml"), "-n", "hist", cwd=tmp_path)
     # Twelve updates of the service section only: the replica is kept (relabelled), and every
     # version gets its own copy (sharing every file).
     for timeout in range(3, 15):
-        body = {"spec": text(timeout), "base_dir": str(tmp_path)}
+        body = {"spec": probe_timeout_spec(timeout), "base_dir": str(tmp_path)}
         answer = corral_home.api("POST", "/v1/services/hist/versions", body=body)
         assert answer.status == 201, answer.body
     versions = corral_home.path / "services" / "hist" / "versions"
@@ -330,17 +333,10 @@ def test_an_update_of_the_service_section_moves_the_traffic_to_its_version(
     version at once (it kept naming the old one), the same processes serve."""
     make_app(tmp_path, "v1")
 
-    def text(timeout: int) -> str:
-        return (
-            f"workdir: app\nrun: exec {sys.executable} server.py\n"
-            "service:\n  readiness_probe:\n    path: /\n    period_seconds: 0.2\n"
-            f"    timeout_seconds: {timeout}\n  replicas: 2\n"
-        )
-
-    write_spec(tmp_path / "same.yaml", text(2))
+    write_spec(tmp_path / "same.yaml", probe_timeout_spec(2, replicas=2))
     corral_home.run("up", str(tmp_path / "same.yaml"), "-n", "same", cwd=tmp_path)
     before = corral_home.wait_replicas("same", 2)
-    write_spec(tmp_path / "same.yaml", text(3))
+    write_spec(tmp_path / "same.yaml", probe_timeout_spec(3, replicas=2))
     corral_home.run("update", "same", str(tmp_path / "same.yaml"), cwd=tmp_path, timeout=60)
     after = corral_home.service("same")
     assert after is not None and after["version"] == 2
