@@ -108,7 +108,6 @@ class Worker:
         self.slot = slot
         self.watch = watch
         self.idle_exit = idle_exit
-        self.home_gone: str | None = None
         self._slot_lock = slot_lock
         self.services: dict[str, _Service] = {}
         self.retiring: list[tuple[str, LoadBalancer]] = []
@@ -406,7 +405,6 @@ class Worker:
         reason = self.watch.gone() if self.watch is not None else None
         if reason is None:
             return False
-        self.home_gone = reason
         log.warning("%s: this balancer worker exits", reason)
         marker = self.watch.home_id if self.watch is not None else None
         if self._writer is None and marker is not None:
