@@ -36,6 +36,7 @@ from chaos_support import BASE_SEED, record, rounds
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from corral.model_engines import ModelUnavailable, engine_command
 from corral.spec import (
     MAX_REPLICAS,
     MAX_SECONDS,
@@ -107,7 +108,14 @@ def check(text: str) -> ServiceSpec | SpecError:
 
 def check_sane(spec: ServiceSpec, text: str) -> None:
     """An accepted spec holds only values the rest of corral can act on."""
-    assert spec.run and spec.run.strip(), text[:300]
+    if spec.model and not spec.run:
+        # A model-first spec: its run is chosen at `up` for the machine, or refused with a reason.
+        try:
+            assert engine_command(spec).strip(), text[:300]
+        except ModelUnavailable as exc:
+            assert "cannot run here" in str(exc), exc
+    else:
+        assert spec.run and spec.run.strip(), text[:300]
     if spec.name is not None:
         assert spec.name.isascii() and spec.name[:1].isalpha() and len(spec.name) <= 63, NAME_RULE
     probe = spec.service.readiness_probe
