@@ -182,3 +182,35 @@ def test_probe_failure_in_words() -> None:
 
     error = asyncio.run(once()) or ""
     assert error == f"connection refused: nothing listens on 127.0.0.1:{port} (yet)", error
+
+
+def test_status_shows_the_llm_figures_and_leaves_out_what_the_engine_does_not_report() -> None:
+    service: dict[str, Any] = {
+        "name": "chat",
+        "llm": {
+            "ttft_p50_seconds": 0.044,
+            "ttft_p99_seconds": 0.2,
+            "streams": 12,
+            "held": 3,
+            "held_expired": 0,
+            "queue": 0.0,
+            "running": 2.0,
+            "prefix_hit_rate": 0.81,
+        },
+        "replicas": [
+            {"id": 1, "llm": {"ttft_p50_seconds": None, "ttft_p99_seconds": None, "streams": 0,
+                              "waiting": 1.0, "running": 4.0, "kv_cache_usage": 0.5,
+                              "prefix_hit_rate": None}},
+            {"id": 2, "llm": None},
+        ],
+    }  # fmt: skip
+    line = cliview.llm_lines(service, verbose=False)
+    assert line == [
+        "chat: TTFT p50 44 ms p99 200 ms over 12 streams; 0 waiting, 2 running; "
+        "prefix-cache hit rate 0.81; 3 held in the balancer"
+    ]
+    verbose = cliview.llm_lines(service, verbose=True)
+    assert verbose[1:] == [
+        "chat replica 1: TTFT p50 - p99 - over 0 streams; 1 waiting, 4 running; KV cache 50% used"
+    ]
+    assert cliview.llm_lines({"name": "web", "replicas": [{"id": 1}]}, verbose=True) == []

@@ -116,6 +116,8 @@ def _print_tables(services: list[dict[str, Any]], verbose: bool) -> None:
     for line in folded:
         out.print(line, soft_wrap=True)
     for s in services:
+        for text in cliview.llm_lines(s, verbose):
+            out.print(text, soft_wrap=True, markup=False)
         for style, text in cliview.service_notes(s):
             out.print(text, style=style or None, soft_wrap=True, markup=False)
 

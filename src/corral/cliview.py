@@ -195,3 +195,39 @@ def service_notes(service: dict[str, Any]) -> list[tuple[str, str]]:
         # The endpoint is kept, not moved: whoever holds the port must let it go.
         notes.append(("red", f"{name}: endpoint not served: {problem}"))
     return notes
+
+
+def _ms(seconds: Any) -> str:
+    return "-" if seconds is None else f"{float(seconds) * 1000:.0f} ms"
+
+
+def _llm_text(figures: dict[str, Any], queue_key: str) -> str:
+    """One line of what an LLM operator watches; a figure the engine does not report is left out,
+    never shown as 0."""
+    p50, p99 = _ms(figures.get("ttft_p50_seconds")), _ms(figures.get("ttft_p99_seconds"))
+    parts = [f"TTFT p50 {p50} p99 {p99} over {figures.get('streams', 0)} streams"]
+    if figures.get(queue_key) is not None:
+        parts.append(f"{figures[queue_key]:g} waiting, {figures.get('running') or 0:g} running")
+    if figures.get("kv_cache_usage") is not None:
+        parts.append(f"KV cache {float(figures['kv_cache_usage']):.0%} used")
+    if figures.get("prefix_hit_rate") is not None:
+        parts.append(f"prefix-cache hit rate {float(figures['prefix_hit_rate']):.2f}")
+    if figures.get("held"):
+        parts.append(f"{figures['held']} held in the balancer")
+    if figures.get("held_expired"):
+        parts.append(f"{figures['held_expired']} turned away (503) after the hold")
+    return "; ".join(parts)
+
+
+def llm_lines(service: dict[str, Any], verbose: bool) -> list[str]:
+    """The LLM figures of ``service`` (the same as `status --json`'s ``llm``): the service's
+    line, and with ``verbose`` one per replica that streamed or reported anything."""
+    name = service["name"]
+    lines = []
+    if service.get("llm"):
+        lines.append(f"{name}: {_llm_text(service['llm'], 'queue')}")
+    if verbose:
+        for r in service.get("replicas") or ():
+            if r.get("llm"):
+                lines.append(f"{name} replica {r['id']}: {_llm_text(r['llm'], 'waiting')}")
+    return lines
