@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from corral import capture, plan
-from corral.autoscale import Autoscaler, Decision, make_autoscaler
-from corral.autoscale_queue import QueueDepthAutoscaler, queue_depth
+from corral.autoscale import Autoscaler, Decision
+from corral.autoscale_queue import SampledAutoscaler, fits, make_scaler
 from corral.dataplane.plane import ServiceRoute
 from corral.dataplane.protocol import Route
 from corral.errors import NoSuchReplica, ReplicaBusy
@@ -332,18 +332,11 @@ class ServiceController:
         """The autoscaler's target, re-decided every decision interval from the balancer's
         request timestamps (``time.monotonic()``, the clock the autoscaler expects)."""
         policy = spec.service.replica_policy
-        on_queue = policy.target_queue_per_replica is not None
-        if self._autoscaler is None or isinstance(self._autoscaler, QueueDepthAutoscaler) != (
-            on_queue
-        ):
-            self._autoscaler = (
-                QueueDepthAutoscaler(policy, decision_interval=self.svc.deps.decision_interval)
-                if on_queue
-                else make_autoscaler(
-                    policy,
-                    decision_interval=self.svc.deps.decision_interval,
-                    qps_window=self.svc.deps.qps_window,
-                )
+        if self._autoscaler is None or not fits(self._autoscaler, policy):
+            self._autoscaler = make_scaler(
+                policy,
+                decision_interval=self.svc.deps.decision_interval,
+                qps_window=self.svc.deps.qps_window,
             )
             self._policy_version = version
         elif self._policy_version != version:
@@ -356,10 +349,9 @@ class ServiceController:
             lookback = self._autoscaler.lookback(now)
             times = self.balancer.request_timestamps(lookback) if self.balancer else []
             previous = self._decision
-            if isinstance(self._autoscaler, QueueDepthAutoscaler):
-                self._autoscaler.observe(
-                    queue_depth(self.balancer.stats() if self.balancer else None)
-                )
+            if isinstance(self._autoscaler, SampledAutoscaler):
+                stats = self.balancer.stats() if self.balancer else None
+                self._autoscaler.sample(stats, self.svc.fleet)
             self._decision = self._autoscaler.decide(now, times)
             self._next_decision = now + self._autoscaler.decision_interval
             if previous is None or previous.target != self._decision.target:

@@ -66,7 +66,10 @@ def llm_settings(spec: ServiceSpec) -> dict[str, Any]:
         routing["max_in_flight_per_replica"] = lb.max_in_flight_per_replica
         routing["hold_timeout"] = lb.hold_timeout_seconds
     out: dict[str, Any] = {"routing": routing} if routing else {}
-    metrics = lb.engine_metrics_path or ("/metrics" if prefix else None)
+    # Read under prefix_affinity (the queue is part of a replica's load) and for an
+    # autoscaler on the engines' signals (queue, KV-cache use, tokens per second).
+    engine_scaled = bool(spec.service.replica_policy.engine_targets)
+    metrics = lb.engine_metrics_path or ("/metrics" if prefix or engine_scaled else None)
     if metrics:
         out["engine_metrics_path"] = metrics
     return out

@@ -26,7 +26,8 @@ from corral.infra.base import Connecting, Infra, Liveness, ReplicaHandle
 from corral.jobs import Job, JobPool
 from corral.loglines import last_line
 from corral.plan import HOPELESS_EXIT_CODES
-from corral.spec import ServiceSpec, parse_spec
+from corral.replicas import replica_status
+from corral.spec import ServiceSpec, parse_spec, qps_of_accelerator
 from corral.state import FailureKind, ReplicaRow, Store
 
 log = logging.getLogger("corral.controller")
@@ -199,14 +200,53 @@ class ServiceCore:
     def publish_ready(self) -> None:
         if self.balancer is not None:
             held = self.held_version
+            ready = {
+                rid: endpoint
+                for rid, endpoint in self.rt.ready.items()
+                if held is None or self.rt.versions.get(rid) != held
+            }
+            accelerators = {rid: a for rid, a in self.accelerators().items() if rid in ready}
             self.balancer.set_ready(
-                {
-                    rid: endpoint
-                    for rid, endpoint in self.rt.ready.items()
-                    if held is None or self.rt.versions.get(rid) != held
-                },
-                self.rt.versions,
+                ready, self.rt.versions, accelerators, self._weights(ready, accelerators)
             )
+
+    def accelerators(self) -> dict[int, str]:
+        """The GPU model each placed replica of this service took, as the spec names it
+        (``A100`` of ``A100:1``; docs/gpus.md). Replicas placed by no one (Ray) are absent."""
+        capacity = self.deps.capacity
+        if capacity is None:
+            return {}
+        return {
+            h.replica_id: h.claim.option.partition(":")[0]
+            for h in capacity.holders()
+            if h.service == self.name and h.claim.option
+        }
+
+    def fleet(self) -> list[tuple[str, str | None]]:
+        """Each replica's status and accelerator: what the instance-aware autoscaler counts."""
+        accelerators = self.accelerators()
+        return [
+            (replica_status(r).value, accelerators.get(r.id))
+            for r in self.store.replicas(self.name)
+        ]
+
+    def _weights(
+        self, ready: Mapping[int, str], accelerators: Mapping[int, str]
+    ) -> dict[int, float]:
+        """Each ready replica's target QPS under instance_aware_least_load, from its own
+        version's spec; one whose accelerator no key names (or is unknown) counts as the
+        smallest target (SkyServe's autoscaler's fallback)."""
+        weights: dict[int, float] = {}
+        for rid in ready:
+            try:
+                spec = self.spec(self.rt.versions.get(rid, 0))
+            except KeyError:
+                continue
+            targets = spec.service.replica_policy.target_qps_per_accelerator
+            if targets and spec.service.load_balancing_policy == "instance_aware_least_load":
+                qps = qps_of_accelerator(targets, accelerators.get(rid))
+                weights[rid] = qps if qps is not None else min(targets.values())
+        return weights
 
     def set_ready(self, replica_id: int, endpoint: str | None, version: int = 0) -> None:
         changed = False

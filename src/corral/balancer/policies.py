@@ -22,6 +22,7 @@ from typing import Final, NamedTuple, Protocol
 
 __all__ = [
     "EngineLoad",
+    "InstanceAwareLeastLoad",
     "LeastLoad",
     "Policy",
     "PowerOfTwo",
@@ -76,6 +77,12 @@ class Policy(Protocol):
         """The ready set, or what the engines report, changed."""
         ...
 
+    def weigh(self, weights: Mapping[int, float]) -> None:
+        """What each replica serves relative to the others (its accelerator's target QPS,
+        from the route); a replica missing from it weighs 1. Only
+        :class:`InstanceAwareLeastLoad` reads it."""
+        ...
+
 
 class _Blind:
     """The load policies' side of :class:`Policy`: they read no request and keep nothing per
@@ -84,6 +91,9 @@ class _Blind:
     reads_request = False
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
+        return None
+
+    def weigh(self, weights: Mapping[int, float]) -> None:
         return None
 
 
@@ -225,3 +235,44 @@ class PowerOfTwo(_Blind):
 
     def __repr__(self) -> str:
         return "PowerOfTwo()"
+
+
+class InstanceAwareLeastLoad(_Blind):
+    """SkyServe's ``instance_aware_least_load``, for fleets of mixed accelerators: the replica
+    with the least in-flight requests per unit of what it serves (its accelerator's target QPS,
+    :meth:`weigh`), so an H100 replica worth 10 QPS takes twice the requests of an A100 worth
+    5 before either is preferred to the other. Ties rotate as in :class:`LeastLoad`."""
+
+    def __init__(self) -> None:
+        self._last: int | None = None
+        self._weights: dict[int, float] = {}
+
+    def weigh(self, weights: Mapping[int, float]) -> None:
+        self._weights = {int(rid): float(w) for rid, w in weights.items() if w > 0}
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        request: RequestView | None = None,
+    ) -> int:
+        weights, last = self._weights, self._last
+        best: float | None = None
+        smallest = after = 0
+        found_after = False
+        for rid in candidates:
+            load = in_flight.get(rid, 0) / weights.get(rid, 1.0)
+            if best is None or load < best - 1e-12:
+                best, smallest, after = load, rid, rid
+                found_after = last is not None and rid > last
+            elif load <= best + 1e-12:
+                smallest = min(smallest, rid)
+                if last is not None and rid > last and (not found_after or rid < after):
+                    found_after, after = True, rid
+        if best is None:
+            raise ValueError("no candidate replica")
+        self._last = chosen = after if found_after else smallest
+        return chosen
+
+    def __repr__(self) -> str:
+        return f"InstanceAwareLeastLoad(weights={self._weights})"

@@ -99,6 +99,9 @@ class PrefixAffinity:
         self._ready = now
         self._waiting = {rid: load.waiting for rid, load in engines.items()}
 
+    def weigh(self, weights: Mapping[int, float]) -> None:
+        return None
+
     def select(
         self,
         candidates: Sequence[int],
@@ -177,6 +180,9 @@ class SessionAffinity:
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
         self.inner.update(ready, engines)
+
+    def weigh(self, weights: Mapping[int, float]) -> None:
+        self.inner.weigh(weights)
 
     def select(
         self,

@@ -406,6 +406,11 @@ class LoadBalancer(Counters, Gate):
             return self._policy.select(self._healthy(candidates), self._in_flight)
         return self._policy.select(self._healthy(candidates), self._in_flight, request)
 
+    def set_weights(self, weights: Mapping[int, float]) -> None:
+        """What each replica serves relative to the others (its accelerator's target QPS):
+        for a policy that weighs replicas (instance_aware_least_load)."""
+        self._policy.weigh(weights)
+
     def set_engine_load(self, engines: Mapping[int, EngineLoad]) -> None:
         """What the replicas' engines report of their own load (the worker reads their
         metrics): for a policy that weighs it."""

@@ -9,11 +9,24 @@ from __future__ import annotations
 
 from typing import Final
 
-from corral.balancer.policies import DEFAULT_BALANCE, LeastLoad, Policy, PowerOfTwo, RoundRobin
+from corral.balancer.policies import (
+    DEFAULT_BALANCE,
+    InstanceAwareLeastLoad,
+    LeastLoad,
+    Policy,
+    PowerOfTwo,
+    RoundRobin,
+)
 
 __all__ = ["ALIASES", "POLICY_NAMES", "make_policy"]
 
-POLICY_NAMES: Final = ("round_robin", "least_load", "power_of_two", "prefix_affinity")
+POLICY_NAMES: Final = (
+    "round_robin",
+    "least_load",
+    "power_of_two",
+    "prefix_affinity",
+    "instance_aware_least_load",
+)
 # Other routers' names for the same thing (SGLang's and vLLM's routers: ``cache_aware``).
 ALIASES: Final = {"cache_aware": "prefix_affinity", "prefix_aware": "prefix_affinity"}
 
@@ -43,6 +56,8 @@ def make_policy(
         policy = LeastLoad()
     elif name == "power_of_two":
         policy = PowerOfTwo()
+    elif name == "instance_aware_least_load":
+        policy = InstanceAwareLeastLoad()
     elif name == "prefix_affinity":
         policy = PrefixAffinity(prompt_field=prompt_field, balance=balance)
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 from collections.abc import Mapping
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -118,9 +119,36 @@ async def read_all(ready: Mapping[int, str], path: str) -> dict[int, dict[str, f
     return {rid: signals for rid, signals in zip(ids, got, strict=True) if signals}
 
 
-async def refresh(lb: LoadBalancer, ready: Mapping[int, str], path: str) -> dict[int, Any]:
-    """Read the engines of ``ready``, give their load to ``lb``; return what was read."""
-    signals = await read_all(ready, path)
+def with_rate(
+    signals: dict[str, float], before: Mapping[str, Any] | None, now: float
+) -> dict[str, float]:
+    """``signals`` stamped ``read_at`` (``time.monotonic()``, the same in every process) with
+    ``tokens_per_second``: SGLang's ``gen_throughput`` as it says, else the growth of vLLM's
+    generation-token counter since ``before`` (the previous reading of the same replica). A
+    counter that went back (the engine restarted) gives no rate this time."""
+    out = {**signals, "read_at": now}
+    if "gen_throughput" in signals:
+        out["tokens_per_second"] = signals["gen_throughput"]
+        return out
+    count = signals.get("generation_tokens")
+    last, then = (before or {}).get("generation_tokens"), (before or {}).get("read_at")
+    if count is None or last is None or then is None or now <= then or count < last:
+        return out
+    out["tokens_per_second"] = (count - float(last)) / (now - float(then))
+    return out
+
+
+async def refresh(
+    lb: LoadBalancer,
+    ready: Mapping[int, str],
+    path: str,
+    before: Mapping[int, Mapping[str, Any]] | None = None,
+) -> dict[int, Any]:
+    """Read the engines of ``ready``, give their load to ``lb``; return what was read, with
+    each one's tokens per second since ``before`` (:func:`with_rate`)."""
+    read = await read_all(ready, path)
+    now = time.monotonic()
+    signals = {rid: with_rate(s, (before or {}).get(rid), now) for rid, s in read.items()}
     lb.set_engine_load(
         {
             rid: EngineLoad(s.get("waiting", 0.0), s.get("running", 0.0), s.get("kv_usage"))

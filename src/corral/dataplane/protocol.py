@@ -106,6 +106,10 @@ class Route:
     config: Mapping[str, Any] = field(default_factory=dict)
     ready: Mapping[int, str] | None = None
     versions: Mapping[int, int] = field(default_factory=dict)
+    # Of ready replicas placed on a GPU: its model as the spec names it, and what it serves
+    # relative to the others (instance_aware_least_load: the accelerator's target QPS).
+    accelerators: Mapping[int, str] = field(default_factory=dict)
+    weights: Mapping[int, float] = field(default_factory=dict)
 
     def listener_key(self) -> str:
         """Settings that need a new listener when they change (everything but the ready set)."""
@@ -132,11 +136,16 @@ class Route:
             "config": dict(self.config),
             "ready": None
             if self.ready is None
-            else {
-                str(rid): {"url": url, "version": self.versions.get(rid)}
-                for rid, url in self.ready.items()
-            },
+            else {str(rid): self._replica(rid, url) for rid, url in self.ready.items()},
         }
+
+    def _replica(self, rid: int, url: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"url": url, "version": self.versions.get(rid)}
+        if rid in self.accelerators:
+            out["accelerator"] = self.accelerators[rid]
+        if rid in self.weights:
+            out["weight"] = self.weights[rid]
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Route:
@@ -144,12 +153,18 @@ class Route:
         ready_in = data.get("ready")
         ready: dict[int, str] | None = None
         versions: dict[int, int] = {}
+        accelerators: dict[int, str] = {}
+        weights: dict[int, float] = {}
         if isinstance(ready_in, Mapping):
             ready = {}
             for key, value in ready_in.items():
                 ready[int(key)] = str(value["url"])
                 if value.get("version") is not None:
                     versions[int(key)] = int(value["version"])
+                if value.get("accelerator") is not None:
+                    accelerators[int(key)] = str(value["accelerator"])
+                if value.get("weight") is not None:
+                    weights[int(key)] = float(value["weight"])
         return cls(
             port=int(data["port"]),
             host=str(data.get("host") or "127.0.0.1"),
@@ -158,6 +173,8 @@ class Route:
             config=dict(data.get("config") or {}),
             ready=ready,
             versions=versions,
+            accelerators=accelerators,
+            weights=weights,
         )
 
 

@@ -38,19 +38,37 @@ class ServiceRoute:
 
     def configure(self, route: Route) -> None:
         """New listener settings (an update changed the policy, timeouts or TLS)."""
-        self.route = replace(route, ready=self.route.ready, versions=self.route.versions)
+        self.route = replace(
+            route,
+            ready=self.route.ready,
+            versions=self.route.versions,
+            accelerators=self.route.accelerators,
+            weights=self.route.weights,
+        )
         self._plane.changed()
 
     def set_ready(
-        self, replicas: Mapping[int, str], versions: Mapping[int, int] | None = None
+        self,
+        replicas: Mapping[int, str],
+        versions: Mapping[int, int] | None = None,
+        accelerators: Mapping[int, str] | None = None,
+        weights: Mapping[int, float] | None = None,
     ) -> None:
+        """The ready set, with each replica's version and, where known, its accelerator and
+        its weight (instance_aware_least_load)."""
         seq = self._plane.changed()
         before = set(self.route.ready or ())
         for rid in before - set(replicas):
             self._left[rid] = seq
         for rid in replicas:
             self._left.pop(rid, None)
-        self.route = replace(self.route, ready=dict(replicas), versions=dict(versions or {}))
+        self.route = replace(
+            self.route,
+            ready=dict(replicas),
+            versions=dict(versions or {}),
+            accelerators=dict(accelerators or {}),
+            weights=dict(weights or {}),
+        )
 
     async def wait_drained(self, replica_id: int, timeout: float) -> bool:
         """Wait until every connected worker has applied a table without the replica and has

@@ -275,6 +275,7 @@ class Worker:
                 self._retire(name, old.lb)
         if route.ready is not None:
             svc.ready = dict(route.ready)
+            svc.lb.set_weights(route.weights)
         svc.lb.set_ready(svc.ready)
         path = route.config.get("engine_metrics_path")
         svc.engine_path = str(path) if path else None
@@ -349,7 +350,8 @@ class Worker:
             await asyncio.sleep(engines.INTERVAL)
             for svc in list(self.services.values()):
                 if svc.engine_path and svc.ready:
-                    svc.engines = await engines.refresh(svc.lb, svc.ready, svc.engine_path)
+                    read = engines.refresh(svc.lb, svc.ready, svc.engine_path, svc.engines)
+                    svc.engines = await read
 
     # -- bringing a crashed daemon back -------------------------------------------------------
 

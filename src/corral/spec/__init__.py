@@ -74,6 +74,7 @@ from corral.spec.service import (
     ReplicaPolicy,
     ServiceSection,
     TlsSettings,
+    qps_of_accelerator,
 )
 from corral.spec.values import (
     DEFAULT_DOWNSCALE_DELAY_SECONDS,
@@ -129,6 +130,7 @@ __all__ = [
     "missing_values",
     "parse_spec",
     "path_issues",
+    "qps_of_accelerator",
     "redact_secrets",
     "validate_name",
     "value_flag",

@@ -12,6 +12,7 @@ from corral.spec.locate import child_node, keep_text_as_written, locate
 from corral.spec.messages import MAX_ISSUES, explain, make_issue, sorted_issues
 from corral.spec.model import ServiceSpec
 from corral.spec.reader import MAX_SPEC_BYTES, read_yaml
+from corral.spec.resources import Resources
 from corral.spec.values import format_range, show
 
 
@@ -38,7 +39,67 @@ def _cross_section_issues(spec: ServiceSpec) -> list[tuple[tuple[str, ...], str]
                 "serve on, so the load balancer and the probe know where to go",
             )
         )
-    return problems
+    return problems + _instance_aware_issues(spec)
+
+
+POLICY_FIELD = ("service", "load_balancing_policy")
+QPS_FIELD = ("service", "replica_policy", "target_qps_per_replica")
+
+
+def _instance_aware_issues(spec: ServiceSpec) -> list[tuple[tuple[str, ...], str]]:
+    """SkyServe's pair: a per-accelerator target QPS goes with instance_aware_least_load and
+    the policy with the mapping; each key names an accelerator the spec asks for."""
+    targets = spec.service.replica_policy.target_qps_per_accelerator
+    aware = spec.service.load_balancing_policy == "instance_aware_least_load"
+    if aware and targets is None:
+        return [
+            (
+                POLICY_FIELD,
+                "instance_aware_least_load needs replica_policy.target_qps_per_replica as a "
+                "mapping of accelerator to requests per second, like {H100: 10, A100: 5}",
+            )
+        ]
+    if targets is None:
+        return []
+    if not aware:
+        return [
+            (
+                QPS_FIELD,
+                "a mapping of accelerator to QPS goes with load_balancing_policy: "
+                "instance_aware_least_load (SkyServe's rule); give that policy, or one number",
+            )
+        ]
+    asked = _accelerators_asked(spec)
+    if not asked:
+        return [
+            (
+                QPS_FIELD,
+                "names accelerators but resources.accelerators (or resources.any_of) asks for "
+                "none: say which the replicas run on",
+            )
+        ]
+    return [
+        (
+            (*QPS_FIELD, key),
+            f"{key!r} is not an accelerator the spec asks for: resources ask "
+            f"{', '.join(sorted(asked.values()))}",
+        )
+        for key in targets
+        if key.partition(":")[0].strip().lower() not in asked
+    ]
+
+
+def _accelerators_asked(spec: ServiceSpec) -> dict[str, str]:
+    """The accelerator names in resources.accelerators and resources.any_of, lower-cased ->
+    as written."""
+    texts = list(spec.resources.accelerators)
+    for option in spec.resources.any_of if isinstance(spec.resources.any_of, list) else ():
+        if isinstance(option, dict) and option.get("accelerators") is not None:
+            try:
+                texts += Resources(accelerators=option["accelerators"]).accelerators
+            except ValueError:
+                continue  # kept, not used: its own placement note covers it
+    return {text.partition(":")[0].lower(): text.partition(":")[0] for text in texts}
 
 
 def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSpec:
@@ -66,7 +127,10 @@ def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSp
     except ValidationError as exc:
         # Only what can be shown is located and explained (each costs a walk of the tree).
         for error in exc.errors(include_url=False)[: MAX_ISSUES + 1]:
-            loc = tuple(error["loc"])
+            # The per-accelerator mapping is read from target_qps_per_replica.
+            loc = tuple(
+                QPS_FIELD[2] if p == "target_qps_per_accelerator" else p for p in error["loc"]
+            )
             dotted, line = locate(root, loc)
             if name_given and loc[:1] == ("name",):
                 line = None  # the override did not come from the file

@@ -201,7 +201,9 @@ class ServiceSpec(Section):
                 "replica_policy": {
                     "min_replicas": policy.min_replicas,
                     "max_replicas": policy.max_replicas,
-                    "target_qps_per_replica": policy.target_qps_per_replica,
+                    "target_qps_per_replica": policy.target_qps_per_accelerator
+                    or policy.target_qps_per_replica,
+                    **policy.engine_targets,
                     "autoscaling": policy.autoscaling,
                     "upscale_delay_seconds": policy.upscale_delay_seconds,
                     "downscale_delay_seconds": policy.downscale_delay_seconds,

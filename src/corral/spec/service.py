@@ -2,9 +2,9 @@
 
 import json
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AliasChoices, Field, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator, model_validator
 
 from corral.spec.section import Section
 from corral.spec.values import (
@@ -98,11 +98,18 @@ class ReplicaPolicy(Section):
     )
 
     min_replicas: int = Field(ge=0, le=MAX_REPLICAS)
-    # Declared before max_replicas: max_replicas' check needs them. The second is corral's
-    # name for SkyServe's `autoscaling.metrics: [{type: queue_depth, target: N}]`: the
-    # requests an LLM engine should hold (running and waiting) per replica (docs/llm.md).
+    # Declared before max_replicas: max_replicas' check needs them (TARGETS). The queue is
+    # corral's name for SkyServe's `autoscaling.metrics: [{type: queue_depth, target: N}]`:
+    # the requests an LLM engine should hold (running and waiting) per replica; the KV-cache
+    # use (0..1) and generated tokens per second are the engines' other signals (docs/llm.md).
     target_qps_per_replica: float | None = Field(default=None, gt=0)
+    # SkyServe's `target_qps_per_replica: {H100: 10, A100: 5}` (with the policy
+    # instance_aware_least_load), moved here by _per_accelerator so the field above stays
+    # a number: requests per second one replica of each accelerator serves.
+    target_qps_per_accelerator: dict[str, Annotated[float, Field(gt=0)]] | None = None
     target_queue_per_replica: float | None = Field(default=None, gt=0)
+    target_kv_cache_usage: float | None = Field(default=None, gt=0, le=1)
+    target_tokens_per_second_per_replica: float | None = Field(default=None, gt=0)
     max_replicas: int = Field(default=None, ge=0, le=MAX_REPLICAS, validate_default=True)
     upscale_delay_seconds: float = Field(DEFAULT_UPSCALE_DELAY_SECONDS, ge=0, le=MAX_SECONDS)
     downscale_delay_seconds: float = Field(DEFAULT_DOWNSCALE_DELAY_SECONDS, ge=0, le=MAX_SECONDS)
@@ -114,6 +121,29 @@ class ReplicaPolicy(Section):
     spot_policy: Any = None
     spot_zones: Any = None
     on_demand_zones: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_accelerator(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("target_qps_per_replica"), dict):
+            data = dict(data)
+            if "target_qps_per_accelerator" in data:
+                raise ValueError(
+                    "target_qps_per_replica as a mapping and target_qps_per_accelerator name "
+                    "the same setting: give only one"
+                )
+            data["target_qps_per_accelerator"] = data.pop("target_qps_per_replica")
+        return data
+
+    @field_validator("target_qps_per_accelerator")
+    @classmethod
+    def _some_accelerator(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and not value:
+            raise ValueError(
+                "is an empty mapping: name each accelerator with the requests per second one "
+                "replica on it serves, like {H100: 10, A100: 5}"
+            )
+        return value
 
     @field_validator("max_replicas", mode="before")
     @classmethod
@@ -137,32 +167,64 @@ class ReplicaPolicy(Section):
             return value
         if value < low:
             raise ValueError(f"must be at least min_replicas ({low}), got {value}")
-        if (
-            "target_qps_per_replica" in info.data
-            and "target_queue_per_replica" in info.data
-            and _target_of(info.data) is None
-            and value != low
-        ):
+        targets_read = all(name in info.data for name in TARGETS)
+        if targets_read and _target_of(info.data) is None and value != low:
             raise ValueError(
-                f"is {value} but min_replicas is {low} and target_qps_per_replica is not set: "
-                "set target_qps_per_replica to autoscale between them, or make max_replicas "
-                "equal to min_replicas (or leave it out) for a fixed size"
+                f"is {value} but min_replicas is {low} and target_qps_per_replica is not "
+                "set: set target_qps_per_replica (or another autoscaling target) to "
+                "autoscale between them, or make max_replicas equal to min_replicas (or "
+                "leave it out) for a fixed size"
             )
         return value
 
     @property
     def autoscaling(self) -> bool:
-        """True when the replica count follows the load (request rate or the engines' queue)
-        rather than staying fixed."""
-        target = self.target_qps_per_replica or self.target_queue_per_replica
-        return target is not None and self.max_replicas > self.min_replicas
+        """True when the replica count follows the load (request rate or the engines' own
+        signals) rather than staying fixed."""
+        return _target_of(self.__dict__) is not None and self.max_replicas > self.min_replicas
+
+    @property
+    def engine_targets(self) -> dict[str, float]:
+        """The targets on what the engines report, by field name (those set)."""
+        names = (
+            "target_queue_per_replica",
+            "target_kv_cache_usage",
+            "target_tokens_per_second_per_replica",
+        )
+        return {name: value for name in names if (value := getattr(self, name)) is not None}
+
+
+# Every autoscaling target: any one set makes the replica count follow the load.
+TARGETS = (
+    "target_qps_per_replica",
+    "target_qps_per_accelerator",
+    "target_queue_per_replica",
+    "target_kv_cache_usage",
+    "target_tokens_per_second_per_replica",
+)
 
 
 def _target_of(data: Mapping[str, Any]) -> str | None:
     """The autoscaling target field set, if any (for messages)."""
-    for name in ("target_qps_per_replica", "target_queue_per_replica"):
+    for name in TARGETS:
         if data.get(name) is not None:
-            return name
+            return "target_qps_per_replica" if name == "target_qps_per_accelerator" else name
+    return None
+
+
+def qps_of_accelerator(targets: Mapping[str, float], accelerator: str | None) -> float | None:
+    """The target QPS of a replica on ``accelerator`` (``A100``, as placement took it) by
+    SkyServe's matching: the key itself, else a key whose name before ``:`` is it (``A100:1``),
+    case ignored; None when no key names it."""
+    if accelerator is None:
+        return None
+    want = accelerator.strip().lower()
+    for key, qps in targets.items():
+        if key.strip().lower() == want:
+            return qps
+    for key, qps in targets.items():
+        if key.partition(":")[0].strip().lower() == want:
+            return qps
     return None
 
 
@@ -171,14 +233,33 @@ class AutoscalingMetric(Section):
     per replica (``queue_depth``: requests in an engine, running and waiting; ``qps``:
     requests per second)."""
 
-    type: Literal["queue_depth", "qps"]
+    type: Literal["queue_depth", "qps", "kv_cache_usage", "tokens_per_second"]
     target: float = Field(gt=0)
 
 
-class AutoscalingSettings(Section):
-    """SkyServe's ``service.autoscaling:`` (its model-first specs): the metric to follow."""
+# Each metric type's field in replica_policy.
+METRIC_FIELDS = {
+    "queue_depth": "target_queue_per_replica",
+    "qps": "target_qps_per_replica",
+    "kv_cache_usage": "target_kv_cache_usage",
+    "tokens_per_second": "target_tokens_per_second_per_replica",
+}
 
-    metrics: list[AutoscalingMetric] = Field(min_length=1, max_length=1)
+
+class AutoscalingSettings(Section):
+    """SkyServe's ``service.autoscaling:`` (its model-first specs): the metrics to follow; the
+    replica count is the most any of them asks for."""
+
+    metrics: list[AutoscalingMetric] = Field(min_length=1, max_length=len(METRIC_FIELDS))
+
+    @field_validator("metrics")
+    @classmethod
+    def _each_type_once(cls, value: list[AutoscalingMetric]) -> list[AutoscalingMetric]:
+        kinds = [metric.type for metric in value]
+        twice = sorted({kind for kind in kinds if kinds.count(kind) > 1})
+        if twice:
+            raise ValueError(f"names {', '.join(twice)} more than once: give each type once")
+        return value
 
 
 class TlsSettings(Section):
@@ -300,14 +381,9 @@ class ServiceSection(Section):
         scaling: AutoscalingSettings | None = info.data.get("autoscaling")
         most = info.data.get("max_replicas")
         if scaling is not None and value is None:
-            metric = scaling.metrics[0]
-            field = (
-                "target_queue_per_replica"
-                if metric.type == "queue_depth"
-                else "target_qps_per_replica"
-            )
+            targets = {METRIC_FIELDS[metric.type]: metric.target for metric in scaling.metrics}
             least = 1 if replicas is None else replicas
-            return {"min_replicas": least, "max_replicas": most or least, field: metric.target}
+            return {"min_replicas": least, "max_replicas": most or least, **targets}
         if most is not None or scaling is not None:
             raise ValueError(
                 "max_replicas and autoscaling at the service level go with replicas (the "

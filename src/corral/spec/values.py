@@ -33,7 +33,9 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEADER_NAME_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _PORT_RANGE_RE = re.compile(r"(\d{1,5})(?:\s*-\s*(\d{1,5}))?")
 
-LoadBalancingPolicy = Literal["round_robin", "least_load", "power_of_two", "prefix_affinity"]
+LoadBalancingPolicy = Literal[
+    "round_robin", "least_load", "power_of_two", "prefix_affinity", "instance_aware_least_load"
+]
 # What SGLang's and vLLM's routers call their prefix-cache-aware policy.
 POLICY_ALIASES = {"cache_aware": "prefix_affinity", "prefix_aware": "prefix_affinity"}
 InfraName = Literal["local", "ray", "kubernetes"]
