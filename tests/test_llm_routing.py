@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
@@ -527,3 +528,73 @@ def test_a_new_document_goes_by_load_and_its_next_questions_follow_it() -> None:
     for d, doc in enumerate(docs):
         body = json.dumps({"prompt": doc + "Another question?"}).encode()
         assert policy.select(ready, in_flight, view(body, b"/v1/completions")) == homes[d]
+
+
+# -- a replica killed mid-stream -------------------------------------------------------------------
+
+
+def test_a_replica_killed_mid_stream_fails_its_streams_and_loses_its_conversations() -> None:
+    """Two simulated engines (child processes) behind one balancer under prefix_affinity. The
+    replica streaming a conversation's first turn is SIGKILLed: that stream ends with an error
+    at once (the body cut short, never a hang, never a `[DONE]`), its in-flight count drops to
+    0; the conversation's next turn reaches the live replica at once (before any ready-set
+    change); when the ready set drops the dead one (as the daemon's does) the policy forgets
+    what it sent there, and the turn after finds its prefix cached on the live replica."""
+    import signal
+    import time
+
+    from corral.llmsim import spawn
+
+    async def go(urls: dict[int, str], processes: dict[int, Any]) -> None:
+        async with (
+            balancer(urls, policy="prefix_affinity", routing={"options": {"balance": 1.25}}) as lb,
+            aiohttp.ClientSession() as http,
+        ):
+            url = f"http://{HOST}:{lb.port}/v1/chat/completions"
+            first = json.loads(chat(SYSTEMS[1], ["tell me a long story"]))
+            stream = await http.post(url, json={**first, "stream": True, "max_tokens": 4000})
+            assert stream.status == 200
+            assert (await stream.content.readline()).startswith(b"data:")
+            home = next(rid for rid in urls if lb.in_flight(rid) == 1)
+            live = next(rid for rid in urls if rid != home)
+            assert lb._policy.index.size(home) > 0  # it learned where the prompt went
+            os.kill(processes[home].pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with asyncio.timeout(10):
+                    body = await stream.content.read()
+                    assert b"[DONE]" not in body  # an end that looks whole is a lie
+                    raise aiohttp.ClientPayloadError("body ended without an error")
+            assert time.monotonic() - started < 5
+            stream.release()
+            # Reaped, so its listener is closed too: a POST that meets a replica in the instant
+            # of its death (connected, then reset) is a 502 by design, never resent.
+            await asyncio.to_thread(processes[home].wait, 10)
+            await wait_until(lambda: lb.in_flight(home) == 0, 10, "the dead one's count at 0")
+
+            async def turn(turns: list[str]) -> dict[str, Any]:
+                body = json.loads(chat(SYSTEMS[1], turns))
+                async with asyncio.timeout(10), http.post(url, json=body) as answer:
+                    assert answer.status == 200, await answer.text()
+                    return dict(await answer.json())
+
+            second = ["tell me a long story", "and then?"]
+            await turn(second)  # refused by the dead one: retried on the live one
+            assert lb.stats()["replicas"][str(live)]["served"] == 1, lb.stats()
+            lb.set_ready({live: urls[live]})  # what the daemon pushes once it saw the exit
+            assert lb._policy.index.size(home) == 0 and home not in lb._policy.index.replicas()
+            third = await turn([*second, "and at the end?"])
+            cached = third["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached > 0.5 * third["usage"]["prompt_tokens"], third["usage"]
+
+    processes: dict[int, Any] = {}
+    try:
+        urls = {}
+        for rid in (1, 2):
+            processes[rid], urls[rid] = spawn(EngineConfig(speed=0.5))
+        run(go(urls, processes))
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.terminate()
+            process.wait(10)
