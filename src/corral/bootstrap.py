@@ -28,7 +28,7 @@ from typing import IO, Any
 import aiohttp
 from aiohttp import web
 
-from corral import capture, ownership
+from corral import capture, daemon_port, ownership
 from corral.api import make_runner
 from corral.backup import BACKUP_INTERVAL, StateFileRefused, check_state_file
 from corral.capacity import Capacity
@@ -410,9 +410,7 @@ async def _serve_api(
 ) -> None:
     """Listen, then say where in ``daemon.json`` (written whole, then renamed into place, so a
     client never reads half of it)."""
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-    await site.start()
-    actual = runner.addresses[0][1]
+    actual, moved = await daemon_port.listen(runner, home, host, port, ssl_context)
     info = {
         "pid": os.getpid(),
         "host": host,
@@ -420,6 +418,7 @@ async def _serve_api(
         "scheme": "https" if ssl_context is not None else "http",
         "tls_cert": str(tls_cert) if ssl_context is not None and tls_cert else None,
         "started_at": time.time(),
+        "port_moved": moved,  # the remembered port was taken: why, and where it went
     }
     tmp = home / "daemon.json.tmp"
     tmp.write_text(json.dumps(info))

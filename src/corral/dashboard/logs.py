@@ -14,6 +14,11 @@ again from the tail) rather than queued without end; the page keeps a bounded nu
 
 A log emptied under the followers (``corral.logfiles`` moved it to ``.1``) is followed again
 from 0, and the pages are told (a ``rotated`` event).
+
+The load balancer's log of a service is not one file: it is the lines naming the service in
+every balancer worker's log (:mod:`corral.loglines`, as ``corral logs NAME --load-balancer``
+shows them). :meth:`Followers.balancer` reads those per tab, from the last
+:data:`BALANCER_TAIL_LINES` lines of each worker's log on, every :data:`BALANCER_POLL_SECONDS`.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import asyncio
 import codecs
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
 from aiohttp import web
 
+from corral import loglines
 from corral.dashboard.feed import SSE_HEADERS, sse
 
 POLL_SECONDS: Final = 0.25
@@ -36,6 +43,13 @@ MAX_FOLLOWERS: Final = 64
 BACKLOG: Final = 256
 # How often a waiting stream checks that its tab is still there (a quiet log writes nothing).
 IDLE_CHECK_SECONDS: Final = 1.0
+BALANCER_TAIL_LINES: Final = 2000
+BALANCER_POLL_SECONDS: Final = 0.5
+
+
+def _balancer_start(home: Path) -> dict[Path, int]:
+    """Where a new tab starts in each worker's log: its last BALANCER_TAIL_LINES lines."""
+    return {p: loglines.tail_offset(p, BALANCER_TAIL_LINES) for p in loglines.worker_logs(home)}
 
 
 def _size(path: Path) -> int:
@@ -170,3 +184,36 @@ class Followers:
             if frame is None:
                 return
             await response.write(frame)
+
+    async def balancer(
+        self, request: web.Request, home: Path, name: str, alive: Callable[[], bool]
+    ) -> web.StreamResponse:
+        """The balancer workers' lines about service ``name``, followed until it is gone."""
+        if self.count >= MAX_FOLLOWERS:
+            return web.json_response(
+                {"error": f"too many logs followed at once (at most {MAX_FOLLOWERS})"}, status=503
+            )
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        self.count += 1
+        try:
+            positions = await asyncio.to_thread(_balancer_start, home)
+            await response.write(b"retry: 2000\n\n")
+            while not self.closed.is_set() and alive():
+                lines, positions = await asyncio.to_thread(
+                    loglines.balancer_lines, home, name, positions
+                )
+                text = b"".join(lines)[-TAIL_BYTES:].decode("utf-8", errors="replace")
+                if text:
+                    await response.write(sse("log", text))
+                elif request.transport is None or request.transport.is_closing():
+                    return response
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.closed.wait(), BALANCER_POLL_SECONDS)
+        except ConnectionError:
+            return response
+        finally:
+            self.count -= 1
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
@@ -27,7 +28,8 @@ from corral.dashboard import PREFIX, actions, own_auth, pages
 from corral.dashboard.feed import Feed
 from corral.dashboard.history import KEEP_SECONDS, SAMPLE_SECONDS
 from corral.dashboard.logs import Followers
-from corral.dashboard.session import CODE_SECONDS, Sessions, cookie_name
+from corral.dashboard.resources import Usage
+from corral.dashboard.session import CODE_SECONDS, SESSIONS_FILE, Sessions, cookie_name
 from corral.httpbody import json_object
 
 if TYPE_CHECKING:
@@ -71,9 +73,10 @@ class Dashboard:
 
     def __init__(self, daemon: Daemon, token: str) -> None:
         self.daemon = daemon
-        self.sessions = Sessions(token)
+        self.sessions = Sessions(token, path=daemon.home / SESSIONS_FILE)
         self.feed = Feed(daemon)
         self.followers = Followers()
+        self.usage = Usage()
         self.static = pages.load_static()
 
     async def on_startup(self, app: web.Application) -> None:
@@ -83,6 +86,7 @@ class Dashboard:
         # Before aiohttp waits for open requests: the streams end now, not after its timeout.
         self.followers.closed.set()
         await self.feed.stop()
+        self.sessions.save()  # "last seen" as of now, for the next daemon of this home
 
     # -- who is asking ------------------------------------------------------------------------
 
@@ -212,7 +216,42 @@ class Dashboard:
         path = self.daemon.log_path(request.match_info["name"], kind, replica)
         return await self.followers.follow(request, path)
 
+    async def service_log(self, request: web.Request) -> web.StreamResponse:
+        """The service's controller log, or its load balancer's lines, followed live."""
+        self._need_session(request)
+        name = request.match_info["name"]
+        kind = request.query.get("kind", "controller")
+        if kind == "load_balancer":
+            self.daemon.controller(name)
+            return await self.followers.balancer(
+                request, self.daemon.home, name, lambda: self.daemon.has_service(name)
+            )
+        if kind != "controller":
+            raise RequestError(
+                400, f"query parameter 'kind' must be controller or load_balancer: {kind!r}"
+            )
+        return await self.followers.follow(request, self.daemon.log_path(name, kind, None))
+
+    async def resources(self, request: web.Request) -> web.Response:
+        """CPU and memory of each replica of the service, read now (see resources.py)."""
+        self._need_session(request)
+        name = request.match_info["name"]
+        answer = self.usage.cached(name, time.time())
+        if answer is None:
+            replicas = self.daemon.service(name)["replicas"]
+            self.usage.forget(self.daemon.controllers)
+            answer = await asyncio.to_thread(self.usage.read, name, replicas)
+        return web.json_response(answer)
+
     # -- actions ------------------------------------------------------------------------------
+
+    async def replace(self, request: web.Request) -> web.Response:
+        """``corral down NAME --replica-id N``: this replica drains and goes, and since the
+        target is unchanged the controller starts another in its place."""
+        self._need_action(request)
+        replica = _replica_id(request.match_info["replica"])
+        message = self.daemon.terminate_replica(request.match_info["name"], replica, purge=False)
+        return web.json_response({"message": message}, status=202)
 
     async def down(self, request: web.Request) -> web.Response:
         self._need_action(request)
@@ -250,6 +289,9 @@ class Dashboard:
             web.get(p + "/api/feed", self.feed_stream, allow_head=False),
             web.get(svc + "/history", self.history),
             web.get(svc + "/replicas/{replica}/log", self.log_stream, allow_head=False),
+            web.get(svc + "/log", self.service_log, allow_head=False),
+            web.get(svc + "/resources", self.resources),
+            web.post(svc + "/replicas/{replica}/replace", self.replace),
             web.post(svc + "/down", self.down),
             web.post(svc + "/rollback", self.rollback),
             web.post(svc + "/scale", self.scale),
