@@ -130,7 +130,14 @@ def measure(kind: str, count: int) -> float:
 def child(count: int) -> None:
     """One engine's figures (run with PYTHONPATH at its source tree): JSON on stdout."""
     measure("varied", count // 10)  # warm-up
-    print(json.dumps({kind: measure(kind, count) for kind in KINDS}))
+    out: dict[str, Any] = {kind: measure(kind, count) for kind in KINDS}
+    try:
+        from corral.balancer import speedups
+
+        out["accelerated"] = speedups.ACCELERATED
+    except ImportError:  # a tree from before the compiled build
+        out["accelerated"] = "pure"
+    print(json.dumps(out))
 
 
 def main() -> int:
@@ -138,6 +145,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=50_000, help="per kind and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compare", action="append", default=[], metavar="NAME=SRC")
+    parser.add_argument(
+        "--pure",
+        action="store_true",
+        help="add a row 'pure': this tree with CORRAL_BALANCER_PURE=1 (the fast path uncompiled)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -147,12 +159,18 @@ def main() -> int:
     from balancer import parse_compare  # bench/balancer.py's --compare, same rules
 
     engines = {"corral": HERE.parent / "src", **parse_compare(args.compare)}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    if args.pure:
+        engines["pure"] = HERE.parent / "src"
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
     for r in range(args.rounds):
         # The order rotates by round, so no engine always runs first (or last) on a busy box.
         order = list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)]
         for name in order:
             env = {**os.environ, "PYTHONPATH": str(engines[name])}
+            if name == "pure":
+                env["CORRAL_BALANCER_PURE"] = "1"
+            else:
+                env.pop("CORRAL_BALANCER_PURE", None)
             out = subprocess.run(
                 [sys.executable, __file__, "--child", "--requests", str(args.requests)],
                 env=env,
@@ -169,6 +187,7 @@ def main() -> int:
     }
     first = next(iter(engines))
     print(f"CPU us per request, engine alone, median of {args.rounds} rounds of {args.requests}")
+    print("fast path build: " + ", ".join(f"{n} {rs[0]['accelerated']}" for n, rs in runs.items()))
     print("| engine | " + " | ".join(KINDS) + " |")
     print("|---" * (len(KINDS) + 1) + "|")
     for name, m in medians.items():
@@ -187,6 +206,9 @@ def main() -> int:
         "engines": {name: str(src) for name, src in engines.items()},
         "runs": runs,
         "medians_us": medians,
+        "accelerated": {
+            name: sorted({run["accelerated"] for run in rs}) for name, rs in runs.items()
+        },
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

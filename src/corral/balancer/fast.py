@@ -34,15 +34,15 @@ Both sides are validated by llhttp (the request parser the general path uses; a 
 callback-free response parser per replica connection), so framing is as strict as before:
 conflicting or duplicate Content-Length and Transfer-Encoding are rejected, absolute-form
 targets never take this path. Bytes llhttp has not seen pass only under a remembered Host line,
-and only when every new line meets a grammar stricter than llhttp's: :data:`_REQUEST_LINE_RE`
-for a new request line, :data:`~corral.balancer.headers.PASS_LINES_RE` for header lines (it
-also refuses every header the balancer acts on).
+and only when every new line meets a grammar stricter than llhttp's
+(:mod:`corral.balancer.lead`, compiled by ``setup.py`` when it can be: ``REQUEST_LINE_RE``
+for a new request line, ``headers.PASS_LINES_RE`` for header lines, which also refuses every
+header the balancer acts on).
 """
 
 from __future__ import annotations
 
 import bisect
-import re
 import time
 from typing import TYPE_CHECKING, Final
 
@@ -57,17 +57,17 @@ from corral.balancer.exchange import (
 )
 from corral.balancer.headers import (
     HOP_RE,
-    PASS_LINES_RE,
     REQUEST_OTHER_RE,
     drop_keep_alive,
     forwarded,
     forwarded_host,
     header_line,
     scan_common_request,
-    short_length,
 )
+from corral.balancer.lead import METHODS
 from corral.balancer.metrics import LATENCY_BUCKETS
 from corral.balancer.policies import RequestView
+from corral.balancer.speedups import lead_split
 
 if TYPE_CHECKING:
     from corral.balancer.client import ClientConnection
@@ -108,16 +108,6 @@ Lead = tuple[bytes, bytes, bytes, "bytes | None", "bytes | None", bytes, bytes]
 # A validated response head: status, Content-Length, head rewritten (None: unchanged).
 _Checked = tuple[int, int, "bytes | None"]
 
-_METHODS: Final = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS"})
-# An HTTP/1.1 request line the fast path may pass on without llhttp's word on it: one of those
-# methods, an origin-form target of visible ASCII (llhttp accepts each such byte anywhere in a
-# path, query or fragment; it refuses controls, space, DEL and bytes above 0x7e in some places),
-# the version. Anything else goes to the full parse; tests/test_balancer_fastpath.py holds the
-# two to the same verdicts.
-_REQUEST_LINE_RE: Final = re.compile(
-    rb"(" + b"|".join(sorted(_METHODS)) + rb") (/[!-~]*) HTTP/1\.1\r\n"
-)
-
 # A head this long may hold MAX_HEADERS (128) minimal header lines; shorter ones cannot.
 # Request and response heads up to this long are remembered (one per client connection, one per
 # replica): the same bytes again skip the scans and llhttp, whose verdict on them is known.
@@ -146,55 +136,12 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     lead = cl.lead
     if lead is not None and not lb._stopping:
         # A recent request's Host line again (llhttp accepted it), other lines new: only those
-        # are looked at, by grammars stricter than llhttp's: the request line's (unless it is
-        # the remembered one, which llhttp accepted too) and the header lines' (which also
-        # refuses any header to act on, a second Host too). The parser is not fed, so it is
-        # where it was after the last whole request, as on the memo path.
-        request_line, method, target, host_line, conn_line, length_name, fhost = lead
-        if data.startswith(request_line):
-            at = len(request_line) - 2  # the header block starts with the request line's CRLF
-        elif (m := _REQUEST_LINE_RE.match(data)) is not None:
-            method, target = m.group(1, 2)  # a client that varies its path
-            at = m.end() - 2
-        else:
-            at = len(data)  # nothing to find below
-        end = data.find(b"\r\n\r\n", at)
-        if (
-            end >= 0
-            and end + 4 <= lb._max_header_bytes
-            and (end <= _COUNT_HEADERS_ABOVE or data.count(_CRLF, 0, end) <= _MAX_HEADERS)
-        ):
-            block = data[at : end + 2]
-            if host_line is None:
-                kept = block
-            elif (i := block.find(host_line)) >= 0:
-                kept = block[:i] + block[i + len(host_line) - 2 :]
-            else:
-                kept = b""  # Host is not the remembered one (a kept block is never empty)
-            if conn_line is not None and (i := kept.find(conn_line)) >= 0:
-                # dropped as the full parse drops it (a missing one means the same in HTTP/1.1;
-                # a second one, or any other Connection line, is refused below)
-                kept = kept[:i] + kept[i + len(conn_line) - 2 :]
-            body = None
-            if end + 4 != len(data) and (i := kept.find(length_name)) >= 0:
-                # A body (a POST's JSON): taken when the value is digits and the bytes after
-                # the head are exactly that many; else the line stays, and is refused below
-                # (as is a Content-Length: 0, left to the full parse).
-                j = kept.find(_CRLF, i + 17)
-                size = len(data) - end - 4
-                if (
-                    short_length(kept[i + 17 : j].strip(_STRIP)) == size
-                    and size <= lb._max_buffered_body
-                    and (lb._max_body is None or size <= lb._max_body)
-                ):
-                    body = data[end + 4 :]
-                    kept = kept[:i] + kept[j:]
-            if (
-                (body is not None or end + 4 == len(data))
-                and kept
-                and PASS_LINES_RE.fullmatch(kept) is not None
-            ):
-                return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, fhost, body)
+        # are looked at (corral.balancer.lead, compiled when it was built). The parser is not
+        # fed, so it is where it was after the last whole request, as on the memo path.
+        split = lead_split(data, lead, lb._max_header_bytes, lb._max_buffered_body, lb._max_body)
+        if split is not None:
+            method, target, kept, body = split
+            return _send(cl, method, target, True, not cl._eof, kept, cl.xff_line, lead[6], body)
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:
         return False
@@ -207,7 +154,7 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
     method, target, rest = line
     version = rest[:10]
     http11 = version == b"HTTP/1.1\r\n"
-    if method not in _METHODS or target[:1] != b"/" or not (http11 or version == b"HTTP/1.0\r\n"):
+    if method not in METHODS or target[:1] != b"/" or not (http11 or version == b"HTTP/1.0\r\n"):
         return False
     eol = len(method) + len(target) + 10
     if end > _COUNT_HEADERS_ABOVE and data.count(_CRLF, 0, end) > _MAX_HEADERS:

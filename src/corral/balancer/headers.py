@@ -30,6 +30,7 @@ __all__ = [
     "HOP_BY_HOP",
     "HOP_RE",
     "PASS_LINES_RE",
+    "REQUEST_DROP",
     "REQUEST_OTHER_RE",
     "REQUEST_RE",
     "RESPONSE_RE",
@@ -75,6 +76,8 @@ _REQUEST_DROP: Final = HOP_BY_HOP | {
     b"x-forwarded-host",
     b"content-length",
 }
+# The same, for the compiled fast path (corral.balancer.speedups), whose grammar refuses them.
+REQUEST_DROP: Final = frozenset(_REQUEST_DROP)
 # Response headers looked at but kept: the replica's length stays right (bytes pass unchanged).
 _RESPONSE_KEEP: Final = frozenset({b"content-length"})
 

@@ -1,0 +1,156 @@
+"""The compiled request split (corral.balancer._speedups) against its pure-Python twin.
+
+Why: the compiled build replaces a regex and a dozen bytes operations with hand-written C; a
+byte it lets through that the pure build refuses would pass a header line llhttp never judged.
+Both builds must give the same answer to every input: the same split, or both None. The fast
+path's own tests (tests/test_balancer_fastpath.py) run on whichever build is installed, and
+again with CORRAL_BALANCER_PURE=1 in CI's balancer job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from corral.balancer import lead, speedups
+from corral.balancer.headers import REQUEST_DROP
+
+try:
+    compiled: Any = importlib.import_module("corral.balancer._speedups")
+    compiled.configure(REQUEST_DROP)
+except ImportError:  # the pure build only (no compiler when installed)
+    compiled = None
+
+needs_compiled = pytest.mark.skipif(compiled is None, reason="the compiled build is not built")
+
+HOST = b"\r\nHost: h.example\r\n"
+LEADS = [
+    (b"GET /poll HTTP/1.1\r\n", b"GET", b"/poll", HOST, None, b"\r\nContent-Length:", b"F"),
+    (
+        b"POST /api HTTP/1.1\r\n",
+        b"POST",
+        b"/api",
+        HOST,
+        b"\r\nConnection: keep-alive\r\n",
+        b"\r\ncontent-length:",
+        b"F",
+    ),
+    (b"GET / HTTP/1.1\r\n", b"GET", b"/", None, None, b"\r\nContent-Length:", b""),
+]
+LIMITS = [(8190, 65536, None), (8190, 4, 3), (60, 65536, None)]
+
+
+def both(data: bytes, lead_: Any, limits: tuple[int, int, int | None]) -> Any:
+    pure = lead.lead_split(data, lead_, *limits)
+    fast = compiled.lead_split(data, lead_, *limits)
+    assert fast == pure, (data, lead_, limits)
+    return pure
+
+
+REQUESTS = [
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nX-Id: 1\r\n\r\n",
+    b"GET /item/7?q=1#f HTTP/1.1\r\nHost: h.example\r\nX-Id: 1\r\n\r\n",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nConnection: keep-alive\r\nX-Id: 2\r\n"
+    b"content-length: 3\r\n\r\nabc",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length:  3 \r\n\r\nabc",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 03\r\n\r\nabc",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 4\r\n\r\nabc",
+    b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 0\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: other\r\nX-Id: 1\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nHost: h.example\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nX-Forwarded-FOR: 1.2.3.4\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nX-Id : 1\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nX-Id: 1\r\n folded\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\nX-Id: 1\nX: 2\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+    b"GET /poll HTTP/1.0\r\nHost: h.example\r\n\r\n",
+    b"get /poll HTTP/1.1\r\nHost: h.example\r\n\r\n",
+    b"OPTIONS * HTTP/1.1\r\nHost: h.example\r\n\r\n",
+    b"GET http://x/ HTTP/1.1\r\nHost: h.example\r\n\r\n",
+    b"GET / HTTP/1.1\r\n\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\n",
+    b"GET /poll HTTP/1.1\r\nHost: h.example\r\n" + b"X: y\r\n" * 140 + b"\r\n",
+    b"",
+]
+
+
+@needs_compiled
+@pytest.mark.parametrize("data", REQUESTS)
+def test_the_builds_split_the_same(data: bytes) -> None:
+    for lead_ in LEADS:
+        for limits in LIMITS:
+            both(data, lead_, limits)
+
+
+@needs_compiled
+def test_every_byte_in_a_name_a_value_and_a_target() -> None:
+    for b in range(256):
+        c = bytes([b])
+        for data in (
+            b"GET /poll HTTP/1.1\r\nHost: h.example\r\nX-I" + c + b"d: 1\r\n\r\n",
+            b"GET /poll HTTP/1.1\r\nHost: h.example\r\nX-Id: a" + c + b"b\r\n\r\n",
+            b"GET /p" + c + b"q HTTP/1.1\r\nHost: h.example\r\n\r\n",
+            b"GE" + c + b" /poll HTTP/1.1\r\nHost: h.example\r\n\r\n",
+            b"POST /api HTTP/1.1\r\nHost: h.example\r\nContent-Length: 1" + c + b"\r\n\r\nab",
+        ):
+            for lead_ in LEADS:
+                both(data, lead_, LIMITS[0])
+
+
+@needs_compiled
+def test_every_header_the_balancer_acts_on_is_refused_in_any_case() -> None:
+    for name in REQUEST_DROP:
+        for spelled in (name, name.upper(), name.title()):
+            data = b"GET /poll HTTP/1.1\r\nHost: h.example\r\n%b: v\r\n\r\n" % spelled
+            for lead_ in LEADS:
+                assert both(data, lead_, LIMITS[0]) is None
+
+
+lines = st.lists(
+    st.binary(max_size=24).map(lambda b: b.replace(b"\r\n\r\n", b"")), min_size=0, max_size=4
+)
+
+
+@needs_compiled
+@settings(max_examples=400, deadline=None)
+@given(
+    target=st.binary(max_size=12),
+    fields=lines,
+    body=st.binary(max_size=6),
+    length=st.sampled_from(
+        [b"", b"Content-Length: %d", b"content-length:%d ", b"Content-Length: x"]
+    ),
+)
+def test_arbitrary_requests_split_the_same(
+    target: bytes, fields: list[bytes], body: bytes, length: bytes
+) -> None:
+    head = b"POST /" + target + b" HTTP/1.1\r\nHost: h.example"
+    for field in fields:
+        head += b"\r\n" + field
+    if length:
+        head += b"\r\n" + (length % len(body) if b"%d" in length else length)
+    data = head + b"\r\n\r\n" + body
+    for lead_ in LEADS:
+        for limits in LIMITS:
+            both(data, lead_, limits)
+
+
+def test_the_choice_is_reported_and_the_env_forces_the_pure_build() -> None:
+    assert speedups.state()["accelerated"] in ("compiled", "pure")
+    code = "from corral.balancer import speedups; print(speedups.state()['accelerated'])"
+    env = {**os.environ, "CORRAL_BALANCER_PURE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "pure"
+    if compiled is not None and os.environ.get("CORRAL_BALANCER_PURE", "") in ("", "0"):
+        assert speedups.state()["accelerated"] == "compiled"
+        assert speedups.lead_split is compiled.lead_split
