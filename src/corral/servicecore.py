@@ -28,7 +28,7 @@ from corral.loglines import last_line
 from corral.plan import HOPELESS_EXIT_CODES
 from corral.replicas import replica_status
 from corral.spec import ServiceSpec, parse_spec, qps_of_accelerator
-from corral.state import FailureKind, ReplicaRow, Store
+from corral.state import FailureKind, ReplicaRow, StateError, Store
 
 log = logging.getLogger("corral.controller")
 
@@ -113,6 +113,7 @@ class ServiceCore:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
         self.balancer: ServiceRoute | None = None
+        self._accelerators: dict[int, str] = {}  # the last read of accelerators()
         # Blue-green: READY replicas of this version get no traffic until the switch.
         self.held_version: int | None = None
         self.last_decision = ""  # what the last reconcile step decided, in words
@@ -205,22 +206,45 @@ class ServiceCore:
                 for rid, endpoint in self.rt.ready.items()
                 if held is None or self.rt.versions.get(rid) != held
             }
-            accelerators = {rid: a for rid, a in self.accelerators().items() if rid in ready}
+            accelerators: dict[int, str] = {}
+            if self._weighed(ready):  # the state file is read only for a policy that needs it
+                accelerators = {rid: a for rid, a in self.accelerators().items() if rid in ready}
             self.balancer.set_ready(
                 ready, self.rt.versions, accelerators, self._weights(ready, accelerators)
             )
 
     def accelerators(self) -> dict[int, str]:
         """The GPU model each placed replica of this service took, as the spec names it
-        (``A100`` of ``A100:1``; docs/gpus.md). Replicas placed by no one (Ray) are absent."""
+        (``A100`` of ``A100:1``; docs/gpus.md). Replicas placed by no one (Ray) are absent.
+        A busy or failing state file gives the last map read: the ready set must still go
+        out."""
         capacity = self.deps.capacity
         if capacity is None:
             return {}
-        return {
+        try:
+            holders = capacity.holders()
+        except StateError as exc:
+            log.warning(
+                "service %s: accelerators not read (%s): the last known kept", self.name, exc
+            )
+            return dict(self._accelerators)
+        self._accelerators = {
             h.replica_id: h.claim.option.partition(":")[0]
-            for h in capacity.holders()
+            for h in holders
             if h.service == self.name and h.claim.option
         }
+        return dict(self._accelerators)
+
+    def _weighed(self, ready: Mapping[int, str]) -> bool:
+        """Whether a ready replica's version routes by instance_aware_least_load."""
+        for version in {self.rt.versions.get(rid, 0) for rid in ready}:
+            try:
+                spec = self.spec(version)
+            except (KeyError, StateError):
+                continue
+            if spec.service.load_balancing_policy == "instance_aware_least_load":
+                return True
+        return False
 
     def fleet(self) -> list[tuple[str, str | None]]:
         """Each replica's status and accelerator: what the instance-aware autoscaler counts."""
@@ -240,7 +264,7 @@ class ServiceCore:
         for rid in ready:
             try:
                 spec = self.spec(self.rt.versions.get(rid, 0))
-            except KeyError:
+            except (KeyError, StateError):
                 continue
             targets = spec.service.replica_policy.target_qps_per_accelerator
             if targets and spec.service.load_balancing_policy == "instance_aware_least_load":
