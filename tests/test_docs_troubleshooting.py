@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from corral import cli_nodaemon, model_engines, plan, servicecore
 from corral.admission import check_spec
 from corral.capacity import fit_problem, replica_env
-from corral.cli import _update_hint, main
+from corral.cli import _up_hint, _update_hint, main
 from corral.cli_nodaemon import RESPAWN_NOTE
 from corral.client import ClientError
 from corral.cliview import service_notes, status_text
@@ -301,6 +301,13 @@ def _exists(line: str) -> None:
     assert said == "service 'fixed' already exists" + hint, hint
 
 
+def _missing(line: str) -> None:
+    said = error_line(line)
+    from_source(said, "no service named {}")
+    hint = _up_hint(ClientError("x", status=404), "nosuch", Path("fixed.yaml"))
+    assert said == "no service named 'nosuch'" + hint, hint
+
+
 def _ray_missing(line: str) -> None:
     spec_text = "name: r\ninfra: ray\nrun: x $PORT\n"
     with pytest.raises(Unrunnable) as refused:
@@ -361,6 +368,7 @@ CHECKS: dict[str, Check] = {
     "envs.HF_TOKEN": lambda line, tmp, mp: _no_value(tmp, mp, line),
     "replica_polcy": lambda line, tmp, mp: _typo(tmp, mp, line),
     "already exists": lambda line, tmp, mp: _exists(line),
+    "no service named": lambda line, tmp, mp: _missing(line),
     "stopped unexpectedly": lambda line, tmp, mp: _equal(line, RESPAWN_NOTE),
     "started one (pid": lambda line, tmp, mp: from_source(
         line, "no daemon for {}s: started one (pid {})"

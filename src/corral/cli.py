@@ -211,7 +211,7 @@ def update(
             secrets=secrets,
         )
     except ClientError as exc:
-        _fail(_client_error_text(exc))
+        _fail(_client_error_text(exc) + _up_hint(exc, name, file))
     except KeyboardInterrupt:
         interrupted(
             f"before the daemon answered: `corral status {name}` shows whether "
@@ -374,6 +374,13 @@ def _update_hint(exc: ClientError, name: str | None, file: Path) -> str:
     if exc.status != 409 or not name:
         return ""
     return f"; to roll out {file} as its next version: `corral update {name} {file}`"
+
+
+def _up_hint(exc: ClientError, name: str, file: Path | None) -> str:
+    """`update` of a name that does not exist: a new service starts with `up`."""
+    if exc.status != 404 or file is None:
+        return ""
+    return f"; to start {file} as a new service: `corral up {file} -n {name}`"
 
 
 def _confirm(yes: bool, question: str) -> None:
