@@ -236,3 +236,56 @@ def test_an_h100_replica_takes_twice_an_a100_replicas_share(
     finally:
         for answer in streams:
             answer.close()
+
+
+def test_a_scale_down_takes_the_replicas_serving_least_first() -> None:
+    """SkyServe's instance-aware order: among live replicas of the same version and status,
+    the smallest target QPS goes first (one whose accelerator is unknown before any), then
+    corral's usual newest-first."""
+    from test_plan import facts, ready
+
+    from corral import plan
+
+    rows = [ready(1), ready(2), ready(3), ready(4)]
+
+    def victims(worth: dict[int, float]) -> list[int]:
+        actions = plan.toward_target(facts(rows, target=2, worth=worth), 100.0)
+        return sorted(a.replica_id for a in actions if isinstance(a, plan.ScaleDown))
+
+    assert victims({}) == [3, 4]  # newest first
+    assert victims({1: 5.0, 2: 10.0, 3: 10.0, 4: 10.0}) == [1, 4]
+    assert victims({1: 5.0, 2: 10.0, 3: 10.0}) == [1, 4]  # 4: not known, first
+    assert victims({1: 10.0, 2: 5.0, 3: 5.0, 4: 10.0}) == [2, 3]
+
+
+def test_a_mixed_fleet_scaled_down_keeps_its_h100(corral_home: CorralHome, tmp_path: Path) -> None:
+    """Two simulated engines, the older on the A100 (5 QPS), the newer on the H100 (10 QPS);
+    an update to min_replicas 1 with no traffic scales down to one: the A100 replica goes,
+    where the usual order would have taken the newest."""
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(INVENTORY)
+    corral_home.env["CORRAL_INVENTORY"] = str(inventory)
+    corral_home.env["CORRAL_DECISION_INTERVAL"] = "0.5"
+    run_line = f"exec {sys.executable} -m corral.llmsim --host 127.0.0.1 --port $PORT --speed 5"
+
+    def spec(least: int) -> Path:
+        text = spec_text(
+            "fleet", 2, run=run_line, extra="resources:\n  accelerators: {A100: 1, H100: 1}\n"
+        ).replace(
+            "  replicas: 2\n",
+            "  load_balancing_policy: instance_aware_least_load\n"
+            f"  replica_policy:\n    min_replicas: {least}\n    max_replicas: 2\n"
+            "    downscale_delay_seconds: 0\n"
+            "    target_qps_per_replica: {H100: 10, A100: 5}\n",
+        )
+        return write_spec(tmp_path / f"fleet-{least}.yaml", text)
+
+    corral_home.run("up", str(spec(2)), "-y", timeout=120)
+    svc = corral_home.wait_replicas("fleet", 2, timeout=60)
+    by_gpu = {r["devices"]["gpus"][0]["name"]: r["id"] for r in svc["replicas"]}
+    assert by_gpu["NVIDIA A100-SXM4-80GB"] < by_gpu["NVIDIA H100 80GB HBM3"], svc  # older
+    corral_home.run("update", "fleet", str(spec(1)), timeout=60)
+    left = corral_home.wait_replicas("fleet", 1, timeout=60)
+    assert [r["id"] for r in left["replicas"] if r["status"] == "READY"] == [
+        by_gpu["NVIDIA H100 80GB HBM3"]
+    ], left

@@ -388,6 +388,7 @@ class ServiceController:
             version_ready=vrow is None or vrow.first_ready_at is not None,
             target=self._decide(svc.current_version, spec).target,
             failure=svc.failure,
+            worth=self.svc.worth(spec),
         )
         self.executor.apply(plan.toward_target(facts, now), rows)
         return False

@@ -18,8 +18,8 @@ retrying a failed teardown, and the controller's own retries of a locked state f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from corral.infra.base import Liveness
@@ -100,6 +100,9 @@ class Facts:
     target: int  # the autoscaler's target
     failure: str | None = None  # why the service gave up, as stored
     busy: Busy = Busy()
+    # Replica id -> its target QPS in a mixed fleet (instance_aware_least_load): a scale-down
+    # takes the ones serving least first, as SkyServe's; empty otherwise.
+    worth: Mapping[int, float] = field(default_factory=dict)
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -390,7 +393,9 @@ def toward_target(facts: Facts, now: float) -> list[Action]:
             actions.append(Add(target - len(live), target))
             actions.append(Note(f"launching {target - len(live)} toward target {target}"))
     elif len(live) > target:
-        victims = scale_down_victims(live, len(live) - target, current_version=facts.version)
+        victims = scale_down_victims(
+            live, len(live) - target, current_version=facts.version, worth=facts.worth
+        )
         actions += [ScaleDown(r.id, f"scale down to {target}") for r in victims]
         actions.append(Note(f"scaling down to {target}"))
     else:

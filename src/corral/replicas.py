@@ -9,7 +9,7 @@ status that SkyServe users know (PENDING ... READY, FAILED_*) always means the s
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 
@@ -150,15 +150,25 @@ def is_live(r: ReplicaFacts) -> bool:
 F = TypeVar("F", bound=ReplicaFacts)
 
 
-def scale_down_victims(replicas: Iterable[F], count: int, *, current_version: int) -> list[F]:
+def scale_down_victims(
+    replicas: Iterable[F],
+    count: int,
+    *,
+    current_version: int,
+    worth: Mapping[int, float] | None = None,
+) -> list[F]:
     """Pick ``count`` live replicas to remove: old versions first, then the least useful
-    status (PENDING before READY), then the newest (it has served least)."""
+    status (PENDING before READY), then the one serving least by ``worth`` (a mixed fleet's
+    target QPS per replica, SkyServe's instance-aware order; unknown: 0), then the newest (it
+    has served least)."""
     live = [r for r in replicas if is_live(r)]
     order = {status: i for i, status in enumerate(SCALE_DOWN_ORDER)}
+    worth = worth or {}
     live.sort(
         key=lambda r: (
             r.version >= current_version,
             order[replica_status(r)],
+            worth.get(r.id, 0.0),
             -r.id,
         )
     )

@@ -254,6 +254,19 @@ class ServiceCore:
             for r in self.store.replicas(self.name)
         ]
 
+    def worth(self, spec: ServiceSpec) -> dict[int, float]:
+        """Each placed replica's target QPS under the spec's per-accelerator targets (the
+        smallest where no key names its accelerator), for the scale-down order; empty for
+        any other spec (nothing read)."""
+        targets = spec.service.replica_policy.target_qps_per_accelerator
+        if not targets:
+            return {}
+        least = min(targets.values())
+        return {
+            rid: qps_of_accelerator(targets, accelerator) or least
+            for rid, accelerator in self.accelerators().items()
+        }
+
     def _weights(
         self, ready: Mapping[int, str], accelerators: Mapping[int, str]
     ) -> dict[int, float]:
