@@ -421,3 +421,8 @@ def test_the_numbers_the_page_gives() -> None:
     assert worker.BIND_RETRY == 1.0
     assert session.CODE_SECONDS == 120
     assert cli_nodaemon.RESPAWN_NOTE in DOC.read_text()
+    # The API (and so the dashboard) and the endpoints are on 127.0.0.1 unless told otherwise.
+    daemon_run = main.commands["daemon"].commands["run"]  # type: ignore[attr-defined]
+    host = next(p for p in daemon_run.params if p.name == "host")
+    assert host.default == "127.0.0.1"
+    assert "{}://127.0.0.1:{}" in templates()
