@@ -222,6 +222,8 @@ def daemon_rows(info: dict[str, Any], now: float) -> list[tuple[str, str]]:
         link = "connected" if w.get("connected") else "not connected"
         state = w.get("state") if w.get("alive") else "gone"
         text = f"slot {w.get('slot')}: pid {w.get('pid')} {state}, {link}"
+        if w.get("accelerated"):
+            text += f", fast path {w['accelerated']}"
         rows.append(("balancer workers" if len(rows) == 3 else "", text))
     confinement = info.get("confinement") or {}
     if confinement:

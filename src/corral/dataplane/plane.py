@@ -72,6 +72,7 @@ class _Conn:
     writer: asyncio.StreamWriter
     seq: int = 0
     heard: float = field(default_factory=time.monotonic)  # its last report
+    accelerated: str = "unknown"  # its fast path's build, as its hello said (daemon status)
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -323,8 +324,8 @@ class DataPlane:
                 )
                 return None
             self.slots.set(slot, pid, created)
-        conn = _Conn(slot=slot, pid=pid, writer=writer, seq=int(hello.get("seq") or 0))
-        self._conns[pid] = conn
+        conn = self._conns[pid] = _Conn(slot, pid, writer, int(hello.get("seq") or 0))
+        conn.accelerated = str(hello.get("accelerated") or "unknown")  # older workers: none
         return conn
 
     def _respawn(self) -> dict[str, Any] | None:
@@ -496,5 +497,4 @@ class DataPlane:
         return errors + ([shared] if shared else [])
 
     def workers(self) -> list[dict[str, Any]]:
-        conns = {pid: conn.seq for pid, conn in self._conns.items()}
-        return self.slots.view(conns)
+        return self.slots.view({pid: (c.seq, c.accelerated) for pid, c in self._conns.items()})

@@ -12,7 +12,8 @@ Daemon to worker::
 
 Worker to daemon::
 
-    {"t": "hello", "slot": int, "pid": int, "created": float, "seq": int}
+    {"t": "hello", "slot": int, "pid": int, "created": float, "seq": int,
+     "accelerated": "compiled" | "pure"}      (the fast path's build: corral.balancer.speedups)
     {"t": "report", "seq": int, "services": {NAME: {"stats": {...}, "times": [[bucket, n]...],
                                                     "port": int | null, "error": str | null}}}
 

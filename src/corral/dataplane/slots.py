@@ -128,9 +128,9 @@ class SlotBook:
                     continue
                 self._silent_since.pop(slot, None)
 
-    def view(self, connected: dict[int, int]) -> list[dict[str, Any]]:
+    def view(self, connected: dict[int, tuple[int, str]]) -> list[dict[str, Any]]:
         """Each slot's worker for ``corral daemon status``; ``connected``: pid -> the table
-        seq it applied."""
+        seq it applied and its fast path's build ("compiled", "pure")."""
         out = []
         for slot, row in sorted((self.rows() or {}).items()):
             proc = find_process(row.pid, row.created)
@@ -138,6 +138,7 @@ class SlotBook:
                 state = proc.status() if proc is not None else "gone"
             except psutil.Error:
                 state = "gone"
+            seq, accelerated = connected.get(row.pid, (None, None))
             out.append(
                 {
                     "slot": slot,
@@ -145,7 +146,8 @@ class SlotBook:
                     "alive": proc is not None,
                     "state": state,
                     "connected": row.pid in connected,
-                    "table_seq": connected.get(row.pid),
+                    "table_seq": seq,
+                    "accelerated": accelerated,
                     "started_at": row.started_at,
                 }
             )

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
-from corral.balancer import LoadBalancer
+from corral.balancer import LoadBalancer, speedups
 from corral.balancer.metrics import merge_stats
 from corral.dataplane import engines
 from corral.dataplane.listeners import make_balancer
@@ -175,6 +175,7 @@ class Worker:
                             "pid": os.getpid(),
                             "created": _created(),
                             "seq": self.seq,
+                            "accelerated": speedups.ACCELERATED,
                         }
                     )
                 )
