@@ -8,7 +8,8 @@ aiohttp app would serve about as slowly as the proxy under test.
 Routes (the path is all that is parsed):
 
 * anything else: ``200 ok`` (2-byte body, keep-alive, pipelining-safe).
-* ``/sse``: ``text/event-stream``, chunked, ``--events`` events ``--interval`` seconds apart; the
+* ``/sse``: ``text/event-stream``, chunked, ``--events`` events ``--interval`` seconds apart
+  (``/sse?events=N&interval=S`` for other counts and gaps); the
   first event goes out in the same write as the headers, so time-to-first-byte is the proxy's
   own latency and nothing else. The connection stays open afterwards, as with uvicorn or vLLM,
   so a proxy can reuse it for the next stream.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import signal
 import sys
 
@@ -33,6 +35,11 @@ SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n"
 )
+
+
+# ``/sse?events=N&interval=S``: N events S seconds apart instead of the defaults.
+_EVENTS = re.compile(rb"[?&]events=(\d+)")
+_INTERVAL = re.compile(rb"[?&]interval=([\d.]+)")
 
 
 def chunk(data: bytes) -> bytes:
@@ -91,7 +98,12 @@ class Replica(asyncio.Protocol):
                     out = []
                 self.streaming = True
                 self.buf = buf
-                task = asyncio.ensure_future(self.sse(transport))
+                events, interval = self.events, self.interval
+                if (m := _EVENTS.search(path)) is not None:
+                    events = max(1, int(m.group(1)))
+                if (m := _INTERVAL.search(path)) is not None:
+                    interval = float(m.group(1))
+                task = asyncio.ensure_future(self.sse(transport, events, interval))
                 self.streams.add(task)
                 task.add_done_callback(self.streams.discard)
                 return
@@ -106,15 +118,15 @@ class Replica(asyncio.Protocol):
         if out:
             transport.write(out[0] if len(out) == 1 else b"".join(out))
 
-    async def sse(self, transport: asyncio.Transport) -> None:
+    async def sse(self, transport: asyncio.Transport, events: int, interval: float) -> None:
         loop = asyncio.get_running_loop()
         try:
             transport.write(SSE_HEAD + chunk(b"data: 0\n\n"))
             start = loop.time()
-            for i in range(1, self.events):
+            for i in range(1, events):
                 # paced against the start, not the previous event, so a late wake-up does not
                 # stretch the whole stream
-                await asyncio.sleep(max(0.0, start + i * self.interval - loop.time()))
+                await asyncio.sleep(max(0.0, start + i * interval - loop.time()))
                 if transport.is_closing():
                     return
                 transport.write(chunk(b"data: %d\n\n" % i))

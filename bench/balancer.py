@@ -127,11 +127,18 @@ class Proc:
 
 
 def start_python(
-    name: str, args: list[str], timeout: float = 20.0, src: Path | None = None
+    name: str,
+    args: list[str],
+    timeout: float = 20.0,
+    src: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Proc:
     """Start one of the bench helpers and wait for its ``PORT n`` line; ``src``: import corral
-    from that source tree instead of this checkout's."""
+    from that source tree instead of this checkout's; ``extra_env``: more variables (``--pure``:
+    CORRAL_BALANCER_PURE=1)."""
     env = None if src is None else {**os.environ, "PYTHONPATH": str(src)}
+    if extra_env:
+        env = {**(env or os.environ), **extra_env}
     popen = subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.PIPE,
@@ -177,18 +184,22 @@ def start_corral(
     extra: list[str],
     procs: list[Proc],
     src: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> list[Proc]:
     """``workers`` _lb_proxy.py processes on one port (SO_REUSEPORT when more than one)."""
     args = [str(proxy), *(a for url in replica_urls for a in ("--replica", url)), *extra]
     if workers == 1:
-        started = [start_python(name, args, src=src)]
+        started = [start_python(name, args, src=src, extra_env=extra_env)]
     else:
         port = free_port()
         started = []
         for i in range(workers):
             started.append(
                 start_python(
-                    f"{name}#{i + 1}", [*args, "--port", str(port), "--reuse-port"], src=src
+                    f"{name}#{i + 1}",
+                    [*args, "--port", str(port), "--reuse-port"],
+                    src=src,
+                    extra_env=extra_env,
                 )
             )
             procs.append(started[-1])
@@ -205,6 +216,7 @@ def loaded_engine(pid: int) -> list[str]:
         "uvloop": "uvloop/loop.",
         "httptools": "httptools/parser",
         "aiohttp-parser": "aiohttp/_http_parser",
+        "compiled-fast-path": "corral/balancer/_speedups",
     }
     try:
         paths = {m.path for m in psutil.Process(pid).memory_maps()}
@@ -343,7 +355,7 @@ REQUEST_SCRIPTS = {
 }
 
 
-def wrk_cmd(wrk: list[str], port: int, conns: int, duration: int) -> list[str]:
+def wrk_cmd(wrk: list[str], port: int, conns: int, duration: int, path: str = "/") -> list[str]:
     return [
         *wrk,
         "-t1",
@@ -352,15 +364,17 @@ def wrk_cmd(wrk: list[str], port: int, conns: int, duration: int) -> list[str]:
         "--latency",
         "--timeout",
         "5s",
-        f"http://{HOST}:{port}/",
+        f"http://{HOST}:{port}{path}",
     ]
 
 
-def run_wrk(wrk: list[str], target: Target, conns: int, duration: int, phase: str, rnd: int) -> Run:
+def run_wrk(
+    wrk: list[str], target: Target, conns: int, duration: int, phase: str, rnd: int, path: str = "/"
+) -> Run:
     run = Run(phase, rnd, target.name, conns, duration)
     before = cpu_by_process(target.pids)
     proc = subprocess.run(
-        wrk_cmd(wrk, target.port, conns, duration),
+        wrk_cmd(wrk, target.port, conns, duration, path),
         capture_output=True,
         text=True,
         timeout=duration + 30,
@@ -450,6 +464,8 @@ class Phase:
     duration: int
     targets: list[Target]
     reference: str  # ratios are to this target's run of the same round
+    path: str = "/"  # wrk's URL path (the streamed phase: the replicas' /sse)
+    wrk: list[str] | None = None  # wrk and its script for this phase, if not the run's
 
 
 def rotated(items: list[Target], k: int) -> list[Target]:
@@ -465,10 +481,13 @@ def run_rounds(
         loads.append([round(x, 2) for x in os.getloadavg()])
         log(f"round {rnd + 1}/{rounds} (load average {loads[-1]})")
         for phase in phases:
+            cmd = phase.wrk or wrk
             for target in rotated(phase.targets, rnd):
                 if warmup:
-                    run_wrk(wrk, target, phase.connections, warmup, phase.name, rnd)
-                r = run_wrk(wrk, target, phase.connections, phase.duration, phase.name, rnd)
+                    run_wrk(cmd, target, phase.connections, warmup, phase.name, rnd, phase.path)
+                r = run_wrk(
+                    cmd, target, phase.connections, phase.duration, phase.name, rnd, phase.path
+                )
                 runs.append(r)
                 log(
                     f"  {phase.name:6s} {target.name:12s} {r.rps:8.0f} req/s  "
@@ -901,6 +920,20 @@ def main() -> int:
         action="store_true",
         help="also count each proxy's syscalls per request (perf stat; needs perf and root)",
     )
+    parser.add_argument(
+        "--pure",
+        action="store_true",
+        help="also rows 'corral pure' and 'corral pure xN': this engine with"
+        " CORRAL_BALANCER_PURE=1 (its compiled fast path turned off), in the same rounds",
+    )
+    parser.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=50,
+        help="a phase of streamed answers at 64 connections: each request a chunked stream of"
+        " this many events, --stream-gap-ms apart (0: no such phase)",
+    )
+    parser.add_argument("--stream-gap-ms", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     rounds: int = args.rounds or (1 if args.quick else 3)
@@ -929,6 +962,8 @@ def main() -> int:
             "compare": {k: {"src": str(v), "commit": source_commit(v)} for k, v in compare.items()},
             "sse_events": SSE_EVENTS,
             "sse_interval_s": SSE_INTERVAL,
+            "stream_phase": {"chunks": args.stream_chunks, "gap_ms": args.stream_gap_ms},
+            "pure_rows": args.pure,
             "stream_rounds": stream_rounds,
             "targets": {
                 "cpu_ratio_max": CPU_RATIO_MAX,
@@ -990,9 +1025,17 @@ def main() -> int:
             peers.append(p)
             return Target(name, p.port, [p.pid], n)
 
-        def corral(name: str, n: int, extra: list[str], src: Path | None = None) -> Target | None:
+        pure_env = {"CORRAL_BALANCER_PURE": "1"}
+
+        def corral(
+            name: str,
+            n: int,
+            extra: list[str],
+            src: Path | None = None,
+            env: dict[str, str] | None = None,
+        ) -> Target | None:
             try:
-                started = start_corral(args.proxy, name, urls, n, extra, procs, src)
+                started = start_corral(args.proxy, name, urls, n, extra, procs, src, env)
             except RuntimeError as exc:
                 log(f"{name} did not start ({exc}): its rows are skipped")
                 report.skipped.append(f"{name}: {exc}")
@@ -1010,6 +1053,7 @@ def main() -> int:
                 corral("corral", 1, []),
                 *(corral(name, 1, extra) for name, extra in variants.items()),
                 *(corral(name, 1, [], src) for name, src in compare.items()),
+                corral("corral pure", 1, [], None, pure_env) if args.pure else None,
             ):
                 if t is not None:
                     one.append(t)
@@ -1019,6 +1063,10 @@ def main() -> int:
                     t = corral(f"corral x{workers}", workers, [])
                     if t is not None:
                         many.append(t)
+                    if args.pure:
+                        t = corral(f"corral pure x{workers}", workers, [], None, pure_env)
+                        if t is not None:
+                            many.append(t)
                 else:
                     msg = (
                         f"corral x{workers}: bench/_lb_proxy.py does not take --reuse-port "
@@ -1070,8 +1118,37 @@ def main() -> int:
                 script = Path(tmp) / f"{args.requests}.lua"
                 script.write_text(REQUEST_SCRIPTS[args.requests])
                 wrk_base += ["-s", str(script)]
+            streamed: list[Phase] = []
+            if args.stream_chunks > 0:
+                varied = Path(tmp) / "stream.lua"
+                varied.write_text(VARIED_REQUESTS_LUA)
+                gap = args.stream_gap_ms / 1000
+                streamed.append(
+                    Phase(
+                        "sse",
+                        f"64 connections, streamed answers ({args.stream_chunks} chunked events"
+                        f" {args.stream_gap_ms:g} ms apart), one process / worker / thread",
+                        64,
+                        duration,
+                        [t for t in one if t.name != "direct"],
+                        "nginx" if has_nginx else one[0].name,
+                        path=f"/sse?events={args.stream_chunks}&interval={gap:g}",
+                        wrk=[wrk, "-s", str(varied)],
+                    )
+                )
             runs = run_rounds(wrk_base, phases, rounds, warmup, loads)
             report.machine["loadavg_per_round"] = loads
+
+            stream_targets = {t.name: t.port for t in one if t.name in ("direct", "nginx")}
+            stream_targets |= {t.name: t.port for t in one if t.name in ("haproxy", "corral")}
+            log(f"streaming: {stream_rounds} rounds of /sse ({SSE_EVENTS} events) per target")
+            report.streaming = run_streams(stream_targets, stream_rounds)
+            if streamed:
+                # After the time-to-first-event test: wrk ends streams mid-way, and nginx
+                # answered that test's first event ~45 ms late right after (1 quick run).
+                log("streamed answers at 64 connections, CPU per stream")
+                runs += run_rounds(wrk_base, streamed, rounds, warmup, [])
+                phases += streamed
             report.runs = [asdict(r) for r in runs]
             for phase in phases:
                 report.phases[phase.name] = {
@@ -1081,11 +1158,6 @@ def main() -> int:
                     "reference": phase.reference,
                     "targets": summarize(phase, runs, "direct" if phase.name == "c1" else None),
                 }
-
-            stream_targets = {t.name: t.port for t in one if t.name in ("direct", "nginx")}
-            stream_targets |= {t.name: t.port for t in one if t.name in ("haproxy", "corral")}
-            log(f"streaming: {stream_rounds} rounds of /sse ({SSE_EVENTS} events) per target")
-            report.streaming = run_streams(stream_targets, stream_rounds)
             if args.syscalls:
                 log("syscalls per request, 64 connections, perf stat")
                 for t in [*one, *many]:
