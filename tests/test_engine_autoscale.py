@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import threading
 import urllib.request
@@ -168,6 +169,16 @@ def test_a_service_scales_out_when_its_engines_kv_caches_fill(
     threads = [threading.Thread(target=generate, daemon=True) for _ in range(2)]
     for thread in threads:
         thread.start()
+
+    def generating() -> Any:
+        now = corral_home.service("kv")
+        llm = (now or {}).get("llm") or {}
+        return llm if (llm.get("tokens_per_second") or 0) > 0 else None
+
+    shown = corral_home.wait_for(generating, 30, "tokens per second in the service view")
+    assert shown["tokens_per_second"] > 10, shown
+    metrics = corral_home.api("GET", "/metrics").body.decode()
+    assert re.search(r'corral_engine_tokens_per_second\{replica="\d+",service="kv"\} \d', metrics)
     grown = corral_home.wait_replicas("kv", 2, timeout=90, exact=False)
     events = corral_home.api("GET", "/v1/services/kv/events").json()["events"]
     assert any("worth of KV cache in use" in str(e) for e in events), events

@@ -50,6 +50,7 @@ def replica_llm(stats: Mapping[str, Any] | None, engine: Mapping[str, Any] | Non
         "waiting": engine.get("waiting"),
         "running": engine.get("running"),
         "kv_cache_usage": engine.get("kv_usage"),
+        "tokens_per_second": engine.get("tokens_per_second"),
         "prefix_hit_rate": _hit_rate(engine),
     }
 
@@ -63,7 +64,7 @@ def service_llm(stats: Mapping[str, Any] | None) -> Any:
         return None
     summed: dict[str, float] = {}
     for signals in engines.values():
-        for key in ("waiting", "running", "prefix_hits", "prefix_queries"):
+        for key in ("waiting", "running", "prefix_hits", "prefix_queries", "tokens_per_second"):
             if key in signals:
                 summed[key] = summed.get(key, 0.0) + float(signals[key])
     rates = [r for s in engines.values() if (r := _hit_rate(s)) is not None]
@@ -75,6 +76,7 @@ def service_llm(stats: Mapping[str, Any] | None) -> Any:
         "held_expired": int(stats.get("held_expired") or 0),
         "queue": summed.get("waiting"),
         "running": summed.get("running"),
+        "tokens_per_second": summed.get("tokens_per_second"),
         "prefix_hit_rate": _hit_rate(summed)
         if "prefix_queries" in summed
         else (round(sum(rates) / len(rates), 4) if rates else None),

@@ -187,6 +187,7 @@ _ENGINE_GAUGES: Final = {
     "prefix_hits": "prefix-cache hits, tokens, since it started",
     "prefix_queries": "prefix-cache queries, tokens, since it started",
     "generation_tokens": "tokens generated since it started",
+    "tokens_per_second": "tokens generated per second, between the last two readings",
 }
 
 
