@@ -82,8 +82,13 @@ def test_a_per_accelerator_target_is_read_with_its_policy() -> None:
             "max_replicas",
             "required when target_qps_per_replica is set",
         ),
+        (
+            MIXED + "      H100: 10\n    target_kv_cache_usage: 0.8\n",
+            "target_qps_per_replica",
+            "cannot be combined with target_kv_cache_usage",
+        ),
     ],
-    ids=["unknown", "zero", "text", "empty", "no-policy", "no-map", "no-gpu", "no-max"],
+    ids=["unknown", "zero", "text", "empty", "no-policy", "no-map", "no-gpu", "no-max", "mixed"],
 )
 def test_bad_per_accelerator_targets_name_their_field(text: str, field: str, says: str) -> None:
     with pytest.raises(SpecError) as caught:

@@ -61,6 +61,15 @@ def _instance_aware_issues(spec: ServiceSpec) -> list[tuple[tuple[str, ...], str
         ]
     if targets is None:
         return []
+    mixed = sorted(spec.service.replica_policy.engine_targets)
+    if mixed:
+        return [
+            (
+                QPS_FIELD,
+                f"a mapping of accelerator to QPS cannot be combined with {', '.join(mixed)}: "
+                "scale a mixed fleet on its request rate, or give one number",
+            )
+        ]
     if not aware:
         return [
             (
