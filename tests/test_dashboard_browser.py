@@ -147,7 +147,7 @@ def follow_the_service(
 
     # One replica's output, followed live.
     live = next(r for r in home.service("web")["replicas"] if r["id"] == new_ids[0])  # type: ignore[index]
-    page.locator(f"tr[data-replica='{live['id']}'] a").click()
+    page.locator(f"tr[data-replica='{live['id']}'] .c-id a").click()
     log = page.locator("#log-replica")
     expect(log).to_contain_text("listening on", timeout=WAIT_MS)
     expect(page.locator("#log-launch")).to_contain_text("[corral] run:")
@@ -232,3 +232,143 @@ def test_login_needs_the_token_and_actions_take_effect(
     expect(page).to_have_url(re.compile(r"/ui/login$"))
     page.goto(home.api_url + "/ui/")
     expect(page).to_have_url(re.compile(r"/ui/login$"))
+
+
+def test_service_page_resources_ranges_hover_logs_and_replacing_a_replica(
+    corral_home: CorralHome, tmp_path: Path, browser: Any
+) -> None:
+    from playwright.sync_api import expect
+
+    home = corral_home
+    svc = up(home, tmp_path, "shop", 2)
+    page, errors = open_page(browser)
+    page.goto(home.run("dashboard").stdout.strip())
+    expect(page.locator("tr[data-service=shop] .c-ready")).to_have_text("2 / 2", timeout=WAIT_MS)
+    expect(page.locator("thead .c-qps")).to_have_text("QPS (10 s)")
+    page.evaluate("window.sameDocument = true")
+    page.get_by_role("link", name="shop").click()
+    with steady_traffic(svc["endpoint"]):
+        # Every replica's CPU and memory, read by the daemon when the page asks.
+        for replica in svc["replicas"]:
+            row = page.locator(f"tr[data-replica='{replica['id']}']")
+            expect(row.locator(".c-cpu")).to_have_text(re.compile(r"^\d+\.\d%$"), timeout=WAIT_MS)
+            expect(row.locator(".c-memory")).to_have_text(re.compile(r"^[\d.]+ (KiB|MiB|GiB)$"))
+            expect(row.locator(".c-endpoint a")).to_have_attribute("href", replica["endpoint"])
+            expect(row.locator(".c-served")).to_have_text(re.compile(r"^\d"))  # 0 is shown
+        expect(page.locator("#fact-endpoint a")).to_have_attribute("href", svc["endpoint"])
+        expect(page.locator("#fact-decision")).to_contain_text(
+            "(60 s window, as of its last decision)"
+        )
+        expect(page.locator("section.llm")).to_be_hidden()  # not an LLM service
+        expect(page.locator("thead .c-ttft")).to_be_hidden()
+        charts_and_hover(page, shots(tmp_path))
+        logs_of_the_service(page, home)
+        page.screenshot(path=str(shots(tmp_path) / "service.png"), full_page=True)
+
+    # Replace one replica: confirmed first, then it goes and another takes its place.
+    victim = svc["replicas"][0]
+    page.locator(f"tr[data-replica='{victim['id']}'] .c-do button").click()
+    expect(page.locator("#confirm-title")).to_have_text(f"Replace replica {victim['id']} of shop?")
+    page.locator("#confirm-ok").click()
+    expect(page.locator("#action-result")).to_have_text(
+        f"replica {victim['id']} of shop is shutting down; a replacement starts", timeout=WAIT_MS
+    )
+    expect(page.locator(f"tr[data-replica='{victim['id']}']")).to_have_count(0, timeout=WAIT_MS)
+    expect(page.locator("tr[data-status=READY]")).to_have_count(2, timeout=WAIT_MS)
+    assert page.evaluate("window.sameDocument") is True, "the page was reloaded"
+    assert errors == []
+
+
+def charts_and_hover(page: Any, out: Path) -> None:
+    """A new service's charts fit its data (its own span, a minute at least); a range is
+    chosen; hovering shows the time and the values."""
+    from playwright.sync_api import expect
+
+    fit = page.locator(".ranges button[data-range=fit]")
+    expect(fit).to_have_text(re.compile(r"^Fit \(([2-9]\d|1[01]\d) s\)$"), timeout=WAIT_MS)
+    expect(fit).to_have_attribute("aria-pressed", "true")
+    qps = page.locator(".chart").first
+    expect(qps.locator(".axis text").first).to_have_text(re.compile("^\N{MINUS SIGN}" + r"\d+ s$"))
+    page.locator(".ranges button[data-range='3600']").click()
+    expect(qps.locator(".axis text").first).to_have_text("\N{MINUS SIGN}60 min")
+    expect(page.locator(".ranges button[data-range='3600']")).to_have_attribute(
+        "aria-pressed", "true"
+    )
+    fit.click()
+    expect(qps.locator(".axis text").first).to_have_text(re.compile("^\N{MINUS SIGN}" + r"\d+ s$"))
+    # Two chart points (one each 5 s) with traffic, then the pointer over the newest.
+    expect(qps.locator("path.series")).to_have_attribute(
+        "d", re.compile(r"^M[\d.]+,[\d.]+L"), timeout=WAIT_MS
+    )
+    box = qps.locator("svg").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.97, box["y"] + box["height"] * 0.5)
+    tip = qps.locator(".chart-tip")
+    expect(tip).to_be_visible()
+    expect(tip.locator("time")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$"))
+    expect(tip).to_contain_text(re.compile(r"QPS \d"))
+    page.locator(".charts").screenshot(path=str(out / "hover.png"))
+    page.mouse.move(0, 0)
+    expect(tip).to_be_hidden()
+
+
+def logs_of_the_service(page: Any, home: CorralHome) -> None:
+    """The controller's log, and the load balancer's lines about the service, in the page."""
+    from playwright.sync_api import expect
+
+    log = home.path / "services" / "shop" / "logs" / "controller.log"
+    first = log.read_text().splitlines()[0]
+    expect(page.locator("#log-controller")).to_contain_text(first[-30:], timeout=WAIT_MS)
+    page.get_by_role("button", name="Load balancer log").click()
+    lb = home.run("logs", "shop", "--load-balancer", "--no-follow").stdout.strip().splitlines()
+    expect(page.locator("#log-load_balancer")).to_contain_text(lb[-1][-30:], timeout=WAIT_MS)
+    page.get_by_role("button", name="Controller log").click()
+    expect(page.locator("#log-controller")).to_be_visible()
+
+
+def test_an_llm_service_shows_its_engine_figures(
+    corral_home: CorralHome, tmp_path: Path, browser: Any
+) -> None:
+    import json
+    import sys
+    import urllib.request
+
+    from playwright.sync_api import expect
+
+    home = corral_home
+    run = f"exec {sys.executable} -m corral.llmsim --host 127.0.0.1 --port $PORT --speed 5"
+    text = spec_text("chat", 1, run=run).replace(
+        "service:\n", "service:\n  load_balancing_policy: prefix_affinity\n"
+    )  # a policy that reads the engines' figures
+    home.run("up", str(write_spec(tmp_path / "chat.yaml", text)))
+    svc = home.wait_replicas("chat", 1)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for stream in (True, True, False):
+        request = urllib.request.Request(
+            svc["endpoint"] + "/v1/chat/completions",
+            data=json.dumps({**body, "stream": stream}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            answer.read()
+    page, errors = open_page(browser)
+    page.goto(home.run("dashboard").stdout.strip())
+    page.goto(home.api_url + "/ui/services/chat")
+    llm = page.locator("section.llm")
+    expect(llm).to_be_visible(timeout=WAIT_MS)
+    expect(page.locator("#llm-ttft")).to_have_text(re.compile(r"^[\d.]+ ms / [\d.]+ ms$"))
+    expect(page.locator("#llm-waiting")).to_have_text("0", timeout=WAIT_MS)
+    expect(page.locator("#llm-hit")).to_have_text(re.compile(r"%$"), timeout=WAIT_MS)
+    row = page.locator("tr[data-replica]").first
+    expect(row.locator(".c-ttft")).to_be_visible()
+    expect(row.locator(".c-running")).to_have_text(re.compile(r"^\d+$"))
+    expect(row.locator(".c-kv")).to_have_text(re.compile(r"%$"))
+    # Tokens/s where the engines report it (vLLM's counter grows, SGLang says), else no cell.
+    rates = [r["llm"].get("tokens_per_second") for r in home.service("chat")["replicas"]]  # type: ignore[index]
+    tps = page.locator("#llm-tps")
+    if any(isinstance(v, (int, float)) for v in rates):
+        expect(tps).to_have_text(re.compile(r"^[\d.]+$"))
+    else:
+        expect(tps).to_be_hidden()
+        expect(row.locator(".c-tps")).to_be_hidden()
+    page.screenshot(path=str(shots(tmp_path) / "llm.png"), full_page=True)
+    assert errors == []

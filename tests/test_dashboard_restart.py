@@ -84,6 +84,8 @@ def test_a_remembered_port_taken_by_another_process_is_said_and_left(
     home.stop_daemon()
     squatter = socket.socket()
     try:
+        # (SO_REUSEADDR: the old daemon's connections may hold the port in TIME_WAIT)
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", port))
         squatter.listen()
         home.start_daemon()

@@ -20,11 +20,13 @@ import json
 import logging
 import os
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
 from corral import __version__
+from corral.daemon_env import DaemonError, env_seconds
 from corral.dashboard.history import (
     LIVE_WINDOW,
     SAMPLE_SECONDS,
@@ -76,6 +78,12 @@ class Feed:
         self._wake = asyncio.Event()
         self._last_point: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
+        # The autoscaler's QPS window (its sentence quotes a QPS over it): read as the daemon
+        # read it at start, so the page can say which window each QPS figure is over.
+        try:
+            self.qps_window = env_seconds("CORRAL_QPS_WINDOW", 60.0)
+        except DaemonError:
+            self.qps_window = 60.0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -153,7 +161,9 @@ class Feed:
             traffic = _replica_traffic(stats.get(name))
             held = service.get("traffic_held_for_version")
             for replica in service["replicas"]:
-                replica["traffic"] = traffic.get(str(replica["id"]))
+                # The balancers count by the internal id; a replica they never counted served 0.
+                counted = traffic.get(str(replica.get("uid", replica["id"])))
+                replica["traffic"] = counted or {"in_flight": 0, "served": 0}
             ready = [r for r in service["replicas"] if r["status"] == "READY"]
             events = self.daemon.recent_events(name, EVENTS_SHOWN)
             point = self.history.latest(name)
@@ -163,7 +173,7 @@ class Feed:
                     "ready": len(ready),
                     "serving_versions": sorted({r["version"] for r in ready} - {held}),
                     "live": figures.as_dict() if figures else None,
-                    "point": point.__dict__ if point else None,
+                    "point": asdict(point) if point else None,
                     "events": [e.__dict__ for e in events],
                 }
             )
@@ -171,6 +181,7 @@ class Feed:
             "t": now,
             "daemon": {"pid": os.getpid(), "version": __version__, "home": str(self.daemon.home)},
             "live_window": LIVE_WINDOW,
+            "qps_window": self.qps_window,
             "sample_seconds": SAMPLE_SECONDS,
             "services": out,
         }

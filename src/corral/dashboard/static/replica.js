@@ -4,7 +4,7 @@ import { badge, fmt, h, setText } from "./dom.js";
 const MAX_LINES = 5000;
 
 // One followed log: lines kept (bounded), drawn into a <pre>, filtered by the search text.
-class LogPane {
+export class LogPane {
   constructor(url, title, id) {
     this.url = url;
     this.lines = [];

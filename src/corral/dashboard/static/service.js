@@ -1,23 +1,29 @@
-// One service: its numbers, its replicas, its rollout, charts of the last hour, its events.
-import { lineChart } from "./chart.js";
-import { KeyedRows, act, confirmAction, fmt, h, setAttr, setText, tone } from "./dom.js";
-import { decisionText, servingText } from "./services.js";
+// One service: its numbers, its replicas, its rollout, charts, its events and its logs.
+import { Chart } from "./chart.js";
+import { act, confirmAction, fmt, h, setAttr, setText, tone } from "./dom.js";
+import { LogPane } from "./replica.js";
+import { ReplicaTable, llmCells } from "./replicas.js";
+import { decisionText, endpointLink, servingText } from "./services.js";
 
 const LIVE = new Set(["PENDING", "PROVISIONING", "STARTING", "READY", "NOT_READY"]);
-const HOUR = 3600;
+const KEEP = 6 * 3600;
+const RANGES = [[300, "5 min"], [900, "15 min"], [3600, "1 h"], [KEEP, "6 h"]];
+const USAGE_SECONDS = 2000;
+const LLM_FACTS = [["ttft", "TTFT p50 / p99"], ["waiting", "Queue (engines)"], ["running", "Running"],
+  ["hit", "Cache hit rate"], ["tps", "Tokens/s"], ["held", "Held in balancer"]];
 
-const REPLICA_COLUMNS = [
-  ["id", "Replica"], ["status", "Status"], ["version", "Version"], ["age", "Age"],
-  ["endpoint", "Endpoint"], ["devices", "Devices"], ["pid", "PID"], ["inflight", "In flight"],
-  ["served", "Served"], ["failure", "Failure"],
-];
+// The data's own span (20 s at least, in whole minutes past two): a new service's points fill
+// its charts instead of a spike against "now".
+export function fitRange(points, now) {
+  const span = points.length ? now - points[0].t : 0;
+  if (span <= 20) return 20;
+  return Math.min(KEEP, span <= 120 ? Math.ceil(span / 10) * 10 : Math.ceil(span / 60) * 60);
+}
 
-function devicesText(replica) {
-  const devices = replica.devices;
-  if (devices === null || devices === undefined || devices === "") return "";
-  if (Array.isArray(devices)) return devices.join(", ");
-  if (typeof devices === "object") return Object.entries(devices).map(([k, v]) => `${k}: ${v}`).join(", ");
-  return String(devices);
+export function spanText(seconds) {
+  if (seconds < 120) return `${Math.round(seconds)} s`;
+  if (seconds < 7200) return `${Math.round(seconds / 60)} min`;
+  return `${+(seconds / 3600).toFixed(1)} h`;
 }
 
 // Live replicas by version, oldest first: more than one means an update or rollback runs.
@@ -42,6 +48,7 @@ export class ServiceView {
     this.crumbs = [["Services", "/ui/"], [name, null]];
     this.points = [];
     this.chartsAt = 0;
+    this.range = null; // null: fit the data's own span
     this.eventsKey = "";
     this.badge = h("span", { class: "badge", id: "service-status" });
     this.failure = h("p", { class: "notice bad", role: "alert", hidden: true });
@@ -49,29 +56,76 @@ export class ServiceView {
     const dl = h("dl", { class: "facts" });
     for (const [key, label] of [
       ["endpoint", "Endpoint"], ["version", "Current version"], ["serving", "Serving version"],
-      ["ready", "Ready / target"], ["qps", "QPS (10 s)"], ["p50", "p50"], ["p99", "p99"],
-      ["errors", "5xx rate"], ["requests", "Requests"], ["decision", "Autoscaler"],
+      ["ready", "Ready / target"], ["qps", "QPS (last 10 s)"], ["p50", "p50 (10 s)"], ["p99", "p99 (10 s)"],
+      ["errors", "5xx rate (10 s)"], ["requests", "Requests"], ["decision", "Autoscaler"],
     ]) {
       this.facts[key] = h("dd", { id: `fact-${key}` });
-      dl.append(h("div", {}, h("dt", { text: label }), this.facts[key]));
+      dl.append(h("div", { class: `fact-${key}` }, h("dt", { text: label }), this.facts[key]));
     }
+    this.llm = h("section", { class: "llm", "aria-labelledby": "llm-title", hidden: true },
+      h("h2", { id: "llm-title", text: "Engines (LLM)" }), this.makeLlmFacts());
     this.rollout = h("section", { class: "rollout", "aria-label": "Update in progress", hidden: true });
-    this.replicaBody = h("tbody");
-    this.replicaRows = new KeyedRows(this.replicaBody, (r) => this.makeReplica(r), (row, r) => this.fillReplica(row, r));
-    this.charts = h("div", { class: "charts" }, h("p", { class: "empty", text: "Loading the last hour…" }));
+    this.replicas = new ReplicaTable(name, (r) => this.replace(r));
+    this.rangeButtons = h("div", { class: "ranges", role: "group", "aria-label": "Time range" },
+      ...[[null, "Fit"], ...RANGES].map(([seconds, label]) => {
+        const button = h("button", { type: "button", class: "quiet small", "data-range": seconds ?? "fit", text: label });
+        button.addEventListener("click", () => { this.range = seconds; this.drawCharts(this.now); });
+        return button;
+      }));
+    this.charts = [
+      new Chart("Requests per second", (v) => fmt.qps(v)),
+      new Chart("Latency", (v) => fmt.ms(v)),
+      new Chart("Replicas", (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1)), 1),
+    ];
+    this.chartBox = h("div", { class: "charts" }, ...this.charts.map((c) => c.el));
     this.events = h("ol", { class: "events" });
     this.actions = this.makeActions();
+    this.logs = this.makeLogs();
     this.el = h("section", { "aria-labelledby": "service-title" },
       h("div", { class: "title-row" }, h("h1", { id: "service-title", text: name }), this.badge),
-      this.failure, dl, this.rollout, this.actions,
-      h("h2", { text: "Replicas" }),
-      h("div", { class: "scroll" }, h("table", { class: "grid-table replicas" },
-        h("caption", { class: "sr-only", text: `Replicas of ${name}` }),
-        h("thead", {}, h("tr", {}, ...REPLICA_COLUMNS.map(([key, label]) => h("th", { scope: "col", class: `c-${key}`, text: label })))),
-        this.replicaBody)),
-      h("h2", { text: "Last hour" }), this.charts,
-      h("h2", { text: "Events" }), this.events);
+      this.failure, dl, this.llm, this.rollout, this.actions,
+      h("h2", { text: "Replicas" }), this.replicas.el,
+      h("div", { class: "title-row" }, h("h2", { id: "charts-title", text: "Traffic" }), this.rangeButtons),
+      this.chartBox,
+      h("h2", { text: "Events" }), this.events,
+      this.logs);
     this.loadHistory();
+    this.readUsage();
+    this.usageTimer = setInterval(() => this.readUsage(), USAGE_SECONDS);
+  }
+
+  close() {
+    clearInterval(this.usageTimer);
+    for (const pane of Object.values(this.panes)) pane.close();
+  }
+
+  makeLlmFacts() {
+    this.llmFacts = {};
+    const dl = h("dl", { class: "facts" });
+    for (const [key, label] of LLM_FACTS) {
+      this.llmFacts[key] = h("dd", { id: `llm-${key}` });
+      dl.append(h("div", {}, h("dt", { text: label }), this.llmFacts[key]));
+    }
+    return dl;
+  }
+
+  makeLogs() {
+    this.panes = {};
+    this.logBox = h("div", { class: "logs" });
+    const tabs = h("div", { class: "ranges", role: "group", "aria-label": "Which log" });
+    const show = (kind, title) => {
+      for (const button of tabs.children) setAttr(button, "aria-pressed", button.dataset.kind === kind ? "true" : "false");
+      if (!this.panes[kind]) this.panes[kind] = new LogPane(`/ui/api/services/${this.name}/log?kind=${kind}`, title, `log-${kind}`);
+      this.logBox.replaceChildren(this.panes[kind].el);
+    };
+    for (const [kind, title] of [["controller", "Controller log"], ["load_balancer", "Load balancer log"]]) {
+      const button = h("button", { type: "button", class: "quiet small", "data-kind": kind, text: title });
+      button.addEventListener("click", () => show(kind, title));
+      tabs.append(button);
+    }
+    show("controller", "Controller log");
+    return h("section", { class: "service-logs", "aria-labelledby": "logs-title" },
+      h("div", { class: "title-row" }, h("h2", { id: "logs-title", text: "Logs" }), tabs), this.logBox);
   }
 
   async loadHistory() {
@@ -81,10 +135,18 @@ export class ServiceView {
       const data = await answer.json();
       const known = new Set(this.points.map((p) => p.t));
       this.points = [...data.points.filter((p) => !known.has(p.t)), ...this.points].sort((a, b) => a.t - b.t);
-      this.chartsAt = 0;
       if (this.service) this.drawCharts(this.now);
     } catch (_) {
       /* the stream keeps the charts going from now on */
+    }
+  }
+
+  async readUsage() {
+    try {
+      const answer = await fetch(`/ui/api/services/${this.name}/resources`, { credentials: "same-origin" });
+      if (answer.ok) this.replicas.setUsage((await answer.json()).replicas);
+    } catch (_) {
+      /* the next reading */
     }
   }
 
@@ -147,37 +209,6 @@ export class ServiceView {
       () => `${this.name} is shutting down.`);
   }
 
-  makeReplica(r) {
-    const row = h("tr", { "data-replica": r.id });
-    row.cells_ = {};
-    for (const [key, label] of REPLICA_COLUMNS) {
-      const cell = key === "id" ? h("th", { scope: "row", "data-label": label }) : h("td", { "data-label": label });
-      cell.className = `c-${key}`;
-      row.cells_[key] = cell;
-      row.append(cell);
-    }
-    row.cells_.id.append(h("a", { href: `/ui/services/${this.name}/replicas/${r.id}`, "data-nav": true, text: `#${r.id}` }));
-    row.cells_.status.append(h("span", { class: "badge" }));
-    return row;
-  }
-
-  fillReplica(row, r) {
-    const c = row.cells_;
-    const look = tone(r.status);
-    setAttr(row, "data-status", r.status);
-    setAttr(row, "class", `tone-${look}`);
-    setText(c.status.firstChild, r.status);
-    setAttr(c.status.firstChild, "class", `badge ${look}`);
-    setText(c.version, `v${r.version}`);
-    setText(c.age, fmt.age(r.age_seconds));
-    setText(c.endpoint, r.endpoint || "");
-    setText(c.devices, devicesText(r));
-    setText(c.pid, r.pid || "");
-    setText(c.inflight, r.traffic ? r.traffic.in_flight : "");
-    setText(c.served, r.traffic ? fmt.count(r.traffic.served) : "");
-    setText(c.failure, r.failure || "");
-  }
-
   update(state) {
     const service = state.services.find((one) => one.name === this.name);
     this.now = state.t;
@@ -197,7 +228,7 @@ export class ServiceView {
     setText(this.failure, problems.join(" · "));
     const live = service.live || {};
     const f = this.facts;
-    setText(f.endpoint, service.endpoint || "—");
+    endpointLink(f.endpoint, service.endpoint);
     setText(f.version, `v${service.version}`);
     setText(f.serving, servingText(service));
     setText(f.ready, `${service.ready} / ${service.target ?? "—"}`);
@@ -206,15 +237,16 @@ export class ServiceView {
     setText(f.p99, fmt.ms(live.p99));
     setText(f.errors, fmt.pct(live.error_rate));
     setText(f.requests, fmt.count(live.answered_total ?? 0));
-    setText(f.decision, decisionText(service));
-    this.replicaRows.sync(service.replicas, (r) => r.id);
+    setText(f.decision, decisionText(service, state.qps_window));
+    this.replicas.sync(service.replicas);
+    this.showLlm(service.llm, service.replicas);
     this.showRollout(service);
     this.showActions(service);
     this.showEvents(service.events || []);
     const point = service.point;
     const last = this.points[this.points.length - 1];
     if (point && (!last || point.t > last.t)) this.points.push(point);
-    this.points = this.points.filter((p) => p.t >= state.t - HOUR);
+    this.points = this.points.filter((p) => p.t >= state.t - KEEP);
     if (state.t - this.chartsAt >= 5) this.drawCharts(state.t);
   }
 
@@ -265,18 +297,41 @@ export class ServiceView {
   drawCharts(now) {
     if (!now) return;
     this.chartsAt = now;
-    const t0 = now - HOUR;
+    const range = this.range ?? fitRange(this.points, now);
+    for (const button of this.rangeButtons.children) {
+      const mine = button.dataset.range === String(this.range ?? "fit");
+      setAttr(button, "aria-pressed", mine ? "true" : "false");
+      if (button.dataset.range === "fit") setText(button, `Fit (${spanText(this.range ? fitRange(this.points, now) : range)})`);
+    }
+    const t0 = now - range;
     const pts = this.points;
-    this.charts.replaceChildren(
-      lineChart({ title: "Requests per second", t0, t1: now, format: (v) => fmt.qps(v),
-        series: [{ label: "QPS", cls: "s1", points: pts.map((p) => [p.t, p.qps]) }] }),
-      lineChart({ title: "Latency", t0, t1: now, format: (v) => fmt.ms(v),
-        series: [
-          { label: "p50", cls: "s1", points: pts.map((p) => [p.t, p.p50]) },
-          { label: "p99", cls: "s2", points: pts.map((p) => [p.t, p.p99]) }] }),
-      lineChart({ title: "Replicas", t0, t1: now, floor: 1, format: (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1)),
-        series: [
-          { label: "ready", cls: "s1", step: true, points: pts.map((p) => [p.t, p.ready]) },
-          { label: "target", cls: "s3", step: true, points: pts.map((p) => [p.t, p.target]) }] }));
+    const [qps, latency, replicas] = this.charts;
+    qps.draw([{ label: "QPS", cls: "s1", points: pts.map((p) => [p.t, p.qps]) }], t0, now);
+    latency.draw([
+      { label: "p50", cls: "s1", points: pts.map((p) => [p.t, p.p50]) },
+      { label: "p99", cls: "s2", points: pts.map((p) => [p.t, p.p99]) }], t0, now);
+    replicas.draw([
+      { label: "ready", cls: "s1", step: true, points: pts.map((p) => [p.t, p.ready]) },
+      { label: "target", cls: "s3", step: true, points: pts.map((p) => [p.t, p.target]) }], t0, now);
+  }
+
+  showLlm(llm, replicas) {
+    this.llm.hidden = !llm;
+    if (!llm) return;
+    // Tokens/s: the service's own figure, else its replicas' summed; unknown: not shown.
+    const rates = replicas.map((r) => r.llm && r.llm.tokens_per_second).filter((v) => typeof v === "number");
+    const tps = llm.tokens_per_second ?? (rates.length ? rates.reduce((a, b) => a + b, 0) : undefined);
+    const cells = llmCells({ ...llm, tokens_per_second: tps });
+    for (const [key] of LLM_FACTS) {
+      const text = key === "held" ? `${fmt.count(llm.held ?? 0)}${llm.held_expired ? ` (${fmt.count(llm.held_expired)} expired)` : ""}` : cells[key];
+      setText(this.llmFacts[key], text ?? "—");
+      this.llmFacts[key].parentElement.hidden = key === "tps" && tps === undefined;
+    }
+  }
+
+  replace(r) {
+    this.run(`Replace replica ${r.id} of ${this.name}?`, `Replica ${r.id} is drained (requests in flight finish) and stopped; the service keeps its target, so a new replica starts in its place.`,
+      `Replace replica ${r.id}`, `/ui/api/services/${this.name}/replicas/${r.id}/replace`, {},
+      (answer) => answer.message);
   }
 }

@@ -7,16 +7,28 @@ const COLUMNS = [
   ["endpoint", "Endpoint"],
   ["serving", "Serving version"],
   ["ready", "Ready / target"],
-  ["qps", "QPS"],
-  ["latency", "p50 / p99"],
-  ["errors", "5xx rate"],
+  ["qps", "QPS (10 s)"],
+  ["latency", "p50 / p99 (10 s)"],
+  ["errors", "5xx (10 s)"],
   ["requests", "Requests"],
   ["decision", "Autoscaler"],
 ];
 
-export function decisionText(service) {
+// The autoscaler's sentence quotes the QPS over its own window (60 s by default) when it last
+// decided, not the 10 s of the QPS column: said so, so two different numbers never look alike.
+export function decisionText(service, window) {
   const scaler = service.autoscaler;
-  return scaler ? scaler.reason : "no decision yet";
+  if (!scaler) return "no decision yet";
+  const over = `${window ? `${+window.toFixed(1)} s` : "its"} window, as of its last decision`;
+  return scaler.reason.replace(/\bQPS ([0-9][0-9.]*)/, `QPS $1 (${over})`);
+}
+
+// The endpoint as a link that opens in a new tab (or a dash without one).
+export function endpointLink(cell, url) {
+  const link = cell.firstElementChild;
+  if (!url) return setText(cell, "—");
+  if (link && link.getAttribute("href") === url) return;
+  cell.replaceChildren(h("a", { href: url, target: "_blank", rel: "noopener noreferrer", text: url }));
 }
 
 export function servingText(service) {
@@ -63,17 +75,18 @@ export class ServicesView {
     setText(statusBadge, service.status);
     setAttr(statusBadge, "class", `badge ${tone(service.status)}`);
     setAttr(row, "data-status", service.status);
-    setText(c.endpoint, service.endpoint || "—");
+    endpointLink(c.endpoint, service.endpoint);
     setText(c.serving, servingText(service));
     setText(c.ready, `${service.ready} / ${service.target ?? "—"}`);
     setText(c.qps, fmt.qps(live.qps));
     setText(c.latency, `${fmt.ms(live.p50)} / ${fmt.ms(live.p99)}`);
     setText(c.errors, fmt.pct(live.error_rate));
     setText(c.requests, fmt.count(live.answered_total ?? 0));
-    setText(c.decision, decisionText(service));
+    setText(c.decision, decisionText(service, this.qpsWindow));
   }
 
   update(state) {
+    this.qpsWindow = state.qps_window;
     this.empty.hidden = state.services.length > 0;
     this.rows.sync(state.services, (service) => service.name);
   }
