@@ -79,15 +79,6 @@ class PhaseFamily:
     def until(self) -> float:
         return self._until
 
-    @property
-    def pieces(self) -> int:
-        """How many phase intervals the family is kept as (a measure of its cost)."""
-        return len(self._starts)
-
-    def states(self) -> list[tuple[float, State]]:
-        """(phase interval start, state), in phase order."""
-        return list(zip(self._starts, self._states, strict=True))
-
     def reset(self, target: int) -> None:
         """Every phase at ``target`` with no count: after a move nothing else can explain, or
         a policy that measures the load differently."""
@@ -108,13 +99,6 @@ class PhaseFamily:
             self._states = [None, (target, 0), None] if x > 0 else [(target, 0), None]
         else:
             self._starts, self._states = [0.0, y - PERIOD, x], [(target, 0), None, (target, 0)]
-        self._merge()
-
-    def clip(self, low: int, high: int) -> None:
-        """New bounds: every phase's target clipped into them (SkyServe re-clips too)."""
-        self._states = [
-            None if s is None else (max(low, min(high, s[0])), s[1]) for s in self._states
-        ]
         self._merge()
 
     def advance(
