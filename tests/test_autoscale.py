@@ -319,6 +319,24 @@ def test_diurnal_moves_with_overprovision_targets_and_times() -> None:
     ]  # fmt: skip
 
 
+def test_a_move_made_from_another_phase_s_state_says_so() -> None:
+    # The 5 -> 6 of the diurnal day: the SkyServe that moved is one still at 2 (+2), whose look
+    # at 1228.2 s saw 4 (+2) after its 15 looks above 2; corral, at 3 (+2), follows it.
+    p = policy(max_replicas=10, target_qps=2, up=300, down=1200, over=2)
+    scaler, now, reasons = make_autoscaler(p), 0.0, {}
+    while now <= 1230:
+        low = bisect.bisect_right(DAY, now - scaler.lookback(now))
+        d = scaler.decide(now, DAY[low : bisect.bisect_right(DAY, now)])
+        reasons[d.target] = reasons.get(d.target, d.reason)
+        now += scaler.decision_interval
+    assert reasons[5].startswith("QPS 6 wants 3 (> current 2) for 277.5s (and at every 20s look")
+    assert reasons[6] == (
+        "QPS 6.02 wants 4 (> current 3): scaling up to 4, as SkyServe does from 2 at the phase "
+        "of its 20s clock that looked at 1228.2s, past the 280s hold of the 300s upscale delay "
+        "(+2 overprovisioned = 6)"
+    )
+
+
 @pytest.mark.parametrize(("up", "down"), [(300, 1200), (60, 120)])
 def test_each_diurnal_move_with_overprovision_is_one_skyserve_makes_at_some_phase(
     up: float, down: float
