@@ -552,7 +552,7 @@ def test_twenty_services(corral_home: CorralHome, tmp_path: Path) -> None:
     corral_home.status()  # remember every replica pid
     failed = [(s["name"], r) for s in services for r in s["replicas"] if r["status"] != "READY"]
     assert not failed, f"replicas failed: {failed}\n" + "\n".join(
-        corral_home.tail(f"services/{name}/logs/replica_{r['uid']}.log", 10) for name, r in failed
+        corral_home.tail(f"services/{name}/logs/replica_{r['id']}.log", 10) for name, r in failed
     )
     pids = {r["pid"] for s in services for r in s["replicas"]}
     assert len(pids) == 40

@@ -278,7 +278,7 @@ def test_flooding_replica_log_is_capped_and_followable(
     svc = home.wait_replicas("chatter", 1, timeout=60)
     rid = svc["replicas"][0]["id"]
     logs = home.path / "services" / "chatter" / "logs"
-    log = logs / f"replica_{svc['replicas'][0]['uid']}.log"  # files go by the internal id
+    log = logs / f"replica_{rid}.log"  # files go by the id users see
 
     follower = Follower(home.popen("logs", "chatter", str(rid)))  # follows by default
     try:

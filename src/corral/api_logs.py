@@ -34,8 +34,7 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
         return await _balancer_log(request, daemon, name, follow=follow, tail=tail)
     replica_id = None
     if request.query.get("replica") is not None:
-        # The id users see (its number within the service), mapped to the internal one.
-        replica_id = daemon.replica_uid(name, int_param(request, "replica", 0))
+        replica_id = int_param(request, "replica", 0)  # the id users see, which names its files
     path = daemon.log_path(name, kind, replica_id)
     offset = int_param(request, "offset", 0)
     if tail is not None:

@@ -35,7 +35,7 @@ from corral.dataplane.protocol import Route
 from corral.errors import NoSuchReplica, ReplicaBusy
 from corral.executor import Executor
 from corral.infra.base import Connecting, scratch_root
-from corral.logcap import cap_logs
+from corral.logcap import cap_logs, prepare_logs
 from corral.ports import free_port
 from corral.prober import Prober
 from corral.recovery import adopt
@@ -116,11 +116,11 @@ class ServiceController:
     def spec(self, version: int) -> ServiceSpec:
         return self.svc.spec(version)
 
-    def launch_log(self, replica_id: int) -> Path:
-        return self.svc.launch_log(replica_id)
+    def launch_log(self, seq: int) -> Path:
+        return self.svc.launch_log(seq)
 
-    def replica_log(self, replica_id: int) -> Path:
-        return self.svc.replica_log(replica_id)
+    def replica_log(self, seq: int) -> Path:
+        return self.svc.replica_log(seq)
 
     def wake(self) -> None:
         """Ask for a reconcile step soon (thread-safe)."""
@@ -130,7 +130,7 @@ class ServiceController:
 
     async def start(self) -> None:
         """Start the balancer, re-adopt what the store knows, then run the loops."""
-        self.logs.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(prepare_logs, self.svc)
         ready = asyncio.Event()
         self.svc.spawn(self._run(ready), f"corral-controller-{self.svc.name}")
         await ready.wait()

@@ -26,11 +26,11 @@ import errno
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from corral import admission, deploy, versionfiles
+from corral import admission, deploy, logfiles, versionfiles
 from corral.balancer.metrics import render
 from corral.controller import (
     ControllerDeps,
@@ -154,10 +154,19 @@ class Daemon:
                 )
             except KeyError:
                 raise ServiceExists(f"service {svc_name!r} already exists") from None
+            await self._fresh_logs(svc_name)
         controller = await self._start_controller(svc_name, stored)
         if controller.balancer is not None and not await controller.balancer.wait_serving():
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
+
+    async def _fresh_logs(self, name: str) -> None:
+        """A new service's logs start empty, even where a service of the same name ran before
+        (its logs move to ``logs.previous``): replica 1 of each is its own."""
+        try:
+            await asyncio.to_thread(logfiles.fresh, self.home / "services" / name / "logs")
+        except OSError as exc:
+            log.warning("service %s: earlier logs of this name not set aside: %s", name, exc)
 
     async def update(self, name: str, request: UpdateRequest) -> dict[str, Any]:
         """Store a new version of a service and let its controller roll it out.
@@ -372,14 +381,6 @@ class Daemon:
             raise ServiceShuttingDown(f"service {name!r} is shutting down")
         return controller.terminate_replica(seq, purge=purge)
 
-    def replica_uid(self, name: str, seq: int) -> int:
-        """The internal id of replica ``seq`` (its number within the service, as shown)."""
-        self.controller(name)
-        row = self.store.replica_by_seq(name, seq)
-        if row is None:
-            raise NoSuchReplica(f"service {name!r} has no replica {seq}")
-        return row.id
-
     # -- what the API shows ---------------------------------------------------------------------
 
     def service(self, name: str) -> dict[str, Any]:
@@ -393,12 +394,10 @@ class Daemon:
         return name in self.controllers
 
     def events(self, name: str, after: int) -> list[dict[str, Any]]:
-        """The service's events after id ``after``, each with ``replica``: the id status
-        shows (``replica_id`` is the internal one)."""
+        """The service's events after id ``after``, each naming its replica by the id status
+        shows (``replica_id``, and ``replica`` as before; the internal key stays inside)."""
         self.controller(name)
-        rows = self.store.events(name, after=after)
-        seqs = {r.id: r.seq for r in self.store.replicas(name)}
-        return [{**r.__dict__, "replica": seqs.get(r.replica_id or 0)} for r in rows]
+        return [e.__dict__ for e in self.recent_events(name, limit=200, after=after)]
 
     def describe(self) -> dict[str, Any]:
         capacity = self.deps.capacity
@@ -425,8 +424,11 @@ class Daemon:
         """Every service's balancer counters, summed over the workers' latest reports."""
         return self.deps.dataplane.stats()
 
-    def recent_events(self, name: str, limit: int) -> list[EventRow]:
-        return self.store.events(name, limit=limit)
+    def recent_events(self, name: str, limit: int, after: int = 0) -> list[EventRow]:
+        """The service's last events as users see them: ``replica_id`` is the replica's id
+        within the service (what status, logs and the dashboard show)."""
+        rows = self.store.events(name, after=after, limit=limit)
+        return [replace(e, replica_id=e.replica) for e in rows]
 
     def current_version(self, name: str) -> tuple[ServiceSpec, VersionRow]:
         """The spec and row of the version the service runs, while it is not going away."""
@@ -452,15 +454,16 @@ class Daemon:
         reaches the data plane this way, with no moment where a port has no listener)."""
         return await self.deps.dataplane.restart_workers()
 
-    def log_finished(self, name: str, replica_id: int | None) -> bool:
+    def log_finished(self, name: str, replica: int | None) -> bool:
         """A followed log ends when what writes it is gone: the service, or the replica
-        (removed, or torn down: a failed replica stays listed but nothing writes its logs)."""
+        ``replica`` (its id within the service; removed, or torn down: a failed replica stays
+        listed but nothing writes its logs)."""
         if name not in self.controllers:
             return True
-        if replica_id is None:
+        if replica is None:
             return False
-        row = self.store.replica(replica_id)
-        return row is None or row.service != name or row.teardown_state == "succeeded"
+        row = self.store.replica_by_seq(name, replica)
+        return row is None or row.teardown_state == "succeeded"
 
     def services(self) -> list[dict[str, Any]]:
         out = []
@@ -470,6 +473,8 @@ class Daemon:
         return out
 
     def log_path(self, name: str, kind: str, replica: int | None) -> Path:
+        """A log of service ``name``; ``replica`` is the id users see (its number within the
+        service), which also names its files."""
         controller = self.controller(name)
         if kind == "controller":
             return controller.logs / "controller.log"
@@ -481,8 +486,7 @@ class Daemon:
             path = controller.replica_log(replica)
         else:
             raise InvalidRequest(f"unknown log kind {kind!r}: use replica, launch or controller")
-        row = self.store.replica(replica)
-        if (row is None or row.service != name) and not path.exists():
+        if self.store.replica_by_seq(name, replica) is None and not path.exists():
             # Without this a followed log of a replica that never existed ends at once, empty,
             # and `corral logs NAME 999` exits 0 as if that were a log.
             raise NoSuchReplica(f"service {name!r} has no replica {replica}")

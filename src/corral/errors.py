@@ -67,8 +67,7 @@ class ReplicaBusy(Conflict):
 
 
 class NoRoom(Conflict):
-    """An update could never finish on this machine: a blue-green one never switch, a rolling
-    one never place its new replicas (docs/gpus.md)."""
+    """A blue-green update could never switch on this machine (docs/gpus.md)."""
 
 
 class VersionFilesGone(Conflict):

@@ -171,7 +171,7 @@ class Executor:
         if grant is None:
             return  # it does not fit now: PENDING with the reason; a freed claim wakes us
         infra = self.svc.infra_for(r)
-        self.svc.store.event(self.svc.name, "replica.launch", f"on {r.infra}", replica_id=r.id)
+        self.svc.launching(r)
         vrow = self.svc.store.version(self.svc.name, r.version)
         base = vrow.base_dir if vrow and vrow.base_dir else str(self.svc.dir)
         # The version's own copy of its workdir, and its env and secret values.
@@ -190,7 +190,7 @@ class Executor:
             envs={**envs, **grant.env},  # corral's device variables win
             workdir=workdir,
             replica_dir=replica_dir,
-            log_path=self.svc.replica_log(r.id),
+            log_path=self.svc.replica_log(r.seq),
             port=port,
             resources=spec.resources.model_dump(exclude_none=True),
             home_marker=self.svc.deps.home_marker,
@@ -203,8 +203,8 @@ class Executor:
             self._run_launch,
             infra,
             request,
-            log=self.svc.launch_log(r.id),
-            name=f"{self.svc.name}-launch-{r.id}",
+            log=self.svc.launch_log(r.seq),
+            name=f"{self.svc.name}-launch-{r.seq}",
             kind="launch",
         )
         self.svc.rt.launches[r.id] = job
@@ -308,8 +308,7 @@ class Executor:
             self.svc.wake_event.set()
             return
         else:
-            row = self.svc.store.replica(replica_id)
-            seq = row.seq if row is not None and row.seq else replica_id
+            seq = self.svc.seq_of(replica_id)
             detail = f"{job.exception()!r}; see `corral logs {self.svc.name} {seq} --launch`"
             self.svc.store.mark_launch(replica_id, LaunchState.FAILED, failure=detail)
             self.svc.store.event(
@@ -368,7 +367,7 @@ class Executor:
                     log.warning(
                         "service %s: replica %d still had requests after %gs of draining",
                         self.svc.name,
-                        r.id,
+                        r.seq,
                         self._drain_timeout(r),
                     )
         finally:
@@ -378,14 +377,14 @@ class Executor:
             self.svc.store.mark_teardown(r.id, TeardownState.RUNNING)
         except StateError as exc:
             # Nothing started yet: the reconcile loop resumes this teardown (outcome_lost).
-            log.warning("service %s: replica %d: teardown postponed: %s", self.svc.name, r.id, exc)
+            log.warning("service %s: replica %d: teardown postponed: %s", self.svc.name, r.seq, exc)
             return
         job = self.svc.deps.pool.submit(
             infra.terminate,
             handle,
             self.svc.deps.teardown_grace,
-            log=self.svc.launch_log(r.id),
-            name=f"{self.svc.name}-teardown-{r.id}",
+            log=self.svc.launch_log(r.seq),
+            name=f"{self.svc.name}-teardown-{r.seq}",
             kind="teardown",
             log_required=False,  # an unwritable log must not keep a replica running
         )
@@ -427,7 +426,9 @@ class Executor:
             self.svc.store.event(
                 self.svc.name, "replica.teardown_hung", str(error), replica_id=replica_id
             )
-            log.error("service %s: replica %d: %s", self.svc.name, replica_id, error)
+            log.error(
+                "service %s: replica %d: %s", self.svc.name, self.svc.seq_of(replica_id), error
+            )
 
     def _teardown_stuck(self, replica_id: int) -> bool:
         """True while an abandoned teardown of this replica is still inside its backend call."""
@@ -457,20 +458,16 @@ class Executor:
                 self.svc.store.mark_teardown(
                     replica_id, TeardownState.SUCCEEDED, failure=_replica_failure(r.failure)
                 )
-                self.svc.store.event(
-                    self.svc.name, "replica.terminated", None, replica_id=replica_id
-                )
+                self.svc.event(replica_id, "replica.terminated", None)
             else:
                 # The event first: a daemon killed between the two writes then leaves a row
                 # whose teardown a restart repeats (idempotent), never a replica gone from the
                 # state without a word in the event log.
-                self.svc.store.event(
-                    self.svc.name, "replica.terminated", None, replica_id=replica_id
-                )
+                self.svc.event(replica_id, "replica.terminated", None)
                 self.svc.store.delete_replica(replica_id)
             self._freed()
         else:
-            detail = f"teardown failed: {job.exception()!r}; see {self.svc.launch_log(replica_id)}"
+            detail = f"teardown failed: {job.exception()!r}; see {self.svc.launch_log(r.seq)}"
             # The replica's own failure stays in the text: it is why it was torn down.
             original = _replica_failure(r.failure)
             self.svc.store.mark_teardown(
@@ -482,7 +479,7 @@ class Executor:
             self.svc.store.event(
                 self.svc.name, "replica.teardown_failed", detail, replica_id=replica_id
             )
-            log.error("service %s: replica %d %s", self.svc.name, replica_id, detail)
+            log.error("service %s: replica %d %s", self.svc.name, r.seq, detail)
         self.svc.wake_event.set()
 
 

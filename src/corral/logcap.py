@@ -1,4 +1,5 @@
-"""Replica logs kept under their size cap while a service runs (see corral.logfiles)."""
+"""A service's logs: named by the replicas' ids within the service, and kept under their size
+cap while it runs (see corral.logfiles)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ log = logging.getLogger("corral.controller")
 
 # How often replica logs are checked against ControllerDeps.log_max_bytes.
 LOG_CAP_PERIOD = 2.0
+
+
+def prepare_logs(svc: ServiceCore) -> None:
+    """Before the controller writes its log: the service's logs directory, its files renamed
+    once from the internal ids a home of an earlier corral used (:func:`logfiles.by_seq`).
+    A Ray replica's pump appends to the path its handle recorded: that follows the rename."""
+    try:
+        rows = svc.store.replicas(svc.name)
+        if not logfiles.by_seq(svc.logs, {r.id: r.seq for r in rows}):
+            return
+        for r in rows:
+            data, before = r.handle_data, str(svc.logs / f"replica_{r.id}.log")
+            if data is not None and data["data"].get("log") == before:
+                data["data"]["log"] = str(svc.replica_log(r.seq))
+                svc.store.update_replica(r.id, handle=data)
+    except (OSError, StateError) as exc:  # tried again at the next start
+        svc.logs.mkdir(parents=True, exist_ok=True)
+        log.warning("service %s: log files not renamed to replica ids: %s", svc.name, exc)
 
 
 async def cap_logs(svc: ServiceCore) -> None:
@@ -33,7 +52,7 @@ async def cap_logs(svc: ServiceCore) -> None:
                     path
                     for r in svc.store.replicas(svc.name)
                     if r.teardown_state is not TeardownState.SUCCEEDED
-                    for path in (svc.replica_log(r.id), svc.launch_log(r.id))
+                    for path in (svc.replica_log(r.seq), svc.launch_log(r.seq))
                 ),
             ]
             done = await asyncio.to_thread(logfiles.rotate_all, paths, cap)

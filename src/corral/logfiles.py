@@ -19,6 +19,11 @@ What this costs, and why it is still the right trade:
 * When the copy cannot be written (disk full, read-only directory), the log is truncated
   anyway and its old content dropped: the cap is there so a flooding app cannot fill the disk.
 
+Also here, the names of a service's log files (``services/NAME/logs/``): ``controller.log``,
+and ``replica_N.log`` / ``replica_N_launch.log`` where N is the replica's id within its service
+(what `corral status` shows). A new service of a name starts with a directory of its own
+(:func:`fresh`); a home from before files were named that way is renamed once (:func:`by_seq`).
+
 stdlib only: it sits below everything in corral.
 """
 
@@ -26,6 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,3 +149,52 @@ def parse_max_bytes(value: str | None, default: int = DEFAULT_MAX_BYTES) -> int:
     if not text.isascii() or not text.isdigit():
         raise ValueError(f"not a byte count: {value!r} (use e.g. 1048576, 64M or 0)")
     return int(text) * scale
+
+
+# In a service's logs directory: its replica files are named by the id within the service.
+MARKER = ".replica-ids"
+_MARKER_TEXT = "replica files here are named by the replica's id within its service\n"
+_REPLICA_FILE = re.compile(r"replica_(\d+)(_launch)?\.log(\.1)?")
+
+
+def fresh(logs: Path) -> None:
+    """The logs directory of a service just created: what an earlier service of the same name
+    left there moves to ``logs.previous`` (replacing an older one), so the new service's
+    controller log and replica files start empty."""
+    if logs.exists():
+        previous = logs.with_name(logs.name + ".previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(logs, previous)
+    logs.mkdir(parents=True)
+    (logs / MARKER).write_text(_MARKER_TEXT)
+
+
+def by_seq(logs: Path, seqs: Mapping[int, int]) -> bool:
+    """Once per logs directory, before anything writes to it: files named by the replicas'
+    internal ids (``seqs`` maps each known replica's to its id within the service) take their
+    new names; files of replicas no longer known move to ``old-ids/`` as they were. The whole
+    directory is set aside first (one rename), so a crash midway resumes from there. Returns
+    whether anything was renamed. A replica writing its log meanwhile keeps writing to it:
+    its descriptor follows the file."""
+    if (logs / MARKER).exists():
+        return False
+    aside = logs.with_name(logs.name + ".old-ids")
+    if not aside.exists():
+        logs.mkdir(parents=True, exist_ok=True)
+        os.replace(logs, aside)
+    logs.mkdir(parents=True, exist_ok=True)
+    renamed = False
+    for entry in sorted(os.listdir(aside)):
+        match = _REPLICA_FILE.fullmatch(entry)
+        if match is None:
+            os.replace(aside / entry, logs / entry)  # controller.log and the like
+        elif int(match[1]) in seqs:
+            seq = seqs[int(match[1])]
+            os.replace(aside / entry, logs / f"replica_{seq}{match[2] or ''}.log{match[3] or ''}")
+            renamed = True
+    (logs / MARKER).write_text(_MARKER_TEXT)
+    if any(aside.iterdir()):
+        os.replace(aside, logs / "old-ids")
+    else:
+        aside.rmdir()
+    return renamed

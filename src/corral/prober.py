@@ -103,7 +103,7 @@ class Prober:
             if conflict is not None:
                 if conflict != state.last_error:
                     self.svc.event(r.id, "replica.endpoint_conflict", conflict)
-                    log.warning("service %s: replica %d: %s", self.svc.name, r.id, conflict)
+                    log.warning("service %s: replica %d: %s", self.svc.name, r.seq, conflict)
                 result = ProbeResult(False, result.status, conflict, result.seconds)
         self._record(r.version, current, handle.endpoint, result, state, now)
 
@@ -143,6 +143,7 @@ class Prober:
                 self.svc.store.mark_ready(rid, current.first_ready_at or now)
                 self.svc.store.mark_version_ready(self.svc.name, version)
                 self.svc.event(rid, "replica.ready", None)
+                log.info("service %s: replica %d READY at %s", self.svc.name, current.seq, endpoint)
                 self.svc.set_ready(rid, endpoint, version)
                 self.svc.wake_event.set()
             return

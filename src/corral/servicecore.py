@@ -141,14 +141,34 @@ class ServiceCore:
             self.specs[version] = spec
         return spec
 
-    def launch_log(self, replica_id: int) -> Path:
-        return self.logs / f"replica_{replica_id}_launch.log"
+    # A replica's files, messages, events and Ray actor name carry ``seq``, its id within
+    # the service (what status, `corral logs` and the dashboard show); the row's ``id`` is an
+    # internal key only (rows, process keys, claims, the balancer's counters).
 
-    def replica_log(self, replica_id: int) -> Path:
-        return self.logs / f"replica_{replica_id}.log"
+    def launch_log(self, seq: int) -> Path:
+        return self.logs / f"replica_{seq}_launch.log"
+
+    def replica_log(self, seq: int) -> Path:
+        return self.logs / f"replica_{seq}.log"
+
+    def seq_of(self, replica_id: int) -> int:
+        """The id users see of the replica whose internal key is ``replica_id``."""
+        row = self.store.replica(replica_id)
+        return row.seq if row is not None and row.seq else replica_id
 
     def event(self, replica_id: int, action: str, reason: str | None) -> None:
         self.store.event(self.name, action, reason, replica_id=replica_id)
+
+    def launching(self, r: ReplicaRow) -> None:
+        """A replica's launch begins: in the event log and in the controller's log."""
+        self.event(r.id, "replica.launch", f"on {r.infra}")
+        log.info(
+            "service %s: replica %d launching (version %d) on %s",
+            self.name,
+            r.seq,
+            r.version,
+            r.infra,
+        )
 
     def liveness(self, r: ReplicaRow, handle: ReplicaHandle) -> Liveness:
         """The backend's answer, or UNKNOWN when nobody can answer.
@@ -163,7 +183,7 @@ class ServiceCore:
         try:
             return infra.check(handle)
         except Exception as exc:
-            log.warning("service %s: replica %d: backend check failed: %s", self.name, r.id, exc)
+            log.warning("service %s: replica %d: backend check failed: %s", self.name, r.seq, exc)
             return Liveness.UNKNOWN
 
     def unknown_reason(self, r: ReplicaRow) -> str:
@@ -190,7 +210,7 @@ class ServiceCore:
         capacity = self.deps.capacity
         if capacity is not None and capacity.note_wait(self.name, r.id, reason):
             self.event(r.id, "replica.waiting", reason)
-            log.info("service %s: replica %d waits: %s", self.name, r.id, reason)
+            log.info("service %s: replica %d waits: %s", self.name, r.seq, reason)
 
     def infra_for(self, r: ReplicaRow) -> Infra:
         infra = self.deps.infras.get(r.infra)
@@ -315,11 +335,11 @@ class ServiceCore:
         code = infra.exit_code(handle)
         said = f"code {code}" if code is not None else "exit code unknown: no daemon was watching"
         if code in HOPELESS_EXIT_CODES:  # the shell's own line says it: `pyhton3: not found`
-            said += f": {last_line(self.replica_log(r.id))}"
+            said += f": {last_line(self.replica_log(r.seq))}"
         self.mark_failed(
             r,
             FailureKind.APP,
-            f"process exited ({said}){detail}; see `corral logs {self.name} {r.seq or r.id}`",
+            f"process exited ({said}){detail}; see `corral logs {self.name} {r.seq}`",
             exit_code=code,
         )
 
@@ -328,6 +348,6 @@ class ServiceCore:
     ) -> None:
         self.store.mark_failed(r.id, kind, failure, exit_code=exit_code)
         self.store.event(self.name, "replica.failed", failure, replica_id=r.id)
-        log.warning("service %s: replica %d failed: %s", self.name, r.id, failure)
+        log.warning("service %s: replica %d failed: %s", self.name, r.seq, failure)
         self.set_ready(r.id, None)
         self.wake_event.set()

@@ -47,7 +47,7 @@ from corral.replicas import LaunchState, TeardownState, UpdateMode
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Each entry migrates from version i to i+1; a new schema change appends one entry.
 _MIGRATIONS: list[str] = [
@@ -122,7 +122,7 @@ _MIGRATIONS: list[str] = [
     )
     """,
     # 4: replica ids per service (1, 2, 3 in each), as SkyServe numbers them; the global id
-    # stays the internal key (process keys, log file names, events). The counter lives on the
+    # stays the internal key (rows, process keys, claims). The counter lives on the
     # service so an id is never reused within it, even after rows are pruned.
     """
     ALTER TABLE replicas ADD COLUMN seq INTEGER;
@@ -143,6 +143,12 @@ _MIGRATIONS: list[str] = [
         claim_json TEXT NOT NULL,
         created_at REAL NOT NULL
     )
+    """,
+    # 6: an event names its replica by the id users see (``replica``, the row's ``seq``),
+    # written with the event: the row may be gone by the time the event is read.
+    """
+    ALTER TABLE events ADD COLUMN replica INTEGER;
+    UPDATE events SET replica = (SELECT seq FROM replicas WHERE replicas.id = events.replica_id)
     """,
 ]
 
@@ -256,10 +262,11 @@ class EventRow:
     id: int
     ts: float
     service: str
-    replica_id: int | None
+    replica_id: int | None  # the internal key
     actor: str
     action: str
     reason: str | None
+    replica: int | None = None  # the replica's id within its service, the one users see
 
 
 @dataclass(frozen=True)
@@ -594,9 +601,9 @@ class Store:
             )
             replica_id = int(cur.lastrowid or 0)
             db.execute(
-                "INSERT INTO events (ts, service, replica_id, actor, action, reason)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (now, service, replica_id, "controller", "replica.create", reason),
+                "INSERT INTO events (ts, service, replica_id, replica, actor, action, reason)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (now, service, replica_id, seq, "controller", "replica.create", reason),
             )
             return replica_id
 
@@ -764,16 +771,19 @@ class Store:
         actor: str = "controller",
     ) -> None:
         self._execute(
-            "INSERT INTO events (ts, service, replica_id, actor, action, reason)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (time.time(), service, replica_id, actor, action, reason),
+            "INSERT INTO events (ts, service, replica_id, replica, actor, action, reason)"
+            " VALUES (?, ?, ?, (SELECT seq FROM replicas WHERE id = ?), ?, ?, ?)",
+            (time.time(), service, replica_id, replica_id, actor, action, reason),
         )
 
     def events(self, service: str, *, after: int = 0, limit: int = 200) -> list[EventRow]:
+        """The events of the service of this name now: an earlier service of the same name
+        (taken down, then up again) is another service, and its events stay in the file."""
         rows = self._query(
-            "SELECT * FROM (SELECT * FROM events WHERE service = ? AND id > ?"
-            " ORDER BY id DESC LIMIT ?) ORDER BY id",
-            (service, after, limit),
+            "SELECT * FROM (SELECT * FROM events WHERE service = ? AND id > ? AND id >="
+            " (SELECT COALESCE(MAX(id), 0) FROM events WHERE service = ?"
+            " AND action = 'service.create') ORDER BY id DESC LIMIT ?) ORDER BY id",
+            (service, after, service, limit),
         )
         return [_row(EventRow, r) for r in rows]
 

@@ -131,8 +131,9 @@ def replica_view(
     waiting: str | None = None,
 ) -> dict[str, Any]:
     """One replica as the API shows it: ``id`` is its number within the service (what
-    users type); ``uid`` the internal id (events, the state file); ``devices`` what it
-    holds on this machine, ``waiting`` why a PENDING one does not fit yet."""
+    users type, and what names its files, events and Ray actor); ``uid`` the internal key
+    (the state file, the balancer's counters); ``devices`` what it holds on this machine,
+    ``waiting`` why a PENDING one does not fit yet."""
     view: dict[str, Any] = {
         "id": r.seq or r.id,
         "uid": r.id,

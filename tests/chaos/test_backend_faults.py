@@ -235,7 +235,7 @@ def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
             def shown(newest: int = newest) -> dict[str, Any] | None:
                 svc = home.service("flaky")
                 assert svc is not None
-                found = [x for x in svc["replicas"] if x["uid"] == newest]
+                found = [x for x in svc["replicas"] if x["id"] == newest]
                 return found[0] if found and found[0]["status"] == "FAILED_PROVISION" else None
 
             failed = wait_for(shown, 30, f"replica {newest} shown FAILED_PROVISION")
@@ -318,7 +318,7 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
         for round_no in range(n_rounds):
             mode = rng("teardown_raising", round_no).choice(["before", "after"])
             old = home.wait_replicas("td", 2, timeout=60)
-            old_ids = {r["uid"] for r in old["replicas"] if r["status"] == "READY"}
+            old_ids = {r["id"] for r in old["replicas"] if r["status"] == "READY"}
             old_pids = {int(r["pid"]) for r in old["replicas"] if r["status"] == "READY"}
             set_faults(home, {"td": {"terminate_raise": mode}})
             # A real relaunching update: the new version comes up, the old replicas are retired
@@ -330,8 +330,8 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
             def shown_failed(old_ids: set[int] = old_ids) -> dict[str, Any] | None:
                 svc = home.service("td")
                 assert svc is not None
-                cleanup = {r["uid"] for r in by_status(svc, "FAILED_CLEANUP")}
-                new_ready = [r for r in by_status(svc, "READY") if r["uid"] not in old_ids]
+                cleanup = {r["id"] for r in by_status(svc, "FAILED_CLEANUP")}
+                new_ready = [r for r in by_status(svc, "READY") if r["id"] not in old_ids]
                 if cleanup == old_ids and len(new_ready) == 2:
                     return svc
                 return None
@@ -362,7 +362,7 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
             def cleaned(old_ids: set[int] = old_ids) -> bool:
                 svc = home.service("td")
                 assert svc is not None
-                return not ({r["uid"] for r in svc["replicas"]} & old_ids)
+                return not ({r["id"] for r in svc["replicas"]} & old_ids)
 
             wait_for(cleaned, 60, f"round {round_no}: old replicas cleaned after the fault")
             wait_for(lambda p=old_pids: not any(pid_alive(x) for x in p), 30, "old pids gone")
@@ -389,7 +389,7 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
                 if e["action"] == "replica.teardown_failed"
             ]
             return all(
-                failed.count(r["uid"]) >= down_attempts_needed for r in by_status(final, "READY")
+                failed.count(r["id"]) >= down_attempts_needed for r in by_status(final, "READY")
             )
 
         wait_for(down_retried, 120, "failed teardowns of `down` retried")
@@ -443,7 +443,8 @@ def test_teardown_hanging(corral_home: CorralHome, tmp_path: Path) -> None:
             assert svc["status"] == "FAILED_CLEANUP", svc
             assert sorted(ops(home, stuck, "terminate_hang")) == sorted(ids)
             hung_events = [e for e in events(home, stuck) if e["action"] == "replica.teardown_hung"]
-            assert {e["replica_id"] for e in hung_events} == ids, hung_events
+            shown = {r["id"] for r in stuck_svc["replicas"]}  # events name replicas so
+            assert {e["replica_id"] for e in hung_events} == shown, hung_events
             assert daemon_jobs(home)["teardown"]["abandoned"] == width
 
             # The controller and the teardown lane go on: another service launches and serves,
@@ -547,7 +548,8 @@ def test_jobpool_saturated(corral_home: CorralHome, tmp_path: Path) -> None:
             assert ready_ids == ids and sorted(launched) == ids, (ready_ids, launched)
             assert len({x["pid"] for x in svc["replicas"]}) == width
             launch_events = [e for e in events(home, name) if e["action"] == "replica.launched"]
-            assert sorted(e["replica_id"] for e in launch_events) == ids
+            shown = sorted(x["id"] for x in svc["replicas"])  # events name replicas so
+            assert sorted(e["replica_id"] for e in launch_events) == shown
             home.run("down", name)
             assert serves(side["endpoint"])
     record(
@@ -620,7 +622,7 @@ def test_backend_unknown_across_restart(corral_home: CorralHome, tmp_path: Path)
         pid = start_faulty_daemon(home)
         home.run("up", str(app_spec(tmp_path, name, 2)))
         before = home.wait_replicas(name, 2, timeout=60)
-        pids = {r["uid"]: int(r["pid"]) for r in before["replicas"]}
+        pids = {r["id"]: int(r["pid"]) for r in before["replicas"]}
         mark = last_event_id(home, name)
 
         os.kill(pid, signal.SIGKILL)
@@ -635,7 +637,7 @@ def test_backend_unknown_across_restart(corral_home: CorralHome, tmp_path: Path)
         noted = wait_for(kept, 30, "a replica.unknown event for each replica")
         assert all("does not answer" in (e["reason"] or "") for e in noted), noted
         after = home.wait_replicas(name, 2, timeout=60)
-        assert {r["uid"]: int(r["pid"]) for r in after["replicas"]} == pids, after
+        assert {r["id"]: int(r["pid"]) for r in after["replicas"]} == pids, after
         assert len(ops(home, name, "launch_enter")) == launches_before, journal(home, name)
         failed = [e for e in events(home, name, mark) if e["action"] == "replica.failed"]
         assert not failed, failed

@@ -527,8 +527,7 @@ def test_output_flood(corral_home: CorralHome) -> None:
             create(home, name, spec_text(faulty("--mode flood --mb", mib), 1))
             svc = until(home, name, lambda s: bool(s["replicas"]), 30, "a replica row")
             rid = svc["replicas"][0]["id"]
-            uid = svc["replicas"][0]["uid"]  # log files go by the internal id
-            log = home.path / "services" / name / "logs" / f"replica_{uid}.log"
+            log = home.path / "services" / name / "logs" / f"replica_{rid}.log"
 
             def poll_api() -> None:
                 """The daemon's API must answer every poll within its deadline (10 s)."""
@@ -652,7 +651,7 @@ def test_child_trees_are_killed(corral_home: CorralHome, tmp_path: Path) -> None
             until(
                 home,
                 orphaner,
-                lambda s, i=first["uid"], n=orphaner: any(
+                lambda s, i=first["id"], n=orphaner: any(
                     e["action"] == "replica.terminated" and e["replica_id"] == i
                     for e in events(home, n)
                 ),
@@ -733,7 +732,7 @@ def test_port_taken_before_the_replica_binds_is_not_ready(corral_home: CorralHom
                     60,
                     "the replica to fail to bind",
                 )
-            evs = [e for e in events(home, name) if e["replica_id"] == victim["uid"]]
+            evs = [e for e in events(home, name) if e["replica_id"] == victim["id"]]
             actions = [e["action"] for e in evs]
             assert "replica.ready" not in actions, evs
             conflict = [e for e in evs if e["action"] == "replica.endpoint_conflict"]

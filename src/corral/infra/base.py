@@ -72,10 +72,16 @@ class LaunchRequest:
     on_started: Callable[[ReplicaHandle], None]
     setup_timeout: float | None = None  # seconds `setup` may run (None: no limit)
     # The id users see (the replica's number within its service); the replica gets it as
-    # CORRAL_REPLICA_ID so its own output names it as `corral status` does.
+    # CORRAL_REPLICA_ID, and its launch log and Ray actor name carry it, as `corral status`
+    # names it. ``replica_id`` is the internal key (process keys, cgroups, scratch).
     display_id: int | None = None
     # CPUs the replica is pinned to (its own, see corral.capacity); empty: not pinned.
     cpu_ids: tuple[int, ...] = ()
+
+    @property
+    def shown_id(self) -> int:
+        """The id users see (``replica_id`` when the caller gave none)."""
+        return self.display_id or self.replica_id
 
 
 class Infra(Protocol):

@@ -55,7 +55,7 @@ def replica_env(request: LaunchRequest, port: int, key: str) -> dict[str, str]:
     env.update(
         {
             "PORT": str(port),
-            "CORRAL_REPLICA_ID": str(request.display_id or request.replica_id),
+            "CORRAL_REPLICA_ID": str(request.shown_id),
             "CORRAL_SERVICE": request.service,
             "CORRAL_VERSION": str(request.version),
             ENV_HOME_MARKER: request.home_marker,
@@ -134,7 +134,7 @@ def announce(
     """Say in the launch log where and how the replica runs (never an env value: they may
     be secrets, and this log is shown to anyone who asks for it)."""
     print(
-        f"[corral] launching replica {request.service}/{request.replica_id} "
+        f"[corral] launching replica {request.service}/{request.shown_id} "
         f"(version {request.version}) locally: cwd {cwd}, port {port}, shell {shell}",
         flush=True,
     )

@@ -110,9 +110,10 @@ ENV_REPLICA_KEY = _ray_actor.ENV_REPLICA_KEY
 log = logging.getLogger("corral.infra.ray")
 
 
-def actor_name(home_marker: str, service: str, replica_id: int) -> str:
-    """The actor of one replica: unique per corral home, found again after a daemon restart."""
-    return f"corral-{home_marker}-{service}-{replica_id}"
+def actor_name(home_marker: str, service: str, seq: int) -> str:
+    """The actor of one replica, named by the id users see (its number within the service):
+    unique per corral home, found again after a daemon restart through its recorded handle."""
+    return f"corral-{home_marker}-{service}-{seq}"
 
 
 def replica_key(home_marker: str, service: str, replica_id: int) -> str:
@@ -268,7 +269,7 @@ class RayInfra:
         cancelled, RuntimeError/ValueError for what the cluster refuses; in every case the actor
         (and so the app) is gone before it returns.
         """
-        name = actor_name(request.home_marker, request.service, request.replica_id)
+        name = actor_name(request.home_marker, request.service, request.shown_id)
         with self._inflight_lock:
             self._inflight.add(name)
         try:
@@ -283,8 +284,9 @@ class RayInfra:
         self._announce(request, name, placement)
         stale = self._lookup(name)
         if stale is not None:
-            # Replica ids are never reused, so this is the actor of an earlier, interrupted
-            # launch of this very replica: nothing else will ever start or stop it.
+            # A replica's id is never reused within its service, so this is the actor of an
+            # earlier, interrupted launch of this very replica (or one an earlier service of
+            # this name left behind): nothing else will ever start or stop it.
             print(f"[corral] actor {name} is left from an interrupted launch; removing it")
             self._stop_actor(name, stale, self.abort_grace)
         jobs.checkpoint()
@@ -314,7 +316,7 @@ class RayInfra:
     def _announce(self, request: LaunchRequest, name: str, placement: RayPlacement) -> None:
         shown = {k: v for k, v in placement.options.items() if k != "scheduling_strategy"}
         print(
-            f"[corral] launching replica {request.service}/{request.replica_id} "
+            f"[corral] launching replica {request.service}/{request.shown_id} "
             f"(version {request.version}) on Ray at {self.address} as actor {name} "
             f"(namespace {self.namespace}); resources {shown or 'none requested'}",
             flush=True,
@@ -365,7 +367,7 @@ class RayInfra:
         )
         corral_env = {
             "PORT": str(port),
-            "CORRAL_REPLICA_ID": str(request.display_id or request.replica_id),
+            "CORRAL_REPLICA_ID": str(request.shown_id),
             "CORRAL_SERVICE": request.service,
             "CORRAL_VERSION": str(request.version),
             ENV_HOME_MARKER: request.home_marker,
