@@ -22,6 +22,12 @@ target their hysteresis keeps, so its rows should be the plain ones with every t
   lookback(now) seconds of requests)``, then wait ``decision_interval``. corral's balancer
   reports requests to the daemon every 0.25 s; that lag is not modelled either.
 
+Besides the matched changes, two checks per trace: for every change SkyServe made at every
+phase run, whether corral's target already stood at that level or past it (and if not, how
+much later it got there); and for every corral change, whether a SkyServe whose clock falls
+somewhere in the second before it makes the same change (``made_by_some_phase``;
+``--no-origins`` skips it).
+
 SkyServe's first decision falls at ``phase`` seconds into the trace (``--phases`` spreads it over
 its 20 s interval: a load change does not wait for a decision tick); corral's at 0.
 
@@ -290,6 +296,47 @@ def match(
     return pairs, lone_sky, lone_corral
 
 
+def lags(mine: Sequence[Change], theirs: Sequence[Change], initial: int) -> list[float]:
+    """For each SkyServe change (t, a -> b): how long after t corral's target first stood at b
+    or past it in that direction (0 when it already did): how late corral reached the level."""
+    out = []
+    for t, a, b in theirs:
+        up = b > a
+        c = initial
+        for when, _, new in mine:
+            if when > t + 1e-6:
+                break
+            c = new
+        if (c >= b) if up else (c <= b):
+            out.append(0.0)
+            continue
+        later = [w for w, _, new in mine if w > t + 1e-6 and ((new >= b) if up else (new <= b))]
+        out.append(later[0] - t if later else math.inf)
+    return out
+
+
+def made_by_some_phase(
+    sky: tuple[ModuleType, ModuleType, SimClock, str],
+    service: dict[str, Any],
+    stamps: list[float],
+    move: Change,
+    lb_sync: float | None,
+) -> bool:
+    """Whether a SkyServe whose clock falls at some instant in the second before corral's
+    move (or the 10 ms after: corral moves at the instant a request changed the raw target,
+    SkyServe's look just after it) makes the same move, same direction and target, then.
+    Looks 1 ms apart after, then 25 ms apart before, are tried, nearest first."""
+    t, a, b = move
+    up = b > a
+    offsets = [-0.001 * j for j in range(1, 11)] + [0.025 * k for k in range(41)]
+    for offset in offsets:
+        phase = (t - offset) % 20.0
+        for at, before, after in run_skyserve(sky, service, stamps, t + 0.011, phase, lb_sync):
+            if t - 1.0 - 1e-6 <= at <= t + 0.011 and after == b and (after > before) == up:
+                return True
+    return False
+
+
 def load_corral_at(rev: str) -> ModuleType:
     """``corral.autoscale`` as it was at git revision ``rev``, for a before/after column."""
     source = subprocess.run(
@@ -339,11 +386,26 @@ def compare(
             service = SPECS[spec_name]
             mine = run_corral(module, service, stamps, trace.duration)
             counts = churn[(label, spec_name, trace.name)] = {"corral": len(mine), "skyserve": []}
+            counts["lags"] = []
+            initial = (
+                mine[0][1]
+                if mine
+                else autoscale.make_autoscaler(
+                    ServiceSection.model_validate(service).replica_policy
+                )
+                .decide(0.0, [])
+                .target
+            )
+            if args.origins:
+                counts["origins"] = [
+                    made_by_some_phase(sky, service, stamps, m, args.skyserve_lb_sync) for m in mine
+                ]
             for phase in phases:
                 theirs = run_skyserve(
                     sky, service, stamps, trace.duration, phase, args.skyserve_lb_sync
                 )
                 counts["skyserve"].append(len(theirs))
+                counts["lags"] += lags(mine, theirs, initial)
                 pairs, lone_sky, lone_corral = match(mine, theirs, args.tolerance)
                 for s, c in pairs:
                     rows.append(
@@ -413,6 +475,25 @@ def print_summary(
         print(f"| {' | '.join(cells)} | {stats} | {lone_s} / {lone_c} | {ours} / {spread} |")
 
 
+def print_levels(churn: dict[tuple[str, ...], dict[str, Any]]) -> None:
+    """Per trace: did corral reach each level SkyServe moved to no later than it (at every
+    phase run), and is each corral move one that a SkyServe at some phase makes?"""
+    print(
+        "\n| corral | spec | trace | SkyServe changes | corral at that level by then "
+        "| later by > 0.5 s | most late s | corral changes some SkyServe phase makes |"
+    )
+    print("|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for (label, spec, trace), c in churn.items():
+        lag = c["lags"]
+        on_time = sum(x <= 1e-6 for x in lag)
+        late = sum(x > SAME for x in lag)
+        worst = f"{max(lag):.1f}" if lag else ""
+        origins = c.get("origins")
+        made = f"{sum(origins)} / {len(origins)}" if origins is not None else "not run"
+        print(f"| {label} | {spec} | {trace} | {len(lag)} | {on_time} | {late} | {worst} "
+              f"| {made} |")  # fmt: skip
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", type=int, default=4, help="SkyServe tick offsets in 20 s")
@@ -425,6 +506,12 @@ def parse_args() -> argparse.Namespace:
         const=20.0,
         default=None,
         help="SkyServe's controller sees requests only at load-balancer syncs (every 20 s)",
+    )
+    parser.add_argument(
+        "--no-origins",
+        dest="origins",
+        action="store_false",
+        help="skip looking for a SkyServe phase that makes each corral move (the slow part)",
     )
     parser.add_argument("--corral-rev", help="also run corral.autoscale as of this git revision")
     parser.add_argument("--changes", action="store_true", help="print every matched change")
@@ -473,6 +560,7 @@ def main() -> None:
     for label, _ in corrals:
         groups[(label,)] = [r for r in rows if r.corral == label]
     print_summary(groups, unmatched, churn)
+    print_levels(churn)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     results = {
         "skypilot": sky[3],

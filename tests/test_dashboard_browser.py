@@ -107,7 +107,8 @@ def test_pages_show_the_numbers_and_follow_a_replica_dying_and_its_log(
     expect(row.locator(".c-ready")).to_have_text("2 / 2")
     expect(row.locator(".c-status")).to_have_text("READY")
     expect(row.locator(".c-serving")).to_have_text("v1")
-    expect(row.locator(".c-endpoint")).to_have_text(svc["endpoint"])
+    expect(row.locator(".c-endpoint a")).to_have_text(svc["endpoint"])
+    expect(row.locator(".c-endpoint a")).to_have_attribute("href", svc["endpoint"])
 
     with steady_traffic(svc["endpoint"]):  # figures and charts that show something
         expect(row.locator(".c-latency")).not_to_have_text("— / —", timeout=WAIT_MS)
@@ -138,6 +139,7 @@ def follow_the_service(
     expect(dead).to_have_attribute("data-status", re.compile("^FAILED"), timeout=WAIT_MS)
     expect(dead).to_have_class("tone-bad")
     expect(dead.locator(".badge")).to_have_css("color", "rgb(163, 22, 27)")  # red
+    expect(dead.locator(".c-do button")).to_be_hidden()  # a failed replica is not replaced
     expect(ready).to_have_count(2, timeout=WAIT_MS)  # its replacement, READY
     new_ids = [int(x) for x in ready.evaluate_all("rows => rows.map(r => r.dataset.replica)")]
     assert victim["id"] not in new_ids

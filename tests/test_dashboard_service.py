@@ -37,6 +37,7 @@ def test_each_replica_cpu_and_memory_are_read_when_asked(
         rss = sum(p.memory_info().rss for p in _group(replica["pid"]))
         assert 0.5 * rss < got["rss_bytes"] < 2 * rss, (got, rss)
         assert got["processes"] >= 1
+        assert got["cpu_percent"] is not None  # read twice a moment apart: a figure at once
     assert get_json_with_cookie(port, path, cookie) == first  # within a second: the same answer
     time.sleep(1.1)
     second = get_json_with_cookie(port, path, cookie)

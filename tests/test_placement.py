@@ -376,8 +376,10 @@ def test_capacity_hands_a_retired_replicas_devices_to_its_successor(tmp_path: Pa
 
     assert capacity.room(new.id, ask, [old.id]) == old.id
     blocked = capacity.grant(new.id, ask)
-    assert (
-        blocked == f"its devices are still held by svc-r replica {old.id}, which is being stopped"
+    assert capacity.waiting[new.id] == blocked  # status says why it waits from the handover on
+    assert blocked == (
+        f"no spare room: waits for svc-r replica {old.id} to stop (retired to make room for "
+        "it: a rolling update on a full machine replaces one replica at a time)"
     )
     # handed over once, never twice: asked again (a daemon killed before the old replica's
     # retire was written), the answer is the same old replica, to finish the handover
@@ -391,6 +393,44 @@ def test_capacity_hands_a_retired_replicas_devices_to_its_successor(tmp_path: Pa
     # the replica's row going (down, scale-down) frees its claim with it
     store.delete_replica(new.id)
     assert isinstance(capacity.grant(waiter.id, ask), Grant)
+    store.close()
+
+
+def test_a_rolling_update_that_could_never_be_placed_is_found_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    """capacity.room_in_turn plays a rolling update out on the claims (real SQLite): one old
+    replica retired before each successor is all a full machine gets. A new replica that
+    needs two old replicas' devices, or devices another service holds, could never start."""
+    store = Store(tmp_path / "state.db")
+    machine = Inventory(
+        (Gpu(0, "NVIDIA A100", "GPU-a"), Gpu(1, "NVIDIA A100", "GPU-b"), Gpu(2, "NVIDIA L4", "L")),
+        2,
+        GiB,
+    )
+    capacity = Capacity(store, machine)
+    for name in ("svc-r", "svc-o"):
+        store.create_service(name, "run: x\n", source=None, base_dir=None, lb_port=None)
+    one = {"accelerators": ["A100:1"]}
+    olds = [store.add_replica("svc-r", 1, "local", "test") for _ in range(2)]
+    for r in olds:
+        assert isinstance(capacity.grant(r.id, one), Grant)
+    # the same ask: each successor takes the claim of the old one retired for it
+    assert capacity.room_in_turn("svc-r", one, 2) is None
+    # fewer, bigger replicas: the surplus old one goes first, then the two A100s fit
+    assert capacity.room_in_turn("svc-r", {"accelerators": ["A100:2"]}, 1) is None
+    two = capacity.room_in_turn("svc-r", {"accelerators": ["A100:2"]}, 2)
+    assert two is not None and two.startswith("new replica 1 of 2 needs 2x A100; "), two
+    # the L4 is another service's: retiring svc-r's replicas frees none
+    other = store.add_replica("svc-o", 1, "local", "test")
+    assert isinstance(capacity.grant(other.id, {"accelerators": ["L4:1"]}), Grant)
+    l4 = capacity.room_in_turn("svc-r", {"accelerators": ["L4:1"]}, 1)
+    held = f"the machine has 1 L4, it is held by svc-o replica {other.seq}"
+    assert l4 == f"new replica 1 of 1 needs 1x L4; {held}", l4
+    # a replica being torn down frees its claim whatever the update does
+    store.update_replica(olds[0].id, teardown_state="pending")
+    assert capacity.room_in_turn("svc-r", {"accelerators": ["A100:2"]}, 1) is None
+    assert capacity.room_in_turn("svc-r", {}, 5) is None  # asks nothing: always placed
     store.close()
 
 

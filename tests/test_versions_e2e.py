@@ -343,3 +343,35 @@ def test_an_update_of_the_service_section_moves_the_traffic_to_its_version(
     assert after["traffic_versions"] == [2], after
     assert {r["version"] for r in after["replicas"]} == {2}
     assert {r["pid"] for r in after["replicas"]} == {r["pid"] for r in before["replicas"]}
+
+
+def test_a_failed_update_after_one_that_kept_the_replicas_names_the_version_serving(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """Version 2 changes the service section only (the replicas are kept, relabelled); version
+    3 cannot start (exit 127: given up at the first failure). Everything that says which
+    version still serves names 2, the one the replicas run, never 1."""
+    make_app(tmp_path, "v1")
+    spec = tmp_path / "kept.yaml"
+    write_spec(spec, probe_timeout_spec(2, replicas=2))
+    corral_home.run("up", str(spec), "-n", "kept", cwd=tmp_path)
+    pids = {r["pid"] for r in corral_home.wait_replicas("kept", 2)["replicas"]}
+    write_spec(spec, probe_timeout_spec(3, replicas=2))
+    corral_home.run("update", "kept", str(spec), cwd=tmp_path, timeout=60)
+    broken = probe_timeout_spec(3, replicas=2).replace(f"exec {sys.executable}", "pyhton3")
+    write_spec(spec, broken)
+    failed = corral_home.run("update", "kept", str(spec), cwd=tmp_path, timeout=60, check=False)
+    said = " ".join((failed.stdout + failed.stderr).split())
+    assert failed.returncode == 1, said
+    assert "version 3 not promoted: version 3 never became ready" in said, said
+    assert "pyhton3" in said and said.endswith("traffic stays on version 2"), said
+
+    svc = corral_home.service("kept")
+    assert svc is not None and svc["version"] == 3 and svc["status"] == "READY", svc
+    assert svc["traffic_versions"] == [2], svc
+    assert "version 3 never became ready" in (svc["last_update_failure"] or ""), svc
+    serving = [r for r in svc["replicas"] if r["status"] == "READY"]
+    assert {r["version"] for r in serving} == {2} and {r["pid"] for r in serving} == pids
+    status = " ".join(corral_home.run("status", "kept").stdout.split())
+    assert "2 (v3 failed)" in status, status
+    assert "kept: update failed, traffic stays on version 2: version 3 never became" in status

@@ -80,20 +80,36 @@ def check_inputs(
         raise spec_refused(exc) from None
 
 
-def check_blue_green_room(
-    name: str, mode: str, spec: ServiceSpec, capacity: Capacity | None
-) -> None:
-    """Refuse a blue-green update that could never switch: on a machine too full for the
-    new version's first replicas beside the old ones (docs/gpus.md), they would wait for
-    ever while the old ones wait for them. A rolling update replaces one at a time there."""
-    if mode != "blue_green" or spec.infra != "local" or capacity is None:
+def check_update_room(name: str, mode: str, spec: ServiceSpec, capacity: Capacity | None) -> None:
+    """Refuse an update that could never finish on this machine (docs/gpus.md), at once and
+    before anything changes, instead of leaving new replicas waiting for ever.
+
+    Blue-green keeps the old replicas' devices until ``min_replicas`` new ones are READY, so
+    they must fit beside everything held now. Rolling replaces one old replica at a time when
+    there is no spare room (retire one, then launch its successor on what it held): each of
+    the new version's ``min_replicas`` must fit that way."""
+    if spec.infra != "local" or capacity is None:
         return
-    policy = spec.service.replica_policy
-    needed = max(1, policy.min_replicas)
-    problem = capacity.room_beside(spec.resources.model_dump(exclude_none=True), needed)
+    needed = max(1, spec.service.replica_policy.min_replicas)
+    resources = spec.resources.model_dump(exclude_none=True)
+    if mode == "blue_green":
+        problem = capacity.room_beside(resources, needed)
+        if problem:
+            raise NoRoom(
+                f"a blue-green update of {name!r} needs room for {needed} replica(s) of the "
+                f"new version beside the old ones, and this machine has none: {problem}. Use "
+                "--mode rolling, which replaces one replica at a time on a full machine"
+            )
+        return
+    problem = capacity.room_in_turn(name, resources, needed)
     if problem:
         raise NoRoom(
-            f"a blue-green update of {name!r} needs room for {needed} replica(s) of the new "
-            f"version beside the old ones, and this machine has none: {problem}. Use "
-            "--mode rolling, which replaces one replica at a time on a full machine"
+            f"a rolling update of {name!r} could never place its new version on this machine, "
+            f"even retiring one old replica before each new one starts: {problem}. Nothing "
+            "was changed: ask for what one replica of the running version holds, or free "
+            "what the others hold"
         )
+
+
+# The daemon's call site still has the old name (daemon.py is being changed by others now).
+check_blue_green_room = check_update_room

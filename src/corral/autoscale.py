@@ -20,30 +20,33 @@ The semantics follow SkyServe's request-rate autoscaler (see skyserve-facts.md, 
 * **Raw target** = ``ceil(QPS / target_qps_per_replica)`` clipped to ``[min_replicas,
   max_replicas]``. The division is ceiled with a relative slack of 1e-9 so float noise
   (3 / 0.3 = 10.000000000000002) does not ask for an 11th replica.
-* **Hysteresis, never slower than SkyServe's**: the target moves up only once the raw target
-  has been above it for the *hold* of ``upscale_delay_seconds``, and down only once it has been
-  below it for the hold of ``downscale_delay_seconds``; it then moves straight to the raw target
-  of that moment (as SkyServe does), not one step at a time. From zero the target moves at once:
-  a request waiting on a service with no replica cannot wait for an upscale delay.
-
-  The hold is :func:`hold_seconds`: ``20 * (int(delay / 20) - 1)``, at least 0 (280 s for the
-  default 300 s upscale delay, 1180 s for the 1200 s downscale delay). That is SkyServe's own
-  count: it looks every 20 s and moves once ``int(delay / 20)`` consecutive looks, the first
-  included, have seen the raw target on that side; any look that sees it equal or on the other
-  side restarts the count. corral follows the raw target through every instant it changes (a
-  request arriving, or leaving the window: the request timestamps date both exactly) and moves
-  as soon as the raw target has been on that side at ``t``, ``t - 20``, ... ``t - hold``
-  (:func:`_hold_ends`), i.e. at the first instant at which SkyServe, whatever the phase of its
-  20 s clock, could have moved on the same load. So a change that lasts the hold moves at the
-  crossing + the hold; a single shorter one moves nothing; a dip that could fall between two of
-  SkyServe's looks does not restart the hold, and one that lasts 20 s does. While a hold can
-  end, :attr:`Autoscaler.decision_interval` is cut so that a decision falls when it does. The
-  timeline starts at the previous decision (the caller passes :meth:`Autoscaler.lookback`
-  seconds of requests for that) and never inside the first window, where the meter's span still
-  grows; a hold of 0 (delays under 40 s) moves at the first decision that sees the change,
-  within 5 s of it, SkyServe's within 20 s. What this costs: on load that hovers at a threshold
-  corral moves whenever some phase of SkyServe's clock would, so it changes the target more
-  often than one SkyServe does (``bench/autoscale_vs_skyserve.py`` counts both).
+* **Hysteresis, SkyServe's at every phase of its clock**: SkyServe looks every 20 s from
+  whenever its controller started, moves the target to a look's raw target at the
+  ``int(delay / 20)``-th look in a row on one side of it (``upscale_delay_seconds`` above,
+  ``downscale_delay_seconds`` below; a look equal or on the other side restarts the count),
+  and from zero at its first look. When its clock falls (its *phase*) is an accident, and on
+  the same load SkyServes a second apart move at different times and to different targets.
+  corral runs those counters at every phase at once (:class:`corral.autoscale_phases.
+  PhaseFamily`, a few intervals of phases sharing a state), following the raw target through
+  every instant it changes (a request arriving, or leaving the window: the timestamps date both
+  exactly), and its target follows each move any phase makes *past it in that move's
+  direction*: up when some SkyServe moves up to more than corral's target, down when some
+  SkyServe moves down to less. So each level is reached up and down no later than at any phase,
+  never earlier than the earliest phase (whose delay ran on that load), and every move goes to
+  a target some SkyServe moves to at that instant, with SkyServe's own formula over the window
+  then. When a higher target becomes due while a lower one was just followed, corral moves on
+  to it at once instead of holding from the lower one. :func:`hold_seconds`, ``20 *
+  (int(delay / 20) - 1)``, is the shortest time from a crossing to a move.
+  While a phase's move can be due, :attr:`Autoscaler.decision_interval` is cut so a decision
+  falls when it is; while a phase is one look short of a move that a request yet to arrive may
+  trigger, decisions come every second (``zero_decision_interval``). A move triggered by a
+  single look (delays under 40 s) is seen at the next decision, within 5 s. From zero corral
+  moves at once, on its own meter (a request is waiting), and takes every SkyServe to have left
+  zero within its 5 s looks of the load's arrival. What this costs: where phases disagree (a
+  raw target that flickers at a threshold), corral moves whenever some phase would, so it
+  changes the target more often than one SkyServe does (``bench/autoscale_vs_skyserve.py``
+  counts both); its counters before the first decision are unknown, and looks inside the first
+  window see the raw target of the decision before.
 * **Overprovision**: the final target is the hysteresis target plus ``num_overprovision``, added
   last as SkyServe does (the hold compares raw and target without it: it shifts every target and
   no move in time), so it stays within ``[min_replicas, max_replicas + num_overprovision]``,
@@ -70,6 +73,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from corral.autoscale_phases import PERIOD, PhaseFamily, PhaseMove, threshold
 from corral.spec import ReplicaPolicy
 
 __all__ = [
@@ -91,7 +95,9 @@ DEFAULT_QPS_WINDOW = 60.0
 # Shortest span a QPS is measured over while the first window fills (see the module docstring).
 MIN_QPS_SPAN = 1.0
 # SkyServe's decision interval, the unit its upscale and downscale delays are counted in.
-SKYSERVE_DECISION_INTERVAL = 20.0
+SKYSERVE_DECISION_INTERVAL = PERIOD
+# SkyServe's decision interval at zero replicas.
+SKYSERVE_ZERO_INTERVAL = 5.0
 # A hold that ends within this many seconds of a decision has ended: a caller that sleeps
 # exactly the advised interval should not need a second, nanosecond-long wait for float noise.
 _HOLD_SLACK = 1e-6
@@ -133,34 +139,6 @@ class Autoscaler(Protocol):
     def decision_interval(self) -> float:
         """Seconds the caller should wait before the next :meth:`decide`."""
         ...
-
-
-def _hold_ends(spans: Sequence[tuple[float, float]], hold: float) -> list[tuple[float, float]]:
-    """The instants at which a hold of ``hold`` is over: those ``t`` at which the raw target
-    was on the side at ``t``, ``t - 20``, ... ``t - hold`` (within ``spans``, sorted and
-    disjoint), i.e. at which SkyServe's looks, if one fell at ``t``, would have counted the
-    whole delay. As spans.
-
-    Each step keeps what survives of the previous one, found by bisecting ``spans``, so the
-    work shrinks with the answer instead of growing with every span times every step.
-    """
-    out = list(spans)
-    starts = [start for start, _ in spans]
-    steps = round(hold / SKYSERVE_DECISION_INTERVAL)
-    for k in range(1, steps + 1):
-        if not out:
-            break
-        shift = k * SKYSERVE_DECISION_INTERVAL
-        kept: list[tuple[float, float]] = []
-        for a, b in out:
-            i = max(0, bisect.bisect_right(starts, a - shift) - 1)
-            while i < len(spans) and spans[i][0] + shift < b:
-                start, end = max(a, spans[i][0] + shift), min(b, spans[i][1] + shift)
-                if start < end:
-                    kept.append((start, end))
-                i += 1
-        out = kept
-    return out
 
 
 def hold_seconds(delay: float) -> float:
@@ -211,17 +189,17 @@ class _PolicyAutoscaler:
         self._policy = policy
         # The hysteresis target, without overprovision: what the raw target is compared with.
         self._target = policy.min_replicas
-        # By direction (+1 up, -1 down), the spans [start, end) since the last move in which the
-        # raw target was on that side of the target; ``inf`` ends the one still going on.
-        self._spans: dict[int, list[tuple[float, float]]] = {1: [], -1: []}
-        # The next instant a hold can be over if the raw target stays where it is (on the side
-        # ``_due_side``), or None.
-        self._due: float | None = None
-        self._due_side = 0
-        # A hold was over while the raw target was off its side: look again soon.
-        self._overdue = False
-        # (-1 / 0 / +1 for below / at / above the target, since when), for a new hold's start.
+        # SkyServe's counters at every phase of its clock; made at the first decide.
+        self._phases: PhaseFamily | None = None
+        # The raw target seen at the previous decision, which holds until a change the request
+        # timestamps date; None after a policy that measures differently, until one is seen.
+        self._seen: int | None = None
+        # (-1 / 0 / +1 for below / at / above the target, since when): for the reason's "for".
         self._run: tuple[int, float] | None = None
+        # The next instant a phase would move the target if the raw target stays, or None;
+        # and the first look of a phase one look short of a move (a request may make it).
+        self._due: float | None = None
+        self._alert: float | None = None
         # Start of the period the QPS meter has watched; None until the first decide.
         self._watched_since: float | None = None
         # ``now`` of the previous decide: how far back a newly seen crossing may be dated.
@@ -239,17 +217,19 @@ class _PolicyAutoscaler:
 
     @property
     def decision_interval(self) -> float:
-        """Faster while an autoscaled service is at zero: its first request is waiting. While a
-        hold runs, no later than its end, so the move is not one interval late; once it has
-        run out during a dip, as often as at zero, so the move follows the dip's end."""
+        """Faster while an autoscaled service is at zero: its first request is waiting. No
+        later than the instant a phase of SkyServe's clock would move, so the move is not one
+        interval late; as often as at zero while one is a look short of a move."""
         if self._policy.autoscaling and self._target == 0:
             return self._zero_interval
-        due, last = self._due, self._last_now
-        if due is not None and last is not None and due > last:
-            return min(self._interval, due - last)
-        if not self._overdue:
-            return self._interval
-        return min(self._interval, self._zero_interval)
+        out, due, alert, last = self._interval, self._due, self._alert, self._last_now
+        if last is None:
+            return out
+        if alert is not None:
+            out = min(out, max(alert - last, self._zero_interval))
+        if due is not None and due > last:
+            out = min(out, due - last)
+        return out
 
     def lookback(self, now: float) -> float:
         """The QPS window, plus the time since the previous decision: a crossing first seen
@@ -261,10 +241,10 @@ class _PolicyAutoscaler:
     def reset_policy(self, policy: ReplicaPolicy) -> None:
         """New bounds apply at once (clipping needs no delay: the user asked for them).
 
-        Running holds go on when the raw target still means the same thing (same bounds and
-        target QPS per replica) and the target stayed, as after an update that changed only
-        the code or the delays; otherwise they restart. The QPS meter keeps its history: load
-        did not change.
+        SkyServe's counters at every phase go on when the raw target still means the same
+        thing (same bounds and target QPS per replica) and the target stayed, as after an
+        update that changed only the code or the delays; otherwise they restart, from the
+        target. The QPS meter keeps its history: load did not change.
         """
         old, target = self._policy, self._target
         self._policy = policy
@@ -274,7 +254,7 @@ class _PolicyAutoscaler:
             old.max_replicas,
             old.target_qps_per_replica,
         ) != (policy.min_replicas, policy.max_replicas, policy.target_qps_per_replica):
-            self._forget(None)
+            self._forget()
 
     def decide(self, now: float, request_times: Sequence[float]) -> Decision:
         """See the module docstring; correct whenever called, at whatever interval."""
@@ -282,6 +262,8 @@ class _PolicyAutoscaler:
         # everything below bisects instead of looping over tens of thousands of requests.
         times = sorted(request_times)
         qps = self._measure(now, times)
+        if self._phases is None:
+            self._phases = PhaseFamily(self._target, now)
         try:
             return self._decide(now, qps, times)
         finally:
@@ -291,8 +273,8 @@ class _PolicyAutoscaler:
         policy = self._policy
         if not policy.autoscaling:
             # min == max here (the spec enforces it when target_qps_per_replica is unset).
-            self._forget(None)
             self._target = _clip(policy.min_replicas, policy)
+            self._forget()
             n = self._target
             size = "no replicas" if n == 0 else f"{n} replica{'s' if n != 1 else ''}"
             reason = f"fixed size of {size} (autoscaling is off); QPS {_fmt_qps(qps)}"
@@ -305,84 +287,103 @@ class _PolicyAutoscaler:
             want += f", capped at max_replicas {raw}"
         elif wanted < raw:
             want += f", raised to min_replicas {raw}"
+        raws = self._raws(now, request_times, raw)
+        self._seen = raw
+        if self._target == 0 and raw > 0:
+            return self._decision(qps, raw, self._leave_zero(now, raws, want))
+        return self._decision(qps, raw, self._follow(now, raws, want))
 
-        current = self._target
-        if current == 0 and raw > 0:
-            self._forget(None)
-            self._target = raw
-            reason = (
-                f"{want} while at zero: scaling up to {raw} at once (scale from zero does not "
-                f"wait for the {_fmt_seconds(policy.upscale_delay_seconds)} upscale delay)"
-            )
-        else:
-            self._track(now, request_times, raw)
-            reason = self._hold_or_move(now, want, raw)
-        return self._decision(qps, raw, reason)
+    def _leave_zero(self, now: float, raws: list[tuple[float, int | None]], want: str) -> str:
+        """From zero at once: a request waiting on no replica cannot wait for a delay. Every
+        SkyServe leaves zero too, within its 5 s looks of the load's arrival."""
+        raw = raws[-1][1]
+        assert raw is not None and self._phases is not None
+        arrived = next((t for t, r in raws if r), now)
+        self._target = raw
+        self._forget()
+        self._phases.leave_zero(raw, arrived, SKYSERVE_ZERO_INTERVAL)
+        self._phases.skip(now + _HOLD_SLACK)
+        delay = _fmt_seconds(self._policy.upscale_delay_seconds)
+        return (
+            f"{want} while at zero: scaling up to {raw} at once (scale from zero does not "
+            f"wait for the {delay} upscale delay)"
+        )
 
-    def _hold_or_move(self, now: float, want: str, raw: int) -> str:
-        """Move if SkyServe's looks, at some phase, would have seen the raw target's side for
-        the whole hold by now; the reason either way."""
-        current, policy = self._target, self._policy
+    def _follow(self, now: float, raws: list[tuple[float, int | None]], want: str) -> str:
+        """Run SkyServe's looks at every phase up to ``now``; follow each move past the target
+        in its direction (see the module docstring). The reason either way."""
+        assert self._phases is not None
+        policy, current, raw = self._policy, self._target, raws[-1][1]
+        assert raw is not None
+        up = threshold(policy.upscale_delay_seconds)
+        down = threshold(policy.downscale_delay_seconds)
+        for t, r in raws:
+            self._observe(t, r, current)
+        held = max(0.0, now - self._run[1]) if self._run is not None else 0.0
+        followed: PhaseMove | None = None
+        for move in self._phases.advance(now + _HOLD_SLACK, raws, up, down):
+            if (move.after - move.before) * (move.after - self._target) > 0:
+                self._target, followed = move.after, move
+        if followed is not None:
+            self._run = None
+            self._observe(now, raw, self._target)
+        self._due = self._phases.next_move(raw, self._target, up, down)
+        self._alert = self._phases.one_look_short(
+            self._target, policy.min_replicas, policy.max_replicas, up, down
+        )
+        return self._reason(want, current, raw, held, followed)
+
+    def _reason(
+        self, want: str, current: int, raw: int, held: float, moved: PhaseMove | None
+    ) -> str:
         side = (raw > current) - (raw < current)
-        # Spans no hold ending after the previous decision can reach back to are dropped.
-        last = self._last_now if self._last_now is not None else now
-        for direction, spans in self._spans.items():
-            horizon = last - self._hold(direction)
-            spans[:] = [span for span in spans if span[1] > horizon]
-        # A hold predicted to end by now, and the raw target off its side: it may be over
-        # already and wait only for the raw target's return, so look again soon.
-        due, was = self._due, self._due_side
-        self._overdue = due is not None and due <= now + _HOLD_SLACK and side != was
-        self._due, self._due_side = None, 0
-        if not side:
+        if moved is not None:
+            side = 1 if moved.after > moved.before else -1
+        elif not side:
             return f"{want} (= current {current}): holding {current}"
-        if side > 0:
-            sign, kind, verb, delay = ">", "upscale", "up", policy.upscale_delay_seconds
-        else:
-            sign, kind, verb, delay = "<", "downscale", "down", policy.downscale_delay_seconds
-        assert self._run is not None  # _track(now) set it
-        held = max(0.0, now - self._run[1])
-        of = f"{_fmt_seconds(self._hold(side))} hold of the {_fmt_seconds(delay)} {kind} delay"
-        ends = _hold_ends(self._spans[side], self._hold(side))
-        why = f"{want} ({sign} current {current}) for {_fmt_seconds(held)}"
-        if ends and ends[0][0] <= now + _HOLD_SLACK:
-            self._forget((0, now))
-            self._target = raw
-            if held + _HOLD_SLACK < self._hold(side):
-                why += " (and at every 20s look before, dips between looks aside)"
-            return f"{why}, past the {of}: scaling {verb} to {raw}"
-        self._due = next((start for start, _ in ends if start > now), None)
-        self._due_side = side
-        return f"{why} of the {of}: holding {current}"
-
-    def _hold(self, direction: int) -> float:
+        sign, kind, verb = (">", "upscale", "up") if side > 0 else ("<", "downscale", "down")
         p = self._policy
-        return hold_seconds(p.upscale_delay_seconds if direction > 0 else p.downscale_delay_seconds)
+        delay = p.upscale_delay_seconds if side > 0 else p.downscale_delay_seconds
+        of = f"{_fmt_seconds(hold_seconds(delay))} hold of the {_fmt_seconds(delay)} {kind} delay"
+        why = f"{want} ({sign} current {current})"
+        if moved is None:
+            return f"{why} for {_fmt_seconds(held)} of the {of}: holding {current}"
+        if moved.before != current or (raw - current) * side <= 0:
+            return (
+                f"{why}: scaling {verb} to {moved.after}, as SkyServe does from {moved.before} "
+                f"at the phase of its 20s clock that looked at {moved.at:.1f}s, past the {of}"
+            )
+        why += f" for {_fmt_seconds(held)}"
+        if held + _HOLD_SLACK < hold_seconds(delay):
+            why += " (and at every 20s look before, dips between looks aside)"
+        return f"{why}, past the {of}: scaling {verb} to {moved.after}"
 
-    def _forget(self, run: tuple[int, float] | None) -> None:
-        """After a move (or a policy that measures differently): no hold runs."""
-        self._spans = {1: [], -1: []}
-        self._due, self._overdue, self._run = None, False, run
+    def _forget(self) -> None:
+        """After a move of corral's own (or a policy that measures differently): every phase
+        of SkyServe's clock at the target, no count, and no raw target seen yet."""
+        if self._phases is not None:
+            self._phases.reset(self._target)
+        self._seen, self._run, self._due, self._alert = None, None, None, None
 
-    def _track(self, now: float, request_times: list[float], raw_now: int) -> None:
-        """Follow the raw target through every instant its count changed since the previous
-        decision, then ``now``: holds start where a crossing happened, not where it was seen."""
+    def _raws(
+        self, now: float, request_times: list[float], raw_now: int
+    ) -> list[tuple[float, int | None]]:
+        """The raw target since the previous decision, piecewise: the one seen then, each
+        change the requests date (a request arriving, or leaving the window), and ``now``'s."""
+        assert self._phases is not None
+        out: list[tuple[float, int | None]] = [(self._phases.until, self._seen)]
         for instant, count in self._count_changes(now, request_times):
-            self._observe(instant, _clip(self._wanted(count / self._window), self._policy))
-        self._observe(now, raw_now)
+            out.append((instant, _clip(self._wanted(count / self._window), self._policy)))
+        out.append((now, raw_now))
+        return out
 
-    def _observe(self, t: float, raw: int) -> None:
-        """The raw target from instant ``t`` on: close the span of the side it left, open one
-        for the side it is on."""
-        side = (raw > self._target) - (raw < self._target)
-        if self._run is not None and self._run[0] == side:
+    def _observe(self, t: float, raw: int | None, target: int) -> None:
+        """The raw target from instant ``t`` on: a new run if it changed side of ``target``."""
+        if raw is None:
             return
-        for spans in self._spans.values():
-            if spans and spans[-1][1] == math.inf:
-                spans[-1] = (spans[-1][0], t)
-        if side:
-            self._spans[side].append((t, math.inf))
-        self._run = (side, t)
+        side = (raw > target) - (raw < target)
+        if self._run is None or self._run[0] != side:
+            self._run = (side, t)
 
     def _wanted(self, qps: float) -> int:
         tq = self._policy.target_qps_per_replica
@@ -395,20 +396,21 @@ class _PolicyAutoscaler:
         decision and ``now`` where a request arrived or left the window, in order, skipping the
         first window (the meter's span was still growing there, so counts are not rates).
 
-        ``times`` is sorted. Only requests arriving in (prev, now) and those leaving the window
-        then (stamped in (prev - window, now - window)) change the count.
+        ``times`` is sorted. A request stamped ``s`` counts from ``s`` to ``s + window``
+        included, as in SkyServe's window; it leaves just after.
         """
         prev, window = self._last_now, self._window
         if prev is None or now <= prev or self._watched_since is None:
             return []
-        count = bisect.bisect_right(times, prev) - bisect.bisect_right(times, prev - window)
+        count = bisect.bisect_right(times, prev) - bisect.bisect_left(times, prev - window)
         changes: Counter[float] = Counter()
         for t in times[bisect.bisect_right(times, prev) : bisect.bisect_left(times, now)]:
             changes[t] += 1
         low, high = prev - window, now - window
         for t in times[bisect.bisect_left(times, low) : bisect.bisect_right(times, high)]:
-            if prev < t + window < now:
-                changes[t + window] -= 1
+            gone = math.nextafter(t + window, math.inf)
+            if prev < gone < now:
+                changes[gone] -= 1
         start = self._watched_since + window
         out: list[tuple[float, int]] = []
         for instant in sorted(changes):

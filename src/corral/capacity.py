@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 
 from corral.infra.inventory import Inventory
 from corral.infra.placement import (
+    Ask,
     AskError,
     Claim,
     Holder,
@@ -182,8 +183,7 @@ class Capacity:
         blockers = _blockers(claim, self.holders(without=replica_id))
         if not blockers:
             return None
-        names = ", ".join(f"{h.service} replica {h.shown}" for h in blockers)
-        return f"its devices are still held by {names}, which is being stopped"
+        return _making_room(blockers)
 
     def room(
         self, replica_id: int, resources: Mapping[str, Any], candidates: list[int]
@@ -208,7 +208,11 @@ class Capacity:
             rest = [h for h in holders if h.replica_id != candidate]
             if isinstance(place(ask, self.inventory, rest), Claim):
                 granted = self.grant(replica_id, resources, making_room=candidate)
-                if isinstance(granted, Grant) or "being stopped" in granted:
+                if isinstance(granted, Grant) or "to make room for it" in granted:
+                    # status says so until it launches
+                    self.waiting[replica_id] = _making_room(
+                        [h for h in holders if h.replica_id == candidate]
+                    )
                     return candidate
         return None
 
@@ -231,11 +235,40 @@ class Capacity:
             holders.append(Holder("(new version)", -1 - n, outcome))
         return None
 
+    def room_in_turn(self, service: str, resources: Mapping[str, Any], count: int) -> str | None:
+        """Why a rolling update of ``service`` could never bring ``count`` replicas asking
+        ``resources`` up on this machine, even retiring its old replicas one at a time before
+        each successor (what :meth:`make_room` does when there is no spare room), or None.
+        A new replica that needs more than one old replica's devices, or devices another
+        service holds, would wait for ever while the old ones serve: the update is refused
+        instead, before anything changes."""
+        try:
+            ask = ask_of(resources)
+        except AskError as exc:
+            return str(exc)
+        if ask.empty:
+            return None
+        live = [r for r in self.store.replicas(service) if is_live(r)]
+        # The old replicas in the order make_room retires them (any version is older).
+        order = scale_down_victims(
+            live, len(live), current_version=1 + max((r.version for r in live), default=0)
+        )
+        held = {h.replica_id: h for h in self.holders()}
+        gone = {h.replica_id for h in held.values() if h.service == service} - {
+            r.id for r in live
+        }  # being torn down: their claims are freed whatever the update does
+        holders = [h for rid, h in held.items() if rid not in gone]
+        old = [held[r.id] for r in order if r.id in held]
+        return _in_turn(ask, self.inventory, holders, old, count)
+
     def note_wait(self, service: str, replica_id: int, reason: str) -> bool:
         """Remember why a replica waits; True when the caller should record the one event of
         this wait (not when the event log has it already: a daemon restarted meanwhile)."""
         first = replica_id not in self.waiting
         self.waiting[replica_id] = reason
+        wake = self._watchers.get(service)
+        if first and wake is not None:
+            wake()  # its controller's next step now: a rolling update may make room for it
         return first and not any(
             e.replica_id == replica_id and e.action == "replica.waiting"
             for e in self.store.events(service)
@@ -282,7 +315,18 @@ class Capacity:
             return None  # one replaced already; the next once the new version proved itself
         new = waiting[0]
         victim = self.room(new.id, resources, [r.id for r in old])
-        return None if victim is None else (next(r for r in old if r.id == victim), new)
+        if victim is None:
+            return None
+        gone = next(r for r in old if r.id == victim)
+        self.store.event(
+            gone.service,
+            "update.no_room",
+            f"no spare capacity for version {version} beside the old replicas: replica "
+            f"{gone.seq or gone.id} stops first, then replica {new.seq or new.id} starts in its "
+            f"place; {max(0, target - 1)} of {target} serve meanwhile",
+            replica_id=gone.id,
+        )
+        return gone, new
 
     # -- views --------------------------------------------------------------------------------
 
@@ -359,6 +403,47 @@ class Capacity:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_GpuCollector(self.inventory, self.holders()))
         return generate_latest(registry)
+
+
+def _making_room(blockers: Sequence[Holder]) -> str:
+    """Why a replica waits for what an old replica retired for it holds."""
+    names = ", ".join(f"{h.service} replica {h.shown}" for h in blockers)
+    return (
+        f"no spare room: waits for {names} to stop (retired to make room for it: a rolling "
+        "update on a full machine replaces one replica at a time)"
+    )
+
+
+def _in_turn(
+    ask: Ask, inventory: Inventory, holders: list[Holder], old: list[Holder], count: int
+) -> str | None:
+    """A rolling update played out on the claims: before each new replica, the old ones beyond
+    ``count`` minus the new ones already up are retired (as the plan does once they are READY);
+    a new replica that does not fit beside the rest takes the claim of the first old replica
+    whose claim is enough. Why the n-th new replica could not be placed that way, or None."""
+    holders, old = list(holders), list(old)
+    for n in range(count):
+        while len(old) > count - n:
+            holders.remove(old.pop(0))
+        outcome = place(ask, inventory, holders)
+        if isinstance(outcome, NoFit):
+            for victim in old:
+                rest = [h for h in holders if h is not victim]
+                if isinstance(place(ask, inventory, rest), Claim):
+                    old.remove(victim)
+                    holders = rest
+                    break
+            else:
+                # What it would meet with one old replica retired: that is all a rolling
+                # update frees before a successor starts.
+                rest = [h for h in holders if not old or h is not old[0]]
+                best = place(ask, inventory, rest)
+                why = best.reason if isinstance(best, NoFit) else outcome.reason
+                return f"new replica {n + 1} of {count} {why}"
+            outcome = place(ask, inventory, holders)
+            assert isinstance(outcome, Claim)
+        holders.append(Holder("(new version)", -1 - n, outcome))
+    return None
 
 
 def _blockers(claim: Claim, others: Sequence[Holder]) -> list[Holder]:

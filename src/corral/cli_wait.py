@@ -128,6 +128,30 @@ def wait_ready(client: Client, name: str, timeout: float | None) -> None:
             _fail(f"service {name} is {status}: {service.get('failure') or ''}{hint}")
 
 
+class _Swaps:
+    """Says when a rolling update on a full machine retires an old replica before its
+    successor starts (no spare capacity; docs/gpus.md): the event log has it, and it lasts too
+    short a moment for a replica's status to show it."""
+
+    def __init__(self, client: Client, name: str, version: int) -> None:
+        self.client, self.name = client, name
+        self.after: int | None = None
+        self.update = f"-> {version},"  # the service.update event of this version
+
+    def say(self, progress: _Progress) -> None:
+        try:
+            events = self.client.events(self.name, self.after or 0)
+        except ClientError:
+            return  # only a progress line: the service's own state decides the outcome
+        if self.after is None:  # from this version's update on
+            starts = [e["id"] for e in events if self.update in (e.get("reason") or "")]
+            events = [e for e in events if starts and e["id"] >= starts[-1]]
+        for e in events:
+            self.after = max(self.after or 0, int(e["id"]))
+            if e["action"] == "update.no_room":
+                out.print(f"  {progress.stamp()} {e['reason']}", soft_wrap=True)
+
+
 def wait_rollout(client: Client, name: str, version: int, timeout: float | None) -> None:
     """Wait until only the new version runs, at its target, or it is refused."""
     progress = _Progress()
@@ -135,18 +159,16 @@ def wait_rollout(client: Client, name: str, version: int, timeout: float | None)
     def late(service: dict[str, Any]) -> str:
         return f"version {version} not fully rolled out after {timeout:g}s; it keeps going"
 
+    swaps = _Swaps(client, name, version)
     for service in _polled(client, name, timeout, late):
         progress.replicas(service)
+        swaps.say(progress)
         live = [r for r in service["replicas"] if r["status"] in LIVE]
         ready_new = [r for r in live if r["version"] == version and r["status"] == "READY"]
         others = [r for r in live if r["version"] != version]
         failure = service.get("last_update_failure") or service.get("failure") or ""
         if f"version {version} never became ready" in failure:
-            serving = cliview.traffic_versions(service)
-            on = ""
-            if serving:
-                listed = ", ".join(str(v) for v in serving)
-                on = f"; traffic stays on version{'s' if len(serving) > 1 else ''} {listed}"
+            on = f"; {cliview.serving_text(service)}" if cliview.traffic_versions(service) else ""
             _fail(f"version {version} not promoted: {failure}{on}")
         target = service.get("target")
         if target is not None and not others and len(ready_new) >= target:

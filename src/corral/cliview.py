@@ -31,6 +31,16 @@ def traffic_versions(service: dict[str, Any]) -> list[int]:
     return [int(v) for v in versions]
 
 
+def serving_text(service: dict[str, Any]) -> str:
+    """``traffic stays on version 2``: the versions that serve after a failed update (what
+    the balancer's ready set holds now, never a guess from the version numbers)."""
+    serving = traffic_versions(service)
+    if not serving:
+        return "no version serves"
+    listed = ", ".join(str(v) for v in serving)
+    return f"traffic stays on version{'s' if len(serving) > 1 else ''} {listed}"
+
+
 def version_text(service: dict[str, Any]) -> str:
     """The version that serves, and beside it a version that does not yet (or failed)."""
     serving = traffic_versions(service)
@@ -187,8 +197,7 @@ def service_notes(service: dict[str, Any]) -> list[tuple[str, str]]:
         notes.append(
             (
                 "yellow",
-                f"{name}: update failed, traffic stays on the version before: "
-                f"{service['last_update_failure']}",
+                f"{name}: update failed, {serving_text(service)}: {service['last_update_failure']}",
             )
         )
     for problem in service.get("balancer_errors") or ():

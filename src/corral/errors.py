@@ -67,7 +67,8 @@ class ReplicaBusy(Conflict):
 
 
 class NoRoom(Conflict):
-    """A blue-green update could never switch on this machine (docs/gpus.md)."""
+    """An update could never finish on this machine: a blue-green one never switch, a rolling
+    one never place its new replicas (docs/gpus.md)."""
 
 
 class VersionFilesGone(Conflict):

@@ -4,7 +4,8 @@ A replica is its process and every descendant (``sh -c`` and the app, workers it
 CPU use is the growth of their CPU time (user + system) between two readings divided by the
 wall time between them, in percent of one core (200% is two cores busy); its memory is their
 resident set sizes summed (pages shared between them are counted once per process, as ``ps``
-does). A replica read for the first time has no CPU figure yet: the next reading has one.
+does). A replica never read before is read twice, :data:`FIRST_GAP` apart, so the first
+answer has a CPU figure too (over that short gap; later ones span the time between readings).
 
 Cost: one scan of the process table per replica and a ``stat`` of each of its processes, done
 on a thread, at most once per :data:`MIN_INTERVAL` per service however many tabs ask (a
@@ -21,6 +22,7 @@ from typing import Any, Final
 import psutil
 
 MIN_INTERVAL: Final = 1.0
+FIRST_GAP: Final = 0.25
 
 
 def _group(pid: int) -> list[psutil.Process] | None:
@@ -64,9 +66,12 @@ class Usage:
         return found[1] if found and now - found[0] < MIN_INTERVAL else None
 
     def read(self, service: str, replicas: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-        """Per replica id (as the page shows it): cpu_percent (None on a first reading),
-        rss_bytes, processes; or None for a replica with no local process. Blocking: call on a
-        thread."""
+        """Per replica id (as the page shows it): cpu_percent (None if its process changed
+        between two readings), rss_bytes, processes; or None for a replica with no local
+        process. Blocking: call on a thread."""
+        replicas = list(replicas)
+        if self._prime(service, replicas):
+            time.sleep(FIRST_GAP)  # a first figure now, not at the page's next reading
         now = time.time()
         out: dict[str, Any] = {}
         seen = set()
@@ -91,6 +96,20 @@ class Usage:
         answer = {"t": now, "replicas": out}
         self._answers[service] = (now, answer)
         return answer
+
+    def _prime(self, service: str, replicas: list[Mapping[str, Any]]) -> bool:
+        """Take a first CPU reading of each replica never read; whether there was one."""
+        primed = False
+        for replica in replicas:
+            key = f"{service}/{replica.get('uid', replica['id'])}"
+            pid = replica.get("pid")
+            if key in self._cpu or not isinstance(pid, int) or pid <= 0:
+                continue
+            group = _group(pid)
+            if group:
+                self._cpu[key] = (time.time(), _totals(group)[0], _created(group[0]))
+                primed = True
+        return primed
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop what is kept for services that are gone."""
