@@ -3,8 +3,8 @@
 Why: the compiled build replaces a regex and a dozen bytes operations with hand-written C; a
 byte it lets through that the pure build refuses would pass a header line llhttp never judged.
 Both builds must give the same answer to every input: the same split, or both None. The fast
-path's own tests (tests/test_balancer_fastpath.py) run on whichever build is installed, and
-again with CORRAL_BALANCER_PURE=1 in CI's balancer job.
+path's own tests (tests/test_balancer_fastpath.py) run on whichever build is installed; where
+that is the compiled one, the last test here runs them again on the pure build.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import importlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -154,3 +155,21 @@ def test_the_choice_is_reported_and_the_env_forces_the_pure_build() -> None:
     if compiled is not None and os.environ.get("CORRAL_BALANCER_PURE", "") in ("", "0"):
         assert speedups.state()["accelerated"] == "compiled"
         assert speedups.lead_split is compiled.lead_split
+
+
+@needs_compiled
+def test_the_fast_path_tests_pass_on_the_pure_build_too() -> None:
+    if os.environ.get("CORRAL_BALANCER_PURE", "") not in ("", "0"):
+        pytest.skip("this whole run is on the pure build")
+    env = {**os.environ, "CORRAL_BALANCER_PURE": "1"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "tests/test_balancer_fastpath.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *args],
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
