@@ -61,7 +61,7 @@ Fleet = Sequence[tuple[str, str | None]]
 # Statuses whose replicas count toward the fleet's capacity (SkyServe's), and live ones.
 CAPACITY = frozenset({"READY", "STARTING", "PROVISIONING"})
 LIVE = CAPACITY | {"PENDING", "NOT_READY"}
-WINDOW = 60.0  # the request rate is over the last minute, as SkyServe's
+WINDOW = 60.0  # the request rate is over the last minute, as SkyServe's (CORRAL_QPS_WINDOW)
 _SLACK = 1e-9  # float noise must not ask for one replica more
 
 
@@ -78,8 +78,10 @@ class SampledAutoscaler:
         *,
         decision_interval: float = DEFAULT_DECISION_INTERVAL,
         zero_decision_interval: float = DEFAULT_ZERO_DECISION_INTERVAL,
+        qps_window: float = WINDOW,
     ) -> None:
         self._policy = policy
+        self._window = qps_window
         self._interval = decision_interval
         self._zero_interval = zero_decision_interval
         self._target = policy.min_replicas
@@ -94,7 +96,7 @@ class SampledAutoscaler:
         return self._zero_interval if self._target == 0 else self._interval
 
     def lookback(self, now: float) -> float:
-        return WINDOW
+        return self._window
 
     def sample(self, stats: Mapping[str, Any] | None, fleet: Callable[[], Fleet]) -> None:
         """What the balancer's merged stats and the replicas say now (before ``decide``)."""
@@ -110,8 +112,8 @@ class SampledAutoscaler:
 
     def decide(self, now: float, request_times: Sequence[float]) -> Decision:
         policy = self._policy
-        recent = [t for t in request_times if now - WINDOW < t <= now]
-        qps = len(recent) / WINDOW
+        recent = [t for t in request_times if now - self._window < t <= now]
+        qps = len(recent) / self._window
         wanted, load = self._wanted(qps)
         raw = max(policy.min_replicas, min(policy.max_replicas, wanted))
         if self._target == 0 and recent:
@@ -242,9 +244,11 @@ def make_scaler(
     """The autoscaler a policy asks for: instance-aware, on the engines, or on request rate
     (:func:`corral.autoscale.make_autoscaler`)."""
     if policy.target_qps_per_accelerator:
-        return InstanceAwareAutoscaler(policy, decision_interval=decision_interval)
+        return InstanceAwareAutoscaler(
+            policy, decision_interval=decision_interval, qps_window=qps_window
+        )
     if policy.engine_targets:
-        return EngineAutoscaler(policy, decision_interval=decision_interval)
+        return EngineAutoscaler(policy, decision_interval=decision_interval, qps_window=qps_window)
     return make_autoscaler(policy, decision_interval=decision_interval, qps_window=qps_window)
 
 
