@@ -10,8 +10,11 @@ replica becomes READY or crashes.
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 from dataclasses import dataclass, field, replace
 
+import psutil
 import pytest
 
 from corral import plan
@@ -38,6 +41,7 @@ from corral.plan import (
     Unknown,
     backoff,
 )
+from corral.ports import fixed_port_taken
 from corral.replicas import (
     LaunchState,
     ReplicaStatus,
@@ -280,8 +284,17 @@ def test_crash_loop_gives_up_after_three_unrecoverable_failures() -> None:
     [
         (replace(crashed(1, 1.0), exit_code=127, failure="exit 127"), "exit 127"),
         (replace(crashed(1, 1.0), exit_code=126, failure="exit 126"), "exit 126"),
+        (
+            replace(
+                crashed(1, 1.0),
+                app_failed=0,
+                launch_state=LaunchState.FAILED,
+                failure="PortTaken('its fixed port 8080 is in use by pid 7 (nginx): ...')",
+            ),
+            "its fixed port 8080 is in use by pid 7 (nginx)",
+        ),
     ],
-    ids=["command-not-found", "not-executable"],
+    ids=["command-not-found", "not-executable", "fixed-port-taken"],
 )
 def test_a_failure_no_relaunch_can_mend_gives_up_at_once(row: R, why: str) -> None:
     """`pyhton3: command not found` (127), a command that is not executable (126): the first
@@ -295,6 +308,21 @@ def test_a_failure_no_relaunch_can_mend_gives_up_at_once(row: R, why: str) -> No
     for passing in (crashed(1, 1.0), replace(crashed(1, 1.0), failure="is in use by pid 7")):
         ordinary = plan.toward_target(facts([passing], target=2, version_ready=False), 1000.0)
         assert not any(isinstance(a, Fail) for a in ordinary)
+
+
+def test_the_fixed_port_line_is_the_one_the_plan_gives_up_on() -> None:
+    """What the local backend says of a fixed port another process holds (this test's own
+    listener: pid and command line) carries the words the plan reads as hopeless."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        said = fixed_port_taken(port, "some-other-home")
+        assert said is not None and plan.FIXED_PORT_TAKEN in said, said
+        assert f"its fixed port {port} is in use by pid {os.getpid()} (" in said, said
+        command = " ".join(psutil.Process().cmdline())  # as ps shows it (xdist renames it)
+        assert f"pid {os.getpid()} ({command})" in said, said
+    assert fixed_port_taken(port, "some-other-home") is None  # nobody listens any more
 
 
 @pytest.mark.parametrize(

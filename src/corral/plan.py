@@ -47,14 +47,17 @@ BACKOFF_CAP = 30.0
 UNRECOVERABLE = frozenset(
     {ReplicaStatus.FAILED, ReplicaStatus.FAILED_INITIAL_DELAY, ReplicaStatus.FAILED_PROVISION}
 )
-# Exits no relaunch can mend: the shell could not find (127) or run (126) the command. One is
-# enough to give up: three relaunches would only repeat the same line. (A port taken by another
-# process is not one of them: a relaunch gets a port of its own.)
+# Exits no relaunch can mend: the shell could not find (127) or run (126) the command; one is
+# enough to give up. So is a FIXED port held by another process ($PORT gets a new one).
 HOPELESS_EXIT_CODES = frozenset({126, 127})
+FIXED_PORT_TAKEN = "its fixed port"  # the words of that launch failure
 
 
 def hopeless(r: Row) -> bool:
-    """A failure before READY that the next launch would meet again, whatever it retried."""
+    """A failure before READY that the next launch would meet again: an exit 126/127, or a
+    fixed port another process holds (:func:`corral.ports.fixed_port_taken`)."""
+    if failure_status(r) is ReplicaStatus.FAILED_PROVISION:
+        return FIXED_PORT_TAKEN in (r.failure or "")
     return failure_status(r) is ReplicaStatus.FAILED and r.exit_code in HOPELESS_EXIT_CODES
 
 

@@ -87,6 +87,33 @@ def port_holders(port: int) -> list[str]:
     return holders
 
 
+class PortTaken(RuntimeError):
+    """The replica's fixed port (a ``run`` that ignores ``$PORT``) is held by a process that is
+    not this home's: the next launch would bind the same port and meet the same holder."""
+
+
+def fixed_port_taken(port: int, home_marker: str) -> str | None:
+    """Why a replica cannot have its fixed ``port``: who listens there (pid and command line),
+    when it is a process this user can see that is not a replica of this home (a replica of
+    the home, e.g. the version being replaced, is not in the way for ever); None otherwise."""
+    found = []
+    for pid in sorted({pid for _, pid in listeners(port) if pid is not None}):
+        try:
+            proc = psutil.Process(pid)
+            if proc.environ().get("CORRAL_HOME_MARKER") == home_marker:
+                continue
+            command = " ".join(proc.cmdline()) or proc.name()
+        except psutil.Error:
+            continue  # gone, or not this user's to look at: not named, not judged
+        found.append(f"pid {pid} ({command})")
+    if not found:
+        return None
+    return (
+        f"its fixed port {port} is in use by {', '.join(found)}: no relaunch can free it "
+        "(the replica's `run` ignores $PORT); stop that process, or start the server on $PORT"
+    )
+
+
 def _proc_address(text: str) -> str:
     """An address of /proc/net/tcp{,6} (hex, each 32-bit word in host order) as text."""
     raw = bytes.fromhex(text)

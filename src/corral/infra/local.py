@@ -62,7 +62,7 @@ from corral.infra.local_scan import (
     survivors,
     terminate_cgroup,
 )
-from corral.ports import free_port, listeners
+from corral.ports import PortTaken, fixed_port_taken, free_port, listeners
 
 __all__ = ["BACKEND", "ENV_HOME_MARKER", "ENV_REPLICA_KEY", "LocalInfra", "replica_key"]
 
@@ -139,6 +139,10 @@ class LocalInfra:
         if request.setup and request.setup.strip():
             self._setup(request, key, [shell, "-c", request.setup], cwd, env, confined)
         jobs.checkpoint()
+        if request.port is not None:
+            taken = fixed_port_taken(request.port, request.home_marker)
+            if taken is not None:
+                raise PortTaken(taken)
         popen, group = start_run(request, [shell, "-c", request.run], cwd, env, confined)
         handle = self._handle(popen, group, port, key, Path(request.log_path))
         pid = pgid = popen.pid
