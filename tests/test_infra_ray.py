@@ -137,6 +137,7 @@ class Harness:
         resources: dict[str, Any] | None = None,
         workdir: Path | None = EXAMPLES,
         envs: dict[str, str] | None = None,
+        display_id: int | None = None,
     ) -> Launched:
         rid = self.next_id
         self.next_id += 1
@@ -155,6 +156,7 @@ class Harness:
             resources=resources or {},
             home_marker=self.marker,
             on_started=handles.append,
+            display_id=display_id,
         )
         log = self.tmp / f"replica_{rid}_launch.log"
         job = self.pool.submit(self.infra.launch, request, log=log, name=f"launch-{rid}")
@@ -470,6 +472,21 @@ def _wait(release: threading.Event) -> _FakeRay:
 
 
 # -- launch, placement, serving -------------------------------------------------------------------
+
+
+def test_the_actor_and_the_replica_carry_the_id_users_see(harness: Harness) -> None:
+    """A replica whose internal key differs from its id within the service (here 1 and 7):
+    its actor's name, its CORRAL_REPLICA_ID and its launch log's lines say 7 (issue 25:
+    replica 3's actor was named after row 5)."""
+    item = harness.launch(display_id=7)
+    handle = item.wait()
+    assert item.request.replica_id != 7
+    assert handle.data["actor_name"] == f"corral-{harness.marker}-svc-7"
+    assert harness.infra._lookup(f"corral-{harness.marker}-svc-7") is not None
+    assert b'"replica": "7"' in serving(handle.endpoint + "/")
+    launch_log = item.launch_log.read_text()
+    assert "[corral] launching replica svc/7 " in launch_log, launch_log
+    assert f"as actor corral-{harness.marker}-svc-7 " in launch_log, launch_log
 
 
 def test_three_replicas_spread_over_nodes_and_serve(harness: Harness) -> None:

@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -210,6 +211,38 @@ def test_three_replicas_spread_serve_and_stream_logs(ray_home: RayHome, tmp_path
     marker = f"/follow-{uuid.uuid4().hex}"
     get_json(service["replicas"][0]["endpoint"] + marker)
     reader.wait_line(re.escape(marker), timeout=20)
+
+
+def test_two_services_name_actors_and_logs_by_the_id_users_see(
+    ray_home: RayHome, tmp_path: Path
+) -> None:
+    """alpha (1 replica) then beta (2): beta's rows are 2 and 3, its replicas 1 and 2. Each
+    actor is named after the replica's id within its service, and each replica's log (pumped
+    from its node) starts with its own line (issue 25)."""
+    home = ray_home.home
+    run = f'echo "I am $CORRAL_SERVICE replica $CORRAL_REPLICA_ID"; exec {sys.executable} app.py'
+    for name, count in (("alpha", 1), ("beta", 2)):
+        home.run("up", str(ray_spec(tmp_path, name, count, run=run)))
+    services = {
+        name: home.wait_replicas(name, n, timeout=60) for name, n in (("alpha", 1), ("beta", 2))
+    }
+    assert sorted(r["uid"] for r in services["beta"]["replicas"]) == [2, 3]
+    marker = home.marker
+    want = {f"corral-{marker}-alpha-1", f"corral-{marker}-beta-1", f"corral-{marker}-beta-2"}
+    assert set(ray_home.actors()) == want
+    for name, svc in services.items():
+        handles = ray_home.handles(name)
+        for r in svc["replicas"]:
+            assert handles[r["uid"]]["actor_name"] == f"corral-{marker}-{name}-{r['id']}"
+            mine = f"I am {name} replica {r['id']}"
+            text = wait_for(
+                lambda n=name, i=r["id"]: home.run("logs", n, str(i), "--no-follow").stdout,
+                20,
+                f"{name} replica {r['id']}'s log",
+            )
+            assert mine in text and text.count("I am ") == 1, text[:400]
+            path = home.path / "services" / name / "logs" / f"replica_{r['id']}.log"
+            assert mine in path.read_text(errors="replace")
 
 
 def test_pinned_replica_lands_on_its_node(ray_home: RayHome, tmp_path: Path) -> None:
