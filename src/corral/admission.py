@@ -109,7 +109,3 @@ def check_update_room(name: str, mode: str, spec: ServiceSpec, capacity: Capacit
             "was changed: ask for what one replica of the running version holds, or free "
             "what the others hold"
         )
-
-
-# The daemon's call site still has the old name (daemon.py is being changed by others now).
-check_blue_green_room = check_update_room

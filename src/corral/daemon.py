@@ -196,7 +196,7 @@ class Daemon:
                 f"an update cannot move a service from infra "
                 f"{current.infra!r} to {spec.infra!r}; bring up a new service",
             )
-        admission.check_blue_green_room(name, request.mode, spec, self.deps.capacity)
+        admission.check_update_room(name, request.mode, spec, self.deps.capacity)
         next_version = max(v.version for v in self.store.versions(name)) + 1
         if request.from_version is not None:
             await self._reuse_files(name, request.from_version, next_version)
