@@ -182,6 +182,7 @@ def test_login_needs_the_token_and_actions_take_effect(
     home = corral_home
     up(home, tmp_path, "shop", 1)
     page, errors = open_page(browser)
+    page.on("response", lambda r: errors.append(r.url) if r.status == 404 else None)
     page.goto(home.api_url + "/ui/")
     expect(page).to_have_url(re.compile(r"/ui/login$"))
     page.fill("#token", "not-the-token")

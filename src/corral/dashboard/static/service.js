@@ -97,6 +97,7 @@ export class ServiceView {
   close() {
     clearInterval(this.usageTimer);
     for (const pane of Object.values(this.panes)) pane.close();
+    this.panes = {};
   }
 
   makeLlmFacts() {
@@ -142,6 +143,7 @@ export class ServiceView {
   }
 
   async readUsage() {
+    if (this.now && !this.service) return; // not in the last state: gone, or never was
     try {
       const answer = await fetch(`/ui/api/services/${this.name}/resources`, { credentials: "same-origin" });
       if (answer.ok) this.replicas.setUsage((await answer.json()).replicas);
@@ -213,6 +215,8 @@ export class ServiceView {
     const service = state.services.find((one) => one.name === this.name);
     this.now = state.t;
     if (!service) {
+      // Gone (taken down): nothing of it to ask the daemon for any more.
+      if (this.service) this.close();
       this.service = null;
       this.failure.hidden = false;
       this.failure.textContent = `There is no service named ${this.name} (any more).`;
