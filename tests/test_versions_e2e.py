@@ -375,3 +375,6 @@ def test_a_failed_update_after_one_that_kept_the_replicas_names_the_version_serv
     status = " ".join(corral_home.run("status", "kept").stdout.split())
     assert "2 (v3 failed)" in status, status
     assert "kept: update failed, traffic stays on version 2: version 3 never became" in status
+    events = corral_home.api("GET", "/v1/services/kept/events").json()["events"]
+    gave_up = [e["reason"] for e in events if e["action"] == "service.failed"]
+    assert gave_up and all(r.endswith("; traffic stays on version 2") for r in gave_up), gave_up

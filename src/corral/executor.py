@@ -51,7 +51,10 @@ class Executor:
                     self._add(count, target)
                 case plan.Fail(reason):
                     self.svc.store.update_service(self.svc.name, failure=reason)
-                    self.svc.store.event(self.svc.name, "service.failed", reason)
+                    rt, held = self.svc.rt, self.svc.held_version  # who serves: the ready set
+                    on = sorted({v for i, v in rt.versions.items() if i in rt.ready and v != held})
+                    said = f"; traffic stays on version {', '.join(map(str, on))}" if on else ""
+                    self.svc.store.event(self.svc.name, "service.failed", reason + said)
                     log.error("service %s: %s", self.svc.name, reason)
                 case plan.ClearFailure():
                     self.svc.store.update_service(self.svc.name, failure=None)
