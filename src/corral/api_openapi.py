@@ -60,7 +60,7 @@ OPENAPI: dict[str, Any] = {
                 "type": "object",
                 "properties": {
                     "id": {"type": "integer", "description": "number within the service"},
-                    "uid": {"type": "integer", "description": "internal id (events)"},
+                    "uid": {"type": "integer", "description": "internal key (not shown elsewhere)"},
                     "version": {"type": "integer"},
                     "status": {"type": "string"},
                     "starting_seconds": {"type": "number"},
