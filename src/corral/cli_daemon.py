@@ -24,7 +24,12 @@ def daemon() -> None:
 @daemon.command("run")
 @click.option("--home", "home_opt", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--host", default="127.0.0.1", show_default=True, help="API address.")
-@click.option("--port", default=0, type=int, help="API port (default: a free one).")
+@click.option(
+    "--port",
+    default=0,
+    type=int,
+    help="API and dashboard port (default: the one this home used last, else a free one).",
+)
 @click.option(
     "--tls-cert",
     type=click.Path(dir_okay=False, path_type=Path),
