@@ -216,7 +216,8 @@ def test_taken_port_is_named_and_failed_replica_needs_purge(
         home.run("up", "-d", str(write_spec(tmp_path / "p.yaml", text)))
         failed = home.wait_for(
             lambda: next(
-                (r for r in home.service("porty")["replicas"] if r["status"] == "FAILED"), None
+                (r for r in home.service("porty")["replicas"] if r["status"].startswith("FAILED")),
+                None,
             ),
             90,
             "a FAILED replica",
