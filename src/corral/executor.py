@@ -181,7 +181,7 @@ class Executor:
         workdir, envs = deploy.launch_inputs(
             self.svc.deps.home, self.svc.name, r.version, spec, base
         )
-        replica_dir = scratch_root(self.svc.deps.home_marker) / self.svc.name / str(r.seq)
+        replica_dir = scratch_root(self.svc.deps.home_marker) / self.svc.name / str(r.id)
         run = deploy.run_command(spec)
         port = None if "PORT" in run else spec.replica_port()
         request = LaunchRequest(

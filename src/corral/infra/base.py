@@ -73,7 +73,7 @@ class LaunchRequest:
     setup_timeout: float | None = None  # seconds `setup` may run (None: no limit)
     # The id users see (the replica's number within its service); the replica gets it as
     # CORRAL_REPLICA_ID, and its launch log and Ray actor name carry it, as `corral status`
-    # names it. ``replica_id`` is the internal key (process keys, cgroups).
+    # names it. ``replica_id`` is the internal key (process keys, cgroups, scratch).
     display_id: int | None = None
     # CPUs the replica is pinned to (its own, see corral.capacity); empty: not pinned.
     cpu_ids: tuple[int, ...] = ()

@@ -127,7 +127,7 @@ class LocalInfra:
         port = request.port if request.port is not None else free_port()
         cwd, bind = self._working_dir(request)
         # Where the replica's own writes to its working directory go (copy-on-write).
-        scratch = Path(request.replica_dir).with_name(f"{request.shown_id}.writes")
+        scratch = Path(request.replica_dir).with_name(f"{request.replica_id}.writes")
         sandbox = self.confinement
         confined = chain(
             pin_cpus(request.cpu_ids),
