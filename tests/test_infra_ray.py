@@ -489,6 +489,20 @@ def test_the_actor_and_the_replica_carry_the_id_users_see(harness: Harness) -> N
     assert f"as actor corral-{harness.marker}-svc-7 " in launch_log, launch_log
 
 
+def test_an_actor_named_by_an_earlier_corral_is_never_stopped_for_another_replica(
+    harness: Harness,
+) -> None:
+    """An upgraded home: a replica started when actors were named by the internal row id
+    (here row 1, named ``svc-1``) still serves; a new replica shown as 1 (row 2) must not take
+    its name by stopping it: it gets the name with its internal id appended."""
+    first = harness.launch(display_id=1).wait()
+    assert first.data["actor_name"] == f"corral-{harness.marker}-svc-1"
+    second = harness.launch(display_id=1).wait()
+    assert second.data["actor_name"] == f"corral-{harness.marker}-svc-1.2"
+    assert serving(first.endpoint + "/") and serving(second.endpoint + "/")
+    assert harness.infra._lookup(f"corral-{harness.marker}-svc-1") is not None
+
+
 def test_three_replicas_spread_over_nodes_and_serve(harness: Harness) -> None:
     items = [harness.launch(envs={"APP_VERSION": "7"}) for _ in range(3)]
     handles = [item.wait() for item in items]

@@ -195,6 +195,32 @@ class RayInfra:
 
         return _bounded("get_actor", self.call_timeout, get)
 
+    def _name_for(self, request: LaunchRequest) -> str:
+        """The replica's actor name: by the id users see, unless another replica's actor holds
+        that name (one started by a corral that named actors by the internal row id, still
+        serving after an upgrade), which is never stopped for this one: then the internal id
+        is appended."""
+        name = actor_name(request.home_marker, request.service, request.shown_id)
+        holder = self._lookup(name)
+        key = replica_key(request.home_marker, request.service, request.replica_id)
+        ours = _ray_actor.replica_dir(request.home_marker, key).name
+        if holder is not None and self._dir_of(holder) not in (ours, None):
+            return f"{name}.{request.replica_id}"
+        return name
+
+    def _dir_of(self, actor: Any) -> str | None:
+        """The name of the node-local directory an actor serves, which names its replica by the
+        internal id in every corral version (None: it does not answer)."""
+        try:
+            # ray.get ends by itself first: an overdue _bounded call would hold up the others.
+            wait = self.call_timeout / 2
+            ref = actor.info.remote()
+            info = _bounded("info", self.call_timeout, lambda: ray.get(ref, timeout=wait))
+        except Exception:  # a dead or wedged actor: it is stale whatever it served
+            return None
+        found = info.get("dir") if isinstance(info, dict) else None
+        return Path(found).name if isinstance(found, str) else None
+
     def _kill(self, actor: Any) -> None:
         _bounded("kill", self.call_timeout, ray.kill, actor, no_restart=True)
 
@@ -269,7 +295,7 @@ class RayInfra:
         cancelled, RuntimeError/ValueError for what the cluster refuses; in every case the actor
         (and so the app) is gone before it returns.
         """
-        name = actor_name(request.home_marker, request.service, request.shown_id)
+        name = self._name_for(request)
         with self._inflight_lock:
             self._inflight.add(name)
         try:
