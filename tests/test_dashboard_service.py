@@ -137,3 +137,35 @@ def test_the_controller_and_load_balancer_logs_are_followed(
     assert status == 400 and b"controller or load_balancer" in body
     status, _, _ = request(port, "GET", f"{base}?kind=controller")
     assert status == 401
+
+
+def test_two_tabs_reading_at_once_get_one_reading() -> None:
+    """Two requests that both miss the cache read one after the other on their threads (they
+    shared dictionaries: one's iteration over a dict the other changed was a 500); the second
+    is answered from the first's reading, and a gone service's figures are dropped."""
+    import os
+    import threading
+
+    from corral.dashboard.resources import Usage
+
+    usage = Usage()
+    replicas = [{"id": 1, "uid": 9, "pid": os.getpid()}]
+    usage.read("gone", replicas, keep=["gone"])
+    answers: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            answers.append(usage.read("web", replicas, keep=["web"]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors and len(answers) == 8
+    assert all(answer is answers[0] for answer in answers)
+    assert answers[0]["replicas"]["1"]["rss_bytes"] > 0
+    assert usage.cached("gone", time.time()) is None

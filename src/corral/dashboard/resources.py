@@ -15,6 +15,7 @@ Replicas of other backends (Ray) have no pid here: their figures are None.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
@@ -60,16 +61,26 @@ class Usage:
         # replica key -> (wall time, CPU seconds, root's creation time)
         self._cpu: dict[str, tuple[float, float, float | None]] = {}
         self._answers: dict[str, tuple[float, dict[str, Any]]] = {}
+        # Two tabs may miss the cache at once: their reads run one after the other, and the
+        # second is answered from the first's reading.
+        self._lock = threading.Lock()
 
     def cached(self, service: str, now: float) -> dict[str, Any] | None:
         found = self._answers.get(service)
         return found[1] if found and now - found[0] < MIN_INTERVAL else None
 
-    def read(self, service: str, replicas: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    def read(
+        self, service: str, replicas: Iterable[Mapping[str, Any]], keep: Iterable[str]
+    ) -> dict[str, Any]:
         """Per replica id (as the page shows it): cpu_percent (None if its process changed
         between two readings), rss_bytes, processes; or None for a replica with no local
-        process. Blocking: call on a thread."""
-        replicas = list(replicas)
+        process. What is kept for services not in ``keep`` is dropped. Blocking: call on a
+        thread."""
+        with self._lock:
+            self._forget(keep)
+            return self.cached(service, time.time()) or self._read(service, list(replicas))
+
+    def _read(self, service: str, replicas: list[Mapping[str, Any]]) -> dict[str, Any]:
         if self._prime(service, replicas):
             time.sleep(FIRST_GAP)  # a first figure now, not at the page's next reading
         now = time.time()
@@ -111,7 +122,7 @@ class Usage:
                 primed = True
         return primed
 
-    def forget(self, keep: Iterable[str]) -> None:
+    def _forget(self, keep: Iterable[str]) -> None:
         """Drop what is kept for services that are gone."""
         names = set(keep)
         for service in [s for s in self._answers if s not in names]:

@@ -239,8 +239,8 @@ class Dashboard:
         answer = self.usage.cached(name, time.time())
         if answer is None:
             replicas = self.daemon.service(name)["replicas"]
-            self.usage.forget(self.daemon.controllers)
-            answer = await asyncio.to_thread(self.usage.read, name, replicas)
+            keep = list(self.daemon.controllers)
+            answer = await asyncio.to_thread(self.usage.read, name, replicas, keep)
         return web.json_response(answer)
 
     # -- actions ------------------------------------------------------------------------------
