@@ -38,6 +38,7 @@ def test_a_fixed_port_held_by_another_process_fails_the_version_at_once(
         assert result.returncode != 0, said
         assert f"its fixed port {port} is in use by pid {os.getpid()} (" in said, said
         assert "stop that process, or start the server on $PORT" in said, said
+        assert "PortTaken(" not in said, said  # the user reads the message, not a repr
         assert took < 20, (took, said)  # no backoff between relaunches
         svc = corral_home.service("fixed")
         assert svc is not None and svc["status"] == "FAILED", svc

@@ -289,7 +289,7 @@ def test_crash_loop_gives_up_after_three_unrecoverable_failures() -> None:
                 crashed(1, 1.0),
                 app_failed=0,
                 launch_state=LaunchState.FAILED,
-                failure="PortTaken('its fixed port 8080 is in use by pid 7 (nginx): ...')",
+                failure="its fixed port 8080 is in use by pid 7 (nginx): ...",
             ),
             "its fixed port 8080 is in use by pid 7 (nginx)",
         ),

@@ -89,7 +89,13 @@ def port_holders(port: int) -> list[str]:
 
 class PortTaken(RuntimeError):
     """The replica's fixed port (a ``run`` that ignores ``$PORT``) is held by a process that is
-    not this home's: the next launch would bind the same port and meet the same holder."""
+    not this home's: the next launch would bind the same port and meet the same holder.
+
+    Its repr is its message: a launch failure quotes ``repr`` of what the launch raised, and
+    this one is meant for the user as it is."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def fixed_port_taken(port: int, home_marker: str) -> str | None:
