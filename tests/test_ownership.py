@@ -253,7 +253,18 @@ def test_home_watch_sees_deletion_replacement_and_a_lost_state_file(tmp_path: Pa
     watch.gone()
     assert "state file" in str(watch.gone())
     (home / "state.db").write_text("")
+    # A read of the id that fails for another reason than the file being gone (here the file
+    # is a directory: EISDIR, as EMFILE on a loaded machine), or an empty file (another
+    # daemon's write under way) tells nothing: nothing is ended on it.
+    (home / "home_id").unlink()
+    (home / "home_id").mkdir()
+    assert watch.gone() is None
+    (home / "home_id").rmdir()
+    (home / "home_id").write_text("")
+    assert watch.gone() is None
     (home / "home_id").write_text("other\n")
+    assert "home_id" in str(watch.gone())
+    (home / "home_id").unlink()
     assert "home_id" in str(watch.gone())
     shutil.rmtree(home)
     assert "deleted" in str(watch.gone())

@@ -69,7 +69,7 @@ class HomeWatch:
             return None  # cannot tell (a permission hiccup): never act on a guess
         if (st.st_dev, st.st_ino) != self._dir:
             return f"the home {self.home} was replaced by another directory"
-        if self.home_id is not None and read_home_id(self.home) != self.home_id:
+        if self.home_id is not None and self._other_home_id():
             return f"the home {self.home} has another home_id now"
         if self._had_state and not (self.home / STATE_FILE).exists():
             # Twice in a row: `corral daemon restore` moves the old file aside a moment
@@ -80,6 +80,18 @@ class HomeWatch:
             return None
         self._state_missing = False
         return None
+
+    def _other_home_id(self) -> bool:
+        """Whether the home's id file names another home or is gone: a read that fails for
+        another reason (out of descriptors on a loaded machine) tells nothing, and nothing is
+        ended on it."""
+        try:
+            found = (self.home / HOME_ID_FILE).read_text().strip()
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return bool(found) and found != self.home_id
 
 
 async def watch(home: HomeWatch, on_gone: Callable[[str], None]) -> None:
