@@ -69,11 +69,17 @@ def test_a_rolling_update_on_a_full_machine_swaps_one_at_a_time_under_load(
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
-        time.sleep(1.0)  # version 1 serves first
+        wait_for(lambda: any(a[2] == "1" for a in list(load.answers)), 30, "version 1 answering")
         # No --timeout: the command must return by itself.
         result = home.run("update", "full", str(pinned_spec(tmp_path, 2, 1, "2")), timeout=120)
         wait_for(lambda: len(ready(home)) == 2, 30, "2 READY replicas after the update")
-        time.sleep(1.0)  # version 2 serves alone for a moment
+        # Version 2 serves alone for a while: answers of it come after the update returned.
+        answered = len(load.answers)
+        wait_for(
+            lambda: sum(a[2] == "2" for a in list(load.answers)[answered:]) >= 10,
+            30,
+            "version 2 answering alone",
+        )
     finally:
         polling.set()
         poller.join(10)
