@@ -142,7 +142,17 @@ def test_doctor_ends_only_orphans(
         assert all(psutil.pid_exists(pid) for pid in [daemon_pid, *workers])
         assert live_id in ownership.registrations()
 
-        corral_home.run("doctor", "--end-orphans", "--include-unknown", "-y")
+        # `--include-unknown` ends the processes of every home this registry does not know:
+        # here, those of the tests running beside this one (each registers in a runtime dir
+        # of its own), so the test ends only its own unknown home, through the same function.
+        from corral import cli_doctor
+
+        procs, homes = cli_doctor.scan()
+        cli_doctor.end_orphan_homes(
+            [p for p in procs if p.home_id == "0123456789abcdef"],
+            {k: h for k, h in homes.items() if k == "0123456789abcdef"},
+            include_unknown=True,
+        )
         wait_for(lambda: unknown.poll() is not None, 10, "the process of an unknown home")
         assert live.poll() is None
     finally:
