@@ -9,36 +9,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import CorralHome, spec_text, wait_for, write_spec
+from test_dashboard_browser import WAIT_MS, browser  # noqa: F401 (a fixture: Chromium, once)
 
-CHROMIUM = next(
-    (p for p in (shutil.which("chromium"), "/usr/lib/chromium/chromium") if p and Path(p).exists()),
-    None,
-)
-WAIT_MS = 30_000
 RUN = 'echo "I am $CORRAL_SERVICE replica $CORRAL_REPLICA_ID pid $$"; exec {python} app.py'
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (.ci/run installs Debian's)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 def up(home: CorralHome, tmp_path: Path, name: str, replicas: int) -> dict[str, Any]:
@@ -68,7 +48,9 @@ def panes_show_their_own(
 
 @pytest.mark.timeout(300)
 def test_each_log_pane_shows_its_own_replica_with_two_services_and_a_replacement(
-    corral_home: CorralHome, tmp_path: Path, browser: Any
+    corral_home: CorralHome,
+    tmp_path: Path,
+    browser: Any,  # noqa: F811 (the fixture)
 ) -> None:
     from playwright.sync_api import expect
 
