@@ -36,15 +36,13 @@ from corral.dataplane.processes import (
     stop_recorded_workers,
 )
 from corral.dataplane.protocol import (
-    HISTORY_SECONDS,
     MAX_MESSAGE,
-    TIME_BUCKET,
     Route,
     decode,
     encode,
     socket_path,
 )
-from corral.dataplane.route import ServiceRoute
+from corral.dataplane.route import ServiceRoute, recent_times
 from corral.dataplane.shared_ports import PortWatch
 from corral.dataplane.slots import SlotBook
 from corral.procfs import running as _running
@@ -129,6 +127,7 @@ class DataPlane:
         """Start pushing tables (after the controllers re-adopted their replicas)."""
         self._open = True
         self.changed()
+        self._schedule_notify()  # drains wait for this (ServiceRoute.wait_drained)
 
     async def stop(self, *, workers: bool = False) -> None:
         """Stop talking to the workers; with ``workers``, stop them too (they finish in-flight
@@ -314,8 +313,10 @@ class DataPlane:
         worker for a slot, and is told to exit."""
         slot, pid, created = int(hello["slot"]), int(hello["pid"]), float(hello["created"])
         rows = self.slots.rows()
-        if slot >= self.size or rows is None:
-            return None  # unknown yet: it reconnects and is judged on the next hello
+        if rows is None:  # unknown yet: it reconnects and is judged on the next hello
+            raise ValueError("worker slots unreadable")
+        if slot >= self.size:
+            return None
         row = rows.get(slot)
         if row is None or (row.pid, row.created) != (pid, created):
             if row is not None and find_process(row.pid, row.created) is not None:
@@ -372,7 +373,7 @@ class DataPlane:
         async with self._changed:
             self._changed.notify_all()
 
-    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         """Wait until ``predicate`` holds, re-checked on every report and lost worker; False if
         ``timeout`` passes first."""
         try:
@@ -410,8 +411,11 @@ class DataPlane:
         return len(self._conns) >= self.size and self.applied(seq)
 
     def applied(self, seq: int) -> bool:
-        """Every connected worker has applied table ``seq`` (or a later one)."""
-        return all(conn.seq >= seq for conn in self._conns.values())
+        """Table ``seq`` (or a later one) went out, and every connected worker applied it."""
+        return self._sent_seq >= seq and all(conn.seq >= seq for conn in self._conns.values())
+
+    def is_open(self) -> bool:
+        return self._open
 
     def changed(self) -> int:
         """Something in the table changed: push it soon (once per loop turn however many
@@ -445,8 +449,10 @@ class DataPlane:
     # -- what the workers report --------------------------------------------------------------
 
     def drained(self, name: str, replica_id: int, seq: int) -> bool:
+        """Every worker slot (not only the connected ones: one reconnecting still routes by
+        its old table) applied table ``seq`` and has no request in flight to the replica."""
         key = str(replica_id)
-        if not self.applied(seq):
+        if not self.applied(seq) or {c.slot for c in self._conns.values()} < set(range(self.size)):
             return False
         for conn in self._conns.values():
             stats = (conn.reports.get(name) or {}).get("stats") or {}
@@ -456,18 +462,7 @@ class DataPlane:
         return True
 
     def request_times(self, name: str, window: float) -> list[float]:
-        times = self._times.get(name)
-        if not times:
-            return []
-        now = time.monotonic()
-        horizon = int((now - HISTORY_SECONDS) / TIME_BUCKET)
-        for bucket in [b for b in times if b < horizon]:
-            del times[bucket]
-        first = int((now - window) / TIME_BUCKET)
-        out: list[float] = []
-        for bucket in sorted(b for b in times if b >= first):
-            out.extend([(bucket + 0.5) * TIME_BUCKET] * times[bucket])
-        return out
+        return recent_times(self._times.get(name), window)
 
     def stats(self, only: str | None = None) -> dict[str, dict[str, Any]]:
         """Every service's counters (or ``only`` that one's), summed over the connected
@@ -495,6 +490,9 @@ class DataPlane:
         ]
         shared = self.ports.problems.get(name)
         return errors + ([shared] if shared else [])
+
+    def workers_connected(self) -> list[int]:
+        return list(self._conns)
 
     def workers(self) -> list[dict[str, Any]]:
         return self.slots.view({pid: (c.seq, c.accelerated) for pid, c in self._conns.items()})

@@ -8,11 +8,12 @@ it asks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from corral.dataplane.protocol import Route
+from corral.dataplane.protocol import HISTORY_SECONDS, TIME_BUCKET, Route
 
 if TYPE_CHECKING:
     from corral.dataplane.plane import DataPlane
@@ -71,10 +72,15 @@ class ServiceRoute:
         )
 
     async def wait_drained(self, replica_id: int, timeout: float) -> bool:
-        """Wait until every connected worker has applied a table without the replica and has
-        no request in flight to it; False if ``timeout`` passes first."""
+        """Wait until every worker has applied a table without the replica and has no request
+        in flight to it; False if ``timeout`` passes first.
+
+        The timeout counts from when the daemon pushes tables at all (``DataPlane.open``): a
+        restarted daemon's controller may retire a replica while the daemon still starts, and
+        a drain that timed out then would end a replica the workers still route to."""
         seq = self._left.get(replica_id, 0)
         plane = self._plane
+        await plane.wait_until(plane.is_open, None)
         if not await plane.wait_until(lambda: plane.drained(self.name, replica_id, seq), timeout):
             return False
         self._left.pop(replica_id, None)
@@ -103,3 +109,19 @@ class ServiceRoute:
         `corral down` returning means the endpoint is closed. False if the wait timed out."""
         seq = self._plane.remove(self.name)
         return await self._plane.wait_until(lambda: self._plane.applied(seq), timeout)
+
+
+def recent_times(times: dict[int, int] | None, window: float) -> list[float]:
+    """The request times of the last ``window`` seconds from a service's counts per time
+    bucket (as the workers report them), dropping buckets older than anyone asks for."""
+    if not times:
+        return []
+    now = time.monotonic()
+    horizon = int((now - HISTORY_SECONDS) / TIME_BUCKET)
+    for bucket in [b for b in times if b < horizon]:
+        del times[bucket]
+    first = int((now - window) / TIME_BUCKET)
+    out: list[float] = []
+    for bucket in sorted(b for b in times if b >= first):
+        out.extend([(bucket + 0.5) * TIME_BUCKET] * times[bucket])
+    return out

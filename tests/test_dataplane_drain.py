@@ -1,0 +1,88 @@
+"""A drain means every balancer worker stopped routing to the replica, not only the ones the
+daemon happens to hear from.
+
+A replica is ended after its drain, so a drain that returns while some worker still routes to
+it sends that worker's requests to a dead port (the 502s of a chaos round where a restarted
+daemon retired replicas before it pushed any table). Real :class:`DataPlane`, real worker
+processes, a real SQLite state file; the replica URL needs no server (nothing is requested).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from conftest import pid_alive
+
+from corral.dataplane.plane import DataPlane
+from corral.dataplane.protocol import Route
+from corral.ports import free_port
+from corral.state import Store
+
+pytestmark = pytest.mark.timeout(120)
+
+REPLICA = "http://127.0.0.1:9"  # never asked: the tests only change the ready set
+
+
+@asynccontextmanager
+async def plane_of(home: Path, workers: int) -> AsyncIterator[DataPlane]:
+    home.mkdir(exist_ok=True)
+    plane = DataPlane(home, Store(home / "state.db"), workers=workers, respawn=None)
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop(workers=True)
+    for row in (plane.slots.rows() or {}).values():  # stop(workers=True) ended them all
+        assert not pid_alive(row.pid), row
+
+
+async def connected(plane: DataPlane, count: int) -> None:
+    assert await plane.wait_until(lambda: len(plane.workers_connected()) >= count, 30), (
+        plane.workers()
+    )
+
+
+def test_a_drain_counts_from_the_first_table_the_daemon_pushes(tmp_path: Path) -> None:
+    """A restarted daemon pushes nothing until its controllers re-adopted (``open``); a drain
+    that timed out meanwhile ended a replica the workers still routed to."""
+
+    async def scenario() -> None:
+        async with plane_of(tmp_path / "home", 1) as plane:
+            route = plane.route("svc", Route(port=free_port()))
+            route.set_ready({1: REPLICA})
+            await connected(plane, 1)
+            route.set_ready({})
+            drain = asyncio.ensure_future(route.wait_drained(1, 0.2))
+            done, _ = await asyncio.wait([drain], timeout=1.5)  # 7x the drain's own timeout
+            assert not done, "the drain ended before any table without the replica went out"
+            plane.open()
+            assert await asyncio.wait_for(drain, 30) is True
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_waits_for_a_worker_that_is_not_connected(tmp_path: Path) -> None:
+    """A worker reconnecting (or replaced after a crash) serves its old table until it gets
+    the new one: the drain waits for every slot, not only the workers connected now."""
+
+    async def scenario() -> None:
+        async with plane_of(tmp_path / "home", 2) as plane:
+            plane.open()
+            route = plane.route("svc", Route(port=free_port()))
+            route.set_ready({1: REPLICA})
+            await connected(plane, 2)
+            victim = plane.workers_connected()[0]
+            os.kill(victim, signal.SIGKILL)
+            assert await plane.wait_until(lambda: victim not in plane.workers_connected(), 10)
+            route.set_ready({})
+            assert await route.wait_drained(1, 60) is True
+            now = plane.workers_connected()
+            assert len(now) == 2 and victim not in now, (victim, now, plane.workers())
+
+    asyncio.run(scenario())
