@@ -200,7 +200,7 @@ def test_status_shows_the_llm_figures_and_leaves_out_what_the_engine_does_not_re
         "replicas": [
             {"id": 1, "llm": {"ttft_p50_seconds": None, "ttft_p99_seconds": None, "streams": 0,
                               "waiting": 1.0, "running": 4.0, "kv_cache_usage": 0.5,
-                              "prefix_hit_rate": None}},
+                              "tokens_per_second": 212.4, "prefix_hit_rate": None}},
             {"id": 2, "llm": None},
         ],
     }  # fmt: skip
@@ -211,6 +211,7 @@ def test_status_shows_the_llm_figures_and_leaves_out_what_the_engine_does_not_re
     ]
     verbose = cliview.llm_lines(service, verbose=True)
     assert verbose[1:] == [
-        "chat replica 1: TTFT p50 - p99 - over 0 streams; 1 waiting, 4 running; KV cache 50% used"
+        "chat replica 1: TTFT p50 - p99 - over 0 streams; 1 waiting, 4 running; KV cache 50% used;"
+        " 212 tokens/s"
     ]
     assert cliview.llm_lines({"name": "web", "replicas": [{"id": 1}]}, verbose=True) == []

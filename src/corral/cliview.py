@@ -219,6 +219,8 @@ def _llm_text(figures: dict[str, Any], queue_key: str) -> str:
         parts.append(f"{figures[queue_key]:g} waiting, {figures.get('running') or 0:g} running")
     if figures.get("kv_cache_usage") is not None:
         parts.append(f"KV cache {float(figures['kv_cache_usage']):.0%} used")
+    if figures.get("tokens_per_second") is not None:
+        parts.append(f"{float(figures['tokens_per_second']):.0f} tokens/s")
     if figures.get("prefix_hit_rate") is not None:
         parts.append(f"prefix-cache hit rate {float(figures['prefix_hit_rate']):.2f}")
     if figures.get("held"):
