@@ -939,6 +939,12 @@ def main() -> int:
         " this many events, --stream-gap-ms apart (0: no such phase)",
     )
     parser.add_argument("--stream-gap-ms", type=float, default=1.0)
+    parser.add_argument(
+        "--only-streamed",
+        action="store_true",
+        help="run only the streamed-answers phase (CPU per stream), to measure the stream relay"
+        " without the other phases' minutes",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     rounds: int = args.rounds or (1 if args.quick else 3)
@@ -1062,7 +1068,7 @@ def main() -> int:
             ):
                 if t is not None:
                     one.append(t)
-            if workers > 1:
+            if workers > 1 and not args.only_streamed:
                 many += [t for t in (peer("nginx", workers), peer("haproxy", workers)) if t]
                 if report.engine["lb_proxy_reuse_port"]:
                     t = corral(f"corral x{workers}", workers, [])
@@ -1141,13 +1147,15 @@ def main() -> int:
                         wrk=[wrk, "-s", str(varied)],
                     )
                 )
-            runs = run_rounds(wrk_base, phases, rounds, warmup, loads)
-            report.machine["loadavg_per_round"] = loads
-
-            stream_targets = {t.name: t.port for t in one if t.name in ("direct", "nginx")}
-            stream_targets |= {t.name: t.port for t in one if t.name in ("haproxy", "corral")}
-            log(f"streaming: {stream_rounds} rounds of /sse ({SSE_EVENTS} events) per target")
-            report.streaming = run_streams(stream_targets, stream_rounds)
+            if args.only_streamed:
+                phases, runs = [], []
+            else:
+                runs = run_rounds(wrk_base, phases, rounds, warmup, loads)
+                report.machine["loadavg_per_round"] = loads
+                stream_targets = {t.name: t.port for t in one if t.name in ("direct", "nginx")}
+                stream_targets |= {t.name: t.port for t in one if t.name in ("haproxy", "corral")}
+                log(f"streaming: {stream_rounds} rounds of /sse ({SSE_EVENTS} events) per target")
+                report.streaming = run_streams(stream_targets, stream_rounds)
             if streamed:
                 # After the time-to-first-event test: wrk ends streams mid-way, and nginx
                 # answered that test's first event ~45 ms late right after (1 quick run).
