@@ -29,6 +29,10 @@ BUFFER_RESPONSE_BYTES: Final = 256 * 1024
 
 # Response modes
 _HEAD, _WHOLE, _RAW, _CHUNK, _NONE, _SPLICE = range(6)
+# ... and the two a stream moves to once its head and first bytes went out (_RAW, _CHUNK as
+# they are, but the body's pieces are collected raw by list.append, no Python call, and sent
+# once per batch: see ResponseRelay._go_live).
+_LIVE_RAW, _LIVE_CHUNK = 6, 7
 # What the client connection's deadline means: while an exchange runs ...
 DL_NONE, DL_BODY, DL_FIRST_BYTE, DL_IDLE = range(4)
 # ... and between requests: waiting for a request head (header_timeout), lingering after an
@@ -138,21 +142,49 @@ class ResponseRelay:
         return self.head_only
 
     def on_response_body(self, data: bytes) -> None:
+        """One piece of the body, until the answer's first batch went out (then _go_live)."""
         mode = self.mode
         if self.ttft_from and data:  # the first bytes of a streamed answer
             self.lb._observe_ttft(self.rid, time.monotonic() - self.ttft_from)
             self.ttft_from = 0.0
-        if mode == _RAW:
+        if mode == _CHUNK:
+            self.out.append(b"%x\r\n%b\r\n" % (len(data), data))
+        elif mode == _RAW:
             self.out.append(data)
-        elif mode == _CHUNK:
-            self.out += (b"%x\r\n" % len(data), data, b"\r\n")
         elif mode == _WHOLE:
             self.whole.append(data)
 
     def on_upstream_data_done(self, complete: bool) -> None:
+        """End of one batch from the replica: send what it carried, or end the answer.
+
+        This is the relay's one Python call per event of a stream once it is live: the batch's
+        pieces are framed as one chunk (one bytes object), written, and the client's idle
+        deadline moved, inline rather than through ``_flush`` and ``ClientConnection.write``
+        and ``set_deadline`` (the same effect, three calls fewer per event).
+        """
         if self.pending_failure is not None:
             self._failed(self.pending_failure)
             return
+        mode = self.mode
+        if complete or mode < _NONE:  # _HEAD, _WHOLE, and _RAW, _CHUNK until live
+            self._batch_done(complete)
+            return
+        out = self.out
+        client = self.client
+        if out:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+            if mode == _LIVE_CHUNK:
+                data = b"%x\r\n%b\r\n" % (len(data), data)
+            transport = client.transport
+            if transport is not None and not client._closing:
+                transport.write(data)
+        client.deadline_kind = DL_IDLE
+        client.deadline = time.monotonic() + self.lb._idle_timeout
+
+    def _batch_done(self, complete: bool) -> None:
+        """The rarer ends of a batch: the answer complete, nothing sent yet, or a stream's
+        first batches."""
         mode = self.mode
         if mode == _HEAD:
             return
@@ -162,20 +194,39 @@ class ResponseRelay:
                 self._record(self.status)
                 self.whole = []
             else:
-                if mode == _CHUNK:
-                    self.out.append(LAST_CHUNK)
-                self._flush()
+                self._flush(LAST_CHUNK if mode in (_CHUNK, _LIVE_CHUNK) else b"")
             self._response_done()
             return
         if mode != _WHOLE:
             self._flush()
+            if (mode in (_RAW, _CHUNK)) and not self.ttft_from:
+                self._go_live(mode)
         self.client.set_deadline(DL_IDLE, self.lb._idle_timeout)
 
-    def _flush(self) -> None:
+    def _go_live(self, mode: int) -> None:
+        """From now on the connection's body callback appends to ``out`` directly.
+
+        Why: per event of a stream, a Python call costs more than the work it does. The
+        instance attribute shadows the method for this exchange only (a new exchange starts
+        with the method again); it is set once the head went out and the first bytes were
+        timed, so nothing else the method does is skipped, and ``on_upstream_data_done`` frames
+        what gathered (``_LIVE_CHUNK``) when the batch ends.
+        """
+        self.mode = _LIVE_CHUNK if mode == _CHUNK else _LIVE_RAW
+        self.__dict__["on_response_body"] = self.out.append
+
+    def _flush(self, tail: bytes = b"") -> None:
+        """Send what ``out`` holds (a live chunked stream's pieces framed as one chunk), then
+        ``tail``."""
         out = self.out
         if out:
-            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            data = out[0] if len(out) == 1 else b"".join(out)
             out.clear()
+            if self.mode == _LIVE_CHUNK:
+                data = b"%x\r\n%b\r\n" % (len(data), data)
+            self.client.write(data + tail if tail else data)
+        elif tail:
+            self.client.write(tail)
 
     def _response_done(self) -> None:
         conn, self.conn = self.conn, None
@@ -242,9 +293,7 @@ class ResponseRelay:
             message = f"failed mid-response: {what}"
             self._failed(Failure(502, message, "upstream_aborted", retryable=True))
         elif mode == _SPLICE or (exc is None and self.eof_ends):
-            if mode == _CHUNK:
-                self.out.append(LAST_CHUNK)
-            self._flush()
+            self._flush(LAST_CHUNK if mode in (_CHUNK, _LIVE_CHUNK) else b"")
             self.conn = None
             self.close_client = mode == _SPLICE or self.close_client
             self._finish(not self.close_client and self.keep_alive and not self.body_open)

@@ -1,0 +1,182 @@
+"""The stream relay (corral.balancer.relay) batch by batch, over fake transports.
+
+Why: once a stream's head and first bytes went out, the relay collects the body's pieces with a
+bare ``list.append`` and frames each batch as one chunk (``_go_live``), to spend fewer Python
+calls per event. These tests pin what the client must see whatever the batching: every batch
+passed on before the next one comes, a chunked body that decodes to exactly what the replica
+sent, the last chunk at the end (or none when the stream breaks), the first bytes timed once,
+the idle deadline moved by each batch, and the next exchange on the connection unaffected.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+from test_balancer_fastpath import Rig
+
+from corral.balancer.relay import _LIVE_CHUNK, DL_IDLE
+from corral.balancer.upstream import UpstreamConnection
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+GET = b"GET /sse HTTP/1.1\r\nHost: h\r\n\r\n"
+
+
+def frame(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def dechunk(body: bytes) -> tuple[bytes, bool]:
+    """The data of a chunked body, and whether its last chunk came (strict framing)."""
+    data, at = b"", 0
+    while at < len(body):
+        eol = body.index(b"\r\n", at)
+        size = int(body[at:eol], 16)
+        if size == 0:
+            assert body[eol:] == b"\r\n\r\n", body[eol:]
+            return data, True
+        data += body[eol + 2 : eol + 2 + size]
+        assert body[eol + 2 + size : eol + 4 + size] == b"\r\n"
+        at = eol + 4 + size
+    return data, False
+
+
+def send(rig: Rig, request: bytes) -> UpstreamConnection:
+    """Send a request from the client; the replica connection it went out on."""
+    rig.client.data_received(request)
+    for conn, transport in rig.ups.values():
+        if transport.take():
+            return conn
+    raise AssertionError("the request went to no replica")
+
+
+def split_head(out: bytes) -> tuple[bytes, bytes]:
+    head, sep, body = out.partition(b"\r\n\r\n")
+    assert sep, out
+    return head, body
+
+
+def test_chunked_stream_batch_by_batch() -> None:
+    """Each batch reaches the client at once, however the replica's chunks fall in batches."""
+    rig = Rig()
+    conn = send(rig, GET)
+    events = [b"data: %d\n\n" % i for i in range(8)]
+    batches = [
+        SSE_HEAD + frame(events[0]),
+        frame(events[1]),
+        frame(events[2]) + frame(events[3]),  # two chunks in one batch
+        frame(events[4])[:5],  # a chunk split across batches
+        frame(events[4])[5:] + frame(events[5])[:3],
+        frame(events[5])[3:],
+        frame(events[6]),
+    ]
+    sent = b""
+    for i, batch in enumerate(batches):
+        conn.data_received(batch)
+        got = rig.ct.take()
+        if i == 0:
+            head, got = split_head(got)
+            assert b"Transfer-Encoding: chunked" in head
+        sent += got
+        data, ended = dechunk(sent)
+        assert not ended
+        # everything whole that the replica sent so far is with the client already
+        assert data.startswith(b"".join(events[: min(i + 1, 4)]))
+    ex = rig.client.exchange
+    assert ex is not None and ex.mode == _LIVE_CHUNK  # the path these tests are for
+    conn.data_received(frame(events[7]) + b"0\r\n\r\n")
+    sent += rig.ct.take()
+    data, ended = dechunk(sent)
+    assert data == b"".join(events) and ended
+    assert conn in rig.lb._ready[conn.target.rid].idle  # back in the pool, reusable
+    assert rig.client.exchange is None
+
+
+def test_head_alone_then_events_times_the_first_event_once() -> None:
+    rig = Rig()
+    conn = send(rig, GET)
+    with mock.patch.object(rig.lb, "_observe_ttft") as ttft:
+        conn.data_received(SSE_HEAD)
+        assert split_head(rig.ct.take())[1] == b"" and ttft.call_count == 0
+        for i in range(5):
+            conn.data_received(frame(b"data: %d\n\n" % i))
+            assert dechunk(rig.ct.take())[0] == b"data: %d\n\n" % i
+        assert ttft.call_count == 1
+        conn.data_received(b"0\r\n\r\n")
+        assert rig.ct.take() == b"0\r\n\r\n"
+
+
+def test_each_batch_moves_the_idle_deadline() -> None:
+    rig = Rig(idle_timeout=30.0)
+    conn = send(rig, GET)
+    conn.data_received(SSE_HEAD + frame(b"a"))
+    rig.ct.take()
+    for _ in range(3):
+        rig.client.deadline = 1.0  # as if long passed: the next batch must move it again
+        conn.data_received(frame(b"b"))
+        assert rig.client.deadline_kind == DL_IDLE
+        assert rig.client.deadline > 1000.0
+    conn.data_received(b"0\r\n\r\n")
+
+
+def test_next_exchange_after_a_stream_is_relayed_whole() -> None:
+    rig = Rig()
+    conn = send(rig, GET)
+    conn.data_received(SSE_HEAD + frame(b"x"))
+    conn.data_received(frame(b"y"))
+    conn.data_received(b"0\r\n\r\n")
+    assert dechunk(split_head(rig.ct.take())[1]) == (b"xy", True)
+    conn = send(rig, b"GET /again HTTP/1.1\r\nHost: h\r\n\r\n")
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhe")
+    conn.data_received(b"llo")
+    head, body = split_head(rig.ct.take())
+    assert b"Content-Length: 5" in head and body == b"hello"
+
+
+def test_stream_ended_by_the_replica_closing() -> None:
+    """No length, no chunking from the replica: the client gets chunks, then the last one."""
+    rig = Rig()
+    conn = send(rig, GET)
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\nab")
+    conn.data_received(b"cd")
+    conn.data_received(b"ef")
+    conn.connection_lost(None)
+    head, body = split_head(rig.ct.take())
+    assert b"Transfer-Encoding: chunked" in head
+    assert dechunk(body) == (b"abcdef", True)
+
+
+def test_stream_to_an_http10_client_passes_raw() -> None:
+    rig = Rig()
+    conn = send(rig, b"GET /sse HTTP/1.0\r\nHost: h\r\n\r\n")
+    conn.data_received(SSE_HEAD + frame(b"one"))
+    conn.data_received(frame(b"two"))
+    conn.data_received(frame(b"three") + b"0\r\n\r\n")
+    head, body = split_head(rig.ct.take())
+    assert b"chunked" not in head.lower() and b"Connection: close" in head
+    assert body == b"onetwothree"
+
+
+def test_posted_answer_with_a_length_is_streamed_as_it_comes() -> None:
+    """A POST's answer is not held for retries: its pieces pass as they come."""
+    rig = Rig()
+    conn = send(rig, b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\nx")
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nabc")
+    assert split_head(rig.ct.take())[1] == b"abc"
+    conn.data_received(b"def")
+    assert rig.ct.take() == b"def"
+    conn.data_received(b"ghi")
+    assert rig.ct.take() == b"ghi"
+    assert rig.client.exchange is None
+
+
+def test_stream_broken_mid_way_gets_no_last_chunk() -> None:
+    rig = Rig()
+    conn = send(rig, GET)
+    conn.data_received(SSE_HEAD + frame(b"a"))
+    conn.data_received(frame(b"b"))
+    conn.connection_lost(ConnectionResetError("reset"))
+    data, ended = dechunk(split_head(rig.ct.take())[1])
+    assert data == b"ab" and not ended
+    assert rig.ct.closed
