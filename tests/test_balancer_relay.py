@@ -10,10 +10,15 @@ the idle deadline moved by each batch, and the next exchange on the connection u
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Iterator
 from unittest import mock
 
+import pytest
 from test_balancer_fastpath import Rig
 
+from corral.balancer import relay, speedups
 from corral.balancer.relay import _LIVE_CHUNK, DL_IDLE
 from corral.balancer.upstream import UpstreamConnection
 
@@ -21,6 +26,20 @@ SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 )
 GET = b"GET /sse HTTP/1.1\r\nHost: h\r\n\r\n"
+
+
+@pytest.fixture(autouse=True, params=["method", "compiled"])
+def batch_end(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test twice: a live stream's batches ended by the relay's method (the pure build),
+    and by the compiled ``StreamBatch`` that shadows it (skipped where it is not built or the
+    run is on the pure build)."""
+    if request.param == "compiled":
+        if speedups.StreamBatch is None:
+            pytest.skip("the compiled build is not built, or this run is on the pure build")
+        yield request.param
+        return
+    with mock.patch.object(relay, "StreamBatch", None):
+        yield request.param
 
 
 def frame(data: bytes) -> bytes:
@@ -180,3 +199,22 @@ def test_stream_broken_mid_way_gets_no_last_chunk() -> None:
     data, ended = dechunk(split_head(rig.ct.take())[1])
     assert data == b"ab" and not ended
     assert rig.ct.closed
+
+
+def test_a_finished_stream_leaves_no_cycle_to_collect() -> None:
+    """The shadowing callables hold the exchange weakly: it goes when its answer ends."""
+    gc.collect()
+    gc.disable()
+    try:
+        rig = Rig()
+        conn = send(rig, GET)
+        conn.data_received(SSE_HEAD + frame(b"a"))
+        conn.data_received(frame(b"b"))
+        ex = rig.client.exchange
+        assert ex is not None and ex.mode == _LIVE_CHUNK
+        gone = weakref.ref(ex)
+        del ex
+        conn.data_received(b"0\r\n\r\n")
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -144,6 +144,20 @@ def test_arbitrary_requests_split_the_same(
             both(data, lead_, limits)
 
 
+@needs_compiled
+@given(st.binary(max_size=70000))
+@settings(max_examples=200, deadline=None)
+def test_a_chunk_is_framed_as_the_pure_relay_frames_it(data: bytes) -> None:
+    assert compiled.chunk_frame(data) == b"%x\r\n%b\r\n" % (len(data), data)
+
+
+@needs_compiled
+def test_chunk_sizes_at_every_hex_width() -> None:
+    for n in (0, 1, 15, 16, 255, 256, 4095, 4096, 65535, 65536, 1 << 20):
+        data = bytes(n)
+        assert compiled.chunk_frame(data) == b"%x\r\n%b\r\n" % (n, data)
+
+
 def test_the_choice_is_reported_and_the_env_forces_the_pure_build() -> None:
     assert speedups.state()["accelerated"] in ("compiled", "pure")
     code = "from corral.balancer import speedups; print(speedups.state()['accelerated'])"
@@ -155,6 +169,7 @@ def test_the_choice_is_reported_and_the_env_forces_the_pure_build() -> None:
     if compiled is not None and os.environ.get("CORRAL_BALANCER_PURE", "") in ("", "0"):
         assert speedups.state()["accelerated"] == "compiled"
         assert speedups.lead_split is compiled.lead_split
+        assert speedups.StreamBatch is compiled.StreamBatch
 
 
 @needs_compiled

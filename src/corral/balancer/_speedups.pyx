@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""corral.balancer.lead in C: the request split under a remembered lead, in one call.
+"""corral.balancer.lead in C: the request split under a remembered lead, in one call; and a
+live stream's end of batch (StreamBatch), the relay's one Python call per streamed event.
 
 Same answers as ``corral.balancer.lead.lead_split`` byte for byte (tests/test_balancer_speedups.py
 holds them to it; tests/test_balancer_fastpath.py runs on whichever build is installed), with
@@ -10,7 +11,9 @@ corral.balancer.speedups; the pure-Python module is the fallback and the referen
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdlib cimport free, malloc
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from libc.string cimport memchr, memcmp, memcpy, memmove
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 cdef unsigned char TOKEN[256]  # RFC 9110 tchar: a header name's bytes
 cdef unsigned char VALUE[256]  # a field value's: HTAB, SP, visible ASCII, obs-text
@@ -210,3 +213,90 @@ def lead_split(bytes data not None, tuple lead not None, Py_ssize_t max_header_b
     finally:
         free(buf)
     return method, target, kept, body
+
+
+# ---------------------------------------------------------------------------- streams
+
+cdef bytes _EMPTY = b""
+cdef const char *_HEX = b"0123456789abcdef"
+
+
+def chunk_frame(bytes data not None):
+    """``b"%x\\r\\n%b\\r\\n" % (len(data), data)``: one HTTP/1.1 chunk, in one allocation."""
+    return _frame(data)
+
+
+cdef bytes _frame(bytes data):
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+    cdef Py_ssize_t v = n
+    cdef char digits[16]
+    cdef int nd = 0
+    while True:
+        digits[15 - nd] = _HEX[v & 15]
+        nd += 1
+        v >>= 4
+        if v == 0:
+            break
+    cdef bytes framed = PyBytes_FromStringAndSize(NULL, nd + n + 4)
+    cdef char *p = PyBytes_AS_STRING(framed)
+    memcpy(p, &digits[16 - nd], nd)
+    p[nd] = 13
+    p[nd + 1] = 10
+    memcpy(p + nd + 2, PyBytes_AS_STRING(data), n)
+    p[nd + 2 + n] = 13
+    p[nd + 3 + n] = 10
+    return framed
+
+
+cdef class StreamBatch:
+    """A live stream's ``on_upstream_data_done`` (corral.balancer.relay, ``_go_live``).
+
+    Its pure twin is ``ResponseRelay.on_upstream_data_done`` itself, which it shadows on one
+    exchange once the answer's head and first bytes went out: the batch the connection's body
+    callback gathered in ``out`` is sent (framed as one chunk when ``chunked``) unless the
+    client is closing, and the client's idle deadline moved, with the same clock as
+    ``time.monotonic``. Anything else (the answer complete) goes to the method, through a weak
+    reference to the exchange, so the exchange and this object make no cycle to collect.
+    """
+
+    cdef object exchange, method, client, write
+    cdef list out
+    cdef bint chunked
+    cdef double idle
+    cdef object kind
+
+    def __init__(self, exchange_ref, method, client, write, list out not None, bint chunked,
+                 double idle, kind):
+        self.exchange = exchange_ref
+        self.method = method
+        self.client = client
+        self.write = write
+        self.out = out
+        self.chunked = chunked
+        self.idle = idle
+        self.kind = kind
+
+    def __call__(self, complete):
+        cdef list out = self.out
+        cdef Py_ssize_t n
+        cdef timespec ts
+        if complete:
+            exchange = self.exchange()
+            if exchange is not None:
+                self.method(exchange, complete)
+            return
+        client = self.client
+        n = PyList_GET_SIZE(out)
+        if n:
+            if n == 1:
+                data = <object>PyList_GET_ITEM(out, 0)
+            else:
+                data = _EMPTY.join(out)
+            del out[:]
+            if self.chunked:
+                data = _frame(data)
+            if not client._closing:
+                self.write(data)
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        client.deadline_kind = self.kind
+        client.deadline = ts.tv_sec + ts.tv_nsec * 1e-9 + self.idle

@@ -10,11 +10,13 @@ to the client yet) or must cut the client's connection (one already under way).
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Final
 
 from corral.balancer.failures import Failure, describe
 from corral.balancer.headers import scan_response
 from corral.balancer.http1 import LAST_CHUNK, content_length
+from corral.balancer.speedups import StreamBatch
 
 if TYPE_CHECKING:
     from corral.balancer.client import ClientConnection
@@ -210,10 +212,25 @@ class ResponseRelay:
         instance attribute shadows the method for this exchange only (a new exchange starts
         with the method again); it is set once the head went out and the first bytes were
         timed, so nothing else the method does is skipped, and ``on_upstream_data_done`` frames
-        what gathered (``_LIVE_CHUNK``) when the batch ends.
+        what gathered (``_LIVE_CHUNK``) when the batch ends. In the compiled build that method
+        is shadowed too, by ``StreamBatch`` (corral.balancer.speedups): the same steps in C.
         """
-        self.mode = _LIVE_CHUNK if mode == _CHUNK else _LIVE_RAW
-        self.__dict__["on_response_body"] = self.out.append
+        self.mode = live = _LIVE_CHUNK if mode == _CHUNK else _LIVE_RAW
+        out = self.out
+        attrs = self.__dict__
+        attrs["on_response_body"] = out.append
+        transport = self.client.transport
+        if StreamBatch is not None and transport is not None:
+            attrs["on_upstream_data_done"] = StreamBatch(
+                weakref.ref(self),
+                ResponseRelay.on_upstream_data_done,
+                self.client,
+                transport.write,
+                out,
+                live == _LIVE_CHUNK,
+                self.lb._idle_timeout,
+                DL_IDLE,
+            )
 
     def _flush(self, tail: bytes = b"") -> None:
         """Send what ``out`` holds (a live chunked stream's pieces framed as one chunk), then

@@ -7,7 +7,10 @@ and a regex). ``_speedups.pyx`` does that in C, in one call; ``setup.py`` builds
 at install (optional: a machine without a compiler installs and runs the pure build). Measured
 choice: Cython compiling ``fast.py`` whole ran *slower* than CPython 3.11 (its generic attribute
 and method lookups against the interpreter's specialized ones; docs/benchmarks.md), so only
-the bytes work is compiled and the state handling stays Python.
+the bytes work is compiled and the state handling stays Python. The one exception is a live
+stream's end of batch (``StreamBatch``, :mod:`corral.balancer.relay`): a handful of steps run once
+per streamed event, where a Python call costs more than the work; it touches the exchange's
+state through a few attributes only, and ``ResponseRelay.on_upstream_data_done`` is its twin.
 
 At import the compiled build is taken when:
 
@@ -29,12 +32,12 @@ import importlib
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Final
+from typing import Any, Final
 
 from corral.balancer import lead
 from corral.balancer.headers import REQUEST_DROP
 
-__all__ = ["ACCELERATED", "PURE_ENV", "lead_split", "source_digest", "state"]
+__all__ = ["ACCELERATED", "PURE_ENV", "StreamBatch", "lead_split", "source_digest", "state"]
 
 PURE_ENV: Final = "CORRAL_BALANCER_PURE"
 _COMPILED: Final = "corral.balancer._speedups"
@@ -60,14 +63,19 @@ def _compiled() -> tuple[ModuleType | None, str]:
     if current is not None and getattr(module, "SOURCE_SHA256", None) != current:
         return None, "stale: _speedups.pyx changed since it was built (pip install -e . rebuilds)"
     module.configure(REQUEST_DROP)
-    return module, "compiled (Cython): the request split under a remembered lead"
+    return module, (
+        "compiled (Cython): the request split under a remembered lead, a live stream's batches"
+    )
 
 
 _module, _reason = _compiled()
 ACCELERATED: Final = "pure" if _module is None else "compiled"
 lead_split = lead.lead_split
+# A live stream's end of batch (see the module docstring); None: the relay's method does it.
+StreamBatch: Any = None
 if _module is not None:
     lead_split = _module.lead_split
+    StreamBatch = _module.StreamBatch
 
 
 def state() -> dict[str, str]:
