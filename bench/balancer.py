@@ -44,7 +44,8 @@ What runs (everything on 127.0.0.1, every load bounded in time):
 5. Streamed answers (``--stream-chunks``, default 50; 0 turns it off): after the streaming test,
    ``wrk -c64`` against ``/sse?events=50&interval=0.001`` on the one-worker targets, the CPU
    per stream against nginx's. ``--pure`` adds ``corral pure`` rows (``CORRAL_BALANCER_PURE=1``:
-   the compiled fast path off) to every phase, in the same rounds.
+   the compiled fast path off) to every phase, in the same rounds. ``--only-streamed`` runs this
+   phase alone (no phases 1-4): the stream relay's cost in a minute or two.
 
 ``--syscalls`` then counts each proxy's syscalls and context switches per request at 64
 connections (``perf stat`` on the kernel's syscall tracepoints; needs perf and root): whether a
