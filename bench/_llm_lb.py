@@ -8,9 +8,10 @@ each ``corral.dataplane.engines.INTERVAL`` and hands their queues to the policy
 runs like that; this loop does the same call, :func:`corral.dataplane.engines.refresh`.
 
 Run: ``python bench/_llm_lb.py --replica URL ... --policy P [--option KEY=JSON]
-[--max-in-flight N] [--workers W] [--port N] [--reuse-port]``; prints ``PORT <n>`` once
-listening, serves until SIGTERM/SIGINT, then prints ``STATS {json}`` (requests routed by their
-prompt, for a policy that counts them). Listens on 127.0.0.1 only; on uvloop as in production.
+[--max-in-flight N] [--workers W] [--port N] [--reuse-port] [--affinity-file F]``; prints
+``PORT <n>`` once listening, serves until SIGTERM/SIGINT, then prints ``STATS {json}``
+(requests routed by their prompt, for a policy that counts them). Listens on 127.0.0.1 only; on
+uvloop as in production.
 With ``--reuse-port`` several of these serve one port (``--workers`` tells each how many share
 it, as ``routing["workers"]`` does in corral's data plane).
 """
@@ -43,6 +44,8 @@ def routing_of(args: argparse.Namespace) -> dict[str, Any]:
         except json.JSONDecodeError:
             options[key] = value
     routing: dict[str, Any] = {"options": options, "workers": args.workers}
+    if args.affinity_file:
+        routing["affinity_file"] = args.affinity_file
     if args.max_in_flight is not None:
         routing["max_in_flight_per_replica"] = args.max_in_flight
     return routing
@@ -91,6 +94,7 @@ def cli() -> None:
     parser.add_argument("--workers", type=int, default=1, help="processes sharing the port")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT")
+    parser.add_argument("--affinity-file", help="the conversation table the processes share")
     uvloop.run(main(parser.parse_args()))
 
 

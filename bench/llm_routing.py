@@ -367,6 +367,8 @@ def start_router(
         base = [sys.executable, str(LLM_LB), "--policy", spec.policy, *spec.extra]
         base += [a for url in urls for a in ("--replica", url)]
         base += ["--workers", str(spec.workers)]
+        # As the data plane's workers do: one conversation table for the router's processes.
+        base += ["--affinity-file", str(tmp / f"{slug}.affinity")]
         reuse = ["--reuse-port"] if spec.workers > 1 else []
         first = popen([*base, *reuse], stdout=subprocess.PIPE, stderr=out, text=True)
         port = int(read_line(first, "PORT ", 30))

@@ -15,6 +15,7 @@ import random
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
@@ -261,6 +262,82 @@ def test_a_conversation_reaches_one_replica_whichever_worker_takes_each_turn() -
             assert rid == homes[conv]
 
 
+def test_a_spilled_conversation_is_followed_by_every_worker(tmp_path: Path) -> None:
+    """Worker A sees a conversation's first choice over the load bound and sends its first
+    turn to the next replica; worker B, seeing no load, would send the next turn back to the
+    first choice and compute the whole history again. With the table the workers share
+    (corral.balancer.affinity), every later turn follows the spill, from either worker."""
+    from corral.balancer.affinity import AffinityTable, table_path
+    from corral.balancer.routing import make_policy
+
+    ready = (1, 2, 3, 4)
+    path = table_path(tmp_path, "chat")
+    shared = [make_policy("prefix_affinity", affinity_file=str(path)) for _ in range(2)]
+    alone = [make_policy("prefix_affinity") for _ in range(2)]
+    for policy in shared + alone:
+        policy.update(ready, {})
+    assert path.exists() and path.stat().st_mode & 0o777 == 0o600
+    moved = 0
+    for conv in range(20):
+        first = chat(SYSTEMS[conv % 5], [f"q {conv}.0"])
+        favourite = alone[0].select(ready, {}, view(first))
+        busy = {favourite: 10}  # as worker A sees it: far over the bound
+        for a, b in (shared, alone):
+            spilled = a.select(ready, busy, view(first))
+            assert spilled != favourite
+            for turn in range(1, 4):
+                later = chat(SYSTEMS[conv % 5], [f"q {conv}.{t}" for t in range(turn + 1)])
+                rid = b.select(ready, {}, view(later))
+                if a is shared[0]:
+                    assert rid == spilled, (conv, turn)
+                else:
+                    moved += rid != spilled
+    assert moved >= 20, moved  # without the table, B sends them back: the test can fail
+    table = AffinityTable.open(path, slots=1 << 16)
+    assert table is not None
+    table.put(12345, 3)
+    assert table.get(12345) == 3
+    assert table.get(12345 + (1 << 40)) is None  # same slot, another key: not its replica
+    table.put(12345 + (1 << 40), 2)  # a collision overwrites: approximate, like a cache
+    assert table.get(12345) is None and table.get(12345 + (1 << 40)) == 2
+    table.close()
+
+
+def test_a_placed_conversation_stays_up_to_one_request_past_the_bound(tmp_path: Path) -> None:
+    """Moving a conversation makes another replica compute its whole history: it stays on its
+    replica while that one is less than STICKY requests past the load bound, not further."""
+    from corral.balancer.affinity import table_path
+    from corral.balancer.prefix_policy import STICKY, bound
+    from corral.balancer.routing import make_policy
+
+    ready = (1, 2, 3, 4)
+    policy = make_policy("prefix_affinity", affinity_file=str(table_path(tmp_path, "chat")))
+    policy.update(ready, {})
+    home = policy.select(ready, {}, view(chat(SYSTEMS[0], ["hi"])))
+    others = {rid: 2 for rid in ready if rid != home}
+
+    def loads(n: int) -> dict[int, int]:
+        return {**others, home: n}
+
+    over = next(n for n in range(100) if n >= bound(loads(n), ready, 1.25))
+    assert over < bound(loads(over), ready, 1.25) + STICKY
+    later = view(chat(SYSTEMS[0], ["hi", "and then?"]))
+    assert policy.select(ready, loads(over), later) == home  # past the bound, within STICKY
+    far = next(n for n in range(100) if n >= bound(loads(n), ready, 1.25) + STICKY)
+    assert policy.select(ready, loads(far), later) != home
+
+
+def test_without_a_writable_table_routing_goes_on_alone(tmp_path: Path) -> None:
+    from corral.balancer.affinity import AffinityTable
+    from corral.balancer.routing import make_policy
+
+    missing = tmp_path / "no such directory" / "affinity-chat.bin"
+    assert AffinityTable.open(missing) is None
+    policy = make_policy("prefix_affinity", affinity_file=str(missing))
+    policy.update((1, 2), {})
+    assert policy.select((1, 2), {}, view(chat(SYSTEMS[0], ["hello"]))) in (1, 2)
+
+
 def test_a_hot_prompt_family_spreads_no_further_than_its_load_bound() -> None:
     """One document asked about by many concurrent requests: its first replica takes them
     up to the bound (balance x the mean), then the next replicas of its order do."""
@@ -476,6 +553,11 @@ def test_conversations_find_their_cache_through_corral_across_workers_and_a_daem
     metrics = corral_home.api("GET", "/metrics").body.decode()
     assert 'corral_lb_ttft_seconds_count{service="chat"}' in metrics
     assert "corral_engine_prefix_queries{" in metrics
+    # The workers' shared conversation table lives with them, and goes with the service.
+    table = corral_home.path / "dataplane" / "affinity-chat.bin"
+    assert table.exists()
+    corral_home.run("down", "chat", timeout=60)
+    assert not table.exists()
 
 
 # -- the spec ------------------------------------------------------------------------------------

@@ -14,26 +14,35 @@ How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call t
 2. Its **anchor** is the prompt's start that every later turn of the same conversation repeats:
    the rendering up to the first user message for chat, the first ``anchor_chars`` otherwise.
    Its hash is the same in every balancer worker (a stable hash, not Python's salted one), and
-   so is the order of replicas it gives (rendezvous hashing). A new connection per turn, on
-   whichever worker, therefore reaches the same replica with no state shared between workers,
-   and a replica that leaves moves only its own conversations.
-3. **Bounded load**: a replica is skipped while its load (requests in flight from this worker,
+   so is the order of replicas it gives (rendezvous hashing): a replica that leaves moves only
+   its own conversations.
+3. **The shared table** (:mod:`corral.balancer.affinity`, a file every worker of the service
+   maps): where each conversation's last turn went. Read first, written after: a choice one
+   worker made on what only it knew (its load, its index) is followed by all, so a new
+   connection per turn, on whichever worker, reaches the same replica. A placed conversation
+   stays up to STICKY requests past the bound. Without the file (it could not be created),
+   rendezvous alone keeps a conversation together while its first choice is under the
+   bound.
+4. **Bounded load**: a replica is skipped while its load (requests in flight from this worker,
    plus what its engine reports queued) is at ``balance`` times the mean or more; the next in
    the anchor's order takes the request. A prompt family too hot for one replica spreads to
    the next ones in its order, and only to them (Mirrokni et al., consistent hashing with
    bounded loads): no replica carries more than ``balance`` times its share.
-4. Within those under the bound, a replica this worker knows holds a longer prefix of this
+5. Within those under the bound, a replica this worker knows holds a longer prefix of this
    prompt (its index of block hashes, :class:`corral.balancer.prefix.PrefixIndex`, bounded and
-   LRU) wins over the anchor's first choice: after a spill, the next turn follows the cache.
-5. A prompt that is not a chat and of which this worker has sent nothing anywhere (a one-off,
+   LRU) wins over the anchor's first choice: a new conversation joins the replicas that hold
+   its system prompt, and after a spill the next turn follows the cache. Without the table
+   only a match past the anchor counts (the other workers could not follow).
+6. A prompt that is not a chat and of which this worker has sent nothing anywhere (a one-off,
    a new document's first question) goes by load: new documents spread over the replicas
    instead of meeting by chance on one (measured: with rendezvous alone, a RAG workload's
    busiest replica took 38-46% of requests, and prompts sharing nothing waited 1.6x longer
-   than under round robin). The next prompt sharing its blocks follows it there (step 4).
+   than under round robin). The next prompt sharing its blocks follows it there (step 5).
    Chats always take step 2, which keeps a conversation together across workers.
 
-Everything here is per worker and in memory: a daemon SIGKILL or upgrade changes nothing, and a
-worker restarted relearns from traffic while the anchors keep routing consistent meanwhile.
+Everything here is per worker and in memory, but for the table the workers share in the data
+plane's directory: a daemon SIGKILL or upgrade changes nothing, and a worker restarted relearns
+its index from traffic while the table and the anchors keep routing consistent meanwhile.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from corral.balancer.affinity import AffinityTable
 from corral.balancer.policies import DEFAULT_BALANCE, EngineLoad, LeastLoad, RequestView
 from corral.balancer.prefix import PrefixIndex, rendezvous_order, stable_key
 from corral.balancer.prompt import read_prompt
@@ -55,8 +65,15 @@ DEFAULT_INDEX_BLOCKS: Final = 1 << 16
 
 # A replica is never passed over while its load is within this many requests of the mean: at
 # low load ``balance`` times the mean is below one request, and a conversation would leave
-# its replica whenever that replica had anything in flight.
-SLACK: Final = 2.0
+# its replica whenever that replica had anything in flight. Measured (bench/llm_routing.py,
+# chat, 2 workers): 2 let a replica take 0.29-0.39 of the requests; 1 kept it at 0.26-0.29
+# with the same hit rate.
+SLACK: Final = 1.0
+# A conversation already placed (the shared table) stays on its replica up to this many
+# requests past the bound: moving it makes another replica compute its whole history. With 1
+# (and SLACK 1) a conversation's turns stayed on one replica 0.98-0.99 of the time near
+# saturation, against 0.91 with neither.
+STICKY: Final = 1.0
 
 
 def bound(loads: Mapping[int, float], candidates: Sequence[int], balance: float) -> float:
@@ -79,6 +96,7 @@ class PrefixAffinity:
         anchor_chars: int = DEFAULT_ANCHOR_CHARS,
         block_chars: int = DEFAULT_BLOCK_CHARS,
         index_blocks: int = DEFAULT_INDEX_BLOCKS,
+        table: AffinityTable | None = None,
     ) -> None:
         if balance < 1.0:
             raise ValueError(f"balance must be at least 1.0, not {balance}")
@@ -87,6 +105,7 @@ class PrefixAffinity:
         self.prompt_field = prompt_field
         self.balance = balance
         self.anchor_chars = anchor_chars
+        self.table = table
         self.index = PrefixIndex(block_chars=block_chars, max_blocks_per_replica=index_blocks)
         self._by_load = LeastLoad()
         self._ready: frozenset[int] = frozenset()
@@ -127,7 +146,17 @@ class PrefixAffinity:
             # next prompt that shares its blocks follows it here.
             chosen = self._by_load.select(candidates, in_flight)
         else:
-            chosen = self._choose(candidates, in_flight, stable_key(anchor), matched, own)
+            key = stable_key(anchor)
+            table = self.table if prompt.chat else None
+            placed = None
+            if table is not None:
+                # Every worker follows the table, so a new conversation may go where a shared
+                # system prompt is cached: its later turns will find it there from any worker.
+                placed, own = table.get(key), 0
+            order = rendezvous_order(key, candidates)
+            chosen = self._choose(order, in_flight, matched, own, placed)
+            if table is not None and chosen != placed:
+                table.put(key, chosen)
         self.index.insert(chosen, hashes)
         return chosen
 
@@ -135,20 +164,27 @@ class PrefixAffinity:
         self,
         candidates: Sequence[int],
         in_flight: Mapping[int, int],
-        key: int,
         matched: Mapping[int, int],
         anchor_blocks: int,
+        placed: int | None = None,
     ) -> int:
+        """Of ``candidates`` (in the conversation's order) under the load bound: where any
+        worker sent the conversation's last turn (``placed``, the shared table), else the
+        first, unless one holds a longer prefix of it past ``anchor_blocks``."""
         waiting = self._waiting
         loads = {rid: in_flight.get(rid, 0) + waiting.get(rid, 0.0) for rid in candidates}
         limit = bound(loads, candidates, self.balance)
-        order = [rid for rid in rendezvous_order(key, candidates) if loads[rid] < limit]
+        if placed is not None and placed in loads and loads[placed] < limit + STICKY:
+            return placed
+        order = [rid for rid in candidates if loads[rid] < limit]
         if not order:
             return self._by_load.select(candidates, in_flight)
         first = order[0]
         best = max(order, key=lambda rid: matched.get(rid, 0))
-        # Only a match past the anchor is this conversation's own cache: a shared system
-        # prompt, cached everywhere, must not pull it away from its replica.
+        # Without the shared table only a match past the anchor (this conversation's own
+        # cache) counts: a system prompt cached here must not pull the conversation away
+        # from where the other workers, who cannot know, send its turns. With the table,
+        # ``anchor_blocks`` is 0: the table tells them.
         mine = matched.get(best, 0)
         return best if mine > anchor_blocks and mine > matched.get(first, 0) else first
 

@@ -167,9 +167,14 @@ class LoadBalancer(Counters, Gate):
     def _init_routing(self, routing: Mapping[str, Any]) -> None:
         """The policy and the hold (docs/llm.md). ``routing``: ``options`` (the policy's),
         ``max_in_flight_per_replica`` and ``hold_timeout`` (the gate's), ``workers`` (how
-        many balancer workers share the service's port, and so its limit)."""
+        many balancer workers share the service's port, and so its limit), ``affinity_file``
+        (the table of conversations they share, :mod:`corral.balancer.affinity`)."""
         # ValueError on a bad name or option, before anything binds.
-        self._policy = make_policy(self._policy_name, **dict(routing.get("options") or {}))
+        self._policy = make_policy(
+            self._policy_name,
+            **dict(routing.get("options") or {}),
+            affinity_file=routing.get("affinity_file"),
+        )
         self._init_gate(
             routing.get("max_in_flight_per_replica"),
             float(routing.get("hold_timeout", 30.0)),

@@ -7,6 +7,7 @@ both, so neither imports the other's users.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final
 
 from corral.balancer.policies import (
@@ -38,6 +39,7 @@ def make_policy(
     balance: float = DEFAULT_BALANCE,
     session_header: str | None = None,
     session_cookie: str | None = None,
+    affinity_file: str | None = None,
 ) -> Policy:
     """Build a fresh policy from its service-YAML name and options.
 
@@ -48,6 +50,7 @@ def make_policy(
     name = ALIASES.get(name, name)
     if name == "prefix_affinity" or session_header or session_cookie:
         # Imported here: a service under a load policy never loads the prompt readers.
+        from corral.balancer.affinity import AffinityTable
         from corral.balancer.prefix_policy import PrefixAffinity, SessionAffinity
     policy: Policy
     if name == "round_robin":
@@ -59,7 +62,8 @@ def make_policy(
     elif name == "instance_aware_least_load":
         policy = InstanceAwareLeastLoad()
     elif name == "prefix_affinity":
-        policy = PrefixAffinity(prompt_field=prompt_field, balance=balance)
+        table = AffinityTable.open(Path(affinity_file)) if affinity_file else None
+        policy = PrefixAffinity(prompt_field=prompt_field, balance=balance, table=table)
     else:
         raise ValueError(
             f"unknown load balancing policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}"

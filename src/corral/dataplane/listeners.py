@@ -10,17 +10,24 @@ import inspect
 import logging
 import resource
 from collections.abc import Callable
+from pathlib import Path
 
 from corral.balancer import LoadBalancer
+from corral.balancer.affinity import table_path
 from corral.dataplane.protocol import Route
 
 log = logging.getLogger("corral.worker")
 
 
 def make_balancer(
-    name: str, route: Route, on_drained: Callable[[int], None], workers: int = 1
+    name: str,
+    route: Route,
+    on_drained: Callable[[int], None],
+    workers: int = 1,
+    shared: Path | None = None,
 ) -> LoadBalancer:
-    """The listener of ``route``; ``workers``: how many workers share a per-replica limit."""
+    """The listener of ``route``; ``workers``: how many workers share a per-replica limit;
+    ``shared``: the directory where they share what a policy keeps for all of them."""
     context = route.server_context()
     # A setting this worker's engine does not know (a newer daemon, during an upgrade) is left
     # out rather than refusing the whole service. The engines' metrics path is the worker's.
@@ -32,6 +39,8 @@ def make_balancer(
     for key in sorted(set(given) - set(config)):
         log.warning("service %s: setting %r unknown to this worker, ignored", name, key)
     config["routing"] = {**dict(config.get("routing") or {}), "workers": workers}
+    if shared is not None:
+        config["routing"]["affinity_file"] = str(table_path(shared, name))
     return LoadBalancer(
         name=name,
         host=route.host,

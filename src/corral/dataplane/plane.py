@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import psutil
 
+from corral.balancer.affinity import table_path
 from corral.balancer.metrics import merge_stats
 from corral.dataplane.processes import (
     WORKER_STOP_TIMEOUT,
@@ -401,6 +402,8 @@ class DataPlane:
             return 0
         self._times.pop(name, None)
         self._bind_errors.pop(name, None)
+        with contextlib.suppress(OSError):  # a service of this name later starts afresh
+            table_path(self.home / "dataplane", name).unlink()
         return self.changed()
 
     def current_seq(self) -> int:
@@ -490,9 +493,6 @@ class DataPlane:
         ]
         shared = self.ports.problems.get(name)
         return errors + ([shared] if shared else [])
-
-    def workers_connected(self) -> list[int]:
-        return list(self._conns)
 
     def workers(self) -> list[dict[str, Any]]:
         return self.slots.view({pid: (c.seq, c.accelerated) for pid, c in self._conns.items()})
