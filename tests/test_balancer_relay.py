@@ -6,6 +6,9 @@ calls per event. These tests pin what the client must see whatever the batching:
 passed on before the next one comes, a chunked body that decodes to exactly what the replica
 sent, the last chunk at the end (or none when the stream breaks), the first bytes timed once,
 the idle deadline moved by each batch, and the next exchange on the connection unaffected.
+And a live stream that fails (broken chunked framing from the replica, the client gone, a bug
+met on a batch) ends as it would before going live: the client cut with no last chunk, the
+replica connection closed, not pooled.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from unittest import mock
 import pytest
 from test_balancer_fastpath import Rig
 
-from corral.balancer import relay, speedups
+from corral.balancer import relay, speedups, upstream
 from corral.balancer.relay import _LIVE_CHUNK, DL_IDLE
 from corral.balancer.upstream import UpstreamConnection
 
@@ -218,3 +221,73 @@ def test_a_finished_stream_leaves_no_cycle_to_collect() -> None:
         assert gone() is None
     finally:
         gc.enable()
+
+
+def live_stream(rig: Rig) -> UpstreamConnection:
+    """A chunked stream gone live, its head and first two events with the client."""
+    conn = send(rig, GET)
+    conn.data_received(SSE_HEAD + frame(b"a"))
+    conn.data_received(frame(b"b"))
+    ex = rig.client.exchange
+    assert ex is not None and ex.mode == _LIVE_CHUNK
+    return conn
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"zz\r\n", b"3;\x01\r\nabc\r\n", b"3\r\nabcXY", b"1\r\nc\r\n0\r\nbad trailer\r\n\r\n"],
+)
+def test_malformed_chunking_mid_stream_cuts_the_client(bad: bytes) -> None:
+    """A replica's broken framing after the stream went live: the client is cut with no last
+    chunk (it must not take a truncated answer for a whole one), the connection not kept."""
+    rig = Rig()
+    conn = live_stream(rig)
+    conn.data_received(bad)
+    data, ended = dechunk(split_head(rig.ct.take())[1])
+    assert data.startswith(b"ab") and not ended
+    assert rig.ct.closed and conn.closed
+    assert conn not in rig.lb._ready[conn.target.rid].idle
+
+
+def test_client_gone_mid_stream_drops_the_replica_connection() -> None:
+    rig = Rig()
+    conn = live_stream(rig)
+    rig.client.connection_lost(None)
+    assert conn.closed
+    conn.data_received(frame(b"late"))  # in flight when it closed: dropped, no error
+    assert conn not in rig.lb._ready[conn.target.rid].idle
+
+
+def test_error_in_a_live_batch_is_logged_and_cuts() -> None:
+    """A bug met while a live batch is handled is caught as on the general path."""
+    rig = Rig()
+    conn = live_stream(rig)
+    ex = rig.client.exchange
+    assert ex is not None
+    rig.ct.take()
+    with (
+        mock.patch.object(ex, "on_upstream_data_done", side_effect=RuntimeError("bug")),
+        mock.patch.object(upstream.logger, "exception") as logged,
+    ):
+        conn.data_received(frame(b"c"))
+    assert logged.call_count == 1
+    assert conn.closed and rig.ct.closed
+
+
+def test_pooled_connection_after_a_stream_relays_a_new_answer() -> None:
+    """A stream's connection goes back to the pool with nothing of the stream left: the next
+    answer on it is parsed and relayed from its head."""
+    rig = Rig()
+    conn = live_stream(rig)
+    conn.data_received(b"0\r\n\r\n")
+    assert conn in rig.lb._ready[conn.target.rid].idle
+    rig.ct.take()
+    for _ in range(4):  # round robin: to this replica again within a few requests
+        again = send(rig, GET)
+        if again is conn:
+            break
+        again.data_received(b"HTTP/1.1 204 No Content\r\n\r\n")
+        rig.ct.take()
+    assert again is conn
+    again.data_received(SSE_HEAD + frame(b"n") + b"0\r\n\r\n")
+    assert dechunk(split_head(rig.ct.take())[1]) == (b"n", True)
