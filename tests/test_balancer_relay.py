@@ -249,6 +249,32 @@ def test_malformed_chunking_mid_stream_cuts_the_client(bad: bytes) -> None:
     assert conn not in rig.lb._ready[conn.target.rid].idle
 
 
+def test_second_answer_after_a_stream_is_dropped_with_the_connection() -> None:
+    """A replica that sends a response nobody asked for right after the stream's end, in the
+    same batch: the client gets the stream and its last chunk and nothing of the extra
+    response (once, its head was passed on as garbage in the chunked body), and the
+    connection is not pooled."""
+    rig = Rig()
+    conn = live_stream(rig)
+    conn.data_received(b"0\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert split_head(rig.ct.take())[1] == frame(b"a") + frame(b"b") + b"0\r\n\r\n"
+    assert not rig.ct.closed and rig.client.exchange is None  # the client's connection goes on
+    assert conn.closed and conn not in rig.lb._ready[conn.target.rid].idle
+
+
+def test_second_answer_after_a_posted_answer_is_dropped() -> None:
+    rig = Rig()
+    conn = send(rig, b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\nx")
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")
+    assert split_head(rig.ct.take())[1] == b"hi"
+    conn = send(rig, b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\nx")
+    extra = b"HTTP/1.1 500 Oops\r\nContent-Length: 0\r\n\r\n"
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + extra)
+    head, body = split_head(rig.ct.take())
+    assert head.startswith(b"HTTP/1.1 200 ") and body == b"ok"
+    assert conn.closed and conn not in rig.lb._ready[conn.target.rid].idle
+
+
 def test_client_gone_mid_stream_drops_the_replica_connection() -> None:
     rig = Rig()
     conn = live_stream(rig)

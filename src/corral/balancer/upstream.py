@@ -70,7 +70,8 @@ class ResponseSink(Protocol):
 
 
 class _SkipBody(Exception):
-    """Raised from on_headers_complete to stop llhttp reading a body a HEAD response lacks."""
+    """Raised from a callback to stop llhttp: at a body a HEAD response lacks, or at a second
+    message after the answer."""
 
 
 class Target:
@@ -227,8 +228,13 @@ class UpstreamConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ httptools callbacks
 
     def on_message_begin(self) -> None:
-        if self._complete:  # a second message after the answer: not HTTP we can reuse
+        if self._complete:
+            # A second message after the answer, in the same batch: not HTTP we can reuse, and
+            # not for the exchange (it asked once). Parsing stops here (as for a HEAD answer's
+            # body), so its head never reaches the sink, which takes the answer as complete.
             self.reusable = False
+            self._skip = True
+            raise _SkipBody
 
     def on_headers_complete(self) -> None:
         parser = self._parser
