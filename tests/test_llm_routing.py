@@ -307,7 +307,7 @@ def test_a_placed_conversation_stays_up_to_one_request_past_the_bound(tmp_path: 
     """Moving a conversation makes another replica compute its whole history: it stays on its
     replica while that one is less than STICKY requests past the load bound, not further."""
     from corral.balancer.affinity import table_path
-    from corral.balancer.prefix_policy import STICKY, bound
+    from corral.balancer.prefix_policy import PULL_SLACK, STICKY, bound
     from corral.balancer.routing import make_policy
 
     ready = (1, 2, 3, 4)
@@ -319,11 +319,14 @@ def test_a_placed_conversation_stays_up_to_one_request_past_the_bound(tmp_path: 
     def loads(n: int) -> dict[int, int]:
         return {**others, home: n}
 
-    over = next(n for n in range(100) if n >= bound(loads(n), ready, 1.25))
-    assert over < bound(loads(over), ready, 1.25) + STICKY
+    def limit(n: int) -> float:  # a chat under the shared table: the pull's slack
+        return bound(loads(n), ready, 1.25, PULL_SLACK)
+
+    over = next(n for n in range(100) if n >= limit(n))
+    assert over < limit(over) + STICKY
     later = view(chat(SYSTEMS[0], ["hi", "and then?"]))
     assert policy.select(ready, loads(over), later) == home  # past the bound, within STICKY
-    far = next(n for n in range(100) if n >= bound(loads(n), ready, 1.25) + STICKY)
+    far = next(n for n in range(100) if n >= limit(n) + STICKY)
     assert policy.select(ready, loads(far), later) != home
 
 

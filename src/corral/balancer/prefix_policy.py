@@ -65,22 +65,28 @@ DEFAULT_INDEX_BLOCKS: Final = 1 << 16
 
 # A replica is never passed over while its load is within this many requests of the mean: at
 # low load ``balance`` times the mean is below one request, and a conversation would leave
-# its replica whenever that replica had anything in flight. Measured (bench/llm_routing.py,
-# chat, 2 workers): 2 let a replica take 0.29-0.39 of the requests; 1 kept it at 0.26-0.29
-# with the same hit rate.
-SLACK: Final = 1.0
+# its replica whenever that replica had anything in flight.
+SLACK: Final = 2.0
+# The slack where the shared table lets a new chat join the replicas holding its system prompt
+# (a pull toward them that rendezvous alone does not have). Measured (bench/llm_routing.py,
+# chat, 2 workers): with 2 a replica took 0.29-0.39 of the requests, with 1 0.26-0.29 at the
+# same hit rate. Documents (not chats) keep 2: with 1 they spilled sooner, and each spill
+# computes a whole document again (RAG hit rate 0.85-0.89 against 0.88-0.90, p99 higher).
+PULL_SLACK: Final = 1.0
 # A conversation already placed (the shared table) stays on its replica up to this many
 # requests past the bound: moving it makes another replica compute its whole history. With 1
-# (and SLACK 1) a conversation's turns stayed on one replica 0.98-0.99 of the time near
+# (and PULL_SLACK 1) a conversation's turns stayed on one replica 0.98-0.99 of the time near
 # saturation, against 0.91 with neither.
 STICKY: Final = 1.0
 
 
-def bound(loads: Mapping[int, float], candidates: Sequence[int], balance: float) -> float:
+def bound(
+    loads: Mapping[int, float], candidates: Sequence[int], balance: float, slack: float = SLACK
+) -> float:
     """The load at which a replica is passed over: ``balance`` times the mean once this
-    request is counted, or the mean plus SLACK requests, whichever is higher."""
+    request is counted, or the mean plus ``slack`` requests, whichever is higher."""
     mean = (sum(loads.get(rid, 0.0) for rid in candidates) + 1.0) / len(candidates)
-    return max(math.ceil(balance * mean), mean + SLACK)
+    return max(math.ceil(balance * mean), mean + slack)
 
 
 class PrefixAffinity:
@@ -148,13 +154,13 @@ class PrefixAffinity:
         else:
             key = stable_key(anchor)
             table = self.table if prompt.chat else None
-            placed = None
+            placed, slack = None, SLACK
             if table is not None:
                 # Every worker follows the table, so a new conversation may go where a shared
                 # system prompt is cached: its later turns will find it there from any worker.
-                placed, own = table.get(key), 0
+                placed, own, slack = table.get(key), 0, PULL_SLACK
             order = rendezvous_order(key, candidates)
-            chosen = self._choose(order, in_flight, matched, own, placed)
+            chosen = self._choose(order, in_flight, matched, own, placed, slack)
             if table is not None and chosen != placed:
                 table.put(key, chosen)
         self.index.insert(chosen, hashes)
@@ -167,13 +173,14 @@ class PrefixAffinity:
         matched: Mapping[int, int],
         anchor_blocks: int,
         placed: int | None = None,
+        slack: float = SLACK,
     ) -> int:
         """Of ``candidates`` (in the conversation's order) under the load bound: where any
         worker sent the conversation's last turn (``placed``, the shared table), else the
         first, unless one holds a longer prefix of it past ``anchor_blocks``."""
         waiting = self._waiting
         loads = {rid: in_flight.get(rid, 0) + waiting.get(rid, 0.0) for rid in candidates}
-        limit = bound(loads, candidates, self.balance)
+        limit = bound(loads, candidates, self.balance, slack)
         if placed is not None and placed in loads and loads[placed] < limit + STICKY:
             return placed
         order = [rid for rid in candidates if loads[rid] < limit]
