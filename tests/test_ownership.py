@@ -70,7 +70,9 @@ def new_home(tmp_path: Path, base: CorralHome, name: str) -> CorralHome:
 
 
 def up(home: CorralHome, name: str, replicas: int = 1) -> dict[str, object]:
-    spec = write_spec(home.path.parent / f"{name}.yaml", spec_text(name, replicas))
+    # One file per home: homes come up in parallel threads, and a shared file rewritten by one
+    # thread reads as empty in another.
+    spec = write_spec(home.path.parent / f"{home.path.name}-{name}.yaml", spec_text(name, replicas))
     home.run("up", str(spec), "-y", timeout=120)
     return home.wait_replicas(name, replicas, timeout=60)
 
