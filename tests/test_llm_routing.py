@@ -615,6 +615,37 @@ def test_a_new_document_goes_by_load_and_its_next_questions_follow_it() -> None:
         assert policy.select(ready, in_flight, view(body, b"/v1/completions")) == homes[d]
 
 
+def test_a_new_document_is_placed_once_for_every_worker(tmp_path: Path) -> None:
+    """Worker A places a new document by its own view of the load; worker B, seeing that
+    replica busier than the others, would place it elsewhere and compute it a second time.
+    With the table the workers share, B's questions go where A put the document."""
+    from corral.balancer.affinity import table_path
+    from corral.balancer.routing import make_policy
+
+    ready = (1, 2, 3, 4)
+    path = table_path(tmp_path, "rag")
+    shared = [make_policy("prefix_affinity", affinity_file=str(path)) for _ in range(2)]
+    alone = [make_policy("prefix_affinity") for _ in range(2)]
+    for policy in shared + alone:
+        policy.update(ready, {})
+    apart = 0
+    for d in range(12):
+        doc = f"Document {d}. " + "Its shared text goes on. " * 150
+        first = json.dumps({"prompt": doc + "First question?"}).encode()
+        later = json.dumps({"prompt": doc + "Another question?"}).encode()
+        seen_by_a = {rid: 3 for rid in ready if rid != 1 + d % 4}  # A: one replica idle
+        for a, b in (shared, alone):
+            home = a.select(ready, seen_by_a, view(first, b"/v1/completions"))
+            assert home == 1 + d % 4
+            seen_by_b = {home: 2}  # B: that replica busier than the rest, under the bound
+            rid = b.select(ready, seen_by_b, view(later, b"/v1/completions"))
+            if a is shared[0]:
+                assert rid == home, d
+            else:
+                apart += rid != home
+    assert apart == 12, apart  # without the table, B places it elsewhere: the test can fail
+
+
 # -- a replica killed mid-stream -------------------------------------------------------------------
 
 

@@ -17,12 +17,14 @@ How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call t
    so is the order of replicas it gives (rendezvous hashing): a replica that leaves moves only
    its own conversations.
 3. **The shared table** (:mod:`corral.balancer.affinity`, a file every worker of the service
-   maps): where each conversation's last turn went. Read first, written after: a choice one
+   maps): where each anchor's last request went. Read first, written after: a choice one
    worker made on what only it knew (its load, its index) is followed by all, so a new
    connection per turn, on whichever worker, reaches the same replica. A placed conversation
-   stays up to STICKY requests past the bound. Without the file (it could not be created),
-   rendezvous alone keeps a conversation together while its first choice is under the
-   bound.
+   stays up to STICKY requests past the bound; a placed document counts as a match past its
+   anchor (step 5), so its questions meet on one replica whichever worker takes them.
+   Without the file (it could not be created), rendezvous alone keeps a conversation
+   together while its first choice is under the bound, and each worker places a document
+   on its own.
 4. **Bounded load**: a replica is skipped while its load (requests in flight from this worker,
    plus what its engine reports queued) is at ``balance`` times the mean or more; the next in
    the anchor's order takes the request. A prompt family too hot for one replica spreads to
@@ -33,11 +35,12 @@ How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call t
    LRU) wins over the anchor's first choice: a new conversation joins the replicas that hold
    its system prompt, and after a spill the next turn follows the cache. Without the table
    only a match past the anchor counts (the other workers could not follow).
-6. A prompt that is not a chat and of which this worker has sent nothing anywhere (a one-off,
-   a new document's first question) goes by load: new documents spread over the replicas
-   instead of meeting by chance on one (measured: with rendezvous alone, a RAG workload's
-   busiest replica took 38-46% of requests, and prompts sharing nothing waited 1.6x longer
-   than under round robin). The next prompt sharing its blocks follows it there (step 5).
+6. A prompt that is not a chat, of which this worker has sent nothing anywhere and the table
+   knows nothing (a one-off, a new document's first question) goes by load: new documents
+   spread over the replicas instead of meeting by chance on one (measured: with rendezvous
+   alone, a RAG workload's busiest replica took 38-46% of requests, and prompts sharing
+   nothing waited 1.6x longer than under round robin). The next prompt sharing its blocks
+   follows it there (step 5).
    Chats always take step 2, which keeps a conversation together across workers.
 
 Everything here is per worker and in memory, but for the table the workers share in the data
@@ -146,23 +149,31 @@ class PrefixAffinity:
         # system prompt): only one past it is this conversation's own.
         own = len(anchor) // self.index.block_chars
         matched = self.index.match(hashes) if hashes else {}
+        key = stable_key(anchor)
+        table = self.table
+        placed = table.get(key) if table is not None else None
+        if placed is not None and placed not in candidates:
+            placed = None  # a replica that left, or a collision's stale entry
+        sticky, slack = None, SLACK
+        if prompt.chat and table is not None:
+            # Every worker follows the table, so a new conversation may go where a shared
+            # system prompt is cached: its later turns will find it there from any worker.
+            sticky, own, slack = placed, 0, PULL_SLACK
+        elif placed is not None:
+            # A document another worker (or this one) sent there: as good as this worker's
+            # own match past the anchor, so every worker sends its questions to one replica
+            # instead of each placing the document where its own view of the load says.
+            matched = {**matched, placed: max(matched.get(placed, 0), own + 1)}
         if not matched and not prompt.chat:
             # Nothing of it sent anywhere yet, and no conversation to keep together: a one-off
             # (or a document's first question) goes by load, so new documents spread; the
             # next prompt that shares its blocks follows it here.
             chosen = self._by_load.select(candidates, in_flight)
         else:
-            key = stable_key(anchor)
-            table = self.table if prompt.chat else None
-            placed, slack = None, SLACK
-            if table is not None:
-                # Every worker follows the table, so a new conversation may go where a shared
-                # system prompt is cached: its later turns will find it there from any worker.
-                placed, own, slack = table.get(key), 0, PULL_SLACK
             order = rendezvous_order(key, candidates)
-            chosen = self._choose(order, in_flight, matched, own, placed, slack)
-            if table is not None and chosen != placed:
-                table.put(key, chosen)
+            chosen = self._choose(order, in_flight, matched, own, sticky, slack)
+        if table is not None and chosen != placed:
+            table.put(key, chosen)
         self.index.insert(chosen, hashes)
         return chosen
 
