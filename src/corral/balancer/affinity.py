@@ -6,7 +6,9 @@ choice was busy, as seen by the worker that took that turn) is not known to the 
 and the next turn, taken by another worker that sees the first choice free, goes back there and
 computes the whole history again. So the workers of one service share a small table, a file
 they all map: conversation key -> the replica its last turn went to. A worker reads it before
-choosing and writes what it chose, so a spill is followed by every worker.
+choosing and writes what it chose, so a spill is followed by every worker. A document and
+its questions (a prompt that is not a chat) are keyed the same way, by the prompt's anchor:
+where one worker placed a new document, every worker sends its questions.
 
 The table is approximate on purpose, like a CPU cache: ``slots`` entries, each one 64-bit word
 (the upper 40 bits of the key as a tag, the replica id in the lower 24), direct-mapped by the
