@@ -8,7 +8,8 @@ each ``corral.dataplane.engines.INTERVAL`` and hands their queues to the policy
 runs like that; this loop does the same call, :func:`corral.dataplane.engines.refresh`.
 
 Run: ``python bench/_llm_lb.py --replica URL ... --policy P [--option KEY=JSON]
-[--max-in-flight N] [--workers W] [--port N] [--reuse-port] [--affinity-file F]``; prints
+[--max-in-flight N] [--workers W] [--port N] [--reuse-port] [--affinity-file F]
+[--load-file F --slot N]``; prints
 ``PORT <n>`` once listening, serves until SIGTERM/SIGINT, then prints ``STATS {json}``
 (requests routed by their prompt, for a policy that counts them). Listens on 127.0.0.1 only; on
 uvloop as in production.
@@ -46,6 +47,8 @@ def routing_of(args: argparse.Namespace) -> dict[str, Any]:
     routing: dict[str, Any] = {"options": options, "workers": args.workers}
     if args.affinity_file:
         routing["affinity_file"] = args.affinity_file
+    if args.load_file:
+        routing["load_file"], routing["slot"] = args.load_file, args.slot
     if args.max_in_flight is not None:
         routing["max_in_flight_per_replica"] = args.max_in_flight
     return routing
@@ -95,6 +98,8 @@ def cli() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT")
     parser.add_argument("--affinity-file", help="the conversation table the processes share")
+    parser.add_argument("--load-file", help="the board of counts in flight they share")
+    parser.add_argument("--slot", type=int, default=0, help="this process's row in it")
     uvloop.run(main(parser.parse_args()))
 
 

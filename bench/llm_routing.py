@@ -367,15 +367,16 @@ def start_router(
         base = [sys.executable, str(LLM_LB), "--policy", spec.policy, *spec.extra]
         base += [a for url in urls for a in ("--replica", url)]
         base += ["--workers", str(spec.workers)]
-        # As the data plane's workers do: one conversation table for the router's processes.
+        # As the data plane's workers do: one conversation table and one board of counts in
+        # flight for the router's processes, each process a slot of its own.
         base += ["--affinity-file", str(tmp / f"{slug}.affinity")]
+        base += ["--load-file", str(tmp / f"{slug}.load")]
         reuse = ["--reuse-port"] if spec.workers > 1 else []
         first = popen([*base, *reuse], stdout=subprocess.PIPE, stderr=out, text=True)
         port = int(read_line(first, "PORT ", 30))
-        for _ in range(spec.workers - 1):
-            more = popen(
-                [*base, *reuse, "--port", str(port)], stdout=subprocess.PIPE, stderr=out, text=True
-            )
+        for slot in range(1, spec.workers):
+            argv = [*base, *reuse, "--port", str(port), "--slot", str(slot)]
+            more = popen(argv, stdout=subprocess.PIPE, stderr=out, text=True)
             read_line(more, "PORT ", 30)
     elif spec.kind in ("sglang", "vllm"):
         port = free_port()

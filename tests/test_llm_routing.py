@@ -303,6 +303,64 @@ def test_a_spilled_conversation_is_followed_by_every_worker(tmp_path: Path) -> N
     table.close()
 
 
+def test_the_workers_share_their_counts_in_flight(tmp_path: Path) -> None:
+    """Each worker writes its own row of the board; a reader sums every row, takes a cell
+    that names another replica (a worker on an older ready set) as 0, and a worker that
+    stops counts nowhere."""
+    from corral.balancer.load_board import LoadBoard, board_path
+
+    path = board_path(tmp_path, "chat")
+    a, b = (LoadBoard.open(path, slot, 2) for slot in (0, 1))
+    assert a is not None and b is not None
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert LoadBoard.open(path, 0, 1) is None  # a worker alone has nothing to share
+    assert LoadBoard.open(tmp_path / "no such directory" / "x.bin", 0, 2) is None
+    ready = (3, 5, 8)
+    a.arrange(ready, {3: 1})
+    b.arrange(ready, {})
+    b.publish(5, 4)
+    b.publish(8, 2)
+    a.publish(3, 2)
+    assert a.totals(ready, {3: 2}) == {3: 2, 5: 4, 8: 2}
+    assert b.totals(ready, {5: 4, 8: 2}) == {3: 2, 5: 4, 8: 2}
+    b.arrange((3, 6, 8), {8: 2})  # B has a newer ready set: its column 1 is replica 6 now
+    b.publish(6, 7)
+    assert a.totals(ready, {3: 2}) == {3: 2, 5: 0, 8: 2}
+    b.clear()
+    assert a.totals(ready, {3: 2}) == {3: 2, 5: 0, 8: 0}
+    a.close()
+    b.close()
+
+
+def test_a_worker_passes_over_a_replica_another_worker_filled(tmp_path: Path) -> None:
+    """Worker A has filled a conversation's first choice; worker B, which has sent it
+    nothing, would send the conversation there too, past the load bound. With the board the
+    workers share, B sees A's requests and sends it to the next replica."""
+    from corral.balancer.load_board import LoadBoard, board_path
+    from corral.balancer.routing import make_policy
+
+    ready = (1, 2, 3, 4)
+    path = board_path(tmp_path, "chat")
+    boards = [LoadBoard.open(path, slot, 2) for slot in (0, 1)]
+    for board in boards:
+        assert board is not None
+        board.arrange(ready, {})
+    b_shared = make_policy("prefix_affinity", load_board=boards[1])
+    b_alone = make_policy("prefix_affinity")
+    for policy in (b_shared, b_alone):
+        policy.update(ready, {})
+    passed_over = 0
+    for conv in range(20):
+        body = view(chat(SYSTEMS[conv % 5], [f"q {conv}.0"]))
+        favourite = make_policy("prefix_affinity").select(ready, {}, body)
+        a_sent = {favourite: 6}  # A's requests in flight: far over the bound with them counted
+        for rid in ready:
+            boards[0].publish(rid, a_sent.get(rid, 0))  # type: ignore[union-attr]
+        assert b_alone.select(ready, {}, body) == favourite  # alone, B cannot know
+        passed_over += b_shared.select(ready, {}, body) != favourite
+    assert passed_over == 20, passed_over
+
+
 def test_a_placed_conversation_stays_up_to_one_request_past_the_bound(tmp_path: Path) -> None:
     """Moving a conversation makes another replica compute its whole history: it stays on its
     replica while that one is less than STICKY requests past the load bound, not further."""
@@ -556,11 +614,13 @@ def test_conversations_find_their_cache_through_corral_across_workers_and_a_daem
     metrics = corral_home.api("GET", "/metrics").body.decode()
     assert 'corral_lb_ttft_seconds_count{service="chat"}' in metrics
     assert "corral_engine_prefix_queries{" in metrics
-    # The workers' shared conversation table lives with them, and goes with the service.
+    # The workers' shared conversation table and board of counts live with them, and go
+    # with the service.
     table = corral_home.path / "dataplane" / "affinity-chat.bin"
-    assert table.exists()
+    board = corral_home.path / "dataplane" / "load-chat.bin"
+    assert table.exists() and board.exists()
     corral_home.run("down", "chat", timeout=60)
-    assert not table.exists()
+    assert not table.exists() and not board.exists()
 
 
 # -- the spec ------------------------------------------------------------------------------------

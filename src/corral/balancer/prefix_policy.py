@@ -25,11 +25,12 @@ How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call t
    Without the file (it could not be created), rendezvous alone keeps a conversation
    together while its first choice is under the bound, and each worker places a document
    on its own.
-4. **Bounded load**: a replica is skipped while its load (requests in flight from this worker,
-   plus what its engine reports queued) is at ``balance`` times the mean or more; the next in
-   the anchor's order takes the request. A prompt family too hot for one replica spreads to
-   the next ones in its order, and only to them (Mirrokni et al., consistent hashing with
-   bounded loads): no replica carries more than ``balance`` times its share.
+4. **Bounded load**: a replica is skipped while its load (requests in flight from every worker
+   of the service, :mod:`corral.balancer.load_board`, or from this one where they share no
+   board; plus what its engine reports queued) is at ``balance`` times the mean or more; the
+   next in the anchor's order takes the request. A prompt family too hot for one replica
+   spreads to the next ones in its order, and only to them (Mirrokni et al., consistent
+   hashing with bounded loads): no replica carries more than ``balance`` times its share.
 5. Within those under the bound, a replica this worker knows holds a longer prefix of this
    prompt (its index of block hashes, :class:`corral.balancer.prefix.PrefixIndex`, bounded and
    LRU) wins over the anchor's first choice: a new conversation joins the replicas that hold
@@ -55,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from corral.balancer.affinity import AffinityTable
+from corral.balancer.load_board import LoadBoard
 from corral.balancer.policies import DEFAULT_BALANCE, EngineLoad, LeastLoad, RequestView
 from corral.balancer.prefix import PrefixIndex, rendezvous_order, stable_key
 from corral.balancer.prompt import read_prompt
@@ -106,6 +108,7 @@ class PrefixAffinity:
         block_chars: int = DEFAULT_BLOCK_CHARS,
         index_blocks: int = DEFAULT_INDEX_BLOCKS,
         table: AffinityTable | None = None,
+        board: LoadBoard | None = None,
     ) -> None:
         if balance < 1.0:
             raise ValueError(f"balance must be at least 1.0, not {balance}")
@@ -115,6 +118,7 @@ class PrefixAffinity:
         self.balance = balance
         self.anchor_chars = anchor_chars
         self.table = table
+        self.board = board
         self.index = PrefixIndex(block_chars=block_chars, max_blocks_per_replica=index_blocks)
         self._by_load = LeastLoad()
         self._ready: frozenset[int] = frozenset()
@@ -136,6 +140,9 @@ class PrefixAffinity:
         in_flight: Mapping[int, int],
         request: RequestView | None = None,
     ) -> int:
+        if len(candidates) > 1 and self.board is not None:
+            # Every worker's requests, not this one's alone (the load bound is by the mean).
+            in_flight = self.board.totals(candidates, in_flight)
         if request is None or request.body is None or len(candidates) == 1:
             return self._by_load.select(candidates, in_flight)
         path = request.target.partition(b"?")[0].decode("latin-1")

@@ -49,8 +49,9 @@ from corral.balancer.client import ClientConnection
 from corral.balancer.counting import Counters
 from corral.balancer.failures import describe, refused
 from corral.balancer.gate import Gate
+from corral.balancer.load_board import LoadBoard
 from corral.balancer.policies import EngineLoad, RequestView
-from corral.balancer.routing import make_policy
+from corral.balancer.routing import make_policy, shares_load
 from corral.balancer.settings import (
     DEFAULT_HEADER_BYTES,
     DEFAULT_HEADER_TIMEOUT,
@@ -168,17 +169,25 @@ class LoadBalancer(Counters, Gate):
         """The policy and the hold (docs/llm.md). ``routing``: ``options`` (the policy's),
         ``max_in_flight_per_replica`` and ``hold_timeout`` (the gate's), ``workers`` (how
         many balancer workers share the service's port, and so its limit), ``affinity_file``
-        (the table of conversations they share, :mod:`corral.balancer.affinity`)."""
+        (the table of conversations they share, :mod:`corral.balancer.affinity`),
+        ``load_file`` and ``slot`` (their counts in flight, :mod:`corral.balancer.load_board`,
+        and this worker's row in it)."""
+        workers = int(routing.get("workers", 1))
+        # Only a policy that bounds load by the mean reads the other workers' counts; the rest
+        # pay one None test per request's acquire and release.
+        board = routing.get("load_file") if shares_load(self._policy_name) else None
+        self._board = LoadBoard.open(board, int(routing.get("slot", 0)), workers)
         # ValueError on a bad name or option, before anything binds.
         self._policy = make_policy(
             self._policy_name,
             **dict(routing.get("options") or {}),
             affinity_file=routing.get("affinity_file"),
+            load_board=self._board,
         )
         self._init_gate(
             routing.get("max_in_flight_per_replica"),
             float(routing.get("hold_timeout", 30.0)),
-            int(routing.get("workers", 1)),
+            workers,
         )
         # Whether a request must be looked at before a replica is picked: a policy reads it,
         # or a limit may hold it. Plain HTTP under a load policy tests this one flag.
@@ -251,6 +260,8 @@ class LoadBalancer(Counters, Gate):
             client.abort()
         self._clients.clear()
         self._pool.close_all()
+        if self._board is not None:
+            self._board.clear()  # its requests are over: they count nowhere any more
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
@@ -363,6 +374,8 @@ class LoadBalancer(Counters, Gate):
                 self._pool.close_target(target)
         self._ready = ready
         self._ready_ids = tuple(sorted(ready))
+        if self._board is not None:
+            self._board.arrange(self._ready_ids, self._in_flight)
         self._policy.update(self._ready_ids, self._engines)
         if ready:
             self._ready_event.set()
@@ -449,7 +462,9 @@ class LoadBalancer(Counters, Gate):
                 return
 
     def _acquire(self, rid: int) -> None:
-        self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+        count = self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+        if self._board is not None:
+            self._board.publish(rid, count)
 
     def _release(self, rid: int) -> None:
         count = self._in_flight.get(rid, 0)
@@ -458,6 +473,8 @@ class LoadBalancer(Counters, Gate):
             return
         count -= 1
         self._in_flight[rid] = count
+        if self._board is not None:
+            self._board.publish(rid, count)
         if self._held:
             self._room_freed()
         if count == 0:

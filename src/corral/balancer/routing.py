@@ -8,7 +8,7 @@ both, so neither imports the other's users.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from corral.balancer.policies import (
     DEFAULT_BALANCE,
@@ -19,7 +19,10 @@ from corral.balancer.policies import (
     RoundRobin,
 )
 
-__all__ = ["ALIASES", "POLICY_NAMES", "make_policy"]
+if TYPE_CHECKING:
+    from corral.balancer.load_board import LoadBoard
+
+__all__ = ["ALIASES", "POLICY_NAMES", "make_policy", "shares_load"]
 
 POLICY_NAMES: Final = (
     "round_robin",
@@ -32,6 +35,12 @@ POLICY_NAMES: Final = (
 ALIASES: Final = {"cache_aware": "prefix_affinity", "prefix_aware": "prefix_affinity"}
 
 
+def shares_load(name: str) -> bool:
+    """Whether the policy ``name`` bounds a replica's load by the fleet's mean, and so weighs
+    every balancer worker's counts (:mod:`corral.balancer.load_board`) where they share one."""
+    return ALIASES.get(name, name) == "prefix_affinity"
+
+
 def make_policy(
     name: str,
     *,
@@ -40,6 +49,7 @@ def make_policy(
     session_header: str | None = None,
     session_cookie: str | None = None,
     affinity_file: str | None = None,
+    load_board: LoadBoard | None = None,
 ) -> Policy:
     """Build a fresh policy from its service-YAML name and options.
 
@@ -63,7 +73,9 @@ def make_policy(
         policy = InstanceAwareLeastLoad()
     elif name == "prefix_affinity":
         table = AffinityTable.open(Path(affinity_file)) if affinity_file else None
-        policy = PrefixAffinity(prompt_field=prompt_field, balance=balance, table=table)
+        policy = PrefixAffinity(
+            prompt_field=prompt_field, balance=balance, table=table, board=load_board
+        )
     else:
         raise ValueError(
             f"unknown load balancing policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from corral.balancer import LoadBalancer
 from corral.balancer.affinity import table_path
+from corral.balancer.load_board import board_path
 from corral.dataplane.protocol import Route
 
 log = logging.getLogger("corral.worker")
@@ -23,11 +24,13 @@ def make_balancer(
     name: str,
     route: Route,
     on_drained: Callable[[int], None],
+    home: Path,
+    slot: int = 0,
     workers: int = 1,
-    shared: Path | None = None,
 ) -> LoadBalancer:
-    """The listener of ``route``; ``workers``: how many workers share a per-replica limit;
-    ``shared``: the directory where they share what a policy keeps for all of them."""
+    """The listener of ``route`` for the worker in ``slot`` of ``workers`` (how many share a
+    per-replica limit and a board of counts); what a policy keeps for all of them is shared in
+    the home's ``dataplane/``."""
     context = route.server_context()
     # A setting this worker's engine does not know (a newer daemon, during an upgrade) is left
     # out rather than refusing the whole service. The engines' metrics path is the worker's.
@@ -38,9 +41,14 @@ def make_balancer(
         config["max_connections"] = default_max_connections()
     for key in sorted(set(given) - set(config)):
         log.warning("service %s: setting %r unknown to this worker, ignored", name, key)
-    config["routing"] = {**dict(config.get("routing") or {}), "workers": workers}
-    if shared is not None:
-        config["routing"]["affinity_file"] = str(table_path(shared, name))
+    shared = home / "dataplane"
+    config["routing"] = {
+        **dict(config.get("routing") or {}),
+        "workers": workers,
+        "slot": slot,
+        "affinity_file": str(table_path(shared, name)),
+        "load_file": str(board_path(shared, name)),
+    }
     return LoadBalancer(
         name=name,
         host=route.host,

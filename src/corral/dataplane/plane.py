@@ -29,6 +29,7 @@ from typing import Any, Final
 import psutil
 
 from corral.balancer.affinity import table_path
+from corral.balancer.load_board import board_path
 from corral.balancer.metrics import merge_stats
 from corral.dataplane.processes import (
     WORKER_STOP_TIMEOUT,
@@ -402,8 +403,9 @@ class DataPlane:
             return 0
         self._times.pop(name, None)
         self._bind_errors.pop(name, None)
-        with contextlib.suppress(OSError):  # a service of this name later starts afresh
-            table_path(self.home / "dataplane", name).unlink()
+        for path in (table_path, board_path):  # a service of this name later starts afresh
+            with contextlib.suppress(OSError):
+                path(self.home / "dataplane", name).unlink()
         return self.changed()
 
     def current_seq(self) -> int:

@@ -251,7 +251,7 @@ class Worker:
         if svc is None or svc.key != key:
             ready = dict(route.ready) if route.ready is not None else (svc.ready if svc else {})
             try:
-                lb = make_balancer(name, route, self._drained, self.fleet, self.home / "dataplane")
+                lb = make_balancer(name, route, self._drained, self.home, self.slot, self.fleet)
                 # Before it listens: with SO_REUSEPORT the kernel sends it connections the moment
                 # it does, and a request must not meet an empty ready set (a 503) meanwhile.
                 lb.set_ready(ready)

@@ -1,0 +1,114 @@
+"""Every balancer worker's requests in flight per replica, shared by the workers of a service.
+
+A policy that bounds load (``prefix_affinity``: a replica is passed over at ``balance`` times
+the mean) sees, by itself, only the requests of the worker it runs in: with two workers on a
+port, half of what each replica carries, and a replica the other worker has just filled looks
+idle. The engines' own queue figures arrive once a second, which near saturation is too late.
+So the workers of a service publish their counts in a file they all map, and a policy reads
+the sum of every worker's.
+
+The layout is one row per worker slot and one column per ready replica (its rank among the
+ready ids, which every worker derives from the same table), each cell one 64-bit word: the
+replica id in the upper 32 bits and the count in the lower 32. A worker writes only its own
+row, so there is no lock and no torn sum: a reader takes each cell as it finds it, and a cell
+naming another replica (a worker that has not applied the latest table yet) counts as 0. A
+worker rewrites its whole row when the ready set changes and zeroes it when it stops; a row
+left by a worker that was killed is overwritten by its successor in the same slot. What can go
+wrong is a load off by a few requests for a moment, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+log = logging.getLogger("corral.balancer")
+
+ROWS: Final = 16  # worker slots a board has room for; a worker past them keeps its own view
+COLUMNS: Final = 64  # ready replicas; past them a replica's load is this worker's alone
+_ROW: Final = struct.Struct(f"<{COLUMNS}Q")
+_CELL: Final = struct.Struct("<Q")
+_COUNT_MASK: Final = (1 << 32) - 1
+
+
+def board_path(directory: Path, service: str) -> Path:
+    """Where the workers of ``service`` share their counts (the data plane's directory)."""
+    return directory / f"load-{service}.bin"
+
+
+class LoadBoard:
+    """One service's shared counts, as seen by the worker in ``slot``; see the module
+    docstring."""
+
+    def __init__(self, mapped: mmap.mmap, slot: int, rows: int) -> None:
+        self._map = mapped
+        self._slot = slot
+        self._rows = rows
+        self._column: dict[int, int] = {}
+
+    @classmethod
+    def open(cls, path: str | Path | None, slot: int, workers: int) -> LoadBoard | None:
+        """The board at ``path``, created (0600) if missing, for the worker in ``slot`` of
+        ``workers``; None with no path, a worker alone, a slot without a row, or a file that
+        cannot be made (logged): the policy then weighs this worker's requests alone."""
+        if path is None or workers < 2 or not 0 <= slot < ROWS:
+            return None
+        size = ROWS * _ROW.size
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)
+                mapped = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:
+            log.warning("load board %s not shared: %s", path, exc)
+            return None
+        return cls(mapped, slot, min(workers, ROWS))
+
+    def arrange(self, ready: Sequence[int], in_flight: Mapping[int, int]) -> None:
+        """A new ready set (sorted ids, as every worker has them): each replica takes the
+        column of its rank, and this worker's row is written anew from its counts."""
+        self._column = {rid: i for i, rid in enumerate(ready[:COLUMNS])}
+        cells = [0] * COLUMNS
+        for rid, i in self._column.items():
+            cells[i] = rid << 32 | (in_flight.get(rid, 0) & _COUNT_MASK)
+        _ROW.pack_into(self._map, self._slot * _ROW.size, *cells)
+
+    def publish(self, rid: int, count: int) -> None:
+        """This worker now has ``count`` requests in flight to ``rid``."""
+        i = self._column.get(rid)
+        if i is not None:
+            offset = self._slot * _ROW.size + i * 8
+            _CELL.pack_into(self._map, offset, rid << 32 | (count & _COUNT_MASK))
+
+    def totals(self, candidates: Sequence[int], own: Mapping[int, int]) -> dict[int, int]:
+        """Requests in flight to each candidate from every worker: ``own`` (this worker's,
+        exact) plus what the other workers' rows say."""
+        totals = {rid: own.get(rid, 0) for rid in candidates}
+        column = self._column
+        for row in range(self._rows):
+            if row == self._slot:
+                continue
+            cells = _ROW.unpack_from(self._map, row * _ROW.size)
+            for rid in candidates:
+                i = column.get(rid)
+                if i is not None:
+                    cell = cells[i]
+                    if cell >> 32 == rid:
+                        totals[rid] += cell & _COUNT_MASK
+        return totals
+
+    def clear(self) -> None:
+        """This worker stops: its requests no longer count anywhere."""
+        _ROW.pack_into(self._map, self._slot * _ROW.size, *([0] * COLUMNS))
+        self._column = {}
+
+    def close(self) -> None:
+        self._map.close()
