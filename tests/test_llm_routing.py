@@ -262,20 +262,28 @@ def test_a_conversation_reaches_one_replica_whichever_worker_takes_each_turn() -
             assert rid == homes[conv]
 
 
+def worker_pairs(table: Path, ready: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+    """Two workers' prefix_affinity policies sharing the table at ``table``, and two without
+    one, each told ``ready``."""
+    from corral.balancer.routing import make_policy
+
+    shared = [make_policy("prefix_affinity", affinity_file=str(table)) for _ in range(2)]
+    alone = [make_policy("prefix_affinity") for _ in range(2)]
+    for policy in shared + alone:
+        policy.update(ready, {})
+    return shared, alone
+
+
 def test_a_spilled_conversation_is_followed_by_every_worker(tmp_path: Path) -> None:
     """Worker A sees a conversation's first choice over the load bound and sends its first
     turn to the next replica; worker B, seeing no load, would send the next turn back to the
     first choice and compute the whole history again. With the table the workers share
     (corral.balancer.affinity), every later turn follows the spill, from either worker."""
     from corral.balancer.affinity import AffinityTable, table_path
-    from corral.balancer.routing import make_policy
 
     ready = (1, 2, 3, 4)
     path = table_path(tmp_path, "chat")
-    shared = [make_policy("prefix_affinity", affinity_file=str(path)) for _ in range(2)]
-    alone = [make_policy("prefix_affinity") for _ in range(2)]
-    for policy in shared + alone:
-        policy.update(ready, {})
+    shared, alone = worker_pairs(path, ready)
     assert path.exists() and path.stat().st_mode & 0o777 == 0o600
     moved = 0
     for conv in range(20):
@@ -680,14 +688,9 @@ def test_a_new_document_is_placed_once_for_every_worker(tmp_path: Path) -> None:
     replica busier than the others, would place it elsewhere and compute it a second time.
     With the table the workers share, B's questions go where A put the document."""
     from corral.balancer.affinity import table_path
-    from corral.balancer.routing import make_policy
 
     ready = (1, 2, 3, 4)
-    path = table_path(tmp_path, "rag")
-    shared = [make_policy("prefix_affinity", affinity_file=str(path)) for _ in range(2)]
-    alone = [make_policy("prefix_affinity") for _ in range(2)]
-    for policy in shared + alone:
-        policy.update(ready, {})
+    shared, alone = worker_pairs(table_path(tmp_path, "rag"), ready)
     apart = 0
     for d in range(12):
         doc = f"Document {d}. " + "Its shared text goes on. " * 150

@@ -20,14 +20,12 @@ so a daemon restart or upgrade keeps it, as it keeps the workers.
 
 from __future__ import annotations
 
-import logging
 import mmap
-import os
 import struct
 from pathlib import Path
 from typing import Final
 
-log = logging.getLogger("corral.balancer")
+from corral.balancer.shared_file import map_shared
 
 DEFAULT_SLOTS: Final = 1 << 16  # 512 KiB a service: 64k conversations in flight or recent
 _WORD: Final = struct.Struct("<Q")
@@ -55,16 +53,8 @@ class AffinityTable:
         if slots < 1 or slots & (slots - 1):
             raise ValueError(f"slots must be a power of two, not {slots}")
         size = slots * _WORD.size
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size < size:
-                    os.ftruncate(fd, size)  # zeros: every slot empty; racing workers agree
-                mapped = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        except (OSError, ValueError) as exc:
-            log.warning("conversation table %s not shared: %s", path, exc)
+        mapped = map_shared(path, size, "conversation table")
+        if mapped is None:
             return None
         return cls(mapped, slots)
 

@@ -19,15 +19,13 @@ wrong is a load off by a few requests for a moment, never a wrong answer.
 
 from __future__ import annotations
 
-import logging
 import mmap
-import os
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-log = logging.getLogger("corral.balancer")
+from corral.balancer.shared_file import map_shared
 
 ROWS: Final = 16  # worker slots a board has room for; a worker past them keeps its own view
 COLUMNS: Final = 64  # ready replicas; past them a replica's load is this worker's alone
@@ -59,16 +57,8 @@ class LoadBoard:
         if path is None or workers < 2 or not 0 <= slot < ROWS:
             return None
         size = ROWS * _ROW.size
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size < size:
-                    os.ftruncate(fd, size)
-                mapped = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        except (OSError, ValueError) as exc:
-            log.warning("load board %s not shared: %s", path, exc)
+        mapped = map_shared(path, size, "load board")
+        if mapped is None:
             return None
         return cls(mapped, slot, min(workers, ROWS))
 

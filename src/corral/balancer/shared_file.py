@@ -1,0 +1,33 @@
+"""A small file every balancer worker of a service maps, for what they keep in common.
+
+The conversation table (:mod:`corral.balancer.affinity`) and the board of counts in flight
+(:mod:`corral.balancer.load_board`) are both such files: created 0600 in the data plane's
+directory, zero-filled to their size (zero reads as "nothing here" in both), and mapped shared,
+so a write by one worker is seen by the others at once without a lock or a message.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from pathlib import Path
+
+log = logging.getLogger("corral.balancer")
+
+
+def map_shared(path: str | Path, size: int, what: str) -> mmap.mmap | None:
+    """``path`` mapped for reading and writing, created (0600) and grown with zeros to ``size``
+    bytes when it is smaller; None, logged as ``what`` not shared, when it cannot be: the
+    workers then go on as if each were alone."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # zeros; racing workers agree on them
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError) as exc:
+        log.warning("%s %s not shared: %s", what, path, exc)
+        return None
