@@ -24,8 +24,9 @@ What runs (everything on 127.0.0.1, every run bounded in time and requests):
   ``LoadBalancer`` in a process of its own (bench/_llm_lb.py, uvloop, refreshing the engines'
   metrics every second as a balancer worker does) with ``round_robin``, ``least_load``,
   ``prefix_affinity``, ``prefix_affinity`` in 2 processes on one port (SO_REUSEPORT,
-  ``routing["workers"]=2``) and, as an optional row, ``prefix_affinity`` with a hold
-  (``max_in_flight_per_replica`` 8); sglang-router 0.3.2 (``cache_aware`` default and with
+  ``routing["workers"]=2``) and, as optional rows, ``prefix_affinity`` with a hold
+  (``max_in_flight_per_replica`` 8) and ``least_load`` in 2 processes (what two processes cost
+  a policy that shares nothing between them); sglang-router 0.3.2 (``cache_aware`` default and with
   ``--balance-abs-threshold 4``; ``round_robin`` as an optional row, nginx's policy); vllm-router
   0.1.17 (``cache_aware`` default and tuned, ``consistent_hash`` on ``X-Session-ID``). The two
   Rust routers are pip wheels installed into this script's Python environment (the project's
@@ -287,6 +288,8 @@ def default_specs() -> list[RouterSpec]:
             optional=True,
         ),
         RouterSpec("corral prefix_aff x2", "corral", "prefix_affinity", workers=2),
+        # What two processes cost a policy that shares nothing between them: the control.
+        RouterSpec("corral least_load x2", "corral", "least_load", workers=2, optional=True),
         RouterSpec("sglang cache_aware", "sglang", "cache_aware"),
         RouterSpec("sglang cache_aware abs4", "sglang", "cache_aware", abs4),
         RouterSpec("sglang round_robin", "sglang", "round_robin", optional=True),
