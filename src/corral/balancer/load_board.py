@@ -83,16 +83,15 @@ class LoadBoard:
         exact) plus what the other workers' rows say."""
         totals = {rid: own.get(rid, 0) for rid in candidates}
         column = self._column
+        cells_of = [(rid, column[rid]) for rid in candidates if rid in column]
         for row in range(self._rows):
             if row == self._slot:
                 continue
             cells = _ROW.unpack_from(self._map, row * _ROW.size)
-            for rid in candidates:
-                i = column.get(rid)
-                if i is not None:
-                    cell = cells[i]
-                    if cell >> 32 == rid:
-                        totals[rid] += cell & _COUNT_MASK
+            for rid, i in cells_of:
+                cell = cells[i]
+                if cell >> 32 == rid:
+                    totals[rid] += cell & _COUNT_MASK
         return totals
 
     def clear(self) -> None:

@@ -190,17 +190,17 @@ class PrefixAffinity:
         in_flight: Mapping[int, int],
         matched: Mapping[int, int],
         anchor_blocks: int,
-        placed: int | None = None,
+        sticky: int | None = None,
         slack: float = SLACK,
     ) -> int:
         """Of ``candidates`` (in the conversation's order) under the load bound: where any
-        worker sent the conversation's last turn (``placed``, the shared table), else the
+        worker sent the conversation's last turn (``sticky``, the shared table), else the
         first, unless one holds a longer prefix of it past ``anchor_blocks``."""
         waiting = self._waiting
         loads = {rid: in_flight.get(rid, 0) + waiting.get(rid, 0.0) for rid in candidates}
         limit = bound(loads, candidates, self.balance, slack)
-        if placed is not None and placed in loads and loads[placed] < limit + STICKY:
-            return placed
+        if sticky is not None and sticky in loads and loads[sticky] < limit + STICKY:
+            return sticky
         order = [rid for rid in candidates if loads[rid] < limit]
         if not order:
             return self._by_load.select(candidates, in_flight)
