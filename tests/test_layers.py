@@ -4,7 +4,9 @@ Why: a circle between modules (the daemon importing the API that imports the dae
 each half impossible to change, test or read alone, and the order of layers is what
 docs/architecture.md promises a newcomer. Every import counts, also one inside a function;
 only ``if TYPE_CHECKING:`` blocks (annotations, never run) and a module's own parent packages
-(Python initialises those first whatever is written) are left out.
+(Python initialises those first whatever is written) are left out. Inside the balancer even
+those blocks count: a lower module names what it needs of a higher one by a Protocol
+(corral.balancer.roles), never by the higher one's class.
 """
 
 from __future__ import annotations
@@ -25,15 +27,19 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def _imports(
+    name: str, path: Path, modules: dict[str, Path], type_checking: bool = False
+) -> set[str]:
+    """What ``name`` imports; with ``type_checking``, also inside ``if TYPE_CHECKING:``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     seen: set[str] = set()
 
     class Visitor(ast.NodeVisitor):
         def visit_If(self, node: ast.If) -> None:
             test = node.test
-            if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == (
-                "TYPE_CHECKING"
+            if not type_checking and (
+                getattr(test, "id", None) == "TYPE_CHECKING"
+                or getattr(test, "attr", None) == "TYPE_CHECKING"
             ):
                 for child in node.orelse:
                     self.visit(child)
@@ -58,9 +64,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return {m for m in seen if m in modules and m != name and m not in ancestors}
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(type_checking: bool = False) -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    return {name: _imports(name, path, modules, type_checking) for name, path in modules.items()}
 
 
 def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -78,6 +84,24 @@ def test_no_import_circle() -> None:
     assert "corral.daemon" in graph and "corral.balancer.fast" in graph
     circles = sorted(name for name in graph if name in _reaches(graph, name))
     assert not circles, f"modules on an import circle: {circles}"
+
+
+def test_the_balancer_has_no_circle_even_in_annotations() -> None:
+    """The balancer's modules form no circle with ``if TYPE_CHECKING:`` imports counted: no
+    module names, even in an annotation, a class of a module that imports it (``LoadBalancer``
+    in ``client``, ``ClientConnection`` in ``exchange`` ...; it names a Protocol of
+    corral.balancer.roles instead), so each reads from the bottom up and one request can be
+    followed from accept to answer."""
+    graph = _graph(type_checking=True)
+    balancer = {
+        name: {m for m in imported if m.startswith("corral.balancer.")}
+        for name, imported in graph.items()
+        if name.startswith("corral.balancer.")
+    }
+    circles = sorted(name for name in balancer if name in _reaches(balancer, name))
+    assert not circles, f"balancer modules on an import circle, annotations counted: {circles}"
+    # annotations were counted: exchange imports roles only under TYPE_CHECKING
+    assert "corral.balancer.roles" in balancer["corral.balancer.exchange"]
 
 
 def test_the_top_layers_point_down() -> None:

@@ -36,8 +36,17 @@ from corral.balancer.http1 import (
 )
 
 if TYPE_CHECKING:
-    from corral.balancer.proxy import LoadBalancer
+    from typing import Protocol
+
+    from corral.balancer.roles import Balancer, Pending
     from corral.balancer.upstream import UpstreamConnection
+
+    class Listener(Balancer, Protocol):
+        """The balancer as its client connections see it: a :class:`Balancer` that keeps
+        the set of them open (which roles.py, below this module, cannot name)."""
+
+        _clients: set[ClientConnection]
+
 
 __all__ = ["MAX_HEADERS", "ClientConnection"]
 
@@ -62,7 +71,7 @@ class ClientConnection(asyncio.Protocol):
     fast_response = fast.try_response
     materialize = fast.materialize
 
-    def __init__(self, lb: LoadBalancer) -> None:
+    def __init__(self, lb: Listener) -> None:
         self.lb = lb
         self.transport: asyncio.Transport | None = None
         self.peer = b""
@@ -306,7 +315,7 @@ class ClientConnection(asyncio.Protocol):
         self.deadline_kind = kind
         self.deadline = time.monotonic() + seconds if kind != DL_NONE else 0.0
 
-    def exchange_done(self, ex: Exchange, keep_alive: bool, body_unread: bool) -> None:
+    def exchange_done(self, ex: Pending, keep_alive: bool, body_unread: bool) -> None:
         """The exchange answered; go on with the next request or close."""
         if self.exchange is not ex:
             return

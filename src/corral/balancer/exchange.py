@@ -64,8 +64,7 @@ from corral.balancer.relay import (
 from corral.balancer.upstream import Target, UpstreamConnection
 
 if TYPE_CHECKING:
-    from corral.balancer.client import ClientConnection
-    from corral.balancer.proxy import LoadBalancer
+    from corral.balancer.roles import Balancer, Downstream
 
 __all__ = [
     "BUFFER_RESPONSE_BYTES",
@@ -92,8 +91,8 @@ class Exchange(ResponseRelay):
 
     def __init__(
         self,
-        lb: LoadBalancer,
-        client: ClientConnection,
+        lb: Balancer,
+        client: Downstream,
         method: bytes,
         target: bytes,
         http11: bool,

@@ -70,7 +70,9 @@ from corral.balancer.policies import RequestView
 from corral.balancer.speedups import lead_split
 
 if TYPE_CHECKING:
-    from corral.balancer.client import ClientConnection
+    from typing import Protocol
+
+    from corral.balancer.roles import Balancer, Downstream
     from corral.balancer.upstream import UpstreamConnection
 
 __all__ = ["Blocks", "FastState", "Lead", "Memo", "materialize", "try_request", "try_response"]
@@ -108,6 +110,44 @@ Lead = tuple[bytes, bytes, bytes, "bytes | None", "bytes | None", bytes, bytes]
 # A validated response head: status, Content-Length, head rewritten (None: unchanged).
 _Checked = tuple[int, int, "bytes | None"]
 
+if TYPE_CHECKING:
+
+    class FastDownstream(Downstream, Protocol):
+        """A :class:`~corral.balancer.client.ClientConnection` as its fast path sees it: the
+        functions here are its methods (``fast_response``, ``materialize``) or run in its
+        ``data_received``, so they read its state as it does."""
+
+        @property
+        def lb(self) -> Balancer: ...
+
+        peer: bytes
+        xff_line: bytes
+        memo: Memo | None
+        blocks: Blocks | None
+        lead: Lead | None
+        fast: FastState | None
+        exchange: Exchange | None
+        kept_alive: bool
+        _buf: bytes
+        _parser: httptools.HttpRequestParser | None
+        _eof: bool
+        _paused: int
+
+        def _run(
+            self, ex: Exchange, length: int | None, chunked: bool, picked: int | None
+        ) -> None: ...
+
+        def _process(self) -> None: ...
+
+        def _unpause(self) -> None: ...
+
+        def _close(self) -> None: ...
+
+        def fast_response(self, conn: UpstreamConnection, data: bytes) -> bool: ...
+
+        def materialize(self) -> Exchange: ...
+
+
 # A head this long may hold MAX_HEADERS (128) minimal header lines; shorter ones cannot.
 # Request and response heads up to this long are remembered (one per client connection, one per
 # replica): the same bytes again skip the scans and llhttp, whose verdict on them is known.
@@ -122,7 +162,7 @@ _LENGTH: Final = b"\r\ncontent-length:"
 _LENGTH_NAME: Final = b"\r\nContent-Length:"  # as most clients spell it
 
 
-def try_request(cl: ClientConnection, data: bytes) -> bool:
+def try_request(cl: FastDownstream, data: bytes) -> bool:
     """Proxy ``data`` if it is one whole common request (see the module docstring); False
     when the general path must handle it, with nothing done yet."""
     lb = cl.lb
@@ -232,7 +272,7 @@ def try_request(cl: ClientConnection, data: bytes) -> bool:
 
 
 def _send(
-    cl: ClientConnection,
+    cl: FastDownstream,
     method: bytes,
     target: bytes,
     http11: bool,
@@ -302,7 +342,7 @@ def _send(
     return True
 
 
-def try_response(cl: ClientConnection, conn: UpstreamConnection, data: bytes) -> bool:
+def try_response(cl: FastDownstream, conn: UpstreamConnection, data: bytes) -> bool:
     """Relay ``data`` if it is the whole plain answer to the fast request in flight; False
     when the general path must handle it (nothing done yet)."""
     fast = cl.fast
@@ -416,7 +456,7 @@ def _check_head(conn: UpstreamConnection, data: bytes, end: int) -> _Checked | N
     return int(status), length, head
 
 
-def materialize(cl: ClientConnection) -> Exchange:
+def materialize(cl: FastDownstream) -> Exchange:
     """The Exchange a fast request in flight stands for, in the state the general path would
     have it in after sending the request; it takes over from here."""
     fast = cl.fast

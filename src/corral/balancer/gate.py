@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from corral.balancer.exchange import Exchange
+    from corral.balancer.roles import Pending
 
 # Retry-After on a 503 for a request held past its bound.
 HELD_RETRY_AFTER: Final = 1
@@ -38,7 +38,7 @@ class Gate:
         # This worker's share of the limit: each balancer worker counts only its own requests.
         self._limit = math.ceil(max_in_flight / max(1, workers)) if max_in_flight else 0
         self._hold_timeout = hold_timeout
-        self._held: deque[tuple[float, Exchange]] = deque()
+        self._held: deque[tuple[float, Pending]] = deque()
         self._held_total = 0
         self._held_expired = 0
         self._wake_scheduled = False
@@ -58,7 +58,7 @@ class Gate:
         untried = [rid for rid in self._ready_ids if rid not in tried]
         return bool(untried) and not self._room(untried)
 
-    def _hold(self, ex: Exchange) -> None:
+    def _hold(self, ex: Pending) -> None:
         self._held.append((time.monotonic() + self._hold_timeout, ex))
         self._held_total += 1
 

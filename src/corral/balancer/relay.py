@@ -19,8 +19,7 @@ from corral.balancer.http1 import LAST_CHUNK, content_length
 from corral.balancer.speedups import StreamBatch
 
 if TYPE_CHECKING:
-    from corral.balancer.client import ClientConnection
-    from corral.balancer.proxy import LoadBalancer
+    from corral.balancer.roles import Balancer, Downstream
     from corral.balancer.upstream import UpstreamConnection
 
 __all__ = ["BUFFER_RESPONSE_BYTES", "ResponseRelay"]
@@ -47,8 +46,8 @@ class ResponseRelay:
     """The response side of an exchange (see the module docstring)."""
 
     # The exchange's state this half reads and writes (set by Exchange.__init__).
-    lb: LoadBalancer
-    client: ClientConnection
+    lb: Balancer
+    client: Downstream
     conn: UpstreamConnection | None
     streaming_to: UpstreamConnection | None
     rid: int | None

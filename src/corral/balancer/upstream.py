@@ -10,8 +10,8 @@ complete) and no per-header callback; the raw head is taken from the bytes recei
 passes to the client as one block (see :mod:`corral.balancer.headers`). The connection knows
 nothing of retries or clients: it reports to the :class:`Exchange` using it through the small
 :class:`ResponseSink` interface. While it carries a request of the fast path
-(:mod:`corral.balancer.fast`) it has no sink but a ``fast_client``, which either takes a plain
-answer whole or turns the request into an Exchange that becomes the sink.
+(:mod:`corral.balancer.fast`) it has no sink but a ``fast_client`` (:class:`FastClient`), which
+either takes a plain answer whole or turns the request into an Exchange that becomes the sink.
 """
 
 from __future__ import annotations
@@ -20,15 +20,19 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Final, Protocol, cast
+from typing import Final, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
 
-if TYPE_CHECKING:
-    from corral.balancer.client import ClientConnection
-
-__all__ = ["KEEPALIVE_SECONDS", "Pool", "ResponseSink", "Target", "UpstreamConnection"]
+__all__ = [
+    "KEEPALIVE_SECONDS",
+    "FastClient",
+    "Pool",
+    "ResponseSink",
+    "Target",
+    "UpstreamConnection",
+]
 
 logger = logging.getLogger("corral.balancer")
 
@@ -67,6 +71,20 @@ class ResponseSink(Protocol):
         ...
 
     def on_spliced_data(self, data: bytes) -> None: ...
+
+
+class FastClient(Protocol):
+    """What a connection calls on the client connection whose fast-path request it carries
+    (:mod:`corral.balancer.fast`)."""
+
+    def fast_response(self, conn: UpstreamConnection, data: bytes) -> bool:
+        """Relay ``data`` if it is the whole plain answer; False: nothing done, the
+        connection's own parser and the exchange take it."""
+        ...
+
+    def materialize(self) -> object:
+        """Turn the fast request into the Exchange it stands for (which becomes the sink)."""
+        ...
 
 
 class _SkipBody(Exception):
@@ -116,7 +134,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.target = target
         self.transport: asyncio.Transport | None = None
         self.sink: ResponseSink | None = None
-        self.fast_client: ClientConnection | None = None  # carrying a fast-path request
+        self.fast_client: FastClient | None = None  # carrying a fast-path request
         self.spliced = False
         self.closed = False
         self.idle_since = 0.0
