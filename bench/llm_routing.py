@@ -290,6 +290,15 @@ def default_specs() -> list[RouterSpec]:
         RouterSpec("corral prefix_aff x2", "corral", "prefix_affinity", workers=2),
         # What two processes cost a policy that shares nothing between them: the control.
         RouterSpec("corral least_load x2", "corral", "least_load", workers=2, optional=True),
+        # The same without the bound on a replica's share of the requests (what it changes).
+        RouterSpec(
+            "corral prefix_aff x2 noshare",
+            "corral",
+            "prefix_affinity",
+            ["--option", "share_balance=1000"],
+            workers=2,
+            optional=True,
+        ),
         RouterSpec("sglang cache_aware", "sglang", "cache_aware"),
         RouterSpec("sglang cache_aware abs4", "sglang", "cache_aware", abs4),
         RouterSpec("sglang round_robin", "sglang", "round_robin", optional=True),
@@ -604,6 +613,7 @@ class Workload:
     max_tokens: int
     turns: int = 1
     think: float = 0.0
+    documents: int = DOCUMENTS  # rag: the shared documents the questions follow
 
 
 async def run_workload(
@@ -667,12 +677,12 @@ async def run_workload(
 
             tasks.append(asyncio.create_task(chat(offset, system, users, thinks, conv)))
     else:
-        docs = [words(text, 1500) for _ in range(DOCUMENTS)]
+        docs = [words(text, 1500) for _ in range(wl.documents)]
         offset = 0.0
         for q in range(wl.requests):
             offset += shape.expovariate(wl.rate)
             if wl.name == "rag":
-                doc = docs[shape.randrange(DOCUMENTS)]
+                doc = docs[shape.randrange(wl.documents)]
                 question = words(text, shape.randint(20, 60))
                 prompt = f"{doc}\n\nQuestion: {question}\nAnswer:"
             else:
@@ -846,6 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--think", type=float, default=0.3, help="mean think time between turns, s")
     p.add_argument("--questions", type=int, default=100, help="requests per rag/control run")
+    p.add_argument("--documents", type=int, default=DOCUMENTS, help="rag's shared documents")
     p.add_argument("--chat-max-tokens", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=16, help="rag and control answers")
     p.add_argument("--cache-blocks", type=int, default=1536, help="each engine's KV cache")
@@ -992,7 +1003,7 @@ def workload_of(args: argparse.Namespace, name: str, rate: float) -> Workload:
             args.turns,
             args.think,
         )
-    return Workload(name, rate, args.questions, args.max_tokens)
+    return Workload(name, rate, args.questions, args.max_tokens, documents=args.documents)
 
 
 def prefix_importable() -> bool:

@@ -43,6 +43,10 @@ How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call t
    nothing waited 1.6x longer than under round robin). The next prompt sharing its blocks
    follows it there (step 5).
    Chats always take step 2, which keeps a conversation together across workers.
+7. **A share of the requests** (:mod:`corral.balancer.recent_share`): a replica above
+   SHARE_BALANCE times an even share of this worker's recent requests takes no new
+   conversation or document question (a placed conversation's turns still go there): its
+   cache makes it fast, so the load bound alone lets it serve more than its share.
 
 Everything here is per worker and in memory, but for the table the workers share in the data
 plane's directory: a daemon SIGKILL or upgrade changes nothing, and a worker restarted relearns
@@ -60,6 +64,7 @@ from corral.balancer.load_board import LoadBoard
 from corral.balancer.policies import DEFAULT_BALANCE, EngineLoad, LeastLoad, RequestView
 from corral.balancer.prefix import PrefixIndex, rendezvous_order, stable_key
 from corral.balancer.prompt import read_prompt
+from corral.balancer.recent_share import RecentShare
 
 __all__ = ["DEFAULT_BALANCE", "PrefixAffinity", "SessionAffinity"]
 
@@ -83,6 +88,13 @@ PULL_SLACK: Final = 1.0
 # (and PULL_SLACK 1) a conversation's turns stayed on one replica 0.98-0.99 of the time near
 # saturation, against 0.91 with neither.
 STICKY: Final = 1.0
+# A replica whose share of the recent requests is above this many times an even share is
+# passed over by all but the conversations placed on it (:mod:`corral.balancer.recent_share`).
+# Measured (bench/llm_routing.py, RAG at 24 req/s, 400 questions, 4 and 10 documents, 2
+# workers): the busiest replica's share went from 0.30-0.36 to 0.26-0.29 at the same hit rate;
+# 1.25 left it at 0.29-0.33.
+SHARE_BALANCE: Final = 1.15
+_NONE: Final[frozenset[int]] = frozenset()
 
 
 def bound(
@@ -109,18 +121,23 @@ class PrefixAffinity:
         index_blocks: int = DEFAULT_INDEX_BLOCKS,
         table: AffinityTable | None = None,
         board: LoadBoard | None = None,
+        share_balance: float = SHARE_BALANCE,
     ) -> None:
         if balance < 1.0:
             raise ValueError(f"balance must be at least 1.0, not {balance}")
+        if share_balance < 1.0:
+            raise ValueError(f"share_balance must be at least 1.0, not {share_balance}")
         if anchor_chars < 1 or block_chars < 1 or index_blocks < 1:
             raise ValueError("anchor_chars, block_chars and index_blocks must be positive")
         self.prompt_field = prompt_field
         self.balance = balance
+        self.share_balance = share_balance
         self.anchor_chars = anchor_chars
         self.table = table
         self.board = board
         self.index = PrefixIndex(block_chars=block_chars, max_blocks_per_replica=index_blocks)
         self._by_load = LeastLoad()
+        self.recent = RecentShare()
         self._ready: frozenset[int] = frozenset()
         self._waiting: dict[int, float] = {}
 
@@ -128,6 +145,7 @@ class PrefixAffinity:
         now = frozenset(ready)
         for rid in self._ready - now:
             self.index.forget(rid)  # a replica that left: what it cached is gone with it
+            self.recent.forget(rid)
         self._ready = now
         self._waiting = {rid: load.waiting for rid, load in engines.items()}
 
@@ -139,6 +157,16 @@ class PrefixAffinity:
         candidates: Sequence[int],
         in_flight: Mapping[int, int],
         request: RequestView | None = None,
+    ) -> int:
+        chosen = self._select(candidates, in_flight, request)
+        self.recent.add(chosen)
+        return chosen
+
+    def _select(
+        self,
+        candidates: Sequence[int],
+        in_flight: Mapping[int, int],
+        request: RequestView | None,
     ) -> int:
         if len(candidates) > 1 and self.board is not None:
             # Every worker's requests, not this one's alone (the load bound is by the mean).
@@ -174,11 +202,17 @@ class PrefixAffinity:
         if not matched and not prompt.chat:
             # Nothing of it sent anywhere yet, and no conversation to keep together: a one-off
             # (or a document's first question) goes by load, so new documents spread; the
-            # next prompt that shares its blocks follows it here.
+            # next prompt that shares its blocks follows it here. Not bounded by share: no
+            # cache pulls a one-off anywhere, and least load keeps such prompts' shares even.
             chosen = self._by_load.select(candidates, in_flight)
         else:
+            # Replicas over their share of recent requests take no new conversation or
+            # document question; a placed conversation's turns pass (``sticky``). Without the
+            # table a chat has no place but its anchor's order: not bounded there.
+            bounded = table is not None or not prompt.chat
+            hot = self.recent.over(candidates, self.share_balance) if bounded else _NONE
             order = rendezvous_order(key, candidates)
-            chosen = self._choose(order, in_flight, matched, own, sticky, slack)
+            chosen = self._choose(order, in_flight, matched, own, sticky, slack, hot)
         if table is not None and chosen != placed:
             table.put(key, chosen)
         self.index.insert(chosen, hashes)
@@ -192,16 +226,18 @@ class PrefixAffinity:
         anchor_blocks: int,
         sticky: int | None = None,
         slack: float = SLACK,
+        hot: frozenset[int] = frozenset(),
     ) -> int:
         """Of ``candidates`` (in the conversation's order) under the load bound: where any
         worker sent the conversation's last turn (``sticky``, the shared table), else the
-        first, unless one holds a longer prefix of it past ``anchor_blocks``."""
+        first not ``hot`` (over its share of recent requests), unless one holds a longer
+        prefix of it past ``anchor_blocks``."""
         waiting = self._waiting
         loads = {rid: in_flight.get(rid, 0) + waiting.get(rid, 0.0) for rid in candidates}
         limit = bound(loads, candidates, self.balance, slack)
         if sticky is not None and sticky in loads and loads[sticky] < limit + STICKY:
             return sticky
-        order = [rid for rid in candidates if loads[rid] < limit]
+        order = [rid for rid in candidates if loads[rid] < limit and rid not in hot]
         if not order:
             return self._by_load.select(candidates, in_flight)
         first = order[0]

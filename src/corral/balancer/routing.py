@@ -50,6 +50,7 @@ def make_policy(
     session_cookie: str | None = None,
     affinity_file: str | None = None,
     load_board: LoadBoard | None = None,
+    share_balance: float | None = None,
 ) -> Policy:
     """Build a fresh policy from its service-YAML name and options.
 
@@ -61,7 +62,7 @@ def make_policy(
     if name == "prefix_affinity" or session_header or session_cookie:
         # Imported here: a service under a load policy never loads the prompt readers.
         from corral.balancer.affinity import AffinityTable
-        from corral.balancer.prefix_policy import PrefixAffinity, SessionAffinity
+        from corral.balancer.prefix_policy import SHARE_BALANCE, PrefixAffinity, SessionAffinity
     policy: Policy
     if name == "round_robin":
         policy = RoundRobin()
@@ -74,7 +75,12 @@ def make_policy(
     elif name == "prefix_affinity":
         table = AffinityTable.open(Path(affinity_file)) if affinity_file else None
         policy = PrefixAffinity(
-            prompt_field=prompt_field, balance=balance, table=table, board=load_board
+            prompt_field=prompt_field,
+            balance=balance,
+            table=table,
+            board=load_board,
+            # Not a spec field: bench/llm_routing.py compares settings with it.
+            share_balance=SHARE_BALANCE if share_balance is None else share_balance,
         )
     else:
         raise ValueError(
