@@ -51,6 +51,8 @@ def routing_of(args: argparse.Namespace) -> dict[str, Any]:
         routing["load_file"], routing["slot"] = args.load_file, args.slot
     if args.max_in_flight is not None:
         routing["max_in_flight_per_replica"] = args.max_in_flight
+    if args.hold_patience is not None:
+        routing["hold_patience"] = args.hold_patience
     return routing
 
 
@@ -94,6 +96,7 @@ def cli() -> None:
     parser.add_argument("--policy", default="round_robin")
     parser.add_argument("--option", action="append", default=[], help="policy option KEY=JSON")
     parser.add_argument("--max-in-flight", type=int, default=None, help="per replica (a hold)")
+    parser.add_argument("--hold-patience", type=float, default=None, help="s; 0: any replica")
     parser.add_argument("--workers", type=int, default=1, help="processes sharing the port")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT")

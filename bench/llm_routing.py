@@ -287,6 +287,15 @@ def default_specs() -> list[RouterSpec]:
             ["--max-in-flight", "8"],
             optional=True,
         ),
+        # The same hold, first in first out to any replica (what the hold was before it
+        # waited for the replica with the cache).
+        RouterSpec(
+            "corral prefix_aff hold8 fifo",
+            "corral",
+            "prefix_affinity",
+            ["--max-in-flight", "8", "--hold-patience", "0"],
+            optional=True,
+        ),
         RouterSpec("corral prefix_aff x2", "corral", "prefix_affinity", workers=2),
         # What two processes cost a policy that shares nothing between them: the control.
         RouterSpec("corral least_load x2", "corral", "least_load", workers=2, optional=True),

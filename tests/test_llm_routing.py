@@ -175,6 +175,63 @@ def test_the_limit_is_shared_between_balancer_workers() -> None:
     run(go())
 
 
+def _held_for_home(patience: float) -> tuple[int, int, int]:
+    """Two replicas, one request each at most, prefix_affinity. A document's first question
+    holds its replica (its home); a second question arrives while only the other replica has
+    room. Returns (home, where the second was answered, requests held while the home was
+    busy)."""
+
+    async def go() -> tuple[int, int, int]:
+        async with fleet(2) as replicas:
+            ready = {r.rid: r.url for r in replicas}
+            routing = {
+                "max_in_flight_per_replica": 1,
+                "hold_timeout": 20,
+                "hold_patience": patience,
+            }
+            doc = "The shared document. " * 100
+            async with (
+                balancer(ready, policy="prefix_affinity", routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}"
+                first = asyncio.create_task(http.post(url + "/hold", json={"prompt": doc + "Q0?"}))
+                await wait_until(lambda: sum(r.arrived for r in replicas) == 1, 10, "the home busy")
+                home = next(r for r in replicas if r.arrived)
+                second = asyncio.create_task(
+                    http.post(url + "/after", json={"prompt": doc + "Q1?"})
+                )
+                if patience > 1:
+                    await wait_until(lambda: lb.held() == 1, 10, "the question held")
+                    await asyncio.sleep(0.3)
+                    held = lb.held()
+                    home.gate.set()
+                else:
+                    await asyncio.sleep(0)
+                    held = lb.held()
+                answer = await second
+                where = (await answer.json())["replica"]
+                home.gate.set()
+                assert (await first).status == 200 and answer.status == 200
+                assert lb.held() == 0
+                return home.rid, where, held
+
+    return run(go())
+
+
+def test_a_held_request_waits_for_the_replica_that_has_its_prefix() -> None:
+    """With room only on the other replica, a question of a document cached on a busy one
+    waits for it (within its patience) rather than compute the document elsewhere."""
+    home, where, held = _held_for_home(patience=10)
+    assert held == 1
+    assert where == home  # FIFO to any replica would answer from the other: the test can fail
+
+
+def test_past_its_patience_a_held_request_takes_any_replica_with_room() -> None:
+    home, where, _ = _held_for_home(patience=0.2)
+    assert where != home  # the home stays busy until the answer came
+
+
 # -- session affinity -----------------------------------------------------------------------------
 
 
@@ -647,6 +704,7 @@ def test_the_llm_settings_are_checked_and_reach_the_route() -> None:
     config = route_of(spec, 8080).config
     assert config["routing"]["options"] == {"session_header": "X-Session-ID", "balance": 1.25}
     assert config["routing"]["max_in_flight_per_replica"] == 8
+    assert config["routing"]["hold_patience"] == 0.5
     assert config["engine_metrics_path"] == "/metrics"
     LoadBalancer(name="x", policy=config["policy"], routing=config["routing"])  # it builds
     plain = route_of(parse_spec(base), 8080).config
@@ -655,6 +713,7 @@ def test_the_llm_settings_are_checked_and_reach_the_route() -> None:
         ("max_in_flight_per_replica: 0", "max_in_flight_per_replica"),
         ("session_header: 'a b'", "session_header"),
         ("balance_factor: 0.5", "balance_factor"),
+        ("hold_patience_seconds: -1", "hold_patience_seconds"),
         ("engine_metrics_path: metrics", "engine_metrics_path"),
     ):
         with pytest.raises(SpecError) as caught:

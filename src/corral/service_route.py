@@ -65,6 +65,7 @@ def llm_settings(spec: ServiceSpec) -> dict[str, Any]:
     if lb.max_in_flight_per_replica:
         routing["max_in_flight_per_replica"] = lb.max_in_flight_per_replica
         routing["hold_timeout"] = lb.hold_timeout_seconds
+        routing["hold_patience"] = lb.hold_patience_seconds
     out: dict[str, Any] = {"routing": routing} if routing else {}
     # Read under prefix_affinity (the queue is part of a replica's load) and for an
     # autoscaler on the engines' signals (queue, KV-cache use, tokens per second).

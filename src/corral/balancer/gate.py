@@ -1,4 +1,4 @@
-"""Holding requests in the balancer while every replica is at its limit.
+"""Which replica may take a request now, and holding requests while none may.
 
 An LLM engine takes every request it is sent and queues what its batch cannot run; a request
 queued there waits behind that replica's work even when another replica frees up first. With a
@@ -7,6 +7,18 @@ this worker's share of it), a request that finds every replica at its limit wait
 first in, first out, and goes out the moment any replica has room (SkyWalker's "selective
 pushing"). The wait is bounded: past ``hold_timeout`` the client gets a 503 with Retry-After,
 never a hang. Without a limit nothing here runs, and plain HTTP pays one attribute test.
+
+**Waiting for the replica that has the cache.** Under a policy that reads the request
+(``prefix_affinity``, session affinity) the replica it prefers is worth waiting for: the
+prompt's prefix is cached there, and elsewhere it is computed again. So with a limit, the
+policy chooses among all replicas (not only those with room); when its choice is at the limit,
+the request waits for that replica (its *home*), and goes out the moment the home has room,
+ahead of the requests waiting for any replica. A home's waiting requests count as its load in
+the policy's bound, so a hot prompt family that piles up behind one replica spills to the next
+of its order. A request waits for its home at most ``patience`` seconds (the spec's
+``hold_patience_seconds``, HOLD_PATIENCE by default: a slot frees every few tens of
+milliseconds on a busy engine, while recomputing a long prompt costs hundreds), then goes to
+whichever replica has room first, as a blind policy's requests do.
 
 A mixin of :class:`~corral.balancer.proxy.LoadBalancer`, like its counters: the state stays
 plain attributes of the balancer.
@@ -17,31 +29,87 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from corral.balancer.roles import Pending
+    from corral.balancer.policies import Policy, RequestView
+    from corral.balancer.roles import Held, Pending
 
 # Retry-After on a 503 for a request held past its bound.
 HELD_RETRY_AFTER: Final = 1
+# How long a held request waits for the replica its policy chose before taking any with room.
+HOLD_PATIENCE: Final = 0.5
 
 
 class Gate:
-    """The holding half of the balancer (see the module docstring)."""
+    """The picking and holding half of the balancer (see the module docstring)."""
 
     _in_flight: dict[int, int]
     _ready_ids: tuple[int, ...]
+    _ejected: dict[int, float]
+    _policy: Policy
 
-    def _init_gate(self, max_in_flight: int | None, hold_timeout: float, workers: int) -> None:
+    def _init_gate(
+        self,
+        max_in_flight: int | None,
+        hold_timeout: float,
+        workers: int,
+        patience: float = HOLD_PATIENCE,
+    ) -> None:
         # This worker's share of the limit: each balancer worker counts only its own requests.
         self._limit = math.ceil(max_in_flight / max(1, workers)) if max_in_flight else 0
         self._hold_timeout = hold_timeout
-        self._held: deque[tuple[float, Pending]] = deque()
+        # Whether a request must be looked at before a replica is picked: a policy reads it,
+        # or a limit may hold it. Plain HTTP under a load policy tests this one flag.
+        self._gated = self._policy.reads_request or bool(self._limit)
+        # Whether a held request waits for the replica its policy prefers (see above).
+        self._affine = self._policy.reads_request and bool(self._limit) and patience > 0
+        self._patience = patience
+        self._held: deque[Held] = deque()
+        self._homes: Counter[int] = Counter()  # held requests waiting for each replica
+        self._want: int | None = None  # the full home _pick chose, for the _hold that follows
+        self._anywhere = False  # _pick for a request past its patience: any replica with room
         self._held_total = 0
         self._held_expired = 0
         self._wake_scheduled = False
+
+    def _pick(self, tried: Sequence[int], request: RequestView | None = None) -> int | None:
+        """Choose a ready replica not tried yet (with room, under a limit); None when there
+        is none, or when the policy's choice is full and worth waiting for (``_full`` is
+        then true). ``request`` goes to a policy that reads requests."""
+        self._want = None
+        ids = self._ready_ids
+        candidates: Sequence[int] = ids if not tried else [r for r in ids if r not in tried]
+        if not candidates:
+            return None
+        if not self._gated:
+            return self._policy.select(self._healthy(candidates), self._in_flight)
+        if self._affine and not self._anywhere and request is not None:
+            loads: Mapping[int, int] = self._in_flight
+            if self._homes:  # those waiting for a replica are its load too
+                loads = {rid: loads.get(rid, 0) + self._homes[rid] for rid in candidates}
+            rid = self._policy.select(self._healthy(candidates), loads, request)
+            if self._in_flight.get(rid, 0) < self._limit:
+                return rid
+            self._want = rid
+            return None
+        candidates = self._room(candidates)
+        if not candidates:
+            return None
+        return self._policy.select(self._healthy(candidates), self._in_flight, request)
+
+    def _healthy(self, candidates: Sequence[int]) -> Sequence[int]:
+        """Candidates minus recently unreachable ones (all of them if every one is)."""
+        if not self._ejected:
+            return candidates
+        now = time.monotonic()
+        for rid, until in list(self._ejected.items()):
+            if until <= now:
+                del self._ejected[rid]
+        healthy = [rid for rid in candidates if rid not in self._ejected]
+        return healthy or candidates
 
     def _room(self, candidates: Sequence[int]) -> Sequence[int]:
         """Candidates below this worker's share of the limit (all of them without one)."""
@@ -52,14 +120,18 @@ class Gate:
         return [rid for rid in candidates if get(rid, 0) < limit]
 
     def _full(self, tried: Sequence[int]) -> bool:
-        """Every untried ready replica is at its limit (and there is one)."""
+        """The request must wait: its home is full (``_pick`` said so), or every untried
+        ready replica is at its limit (and there is one)."""
         if not self._limit:
             return False
-        untried = [rid for rid in self._ready_ids if rid not in tried]
-        return bool(untried) and not self._room(untried)
+        return self._want is not None or self._full_for_any(tried)
 
     def _hold(self, ex: Pending) -> None:
-        self._held.append((time.monotonic() + self._hold_timeout, ex))
+        now = time.monotonic()
+        home, self._want = self._want, None
+        if home is not None:
+            self._homes[home] += 1
+        self._held.append((now + self._hold_timeout, now + self._patience, home, ex))
         self._held_total += 1
 
     def _room_freed(self) -> None:
@@ -70,23 +142,57 @@ class Gate:
             asyncio.get_running_loop().call_soon(self._send_held)
 
     def _send_held(self) -> None:
+        """Send what can go: a request waiting for its home once the home has room, one
+        waiting for any replica (or past its patience) once any has room; oldest first."""
         self._wake_scheduled = False
         held = self._held
-        while held:
-            _, ex = held[0]
+        waiting = list(held)
+        held.clear()
+        keep: list[Held] = []
+        now = time.monotonic()
+        for entry in waiting:
+            _, until, home, ex = entry
+            if not ex.done:
+                if home is not None and now < until and home in self._ready_ids:
+                    if self._in_flight.get(home, 0) >= self._limit:
+                        keep.append(entry)
+                        continue
+                    ex.picked = home
+                elif self._full_for_any(ex.tried):
+                    keep.append(entry)
+                    continue
+            self._unwait(home)
             if ex.done:
-                held.popleft()
                 continue
-            if self._full(ex.tried):
-                return
-            held.popleft()
-            ex.next_attempt()  # room now, so it goes out (and never comes back here)
+            self._anywhere = True  # past its patience (or no home): any with room
+            try:
+                ex.next_attempt()  # room now, so it goes out (a new hold lands in ``held``)
+            finally:
+                self._anywhere = False
+        again = list(held)
+        held.clear()
+        held.extend(keep)
+        held.extend(again)
+
+    def _full_for_any(self, tried: Sequence[int]) -> bool:
+        """Every untried ready replica is at its limit (and there is one)."""
+        untried = [rid for rid in self._ready_ids if rid not in tried]
+        return bool(untried) and not self._room(untried)
+
+    def _unwait(self, home: int | None) -> None:
+        """A request that waited for ``home`` left the hold."""
+        if home is not None:
+            self._homes[home] -= 1
+            if self._homes[home] <= 0:
+                del self._homes[home]
 
     def _expire_held(self, now: float) -> None:
-        """Answer 503 to what waited past its bound (called by the balancer's ticker)."""
+        """Answer 503 to what waited past its bound, and send on what waited past its
+        patience (called by the balancer's ticker)."""
         held = self._held
-        while held and (held[0][0] <= now or held[0][1].done):
-            _, ex = held.popleft()
+        while held and (held[0][0] <= now or held[0][3].done):
+            _, _, home, ex = held.popleft()
+            self._unwait(home)
             if ex.done:
                 continue
             self._held_expired += 1
@@ -97,7 +203,9 @@ class Gate:
                 "held_too_long",
                 extra=b"Retry-After: %d\r\n" % HELD_RETRY_AFTER,
             )
+        if self._homes:
+            self._room_freed()  # a patience may have ended: it may go anywhere now
 
     def held(self) -> int:
         """Requests waiting here now."""
-        return sum(1 for _, ex in self._held if not ex.done)
+        return sum(1 for *_, ex in self._held if not ex.done)

@@ -42,15 +42,15 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from corral.balancer.client import ClientConnection
 from corral.balancer.counting import Counters
 from corral.balancer.failures import describe, refused
-from corral.balancer.gate import Gate
+from corral.balancer.gate import HOLD_PATIENCE, Gate
 from corral.balancer.load_board import LoadBoard
-from corral.balancer.policies import EngineLoad, RequestView
+from corral.balancer.policies import EngineLoad
 from corral.balancer.routing import make_policy, shares_load
 from corral.balancer.settings import (
     DEFAULT_HEADER_BYTES,
@@ -167,11 +167,11 @@ class LoadBalancer(Counters, Gate):
 
     def _init_routing(self, routing: Mapping[str, Any]) -> None:
         """The policy and the hold (docs/llm.md). ``routing``: ``options`` (the policy's),
-        ``max_in_flight_per_replica`` and ``hold_timeout`` (the gate's), ``workers`` (how
-        many balancer workers share the service's port, and so its limit), ``affinity_file``
-        (the table of conversations they share, :mod:`corral.balancer.affinity`),
-        ``load_file`` and ``slot`` (their counts in flight, :mod:`corral.balancer.load_board`,
-        and this worker's row in it)."""
+        ``max_in_flight_per_replica``, ``hold_timeout`` and ``hold_patience`` (the gate's),
+        ``workers`` (how many balancer workers share the service's port, and so its limit),
+        ``affinity_file`` (the table of conversations they share,
+        :mod:`corral.balancer.affinity`), ``load_file`` and ``slot`` (their counts in flight,
+        :mod:`corral.balancer.load_board`, and this worker's row in it)."""
         workers = int(routing.get("workers", 1))
         # Only a policy that bounds load by the mean reads the other workers' counts; the rest
         # pay one None test per request's acquire and release.
@@ -188,10 +188,8 @@ class LoadBalancer(Counters, Gate):
             routing.get("max_in_flight_per_replica"),
             float(routing.get("hold_timeout", 30.0)),
             workers,
+            float(routing.get("hold_patience", HOLD_PATIENCE)),
         )
-        # Whether a request must be looked at before a replica is picked: a policy reads it,
-        # or a limit may hold it. Plain HTTP under a load policy tests this one flag.
-        self._gated = self._policy.reads_request or bool(self._limit)
         self._engines: dict[int, EngineLoad] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -411,19 +409,6 @@ class LoadBalancer(Counters, Gate):
 
     # ------------------------------------------------------------------ used by exchanges
 
-    def _pick(self, tried: Sequence[int], request: RequestView | None = None) -> int | None:
-        """Choose a ready replica not tried yet (with room, under a limit); None when there
-        is none. ``request`` goes to a policy that reads requests."""
-        ids = self._ready_ids
-        candidates: Sequence[int] = ids if not tried else [r for r in ids if r not in tried]
-        if self._gated:
-            candidates = self._room(candidates)
-        if not candidates:
-            return None
-        if not self._gated:
-            return self._policy.select(self._healthy(candidates), self._in_flight)
-        return self._policy.select(self._healthy(candidates), self._in_flight, request)
-
     def set_weights(self, weights: Mapping[int, float]) -> None:
         """What each replica serves relative to the others (its accelerator's target QPS):
         for a policy that weighs replicas (instance_aware_least_load)."""
@@ -434,17 +419,6 @@ class LoadBalancer(Counters, Gate):
         metrics): for a policy that weighs it."""
         self._engines = dict(engines)
         self._policy.update(self._ready_ids, self._engines)
-
-    def _healthy(self, candidates: Sequence[int]) -> Sequence[int]:
-        """Candidates minus recently unreachable ones (all of them if every one is)."""
-        if not self._ejected:
-            return candidates
-        now = time.monotonic()
-        for rid, until in list(self._ejected.items()):
-            if until <= now:
-                del self._ejected[rid]
-        healthy = [rid for rid in candidates if rid not in self._ejected]
-        return healthy or candidates
 
     async def _wait_for_ready(self, wait: float) -> None:
         loop = asyncio.get_running_loop()

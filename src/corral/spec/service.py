@@ -317,6 +317,10 @@ class LoadBalancerSettings(Section):
     max_in_flight_per_replica: int | None = Field(None, ge=1, le=1 << 16)
     # How long a held request may wait for room before a 503 with Retry-After.
     hold_timeout_seconds: float = Field(30.0, gt=0, le=MAX_SECONDS)
+    # Under a policy that prefers a replica (prefix_affinity, session affinity): how long a
+    # held request waits for that one (its cache is there) before taking any with room. 0:
+    # any replica, first in first out.
+    hold_patience_seconds: float = Field(0.5, ge=0, le=MAX_SECONDS)
     # Session affinity: requests carrying the same value of this header (or cookie) go to
     # the same replica, from every balancer worker.
     session_header: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
