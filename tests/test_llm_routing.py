@@ -232,6 +232,33 @@ def test_past_its_patience_a_held_request_takes_any_replica_with_room() -> None:
     assert where != home  # the home stays busy until the answer came
 
 
+def test_a_request_chosen_by_load_does_not_wait_for_a_full_replica() -> None:
+    """Under session affinity over round robin, a request without a session has no replica of
+    its own: with one replica full it is given the other, never held for the full one. With a
+    session, it waits for the session's replica."""
+
+    async def go() -> None:
+        routing = {
+            "options": {"session_header": "X-Session"},
+            "max_in_flight_per_replica": 1,
+            "hold_patience": 10,
+        }
+        lb = LoadBalancer(name="x", policy="round_robin", routing=routing)
+        lb.set_ready({1: "http://127.0.0.1:9", 2: "http://127.0.0.1:9"})
+        lb._in_flight[1] = 1
+        plain = RequestView(b"/", None, b"Host: x\r\n")
+        for _ in range(4):  # round robin names replica 1 for half of them
+            assert lb._pick((), plain) == 2
+        homes = set()
+        for session in range(20):
+            view = RequestView(b"/", None, b"Host: x\r\nX-Session: s%d\r\n" % session)
+            rid = lb._pick((), view)
+            homes.add(rid if rid is not None else ("held", lb._want))
+        assert homes == {2, ("held", 1)}  # the sessions of replica 1 wait for it
+
+    run(go())
+
+
 # -- session affinity -----------------------------------------------------------------------------
 
 

@@ -93,8 +93,10 @@ class Gate:
             rid = self._policy.select(self._healthy(candidates), loads, request)
             if self._in_flight.get(rid, 0) < self._limit:
                 return rid
-            self._want = rid
-            return None
+            if self._policy.preferred:
+                self._want = rid  # worth waiting for
+                return None
+            # a choice by load, full: any replica with room serves it as well
         candidates = self._room(candidates)
         if not candidates:
             return None

@@ -60,6 +60,10 @@ class Policy(Protocol):
 
     # True only for a policy that reads the request (the balancer then passes a RequestView).
     reads_request: bool
+    # Whether the last choice was for that request in particular (its prefix is cached there,
+    # its session lives there): worth a held request's wait (corral.balancer.gate). False for
+    # a choice by load, which any replica with room serves as well.
+    preferred: bool
 
     def select(
         self,
@@ -89,6 +93,7 @@ class _Blind:
     replica."""
 
     reads_request = False
+    preferred = False
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
         return None

@@ -137,6 +137,7 @@ class PrefixAffinity:
         self.board = board
         self.index = PrefixIndex(block_chars=block_chars, max_blocks_per_replica=index_blocks)
         self._by_load = LeastLoad()
+        self.preferred = False
         self.recent = RecentShare()
         self._ready: frozenset[int] = frozenset()
         self._waiting: dict[int, float] = {}
@@ -158,6 +159,7 @@ class PrefixAffinity:
         in_flight: Mapping[int, int],
         request: RequestView | None = None,
     ) -> int:
+        self.preferred = False  # until _choose says otherwise
         chosen = self._select(candidates, in_flight, request)
         self.recent.add(chosen)
         return chosen
@@ -213,6 +215,7 @@ class PrefixAffinity:
             hot = self.recent.over(candidates, self.share_balance) if bounded else _NONE
             order = rendezvous_order(key, candidates)
             chosen = self._choose(order, in_flight, matched, own, sticky, slack, hot)
+            self.preferred = True
         if table is not None and chosen != placed:
             table.put(key, chosen)
         self.index.insert(chosen, hashes)
@@ -274,6 +277,7 @@ class SessionAffinity:
         self.header = b"\r\n" + header.lower().encode() + b":" if header else None
         self.cookie = cookie.encode() + b"=" if cookie else None
         self.balance = balance
+        self.preferred = False
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
         self.inner.update(ready, engines)
@@ -290,13 +294,16 @@ class SessionAffinity:
         session = self._session(request.headers) if request is not None else None
         if session is None or len(candidates) == 1:
             chosen: int = self.inner.select(candidates, in_flight, request)
+            self.preferred = self.inner.preferred
             return chosen
         loads = {rid: float(in_flight.get(rid, 0)) for rid in candidates}
         limit = bound(loads, candidates, self.balance)
         for rid in rendezvous_order(stable_key(session), candidates):
             if loads[rid] < limit:
+                self.preferred = True
                 return rid
         chosen = self.inner.select(candidates, in_flight, request)
+        self.preferred = self.inner.preferred
         return chosen
 
     def _session(self, headers: bytes) -> str | None:
