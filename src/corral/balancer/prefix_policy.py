@@ -91,8 +91,8 @@ STICKY: Final = 1.0
 # A replica whose share of the recent requests is above this many times an even share is
 # passed over by all but the conversations placed on it (:mod:`corral.balancer.recent_share`).
 # Measured (bench/llm_routing.py, RAG at 24 req/s, 400 questions, 4 and 10 documents, 2
-# workers): the busiest replica's share went from 0.30-0.36 to 0.26-0.29 at the same hit rate;
-# 1.25 left it at 0.29-0.33.
+# workers, docs/benchmarks.md): the busiest replica's share went from 0.30-0.43 to 0.26-0.30
+# at a hit rate at most 0.01 lower; 1.25 left it at 0.29-0.33.
 SHARE_BALANCE: Final = 1.15
 _NONE: Final[frozenset[int]] = frozenset()
 
@@ -214,8 +214,8 @@ class PrefixAffinity:
             bounded = table is not None or not prompt.chat
             hot = self.recent.over(candidates, self.share_balance) if bounded else _NONE
             order = rendezvous_order(key, candidates)
+            self.preferred = True  # for this prompt's cache, unless _choose falls back to load
             chosen = self._choose(order, in_flight, matched, own, sticky, slack, hot)
-            self.preferred = True
         if table is not None and chosen != placed:
             table.put(key, chosen)
         self.index.insert(chosen, hashes)
@@ -242,6 +242,7 @@ class PrefixAffinity:
             return sticky
         order = [rid for rid in candidates if loads[rid] < limit and rid not in hot]
         if not order:
+            self.preferred = False
             return self._by_load.select(candidates, in_flight)
         first = order[0]
         best = max(order, key=lambda rid: matched.get(rid, 0))
