@@ -232,6 +232,42 @@ def test_past_its_patience_a_held_request_takes_any_replica_with_room() -> None:
     assert where != home  # the home stays busy until the answer came
 
 
+def test_requests_waiting_for_a_replica_count_as_its_load() -> None:
+    """A hot document's questions wait for its busy replica only until those waiting there put
+    it over the load bound (with 2 replicas and the slack of 2: 1 in flight and 4 waiting);
+    the next one goes to the other replica, which has room. Were the waiting not counted,
+    every question would wait for the one replica."""
+
+    async def go() -> None:
+        async with fleet(2) as replicas:
+            ready = {r.rid: r.url for r in replicas}
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20, "hold_patience": 20}
+            doc = "The hot document. " * 100
+            async with (
+                balancer(ready, policy="prefix_affinity", routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}/hold"
+                tasks = [asyncio.create_task(http.post(url, json={"prompt": doc + "Q0?"}))]
+                await wait_until(lambda: sum(r.arrived for r in replicas) == 1, 10, "home busy")
+                home = next(r for r in replicas if r.arrived)
+                other = next(r for r in replicas if r is not home)
+                for q in range(1, 6):
+                    tasks.append(
+                        asyncio.create_task(http.post(url, json={"prompt": doc + f"Q{q}?"}))
+                    )
+                    await wait_until(
+                        lambda q=q: lb.held() + other.arrived == q, 10, f"question {q} placed"
+                    )
+                assert (lb.held(), home.arrived, other.arrived) == (4, 1, 1)
+                home.gate.set()
+                other.gate.set()
+                for task in tasks:
+                    assert (await task).status == 200
+
+    run(go())
+
+
 def test_a_request_chosen_by_load_does_not_wait_for_a_full_replica() -> None:
     """Under session affinity over round robin, a request without a session has no replica of
     its own: with one replica full it is given the other, never held for the full one. With a
