@@ -25,19 +25,22 @@ What runs (everything on 127.0.0.1, every run bounded in time and requests):
   metrics every second as a balancer worker does) with ``round_robin``, ``least_load``,
   ``prefix_affinity``, ``prefix_affinity`` in 2 processes on one port (SO_REUSEPORT,
   ``routing["workers"]=2``) and, as optional rows, ``prefix_affinity`` with a hold
-  (``max_in_flight_per_replica`` 8) and ``least_load`` in 2 processes (what two processes cost
-  a policy that shares nothing between them); sglang-router 0.3.2 (``cache_aware`` default and with
-  ``--balance-abs-threshold 4``; ``round_robin`` as an optional row, nginx's policy); vllm-router
-  0.1.17 (``cache_aware`` default and tuned, ``consistent_hash`` on ``X-Session-ID``). The two
-  Rust routers are pip wheels installed into this script's Python environment (the project's
-  .venv) when missing: benchmark-only, small, and deliberately not dependencies in
-  pyproject.toml. Nothing is downloaded but from PyPI (and Debian's mirror for nginx).
+  (``max_in_flight_per_replica`` 8; and ``hold8 fifo``, the hold with ``hold_patience`` 0),
+  ``least_load`` in 2 processes (what two processes cost a policy that shares nothing between
+  them) and ``prefix_aff x2 noshare`` (the share bound off: ``share_balance`` 1000);
+  sglang-router 0.3.2 (``cache_aware`` default and with ``--balance-abs-threshold 4``;
+  ``round_robin`` as an optional row, nginx's policy); vllm-router 0.1.17 (``cache_aware``
+  default and tuned, ``consistent_hash`` on ``X-Session-ID``). The two Rust routers are pip
+  wheels installed into this script's Python environment (the project's .venv) when missing:
+  benchmark-only, small, and deliberately not dependencies in pyproject.toml. Nothing is
+  downloaded but from PyPI (and Debian's mirror for nginx).
 * Workloads, each client request on a NEW connection (as many clients do), streaming:
   ``chat``: conversations over 5 shared ~600-token system prompts, Poisson conversation starts,
   several turns each (turn N+1 = turn N's messages + the answer + a new user message, after a
   short think time), ``/v1/chat/completions``, ``X-Session-ID`` = the conversation;
-  ``rag``: independent questions after one of 4 shared ~1500-token documents, Poisson arrivals,
-  ``/v1/completions``; ``control``: random prompts of a chat turn's length, nothing shared.
+  ``rag``: independent questions after one of 4 (``--documents``) shared ~1500-token documents,
+  Poisson arrivals, ``/v1/completions``; ``control``: random prompts of a chat turn's length,
+  nothing shared.
 * Per run: achieved req/s, client TTFT p50/p99 (request sent to the first ``data:`` bytes),
   end-to-end p99, errors, the fleet's prefix-cache hit rate (deltas of
   ``vllm:prefix_cache_hits_total`` / ``queries_total`` over the 4 engines), the engines' own
@@ -855,7 +858,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--routers",
         default="",
         help="comma-separated row names (substrings), or all; default: every row but"
-        " the optional ones (corral prefix_aff hold8, sglang round_robin)",
+        " the optional ones (corral prefix_aff hold8 [fifo], least_load x2, prefix_aff x2"
+        " noshare, sglang round_robin)",
     )
     p.add_argument("--workloads", default="chat,rag,control")
     p.add_argument("--chat-rates", default="20,36", help="offered req/s levels of chat")
