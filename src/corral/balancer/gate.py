@@ -147,15 +147,21 @@ class Gate:
         """Send what can go: a request waiting for its home once the home has room, one
         waiting for any replica (or past its patience) once any has room; oldest first."""
         self._wake_scheduled = False
+        ids = self._ready_ids
+        if ids and not self._room(ids):  # every replica full (a wake from the ticker, say)
+            return
         held = self._held
         waiting = list(held)
         held.clear()
         keep: list[Held] = []
         now = time.monotonic()
-        for entry in waiting:
+        for i, entry in enumerate(waiting):
+            if ids and not self._room(ids):  # every replica full: nothing more can go now
+                keep.extend(waiting[i:])
+                break
             _, until, home, ex = entry
             if not ex.done:
-                if home is not None and now < until and home in self._ready_ids:
+                if home is not None and now < until and home in ids:
                     if self._in_flight.get(home, 0) >= self._limit:
                         keep.append(entry)
                         continue
