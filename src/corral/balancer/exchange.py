@@ -128,6 +128,9 @@ class Exchange(ResponseRelay):
         self.last: Failure | None = None
         self.rid: int | None = None
         self.picked: int | None = None  # the replica the fast path already picked
+        # The fast path's pick found no replica with room: the request waits, and the policy
+        # is not asked again (it counted the request once: share, index, table).
+        self.must_wait = False
         self.conn: UpstreamConnection | None = None
         self.task: asyncio.Task[None] | None = None
         self.waited = False
@@ -252,9 +255,13 @@ class Exchange(ResponseRelay):
             return
         lb = self.lb
         rid = self.picked
+        self.picked = None
+        if self.must_wait:
+            self.must_wait = False
+            lb._hold(self)  # for the home the fast path's pick chose (lb._want), if any
+            return
         if rid is None or rid not in lb._ready:
             rid = lb._pick(self.tried, self._view() if lb._gated else None)
-        self.picked = None
         if rid is None:
             if lb._full(self.tried):  # every replica at its limit: wait here for room
                 lb._hold(self)

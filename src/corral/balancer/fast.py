@@ -289,9 +289,11 @@ def _send(
     rid: int | None = None
     conn: UpstreamConnection | None = None
     now = time.monotonic()
+    wait = False
     if lb._gated:  # a policy that reads the request, or a limit that may hold it
         rid = lb._pick((), RequestView(target, body, kept))
         ids = () if rid is None else ids
+        wait = rid is None and lb._full(())
     elif ids:
         rid = lb._policy.select(lb._healthy(ids) if lb._ejected else ids, lb._in_flight)
     if ids and rid is not None:
@@ -311,6 +313,7 @@ def _send(
     if conn is None or rid is None:
         fwd = forwarded(kept, xff_line, lb._proto_line, fhost)
         ex = Exchange(lb, cl, method, target, http11, keep_alive, fwd, None)
+        ex.must_wait = wait  # held at once: asking the policy again would count it twice
         cl._buf = body or b""
         cl._run(ex, None if body is None else len(body), False, rid)
         return True
