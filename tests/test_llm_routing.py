@@ -817,6 +817,30 @@ def test_a_new_document_goes_by_load_and_its_next_questions_follow_it() -> None:
         assert policy.select(ready, in_flight, view(body, b"/v1/completions")) == homes[d]
 
 
+def test_a_document_on_two_replicas_goes_to_the_less_loaded_of_them() -> None:
+    """After a spill, two replicas hold a document: a question goes to whichever of them has
+    less in flight (never to a replica without it), so the copies share the document's
+    questions. Taking the first of its order, as before, sent it to the busier one."""
+    from corral.balancer.prefix import rendezvous_order, stable_key
+    from corral.balancer.prefix_policy import DEFAULT_ANCHOR_CHARS, PrefixAffinity
+
+    ready = (1, 2, 3, 4)
+    doc = "The shared document. " + "Its text goes on. " * 150
+    body = json.dumps({"prompt": doc + "A question?"}).encode()
+
+    def choose(in_flight: dict[int, int]) -> int:
+        policy = PrefixAffinity()
+        policy.update(ready, {})
+        for rid in order[:2]:
+            policy.index.insert(rid, policy.index.hashes(doc))
+        return policy.select(ready, in_flight, view(body, b"/v1/completions"))
+
+    order = rendezvous_order(stable_key(doc[:DEFAULT_ANCHOR_CHARS]), ready)
+    assert choose({}) == order[0]  # idle: the first of its order, as every worker would choose
+    # The first holder busier (under the bound); idle replicas without it are not taken.
+    assert choose({order[0]: 1}) == order[1]
+
+
 def test_a_new_document_is_placed_once_for_every_worker(tmp_path: Path) -> None:
     """Worker A places a new document by its own view of the load; worker B, seeing that
     replica busier than the others, would place it elsewhere and compute it a second time.

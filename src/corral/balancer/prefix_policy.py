@@ -34,8 +34,9 @@ How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call t
 5. Within those under the bound, a replica this worker knows holds a longer prefix of this
    prompt (its index of block hashes, :class:`corral.balancer.prefix.PrefixIndex`, bounded and
    LRU) wins over the anchor's first choice: a new conversation joins the replicas that hold
-   its system prompt, and after a spill the next turn follows the cache. Without the table
-   only a match past the anchor counts (the other workers could not follow).
+   its system prompt, and after a spill the next turn follows the cache. Of several that hold
+   it as far, the least loaded wins, so the copies of a document share its questions. Without
+   the table only a match past the anchor counts (the other workers could not follow).
 6. A prompt that is not a chat, of which this worker has sent nothing anywhere and the table
    knows nothing (a one-off, a new document's first question) goes by load: new documents
    spread over the replicas instead of meeting by chance on one (measured: with rendezvous
@@ -233,8 +234,9 @@ class PrefixAffinity:
     ) -> int:
         """Of ``candidates`` (in the conversation's order) under the load bound: where any
         worker sent the conversation's last turn (``sticky``, the shared table), else the
-        first not ``hot`` (over its share of recent requests), unless one holds a longer
-        prefix of it past ``anchor_blocks``."""
+        first not ``hot`` (over its share of recent requests), unless some hold a longer
+        prefix of it past ``anchor_blocks``: then the least loaded of those holding the
+        longest."""
         waiting = self._waiting
         loads = {rid: in_flight.get(rid, 0) + waiting.get(rid, 0.0) for rid in candidates}
         limit = bound(loads, candidates, self.balance, slack)
@@ -244,14 +246,19 @@ class PrefixAffinity:
         if not order:
             self.preferred = False
             return self._by_load.select(candidates, in_flight)
-        first = order[0]
-        best = max(order, key=lambda rid: matched.get(rid, 0))
         # Without the shared table only a match past the anchor (this conversation's own
         # cache) counts: a system prompt cached here must not pull the conversation away
         # from where the other workers, who cannot know, send its turns. With the table,
         # ``anchor_blocks`` is 0: the table tells them.
-        mine = matched.get(best, 0)
-        return best if mine > anchor_blocks and mine > matched.get(first, 0) else first
+        longest = max(matched.get(rid, 0) for rid in order)
+        if longest <= anchor_blocks:
+            return order[0]
+        # Several may hold it as far (a document or a system prompt that spilled once): the
+        # least loaded of them, first in the order on a tie. Their copies then share its
+        # requests, where the first would take them all until over a bound (measured: RAG's
+        # busiest replica 0.27-0.31 in place of 0.27-0.40, docs/benchmarks.md).
+        holders = [rid for rid in order if matched.get(rid, 0) == longest]
+        return holders[0] if len(holders) == 1 else min(holders, key=loads.__getitem__)
 
     def __repr__(self) -> str:
         return f"PrefixAffinity(balance={self.balance})"
