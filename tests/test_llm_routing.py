@@ -472,6 +472,38 @@ def test_the_workers_share_their_counts_in_flight(tmp_path: Path) -> None:
     b.close()
 
 
+def test_a_request_on_the_fast_path_is_on_the_board_while_in_flight(tmp_path: Path) -> None:
+    """A request written on a pooled connection (the fast path) counts on the board the other
+    workers read from the moment it is sent until its answer is back. It once counted only in
+    this worker's own view there, so the other workers saw the replica idle."""
+    from corral.balancer.load_board import LoadBoard, board_path
+
+    path = board_path(tmp_path, "llm")
+
+    async def go() -> None:
+        async with fleet(1) as replicas:
+            routing = {"load_file": str(path), "slot": 0, "workers": 2}
+            async with (
+                balancer({1: replicas[0].url}, policy="prefix_affinity", routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}"
+                other = LoadBoard.open(path, 1, 2)
+                assert other is not None
+                other.arrange((1,), {})
+                warm = await http.post(url + "/warm", json={"prompt": "hello"})
+                assert warm.status == 200 and other.totals((1,), {}) == {1: 0}
+                held = asyncio.create_task(http.post(url + "/hold", json={"prompt": "hi"}))
+                await wait_until(lambda: replicas[0].arrived == 1, 10, "the request sent")
+                assert other.totals((1,), {}) == {1: 1}
+                replicas[0].gate.set()
+                assert (await held).status == 200
+                assert other.totals((1,), {}) == {1: 0}
+                other.close()
+
+    run(go())
+
+
 def test_a_worker_passes_over_a_replica_another_worker_filled(tmp_path: Path) -> None:
     """Worker A has filled a conversation's first choice; worker B, which has sent it
     nothing, would send the conversation there too, past the load bound. With the board the

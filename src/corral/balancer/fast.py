@@ -319,8 +319,11 @@ def _send(
         return True
     lb._requests += 1
     lb._timestamps.append(now)  # what lb._count_request does, without the call
-    in_flight = lb._in_flight
-    in_flight[rid] = in_flight.get(rid, 0) + 1
+    if lb._board is None:
+        in_flight = lb._in_flight
+        in_flight[rid] = in_flight.get(rid, 0) + 1
+    else:
+        lb._acquire(rid)  # and the other workers see it on the board
     tail = b"\r\n" if body is None else b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
     dest = conn.target
     conn.fast_client = cl
@@ -402,8 +405,12 @@ def try_response(cl: FastDownstream, conn: UpstreamConnection, data: bytes) -> b
         cl.transport.write(out)  # type: ignore[union-attr]
     in_flight = lb._in_flight
     count = in_flight.get(rid, 0)
-    if (count > 1 or (count == 1 and not lb._drained and rid in lb._ready)) and not lb._held:
-        in_flight[rid] = count - 1  # what lb._release does when nothing waits on a 0
+    if (
+        (count > 1 or (count == 1 and not lb._drained and rid in lb._ready))
+        and not lb._held
+        and lb._board is None
+    ):
+        in_flight[rid] = count - 1  # what lb._release does when nothing waits and none reads
     else:
         lb._release(rid)
     if conn.closed or dest.retired or conn.read_paused:

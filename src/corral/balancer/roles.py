@@ -57,6 +57,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
+from corral.balancer.load_board import LoadBoard
 from corral.balancer.policies import Policy, RequestView
 from corral.balancer.upstream import Pool, Target, UpstreamConnection
 
@@ -149,6 +150,7 @@ class Balancer(Protocol):
     _policy: Policy
     _gated: bool  # a policy reads the request, or a limit may hold it
     _in_flight: dict[int, int]
+    _board: LoadBoard | None  # every worker's counts in flight, where the policy reads them
     _drained: dict[int, asyncio.Event]
     _ejected: dict[int, float]  # unreachable replicas, passed over until then
     _held: deque[Held]
