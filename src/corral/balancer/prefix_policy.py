@@ -258,7 +258,7 @@ class PrefixAffinity:
         # requests, where the first would take them all until over a bound (measured: RAG's
         # busiest replica 0.27-0.31 in place of 0.27-0.40, docs/benchmarks.md).
         holders = [rid for rid in order if matched.get(rid, 0) == longest]
-        return holders[0] if len(holders) == 1 else min(holders, key=loads.__getitem__)
+        return min(holders, key=loads.__getitem__)
 
     def __repr__(self) -> str:
         return f"PrefixAffinity(balance={self.balance})"
