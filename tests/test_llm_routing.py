@@ -39,12 +39,14 @@ def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
 
 
 class Replica:
-    """Answers ``/hold`` when its gate opens, anything else at once, naming itself."""
+    """Answers ``/hold`` when its gate opens, anything else at once, naming itself; on
+    ``/stream`` sends a first event at once and ends the stream when its gate opens."""
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
         self.gate = asyncio.Event()
         self.arrived = 0
+        self.streams = 0  # open on /stream
         self.paths: list[str] = []
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -63,9 +65,21 @@ class Replica:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         self.paths.append(request.path)
+        if request.path == "/stream":
+            answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await answer.prepare(request)
+            await answer.write(b"data: %d\n\n" % self.rid)
+            self.streams += 1
+            try:
+                await self.gate.wait()
+                await answer.write(b"data: [DONE]\n\n")
+                await answer.write_eof()
+            finally:
+                self.streams -= 1
+            return answer
         if request.path == "/hold":
             self.arrived += 1
             await self.gate.wait()
@@ -504,6 +518,114 @@ def test_a_request_on_the_fast_path_is_on_the_board_while_in_flight(tmp_path: Pa
     run(go())
 
 
+async def _first_event(http: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
+    """A stream opened through the balancer, once its first event has reached the client."""
+    stream = await http.get(url + "/stream")
+    assert stream.status == 200
+    assert (await stream.content.readline()).startswith(b"data:")
+    return stream
+
+
+@pytest.mark.parametrize("policy", ["least_load", "prefix_affinity"])
+def test_a_streaming_request_weighs_less_than_one_waiting_for_its_first_bytes(policy: str) -> None:
+    """Two replicas: one carries two streams under way, the other one request that has not
+    answered yet. A plain count sends the next request (one chosen by load: no prompt) to the
+    second (1 < 2); weighing what each costs a new request (corral.balancer.gate, "What a
+    load is") sends it to the first, where only decoding is going on. The streams' weight
+    leaves with them, also when a client goes away mid-stream."""
+
+    async def go() -> None:
+        async with fleet(2) as replicas:
+            ready = {r.rid: r.url for r in replicas}
+            async with (
+                balancer(ready, policy=policy) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}"
+                streams = [await _first_event(http, url) for _ in range(3)]
+                busy = next(r for r in replicas if r.streams == 2)
+                other = next(r for r in replicas if r is not busy)
+                other.gate.set()  # its one stream ends
+                await wait_until(lambda: lb.in_flight(other.rid) == 0, 10, "its stream done")
+                other.gate = asyncio.Event()
+                assert lb._streaming == {busy.rid: 2}
+                held = asyncio.create_task(http.get(url + "/hold"))
+                await wait_until(lambda: other.arrived == 1, 10, "a request awaiting its answer")
+                answer = await http.get(url + "/next")
+                assert (await answer.json())["replica"] == busy.rid
+                for stream in streams:
+                    stream.close()  # the clients go away mid-stream
+                await wait_until(lambda: lb.in_flight(busy.rid) == 0, 10, "the streams gone")
+                assert lb._streaming == {}
+                other.gate.set()
+                assert (await held).status == 200
+
+    run(go())
+
+
+def test_a_stream_under_way_is_on_the_workers_board_of_streams(tmp_path: Path) -> None:
+    """The other workers weigh this worker's streams as it does: one whose first event went
+    out is on the board of streams (beside its count on the board of requests in flight)
+    until it ends."""
+    from corral.balancer.load_board import LoadBoard, board_path, streams_path
+
+    path = board_path(tmp_path, "llm")
+
+    async def go() -> None:
+        async with fleet(1) as replicas:
+            routing = {"load_file": str(path), "slot": 0, "workers": 2}
+            async with (
+                balancer({1: replicas[0].url}, policy="prefix_affinity", routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                other = LoadBoard.open(path, 1, 2)
+                streams = LoadBoard.open(streams_path(path), 1, 2)
+                assert other is not None and streams is not None
+                other.arrange((1,), {})
+                streams.arrange((1,), {})
+                stream = await _first_event(http, f"http://{HOST}:{lb.port}")
+                assert other.totals((1,), {}) == {1: 1} and streams.totals((1,), {}) == {1: 1}
+                replicas[0].gate.set()
+                assert (await stream.read()).endswith(b"[DONE]\n\n")
+                await wait_until(lambda: lb.in_flight(1) == 0, 10, "the stream done")
+                assert other.totals((1,), {}) == {1: 0} and streams.totals((1,), {}) == {1: 0}
+                other.close()
+                streams.close()
+
+    run(go())
+
+
+def test_a_choice_by_load_weighs_the_other_workers_streams(tmp_path: Path) -> None:
+    """prefix_affinity in one worker, choosing by load (a request with no prompt): the other
+    worker has two streams under way on replica 1 and one request waiting on replica 2. Read
+    from the two boards, replica 1 weighs 2/16 and replica 2 weighs 1, so 1 is chosen; with
+    the streams board left out the plain counts choose 2."""
+    from corral.balancer.load_board import LoadBoard, board_path, streams_path
+    from corral.balancer.routing import make_policy
+
+    counts_path = board_path(tmp_path, "llm")
+    ready = (1, 2)
+    boards = {}
+    for path in (counts_path, streams_path(counts_path)):
+        mine, theirs = LoadBoard.open(path, 0, 2), LoadBoard.open(path, 1, 2)
+        assert mine is not None and theirs is not None
+        mine.arrange(ready, {})
+        boards[path] = (mine, theirs)
+    counts, streams = boards[counts_path], boards[streams_path(counts_path)]
+    counts[1].arrange(ready, {1: 2, 2: 1})
+    streams[1].arrange(ready, {1: 2})
+    request = RequestView(b"/next", None, b"")
+    weighed = make_policy("prefix_affinity", load_board=counts[0], stream_board=streams[0])
+    weighed.update(ready, {})
+    assert weighed.select(ready, {}, request) == 1
+    plain = make_policy("prefix_affinity", load_board=counts[0])
+    plain.update(ready, {})
+    assert plain.select(ready, {}, request) == 2
+    for pair in boards.values():
+        for board in pair:
+            board.close()
+
+
 def test_a_worker_passes_over_a_replica_another_worker_filled(tmp_path: Path) -> None:
     """Worker A has filled a conversation's first choice; worker B, which has sent it
     nothing, would send the conversation there too, past the load bound. With the board the
@@ -940,6 +1062,7 @@ def test_a_replica_killed_mid_stream_fails_its_streams_and_loses_its_conversatio
             # of its death (connected, then reset) is a 502 by design, never resent.
             await asyncio.to_thread(processes[home].wait, 10)
             await wait_until(lambda: lb.in_flight(home) == 0, 10, "the dead one's count at 0")
+            assert lb._streaming == {}  # its stream's weight left with it
 
             async def turn(turns: list[str]) -> dict[str, Any]:
                 body = json.loads(chat(SYSTEMS[1], turns))

@@ -142,6 +142,7 @@ class Exchange(ResponseRelay):
         self.started = False
         self.close_client = False
         self.ttft_from = 0.0
+        self.stream_counted = False  # in the balancer's streams (gate._stream_began)
         self.eof_ends = False
         self.pending_failure: Failure | None = None
         self.done = False
@@ -511,6 +512,9 @@ class Exchange(ResponseRelay):
     def _release(self) -> None:
         rid, self.rid = self.rid, None
         if rid is not None:
+            if self.stream_counted:
+                self.stream_counted = False
+                self.lb._stream_ended(rid)
             self.lb._release(rid)
 
     def _finish(self, keep_alive: bool) -> None:

@@ -295,7 +295,8 @@ def _send(
         ids = () if rid is None else ids
         wait = rid is None and lb._full(())
     elif ids:
-        rid = lb._policy.select(lb._healthy(ids) if lb._ejected else ids, lb._in_flight)
+        loads = lb._loads(ids) if lb._streaming else lb._in_flight
+        rid = lb._policy.select(lb._healthy(ids) if lb._ejected else ids, loads)
     if ids and rid is not None:
         idle = lb._ready[rid].idle
         if idle:

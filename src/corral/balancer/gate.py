@@ -20,6 +20,18 @@ of its order. A request waits for its home at most ``patience`` seconds (the spe
 milliseconds on a busy engine, while recomputing a long prompt costs hundreds), then goes to
 whichever replica has room first, as a blind policy's requests do.
 
+**What a load is.** A policy weighs each replica by its requests in flight, but in a choice by
+load a request whose streamed answer has begun weighs ``policies.STREAM_WEIGHT`` (1/16) of one
+still waiting for its first bytes (:meth:`Gate._loads`; ``prefix_affinity`` weighs streams so
+in its choices by load only, and bounds a replica's load by the plain counts). On an LLM engine
+the two cost a new request very different waits: one in its prefill holds the engine's next
+step for up to hundreds of milliseconds, while one decoding adds about a millisecond to each
+step, and a plain count weighs them alike. Measured on unshared prompts (docs/benchmarks.md, "A
+streamed answer under way weighs less"): ``least_load``'s TTFT p99 was above round robin's by a
+quarter; with the weight it is level with it. Only the general path sees a stream begin (the
+fast path's answers are whole, so their load is their count): plain HTTP pays one truth test of
+an empty dict per pick.
+
 A mixin of :class:`~corral.balancer.proxy.LoadBalancer`, like its counters: the state stays
 plain attributes of the balancer.
 """
@@ -33,7 +45,10 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
+from corral.balancer.policies import weigh_streams
+
 if TYPE_CHECKING:
+    from corral.balancer.load_board import LoadBoard
     from corral.balancer.policies import Policy, RequestView
     from corral.balancer.roles import Held, Pending
 
@@ -50,6 +65,8 @@ class Gate:
     _ready_ids: tuple[int, ...]
     _ejected: dict[int, float]
     _policy: Policy
+    _streaming: dict[int, int]
+    _stream_board: LoadBoard | None
 
     def _init_gate(
         self,
@@ -74,6 +91,33 @@ class Gate:
         self._held_total = 0
         self._held_expired = 0
         self._wake_scheduled = False
+        self._weighs = self._policy.weighs_streams
+
+    def _loads(self, candidates: Sequence[int]) -> Mapping[int, float]:
+        """Each candidate's load as the policy weighs it (see "What a load is" above): the
+        counts in flight themselves while no stream is under way."""
+        if not self._streaming or not self._weighs:
+            return self._in_flight
+        return weigh_streams(candidates, self._in_flight, self._streaming)
+
+    def _stream_began(self, rid: int) -> None:
+        """The first bytes of a streamed answer from ``rid`` went to its client."""
+        streaming = self._streaming
+        count = streaming[rid] = streaming.get(rid, 0) + 1
+        if self._stream_board is not None:
+            self._stream_board.publish(rid, count)
+
+    def _stream_ended(self, rid: int) -> None:
+        """A stream counted by :meth:`_stream_began` ends (``_release`` follows at once)."""
+        streaming = self._streaming
+        count = streaming.get(rid, 0) - 1
+        if count > 0:
+            streaming[rid] = count
+        else:
+            count = 0
+            streaming.pop(rid, None)
+        if self._stream_board is not None:
+            self._stream_board.publish(rid, count)
 
     def _pick(self, tried: Sequence[int], request: RequestView | None = None) -> int | None:
         """Choose a ready replica not tried yet (with room, under a limit); None when there
@@ -85,9 +129,9 @@ class Gate:
         if not candidates:
             return None
         if not self._gated:
-            return self._policy.select(self._healthy(candidates), self._in_flight)
+            return self._policy.select(self._healthy(candidates), self._loads(candidates))
         if self._affine and not self._anywhere and request is not None:
-            loads: Mapping[int, int] = self._in_flight
+            loads = self._loads(candidates)
             if self._homes:  # those waiting for a replica are its load too
                 loads = {rid: loads.get(rid, 0) + self._homes[rid] for rid in candidates}
             rid = self._policy.select(self._healthy(candidates), loads, request)
@@ -100,7 +144,7 @@ class Gate:
         candidates = self._room(candidates)
         if not candidates:
             return None
-        return self._policy.select(self._healthy(candidates), self._in_flight, request)
+        return self._policy.select(self._healthy(candidates), self._loads(candidates), request)
 
     def _healthy(self, candidates: Sequence[int]) -> Sequence[int]:
         """Candidates minus recently unreachable ones (all of them if every one is)."""

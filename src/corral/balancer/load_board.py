@@ -39,6 +39,18 @@ def board_path(directory: Path, service: str) -> Path:
     return directory / f"load-{service}.bin"
 
 
+def streams_path(board: str | Path) -> Path:
+    """Where the workers that share ``board`` count their streamed answers under way: a board
+    of its own, so a policy reads either count as it wants (``corral.balancer.gate``, "What a
+    load is")."""
+    board = Path(board)
+    return board.with_name(f"{board.stem}-streams.bin")
+
+
+def streams_board_path(directory: Path, service: str) -> Path:
+    return streams_path(board_path(directory, service))
+
+
 class LoadBoard:
     """One service's shared counts, as seen by the worker in ``slot``; see the module
     docstring."""
@@ -78,10 +90,10 @@ class LoadBoard:
             offset = self._slot * _ROW.size + i * 8
             _CELL.pack_into(self._map, offset, rid << 32 | (count & _COUNT_MASK))
 
-    def totals(self, candidates: Sequence[int], own: Mapping[int, int]) -> dict[int, int]:
+    def totals(self, candidates: Sequence[int], own: Mapping[int, float]) -> dict[int, float]:
         """Requests in flight to each candidate from every worker: ``own`` (this worker's,
         exact) plus what the other workers' rows say."""
-        totals = {rid: own.get(rid, 0) for rid in candidates}
+        totals: dict[int, float] = {rid: own.get(rid, 0) for rid in candidates}
         column = self._column
         cells_of = [(rid, column[rid]) for rid in candidates if rid in column]
         for row in range(self._rows):

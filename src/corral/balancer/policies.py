@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final, NamedTuple, Protocol
 
 __all__ = [
+    "STREAM_WEIGHT",
     "EngineLoad",
     "InstanceAwareLeastLoad",
     "LeastLoad",
@@ -28,12 +29,26 @@ __all__ = [
     "PowerOfTwo",
     "RequestView",
     "RoundRobin",
+    "weigh_streams",
 ]
 
 
 # How far over the mean load a replica may be before a request goes past it (prefix_affinity,
 # session affinity): consistent hashing with bounded loads.
 DEFAULT_BALANCE: Final = 1.25
+# What a request whose streamed answer has begun weighs in a choice by load, against one still
+# waiting for its first bytes (corral.balancer.gate, "What a load is"). A power of two, so
+# every load is an exact float.
+STREAM_WEIGHT: Final = 1 / 16
+
+
+def weigh_streams(
+    candidates: Sequence[int], in_flight: Mapping[int, float], streams: Mapping[int, float]
+) -> dict[int, float]:
+    """Each candidate's load with its streams under way weighing ``STREAM_WEIGHT``."""
+    get, streaming = in_flight.get, streams.get
+    less = 1.0 - STREAM_WEIGHT
+    return {rid: get(rid, 0) - less * streaming(rid, 0) for rid in candidates}
 
 
 class RequestView(NamedTuple):
@@ -60,6 +75,10 @@ class Policy(Protocol):
 
     # True only for a policy that reads the request (the balancer then passes a RequestView).
     reads_request: bool
+    # Whether the loads passed to ``select`` weigh a streamed answer under way at
+    # STREAM_WEIGHT (True), or are plain counts (False: a policy that ignores load, or one
+    # that weighs streams itself where it wants: corral.balancer.prefix_policy).
+    weighs_streams: bool
     # Whether the last choice was for that request in particular (its prefix is cached there,
     # its session lives there): worth a held request's wait (corral.balancer.gate). False for
     # a choice by load, which any replica with room serves as well.
@@ -68,12 +87,14 @@ class Policy(Protocol):
     def select(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         request: RequestView | None = None,
     ) -> int:
         """Return one id out of ``candidates`` (never empty).
 
-        ``in_flight`` maps replica id to requests currently sent to it; a missing id means 0.
+        ``in_flight`` maps replica id to its load: the requests currently sent to it (under
+        ``weighs_streams``, one whose streamed answer has begun counts ``STREAM_WEIGHT``); a
+        missing id means 0.
         """
         ...
 
@@ -93,6 +114,7 @@ class _Blind:
     replica."""
 
     reads_request = False
+    weighs_streams = True
     preferred = False
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
@@ -103,7 +125,7 @@ class _Blind:
 
 
 def _next_after(
-    candidates: Sequence[int], last: int | None, loads: Mapping[int, int] | None, target: int
+    candidates: Sequence[int], last: int | None, loads: Mapping[int, float] | None, target: int
 ) -> int:
     """Smallest candidate id greater than ``last``, wrapping to the smallest id.
 
@@ -133,6 +155,8 @@ class RoundRobin(_Blind):
     With a stable ready set of N replicas, N consecutive requests hit each replica exactly once.
     """
 
+    weighs_streams = False  # it reads no load
+
     def __init__(self) -> None:
         self._last: int | None = None
         # The successor of each id in the last candidates tuple seen (the balancer passes the
@@ -143,7 +167,7 @@ class RoundRobin(_Blind):
     def select(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         request: RequestView | None = None,
     ) -> int:
         if candidates is self._seen:
@@ -177,14 +201,14 @@ class LeastLoad(_Blind):
     def select(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         request: RequestView | None = None,
     ) -> int:
         # One pass: the least load so far, the smallest id with it, and the smallest id with
         # it after the last choice (what _next_after would find among the least loaded).
         last = self._last
         get = in_flight.get
-        least = -1
+        least: float = -1
         smallest = after = 0
         found_after = False
         for rid in candidates:
@@ -223,7 +247,7 @@ class PowerOfTwo(_Blind):
     def select(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         request: RequestView | None = None,
     ) -> int:
         n = len(candidates)
@@ -258,7 +282,7 @@ class InstanceAwareLeastLoad(_Blind):
     def select(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         request: RequestView | None = None,
     ) -> int:
         weights, last = self._weights, self._last

@@ -62,7 +62,13 @@ from typing import Any, Final
 
 from corral.balancer.affinity import AffinityTable
 from corral.balancer.load_board import LoadBoard
-from corral.balancer.policies import DEFAULT_BALANCE, EngineLoad, LeastLoad, RequestView
+from corral.balancer.policies import (
+    DEFAULT_BALANCE,
+    EngineLoad,
+    LeastLoad,
+    RequestView,
+    weigh_streams,
+)
 from corral.balancer.prefix import PrefixIndex, rendezvous_order, stable_key
 from corral.balancer.prompt import read_prompt
 from corral.balancer.recent_share import RecentShare
@@ -111,6 +117,10 @@ class PrefixAffinity:
     """See the module docstring."""
 
     reads_request = True
+    # Its bound weighs a replica's requests by their plain counts (what a replica carries:
+    # measured, weighing streams there let RAG's busiest engine take 0.30-0.32 of the requests
+    # where counts keep it at 0.27-0.29); its choices by load weigh streams (``_weighed``).
+    weighs_streams = False
 
     def __init__(
         self,
@@ -122,6 +132,8 @@ class PrefixAffinity:
         index_blocks: int = DEFAULT_INDEX_BLOCKS,
         table: AffinityTable | None = None,
         board: LoadBoard | None = None,
+        streams: Mapping[int, int] | None = None,
+        stream_board: LoadBoard | None = None,
         share_balance: float = SHARE_BALANCE,
     ) -> None:
         if balance < 1.0:
@@ -136,6 +148,8 @@ class PrefixAffinity:
         self.anchor_chars = anchor_chars
         self.table = table
         self.board = board
+        self.streams: Mapping[int, int] = {} if streams is None else streams
+        self.stream_board = stream_board
         self.index = PrefixIndex(block_chars=block_chars, max_blocks_per_replica=index_blocks)
         self._by_load = LeastLoad()
         self.preferred = False
@@ -154,10 +168,21 @@ class PrefixAffinity:
     def weigh(self, weights: Mapping[int, float]) -> None:
         return None
 
+    def _weighed(self, candidates: Sequence[int], in_flight: Mapping[int, float]) -> int:
+        """The choice by load: the least loaded, a stream under way weighing STREAM_WEIGHT
+        (``corral.balancer.gate``, "What a load is"); every worker's streams where they share
+        a board."""
+        streams: Mapping[int, float] = self.streams
+        if self.stream_board is not None and len(candidates) > 1:
+            streams = self.stream_board.totals(candidates, self.streams)
+        if any(streams.values()):
+            in_flight = weigh_streams(candidates, in_flight, streams)
+        return self._by_load.select(candidates, in_flight)
+
     def select(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         request: RequestView | None = None,
     ) -> int:
         self.preferred = False  # until _choose says otherwise
@@ -168,18 +193,18 @@ class PrefixAffinity:
     def _select(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         request: RequestView | None,
     ) -> int:
         if len(candidates) > 1 and self.board is not None:
             # Every worker's requests, not this one's alone (the load bound is by the mean).
             in_flight = self.board.totals(candidates, in_flight)
         if request is None or request.body is None or len(candidates) == 1:
-            return self._by_load.select(candidates, in_flight)
+            return self._weighed(candidates, in_flight)
         path = request.target.partition(b"?")[0].decode("latin-1")
         prompt = read_prompt(path, request.body, self.prompt_field)
         if prompt is None:
-            return self._by_load.select(candidates, in_flight)
+            return self._weighed(candidates, in_flight)
         text = prompt.text
         anchor = text[: prompt.anchor_end if prompt.chat else self.anchor_chars]
         hashes = self.index.hashes(text)
@@ -207,7 +232,7 @@ class PrefixAffinity:
             # (or a document's first question) goes by load, so new documents spread; the
             # next prompt that shares its blocks follows it here. Not bounded by share: no
             # cache pulls a one-off anywhere, and least load keeps such prompts' shares even.
-            chosen = self._by_load.select(candidates, in_flight)
+            chosen = self._weighed(candidates, in_flight)
         else:
             # Replicas over their share of recent requests take no new conversation or
             # document question; a placed conversation's turns pass (``sticky``). Without the
@@ -225,7 +250,7 @@ class PrefixAffinity:
     def _choose(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         matched: Mapping[int, int],
         anchor_blocks: int,
         sticky: int | None = None,
@@ -245,7 +270,7 @@ class PrefixAffinity:
         order = [rid for rid in candidates if loads[rid] < limit and rid not in hot]
         if not order:
             self.preferred = False
-            return self._by_load.select(candidates, in_flight)
+            return self._weighed(candidates, in_flight)
         # Without the shared table only a match past the anchor (this conversation's own
         # cache) counts: a system prompt cached here must not pull the conversation away
         # from where the other workers, who cannot know, send its turns. With the table,
@@ -282,6 +307,7 @@ class SessionAffinity:
         if not header and not cookie:
             raise ValueError("session affinity needs a header or a cookie name")
         self.inner = inner
+        self.weighs_streams: bool = inner.weighs_streams  # the loads are the inner policy's
         self.header = b"\r\n" + header.lower().encode() + b":" if header else None
         self.cookie = cookie.encode() + b"=" if cookie else None
         self.balance = balance
@@ -296,7 +322,7 @@ class SessionAffinity:
     def select(
         self,
         candidates: Sequence[int],
-        in_flight: Mapping[int, int],
+        in_flight: Mapping[int, float],
         request: RequestView | None = None,
     ) -> int:
         session = self._session(request.headers) if request is not None else None

@@ -49,7 +49,7 @@ from corral.balancer.client import ClientConnection
 from corral.balancer.counting import Counters
 from corral.balancer.failures import describe, refused
 from corral.balancer.gate import HOLD_PATIENCE, Gate
-from corral.balancer.load_board import LoadBoard
+from corral.balancer.load_board import LoadBoard, streams_path
 from corral.balancer.policies import EngineLoad
 from corral.balancer.routing import make_policy, shares_load
 from corral.balancer.settings import (
@@ -176,13 +176,22 @@ class LoadBalancer(Counters, Gate):
         # Only a policy that bounds load by the mean reads the other workers' counts; the rest
         # pay one None test per request's acquire and release.
         board = routing.get("load_file") if shares_load(self._policy_name) else None
-        self._board = LoadBoard.open(board, int(routing.get("slot", 0)), workers)
+        slot = int(routing.get("slot", 0))
+        self._board = LoadBoard.open(board, slot, workers)
+        # Requests whose streamed answer has begun, per replica (no entry at 0, so an empty
+        # dict means none: the one test plain HTTP pays), and every worker's on a board.
+        self._streaming: dict[int, int] = {}
+        self._stream_board = (
+            LoadBoard.open(streams_path(board), slot, workers) if board and self._board else None
+        )
         # ValueError on a bad name or option, before anything binds.
         self._policy = make_policy(
             self._policy_name,
             **dict(routing.get("options") or {}),
             affinity_file=routing.get("affinity_file"),
             load_board=self._board,
+            streams=self._streaming,
+            stream_board=self._stream_board,
         )
         self._init_gate(
             routing.get("max_in_flight_per_replica"),
@@ -258,8 +267,9 @@ class LoadBalancer(Counters, Gate):
             client.abort()
         self._clients.clear()
         self._pool.close_all()
-        if self._board is not None:
-            self._board.clear()  # its requests are over: they count nowhere any more
+        for board in (self._board, self._stream_board):
+            if board is not None:
+                board.clear()  # its requests are over: they count nowhere any more
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
@@ -374,6 +384,8 @@ class LoadBalancer(Counters, Gate):
         self._ready_ids = tuple(sorted(ready))
         if self._board is not None:
             self._board.arrange(self._ready_ids, self._in_flight)
+        if self._stream_board is not None:
+            self._stream_board.arrange(self._ready_ids, self._streaming)
         self._policy.update(self._ready_ids, self._engines)
         if ready:
             self._ready_event.set()

@@ -65,6 +65,7 @@ class ResponseRelay:
     status: int
     mode: int
     ttft_from: float  # when the request went out, until its first streamed bytes came
+    stream_counted: bool  # its first streamed bytes went out: the balancer counts a stream
     reply_head: bytes
     out: list[bytes]
     whole: list[bytes]
@@ -148,6 +149,9 @@ class ResponseRelay:
         if self.ttft_from and data:  # the first bytes of a streamed answer
             self.lb._observe_ttft(self.rid, time.monotonic() - self.ttft_from)
             self.ttft_from = 0.0
+            if self.rid is not None:  # its load drops to a stream's (corral.balancer.gate)
+                self.lb._stream_began(self.rid)
+                self.stream_counted = True
         if mode == _CHUNK:
             self.out.append(b"%x\r\n%b\r\n" % (len(data), data))
         elif mode == _RAW:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from corral.balancer.load_board import LoadBoard
@@ -150,6 +150,7 @@ class Balancer(Protocol):
     _policy: Policy
     _gated: bool  # a policy reads the request, or a limit may hold it
     _in_flight: dict[int, int]
+    _streaming: dict[int, int]  # requests whose streamed answer has begun (no entry at 0)
     _board: LoadBoard | None  # every worker's counts in flight, where the policy reads them
     _drained: dict[int, asyncio.Event]
     _ejected: dict[int, float]  # unreachable replicas, passed over until then
@@ -168,6 +169,14 @@ class Balancer(Protocol):
         ...
 
     def _hold(self, ex: Pending) -> None: ...
+
+    def _loads(self, candidates: Sequence[int]) -> Mapping[int, float]:
+        """Each candidate's load as a policy weighs it (streams weigh less)."""
+        ...
+
+    def _stream_began(self, rid: int) -> None: ...
+
+    def _stream_ended(self, rid: int) -> None: ...
 
     def _acquire(self, rid: int) -> None: ...
 

@@ -7,6 +7,7 @@ both, so neither imports the other's users.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -50,6 +51,8 @@ def make_policy(
     session_cookie: str | None = None,
     affinity_file: str | None = None,
     load_board: LoadBoard | None = None,
+    streams: Mapping[int, int] | None = None,
+    stream_board: LoadBoard | None = None,
     share_balance: float | None = None,
 ) -> Policy:
     """Build a fresh policy from its service-YAML name and options.
@@ -79,6 +82,8 @@ def make_policy(
             balance=balance,
             table=table,
             board=load_board,
+            streams=streams,
+            stream_board=stream_board,
             # Not a spec field: bench/llm_routing.py compares settings with it.
             share_balance=SHARE_BALANCE if share_balance is None else share_balance,
         )

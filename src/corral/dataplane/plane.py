@@ -29,7 +29,7 @@ from typing import Any, Final
 import psutil
 
 from corral.balancer.affinity import table_path
-from corral.balancer.load_board import board_path
+from corral.balancer.load_board import board_path, streams_board_path
 from corral.balancer.metrics import merge_stats
 from corral.dataplane.processes import (
     WORKER_STOP_TIMEOUT,
@@ -403,7 +403,7 @@ class DataPlane:
             return 0
         self._times.pop(name, None)
         self._bind_errors.pop(name, None)
-        for path in (table_path, board_path):  # a service of this name later starts afresh
+        for path in (table_path, board_path, streams_board_path):  # later: a fresh start
             with contextlib.suppress(OSError):
                 path(self.home / "dataplane", name).unlink()
         return self.changed()
