@@ -5,6 +5,7 @@ A replica is ended after its drain, so a drain that returns while some worker st
 it sends that worker's requests to a dead port (the 502s of a chaos round where a restarted
 daemon retired replicas before it pushed any table). Real :class:`DataPlane`, real worker
 processes, a real SQLite state file; the replica URL needs no server (nothing is requested).
+Last, what goes when a service is taken out of the table: the files its workers share.
 """
 
 from __future__ import annotations
@@ -88,3 +89,29 @@ def test_a_drain_waits_for_a_worker_that_is_not_connected(tmp_path: Path) -> Non
             assert len(now) == 2 and victim not in now, (victim, now, plane.workers())
 
     asyncio.run(scenario())
+
+
+def test_a_service_taken_down_leaves_none_of_its_shared_files(tmp_path: Path) -> None:
+    """The files the balancer workers of a service share (the conversation table, the board of
+    counts in flight, the board of streams under way) go with the service, so a service of
+    that name later starts afresh (docs/llm.md)."""
+    from corral.balancer.affinity import table_path
+    from corral.balancer.load_board import board_path, streams_board_path
+
+    home = tmp_path / "home"
+    shared = home / "dataplane"
+    shared.mkdir(parents=True)
+    plane = DataPlane(home, Store(home / "state.db"), workers=1, respawn=None)
+    files = [where(shared, "svc") for where in (table_path, board_path, streams_board_path)]
+    for path in files:
+        path.write_bytes(b"\0" * 64)
+    other = board_path(shared, "other")
+    other.write_bytes(b"\0" * 64)
+
+    async def scenario() -> None:
+        plane.route("svc", Route(port=free_port()))
+        assert plane.remove("svc")
+
+    asyncio.run(scenario())
+    assert [path for path in files if path.exists()] == []
+    assert other.exists()  # another service's is left alone
