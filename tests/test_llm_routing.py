@@ -486,34 +486,49 @@ def test_the_workers_share_their_counts_in_flight(tmp_path: Path) -> None:
     b.close()
 
 
+@asynccontextmanager
+async def one_of_two_workers(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[LoadBalancer, aiohttp.ClientSession, Replica, Any, Any]]:
+    """A balancer worker (slot 0 of 2, prefix_affinity, one replica: 1) and the other worker's
+    view of the boards they share: requests in flight, and streams under way."""
+    from corral.balancer.load_board import LoadBoard, board_path, streams_path
+
+    path = board_path(tmp_path, "llm")
+    async with fleet(1) as replicas:
+        routing = {"load_file": str(path), "slot": 0, "workers": 2}
+        async with (
+            balancer({1: replicas[0].url}, policy="prefix_affinity", routing=routing) as lb,
+            aiohttp.ClientSession() as http,
+        ):
+            counts = LoadBoard.open(path, 1, 2)
+            streams = LoadBoard.open(streams_path(path), 1, 2)
+            assert counts is not None and streams is not None
+            counts.arrange((1,), {})
+            streams.arrange((1,), {})
+            try:
+                yield lb, http, replicas[0], counts, streams
+            finally:
+                counts.close()
+                streams.close()
+
+
 def test_a_request_on_the_fast_path_is_on_the_board_while_in_flight(tmp_path: Path) -> None:
     """A request written on a pooled connection (the fast path) counts on the board the other
     workers read from the moment it is sent until its answer is back. It once counted only in
     this worker's own view there, so the other workers saw the replica idle."""
-    from corral.balancer.load_board import LoadBoard, board_path
-
-    path = board_path(tmp_path, "llm")
 
     async def go() -> None:
-        async with fleet(1) as replicas:
-            routing = {"load_file": str(path), "slot": 0, "workers": 2}
-            async with (
-                balancer({1: replicas[0].url}, policy="prefix_affinity", routing=routing) as lb,
-                aiohttp.ClientSession() as http,
-            ):
-                url = f"http://{HOST}:{lb.port}"
-                other = LoadBoard.open(path, 1, 2)
-                assert other is not None
-                other.arrange((1,), {})
-                warm = await http.post(url + "/warm", json={"prompt": "hello"})
-                assert warm.status == 200 and other.totals((1,), {}) == {1: 0}
-                held = asyncio.create_task(http.post(url + "/hold", json={"prompt": "hi"}))
-                await wait_until(lambda: replicas[0].arrived == 1, 10, "the request sent")
-                assert other.totals((1,), {}) == {1: 1}
-                replicas[0].gate.set()
-                assert (await held).status == 200
-                assert other.totals((1,), {}) == {1: 0}
-                other.close()
+        async with one_of_two_workers(tmp_path) as (lb, http, replica, other, _):
+            url = f"http://{HOST}:{lb.port}"
+            warm = await http.post(url + "/warm", json={"prompt": "hello"})
+            assert warm.status == 200 and other.totals((1,), {}) == {1: 0}
+            held = asyncio.create_task(http.post(url + "/hold", json={"prompt": "hi"}))
+            await wait_until(lambda: replica.arrived == 1, 10, "the request sent")
+            assert other.totals((1,), {}) == {1: 1}
+            replica.gate.set()
+            assert (await held).status == 200
+            assert other.totals((1,), {}) == {1: 0}
 
     run(go())
 
@@ -567,30 +582,15 @@ def test_a_stream_under_way_is_on_the_workers_board_of_streams(tmp_path: Path) -
     """The other workers weigh this worker's streams as it does: one whose first event went
     out is on the board of streams (beside its count on the board of requests in flight)
     until it ends."""
-    from corral.balancer.load_board import LoadBoard, board_path, streams_path
-
-    path = board_path(tmp_path, "llm")
 
     async def go() -> None:
-        async with fleet(1) as replicas:
-            routing = {"load_file": str(path), "slot": 0, "workers": 2}
-            async with (
-                balancer({1: replicas[0].url}, policy="prefix_affinity", routing=routing) as lb,
-                aiohttp.ClientSession() as http,
-            ):
-                other = LoadBoard.open(path, 1, 2)
-                streams = LoadBoard.open(streams_path(path), 1, 2)
-                assert other is not None and streams is not None
-                other.arrange((1,), {})
-                streams.arrange((1,), {})
-                stream = await _first_event(http, f"http://{HOST}:{lb.port}")
-                assert other.totals((1,), {}) == {1: 1} and streams.totals((1,), {}) == {1: 1}
-                replicas[0].gate.set()
-                assert (await stream.read()).endswith(b"[DONE]\n\n")
-                await wait_until(lambda: lb.in_flight(1) == 0, 10, "the stream done")
-                assert other.totals((1,), {}) == {1: 0} and streams.totals((1,), {}) == {1: 0}
-                other.close()
-                streams.close()
+        async with one_of_two_workers(tmp_path) as (lb, http, replica, counts, streams):
+            stream = await _first_event(http, f"http://{HOST}:{lb.port}")
+            assert counts.totals((1,), {}) == {1: 1} and streams.totals((1,), {}) == {1: 1}
+            replica.gate.set()
+            assert (await stream.read()).endswith(b"[DONE]\n\n")
+            await wait_until(lambda: lb.in_flight(1) == 0, 10, "the stream done")
+            assert counts.totals((1,), {}) == {1: 0} and streams.totals((1,), {}) == {1: 0}
 
     run(go())
 
