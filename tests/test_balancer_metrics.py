@@ -240,7 +240,7 @@ def test_merge_stats_sums_workers_and_render_is_cumulative() -> None:
     assert merged["ready"] == [1, 2]
     replica = dict(merged["replicas"]["1"])
     assert replica.pop("ttft")["count"] == 0  # no streamed answer in these stats
-    assert replica == {"ready": True, "in_flight": 1, "served": 3, "failed": 1}
+    assert replica == {"ready": True, "in_flight": 1, "streaming": 0, "served": 3, "failed": 1}
     assert merged["latency"]["count"] == 5 and merged["latency"]["sum"] == 200.51
     json.dumps(merged)  # what crosses the process boundary
     assert merge_stats([])["requests"] == 0

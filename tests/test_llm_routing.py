@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from corral.balancer import LoadBalancer
+from corral.balancer import LoadBalancer, merge_stats, render
 from corral.balancer.policies import EngineLoad, RequestView
 from corral.dataplane import engines
 from corral.llmsim import EngineConfig, SimServer
@@ -564,6 +564,10 @@ def test_a_streaming_request_weighs_less_than_one_waiting_for_its_first_bytes(po
                 await wait_until(lambda: lb.in_flight(other.rid) == 0, 10, "its stream done")
                 other.gate = asyncio.Event()
                 assert lb._streaming == {busy.rid: 2}
+                two = merge_stats([lb.stats(), lb.stats()])  # as if two workers had them
+                assert two["streaming"] == 4 and two["replicas"][str(busy.rid)]["streaming"] == 4
+                gauge = f'corral_lb_streaming{{replica="{busy.rid}",service="llm"}} 2.0'
+                assert gauge in render({"llm": lb.stats()}).decode().splitlines()
                 held = asyncio.create_task(http.get(url + "/hold"))
                 await wait_until(lambda: other.arrived == 1, 10, "a request awaiting its answer")
                 answer = await http.get(url + "/next")

@@ -37,6 +37,7 @@ class Counters:
     _ready: Mapping[int, object]
     _ready_ids: tuple[int, ...]
     _in_flight: dict[int, int]
+    _streaming: dict[int, int]
     _held_total: int
     _held_expired: int
 
@@ -182,6 +183,7 @@ class Counters:
             "aborted": self._aborted,
             "client_disconnects": self._client_gone,
             "in_flight": self.in_flight(),
+            "streaming": sum(self._streaming.values()),
             "ttft": self.ttft(),
             "held": self.held(),
             "held_total": self._held_total,
@@ -190,6 +192,7 @@ class Counters:
                 str(rid): {
                     "ready": rid in self._ready,
                     "in_flight": self._in_flight.get(rid, 0),
+                    "streaming": self._streaming.get(rid, 0),
                     "served": self._served.get(rid, 0),
                     "failed": self._failed.get(rid, 0),
                     "ttft": self.ttft(rid),

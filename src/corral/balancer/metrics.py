@@ -25,6 +25,10 @@ Series (all labelled with ``service``):
 * ``corral_lb_in_flight{service, replica}``: requests currently sent to each replica. A replica is
   in ``stats()`` (so it has a series, 0 when idle) while it is ready, and until it has drained
   after leaving the ready set.
+* ``corral_lb_streaming{service, replica}``: those of the requests in flight whose streamed answer
+  is under way (its first bytes went out). The rest of ``in_flight`` still waits for its first
+  bytes: the replica's queue and prefill as the balancer sees them, which a choice by load
+  weighs 16 times a stream (:mod:`corral.balancer.gate`, "What a load is").
 * ``corral_lb_retries_total{service}``: attempts beyond the first one of a request.
 
 ``stats()["latency"]["buckets"]`` holds per-bucket (not cumulative) counts, one per bound of
@@ -105,9 +109,10 @@ _SUMMED: Final = (
     "aborted",
     "client_disconnects",
     "in_flight",
+    "streaming",
     "retries",
 )
-_REPLICA_SUMMED: Final = ("in_flight", "served", "failed")
+_REPLICA_SUMMED: Final = ("in_flight", "streaming", "served", "failed")
 
 
 def _add_counts(into: dict[str, Any], more: Mapping[str, Any] | None) -> None:
@@ -133,9 +138,9 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Sum the ``stats()`` of one service's balancers in several worker processes.
 
     Counters, ``codes``, ``errors_by_reason``, latency buckets and each replica's
-    in_flight/served/failed are summed; a replica is ready if any worker has it ready (they get
-    the same ready set, possibly a moment apart). ``service``, ``policy`` and ``url`` come from
-    the first entry. An empty sequence gives zeroed stats without a service name.
+    in_flight/streaming/served/failed are summed; a replica is ready if any worker has it ready
+    (they get the same ready set, possibly a moment apart). ``service``, ``policy`` and ``url``
+    come from the first entry. An empty sequence gives zeroed stats without a service name.
     """
     out: dict[str, Any] = {
         "service": None,
@@ -218,6 +223,11 @@ class _Collector(Collector):
             "Requests in flight to each replica.",
             labels=["service", "replica"],
         )
+        streaming = GaugeMetricFamily(
+            "corral_lb_streaming",
+            "Requests in flight to each replica whose streamed answer is under way.",
+            labels=["service", "replica"],
+        )
         retries = CounterMetricFamily(
             "corral_lb_retries",
             "Request attempts beyond the first one (sent to another replica).",
@@ -244,8 +254,9 @@ class _Collector(Collector):
             held.add_metric([service], st.get("held", 0))
             for rid, rep in sorted((st.get("replicas") or {}).items(), key=lambda kv: str(kv[0])):
                 in_flight.add_metric([service, str(rid)], rep.get("in_flight", 0))
+                streaming.add_metric([service, str(rid)], rep.get("streaming", 0))
             retries.add_metric([service], st.get("retries", 0))
-        yield from (requests, errors, seconds, in_flight, retries, ttft, held)
+        yield from (requests, errors, seconds, in_flight, streaming, retries, ttft, held)
         yield from self._engines()
 
     def _engines(self) -> Iterator[Metric]:
