@@ -5,7 +5,8 @@ the mean) sees, by itself, only the requests of the worker it runs in: with two 
 port, half of what each replica carries, and a replica the other worker has just filled looks
 idle. The engines' own queue figures arrive once a second, which near saturation is too late.
 So the workers of a service publish their counts in a file they all map, and a policy reads
-the sum of every worker's.
+the sum of every worker's. A second board of the same layout (:func:`streams_path`) holds their
+streamed answers under way, which a choice by load weighs less (``corral.balancer.gate``).
 
 The layout is one row per worker slot and one column per ready replica (its rank among the
 ready ids, which every worker derives from the same table), each cell one 64-bit word: the
@@ -91,8 +92,8 @@ class LoadBoard:
             _CELL.pack_into(self._map, offset, rid << 32 | (count & _COUNT_MASK))
 
     def totals(self, candidates: Sequence[int], own: Mapping[int, float]) -> dict[int, float]:
-        """Requests in flight to each candidate from every worker: ``own`` (this worker's,
-        exact) plus what the other workers' rows say."""
+        """Each candidate's count (requests in flight, or streams under way) from every
+        worker: ``own`` (this worker's, exact) plus what the other workers' rows say."""
         totals: dict[int, float] = {rid: own.get(rid, 0) for rid in candidates}
         column = self._column
         cells_of = [(rid, column[rid]) for rid in candidates if rid in column]

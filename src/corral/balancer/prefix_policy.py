@@ -118,8 +118,8 @@ class PrefixAffinity:
 
     reads_request = True
     # Its bound weighs a replica's requests by their plain counts (what a replica carries:
-    # measured, weighing streams there let RAG's busiest engine take 0.30-0.32 of the requests
-    # where counts keep it at 0.27-0.29); its choices by load weigh streams (``_weighed``).
+    # measured, weighing streams there let RAG's busiest engine take 0.28-0.32 of the requests
+    # where counts kept it at 0.26-0.31); its choices by load weigh streams (``_weighed``).
     weighs_streams = False
 
     def __init__(
