@@ -27,8 +27,8 @@ in its choices by load only, and bounds a replica's load by the plain counts). O
 the two cost a new request very different waits: one in its prefill holds the engine's next
 step for up to hundreds of milliseconds, while one decoding adds about a millisecond to each
 step, and a plain count weighs them alike. Measured on unshared prompts (docs/benchmarks.md, "A
-streamed answer under way weighs less"): ``least_load``'s TTFT p99 was above round robin's by a
-quarter; with the weight it is level with it. Only the general path sees a stream begin (the
+streamed answer under way weighs less"): ``least_load``'s TTFT p99 was 13-22% above round
+robin's; with the weight it is 3-13% above it. Only the general path sees a stream begin (the
 fast path's answers are whole, so their load is their count): plain HTTP pays one truth test of
 an empty dict per pick.
 
