@@ -25,6 +25,7 @@ from aiohttp import web
 from corral.balancer import LoadBalancer, merge_stats, render
 from corral.balancer.policies import EngineLoad, RequestView
 from corral.dataplane import engines
+from corral.llm_view import replica_llm, service_llm
 from corral.llmsim import EngineConfig, SimServer
 
 T = TypeVar("T")
@@ -566,6 +567,8 @@ def test_a_streaming_request_weighs_less_than_one_waiting_for_its_first_bytes(po
                 assert lb._streaming == {busy.rid: 2}
                 two = merge_stats([lb.stats(), lb.stats()])  # as if two workers had them
                 assert two["streaming"] == 4 and two["replicas"][str(busy.rid)]["streaming"] == 4
+                assert service_llm(two)["streaming"] == 4  # corral status --json
+                assert replica_llm(two["replicas"][str(busy.rid)], None)["streaming"] == 4
                 gauge = f'corral_lb_streaming{{replica="{busy.rid}",service="llm"}} 2.0'
                 assert gauge in render({"llm": lb.stats()}).decode().splitlines()
                 held = asyncio.create_task(http.get(url + "/hold"))

@@ -47,6 +47,7 @@ def replica_llm(stats: Mapping[str, Any] | None, engine: Mapping[str, Any] | Non
         "ttft_p50_seconds": quantile(ttft, 0.5),
         "ttft_p99_seconds": quantile(ttft, 0.99),
         "streams": int(ttft.get("count") or 0),
+        "streaming": int((stats or {}).get("streaming") or 0),  # under way now
         "waiting": engine.get("waiting"),
         "running": engine.get("running"),
         "kv_cache_usage": engine.get("kv_usage"),
@@ -72,6 +73,7 @@ def service_llm(stats: Mapping[str, Any] | None) -> Any:
         "ttft_p50_seconds": quantile(ttft, 0.5),
         "ttft_p99_seconds": quantile(ttft, 0.99),
         "streams": int(ttft.get("count") or 0),
+        "streaming": int(stats.get("streaming") or 0),
         "held": int(stats.get("held") or 0),
         "held_expired": int(stats.get("held_expired") or 0),
         "queue": summed.get("waiting"),
