@@ -314,6 +314,50 @@ def test_a_chat_is_rendered_whole_so_earlier_turns_key_the_cache() -> None:
     run(scenario())
 
 
+def test_a_chat_s_next_turn_finds_the_answer_it_repeats_cached() -> None:
+    """Real engines keep the blocks of what they generated: a next turn that repeats the answer
+    computes only its new message (on the replica that wrote the answer)."""
+    first = [{"role": "system", "content": words(64, "s")}, {"role": "user", "content": "hi"}]
+
+    async def scenario() -> None:
+        async with SimServer(FAST) as sim, aiohttp.ClientSession() as session:
+            url = sim.url + "/v1/chat/completions"
+
+            async def ask(messages: list[dict[str, Any]]) -> tuple[int, str]:
+                status, body = await post(session, url, {"messages": messages, "max_tokens": 40})
+                assert status == 200, body
+                cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                return int(cached), body["choices"][0]["message"]["content"]
+
+            _, answer = await ask(first)
+            assert answer.startswith(" tok0 tok1")
+            follow = [*first, {"role": "assistant", "content": answer}]
+            follow.append({"role": "user", "content": "and then?"})
+            written = len(render_chat(first).encode() + answer.encode()) // 4 // 16 * 16
+            prompt_only = len(encode_text(render_chat(first))) // 4 // 16 * 16
+            assert written >= prompt_only + 48, "the 40-token answer fills 3 blocks or more"
+            edited = [*follow[:2], {"role": "assistant", "content": "no" + answer}, follow[3]]
+            assert (await ask(edited))[0] == prompt_only, "another answer is not cached"
+            assert (await ask(follow))[0] == written, "every full block of prompt and answer"
+
+    run(scenario())
+
+
+def test_an_answer_to_token_ids_is_not_cached() -> None:
+    """The client's own tokens for the answer are unknown: nothing past the prompt is kept."""
+    scheduler = Scheduler(EngineConfig(block_size=4))
+    seq = scheduler.submit(b"\1\0\0\0" * 16, 40, now=0.0, text=False)
+    scheduler.begin_step(0.0)
+    while not seq.done:
+        scheduler.end_step(0.0)
+    assert len(scheduler.cache) == 4
+    text = scheduler.submit(encode_text(words(16)), 40, now=0.0)
+    scheduler.begin_step(0.0)
+    while not text.done:
+        scheduler.end_step(0.0)
+    assert len(scheduler.cache) > 8, "a text's answer stays cached after its prompt"
+
+
 def test_generate_reads_sglang_text_and_tgi_inputs() -> None:
     async def scenario() -> None:
         async with SimServer(FAST) as sim, aiohttp.ClientSession() as session:

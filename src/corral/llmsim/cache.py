@@ -7,6 +7,9 @@
 * :class:`PrefixCache` is vLLM's automatic prefix caching: full blocks of ``block_size`` tokens,
   each block's hash chained to its parent's, so two prompts share cache exactly as far as their
   leading blocks agree; blocks no running sequence holds are evicted least recently used first.
+* A finished answer's full blocks stay cached after its prompt's (:func:`answered`), as vLLM
+  and SGLang keep the blocks of the tokens they generated: a chat's next turn, which repeats
+  the answer, finds it only on the replica that wrote it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,19 @@ def block_hashes(prompt: bytes, block_size: int) -> list[bytes]:
 def token_text(position: int) -> str:
     """The made-up text of output token ``position``: deterministic, so tests can expect it."""
     return f" tok{position}"
+
+
+def answer_text(count: int) -> str:
+    """The whole text of an answer of ``count`` tokens."""
+    return "".join(token_text(position) for position in range(count))
+
+
+def answered(prompt: bytes, count: int) -> bytes:
+    """A text prompt followed by its answer of ``count`` tokens, as the next request that repeats
+    both begins (a chat's next turn, a completion continued): the prompt's padding dropped, so
+    the answer's blocks chain on exactly as that request's will (a tail short of a full block,
+    never cached, is left unpadded)."""
+    return prompt.rstrip(b"\0") + answer_text(count).encode()
 
 
 class PrefixCache:
@@ -126,11 +142,24 @@ class PrefixCache:
             self._refs[block] = 1
         self._held += len(missing)
 
-    def release(self, hashes: Seq[bytes], private: int) -> None:
+    def release(self, hashes: Seq[bytes], private: int, answer: Seq[bytes] = ()) -> None:
+        """Let a sequence's blocks go idle, and keep ``answer`` (the blocks its output filled
+        past ``hashes``) cached idle too, in the room its private blocks gave back. Tail first:
+        the answer's blocks are evicted before the prompt's, the prompt's leading ones last."""
         self._private -= private
+        for block in reversed(answer):
+            refs = self._refs.get(block)
+            if refs is None:
+                self._refs[block] = 0
+                self._idle[block] = None
+            elif refs == 0:
+                self._idle.move_to_end(block)
         for block in reversed(hashes):
             refs = self._refs[block] - 1
             self._refs[block] = refs
             if refs == 0:
                 self._idle[block] = None
                 self._held -= 1
+        while self._idle and len(self._refs) + self._private > self.capacity:
+            self._refs.pop(self._idle.popitem(last=False)[0])
+            self.evictions += 1

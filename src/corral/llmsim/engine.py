@@ -17,6 +17,10 @@ measured on a machine with no GPU and no weights:
 A sequence reserves KV blocks for its whole length (prompt plus ``max_tokens``) when admitted and
 is admitted only when they fit, so nothing is ever preempted (vLLM would grow it block by block
 and preempt under pressure). Output is ``max_tokens`` meaningless tokens, never an early stop.
+When a text prompt's sequence finishes, the full blocks of its answer stay cached after its
+prompt's, as real engines keep what they generated (vLLM hashes each output block as it fills,
+SGLang inserts the whole sequence in its radix tree): a chat's next turn on the replica that
+wrote the previous answer computes only its new message.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, fields
 from types import TracebackType
 
-from corral.llmsim.cache import PrefixCache, Rejected, block_hashes, token_count
+from corral.llmsim.cache import PrefixCache, Rejected, answered, block_hashes, token_count
 
 WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
 
@@ -130,6 +134,9 @@ class Sequence:
     private_blocks: int
     submitted_at: float
     notify: Callable[[Sequence], None] | None = None
+    # The prompt when it is a text (its answer continues it); None for token ids, whose
+    # continuation in the client's own tokens cannot be known.
+    text: bytes | None = None
     state: str = WAITING
     cached_tokens: int = 0
     generated: int = 0
@@ -179,12 +186,15 @@ class Scheduler:
         max_tokens: int,
         now: float,
         notify: Callable[[Sequence], None] | None = None,
+        text: bool = True,
     ) -> Sequence:
+        """Queue a prompt; ``text`` False for token ids (their answer is not cached)."""
         self.check(prompt, max_tokens)
         size, tokens = self.config.block_size, token_count(prompt)
         hashes = block_hashes(prompt, size)
         private = -(-(tokens + max_tokens) // size) - len(hashes)
         seq = Sequence(next(self._ids), tokens, max_tokens, hashes, private, now, notify)
+        seq.text = prompt if text else None
         self.waiting.append(seq)
         return seq
 
@@ -224,7 +234,7 @@ class Scheduler:
                 seq.first_token_at = now
                 self.stats.ttft.observe(now - seq.submitted_at)
             if seq.generated >= seq.max_tokens:
-                self.cache.release(seq.hashes, seq.private_blocks)
+                self.cache.release(seq.hashes, seq.private_blocks, self._answer_blocks(seq))
                 seq.state, seq.finished_at = FINISHED, now
                 self.stats.requests_success += 1
                 finished.append(seq)
@@ -235,6 +245,19 @@ class Scheduler:
             if seq.notify is not None:
                 seq.notify(seq)
         return finished
+
+    def _answer_blocks(self, seq: Sequence) -> list[bytes]:
+        """The full blocks of a finished text prompt and its answer past those it shares with
+        the prompt's own (the prompt's padded last full block, if any, is among them)."""
+        if seq.text is None:
+            return []
+        whole = block_hashes(answered(seq.text, seq.generated), self.config.block_size)
+        same = 0
+        for mine, theirs in zip(seq.hashes, whole, strict=False):
+            if mine != theirs:
+                break
+            same += 1
+        return whole[same:]
 
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence whose client left, giving its batch slot and blocks back."""
@@ -282,8 +305,9 @@ class Engine:
             if seq.notify is not None:
                 seq.notify(seq)
 
-    def generate(self, prompts: Seq[bytes], max_tokens: int) -> Generation:
-        """Submit one request's prompts together (all or none: each is checked first)."""
+    def generate(self, prompts: Seq[bytes], max_tokens: int, text: bool = True) -> Generation:
+        """Submit one request's prompts together (all or none: each is checked first);
+        ``text`` False for prompts of token ids."""
         if self._closed or self._task is None:
             raise Closed("the engine is not running")
         for prompt in prompts:
@@ -291,7 +315,7 @@ class Engine:
         generation = Generation(self)
         now = asyncio.get_running_loop().time()
         for prompt in prompts:
-            seq = self.scheduler.submit(prompt, max_tokens, now, generation.wake)
+            seq = self.scheduler.submit(prompt, max_tokens, now, generation.wake, text)
             generation.sequences.append(seq)
         self._wake.set()
         return generation

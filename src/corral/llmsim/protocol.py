@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any
 
-from corral.llmsim.cache import Rejected, encode_ids, encode_text, token_text
+from corral.llmsim.cache import Rejected, answer_text, encode_ids, encode_text, token_text
 from corral.llmsim.engine import Sequence
 
 DONE = b"data: [DONE]\n\n"
@@ -61,14 +61,15 @@ def include_usage(body: Json) -> bool:
     return flag(options, "include_usage")
 
 
-def completion_prompts(value: object) -> list[bytes]:
-    """``prompt`` as OpenAI reads it: a text, a list of texts (one choice each) or token ids."""
+def completion_prompts(value: object) -> tuple[list[bytes], bool]:
+    """``prompt`` as OpenAI reads it: a text, a list of texts (one choice each) or token ids;
+    and whether it is text (an answer continues a text, not ids)."""
     if isinstance(value, str):
-        return [encode_text(value)]
+        return [encode_text(value)], True
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        return [encode_text(v) for v in value]
+        return [encode_text(v) for v in value], True
     if isinstance(value, list) and value and all(_is_int(v) for v in value):
-        return [encode_ids(value)]
+        return [encode_ids(value)], False
     raise Rejected("prompt must be a string, a list of strings or a list of token ids")
 
 
@@ -134,7 +135,7 @@ def generate_request(body: Json, default_max_tokens: int) -> tuple[bytes, int, b
 
 
 def full_text(seq: Sequence) -> str:
-    return "".join(token_text(position) for position in range(seq.generated))
+    return answer_text(seq.generated)
 
 
 def usage(seqs: list[Sequence]) -> Json:
@@ -231,7 +232,7 @@ class SGLangFormat(Format):
     """SGLang's ``/generate``: every event carries the text so far and ``meta_info``."""
 
     def events(self, index: int, seq: Sequence, position: int) -> list[Json]:
-        text = "".join(token_text(p) for p in range(position + 1))
+        text = answer_text(position + 1)
         return [{"text": text, "meta_info": self._meta(seq, position + 1), "index": index}]
 
     def body(self, seqs: list[Sequence]) -> Json:
@@ -260,7 +261,7 @@ class TGIFormat(Format):
             {
                 "index": position,
                 "token": token,
-                "generated_text": _prefix(position + 1) if last else None,
+                "generated_text": answer_text(position + 1) if last else None,
                 "details": self._details(seq) if last else None,
             }
         ]
@@ -271,6 +272,3 @@ class TGIFormat(Format):
     def _details(self, seq: Sequence) -> Json:
         return {"finish_reason": "length", "generated_tokens": seq.max_tokens, "seed": None}
 
-
-def _prefix(tokens: int) -> str:
-    return "".join(token_text(position) for position in range(tokens))

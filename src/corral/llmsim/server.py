@@ -127,10 +127,11 @@ class _Routes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = json_body(await request.read())
-        prompts = completion_prompts(body.get("prompt"))
+        prompts, text = completion_prompts(body.get("prompt"))
         limit = positive_int(body.get("max_tokens"), self.default_max_tokens, "max_tokens")
         answer = CompletionFormat(self._id("cmpl"), self.model, include_usage(body))
-        return await self._answer(request, prompts, limit, flag(body, "stream"), answer)
+        stream = flag(body, "stream")
+        return await self._answer(request, prompts, limit, stream, answer, text)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = json_body(await request.read())
@@ -155,10 +156,11 @@ class _Routes:
         max_tokens: int,
         stream: bool,
         answer: Format,
+        text: bool = True,
     ) -> web.StreamResponse:
         """Run the prompts; answer once at the end, or stream every token as it is made. The
         generation is aborted on leaving, so a client that hangs up frees its batch slot."""
-        with self.engine.generate(prompts, max_tokens) as generation:
+        with self.engine.generate(prompts, max_tokens, text) as generation:
             if not stream:
                 await generation.wait()
                 if generation.aborted:
