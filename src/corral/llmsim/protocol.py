@@ -271,4 +271,3 @@ class TGIFormat(Format):
 
     def _details(self, seq: Sequence) -> Json:
         return {"finish_reason": "length", "generated_tokens": seq.max_tokens, "seed": None}
-
