@@ -261,9 +261,10 @@ def test_past_its_patience_a_held_request_takes_any_replica_with_room() -> None:
 
 def test_requests_waiting_for_a_replica_count_as_its_load() -> None:
     """A hot document's questions wait for its busy replica only until those waiting there put
-    it over the load bound (with 2 replicas and the slack of 2: 1 in flight and 4 waiting);
-    the next one goes to the other replica, which has room. Were the waiting not counted,
-    every question would wait for the one replica."""
+    it over the load bound (with 2 replicas and a limit of 1 request per replica, the
+    document's slack is that 1: at 1 in flight and 2 waiting); the next one goes to the other
+    replica. Were the waiting not counted, or the slack not capped by the limit, every
+    question would wait for the one replica."""
 
     async def go() -> None:
         async with fleet(2) as replicas:
@@ -700,9 +701,12 @@ def test_without_a_writable_table_routing_goes_on_alone(tmp_path: Path) -> None:
     assert policy.select((1, 2), {}, view(chat(SYSTEMS[0], ["hello"]))) in (1, 2)
 
 
-def test_a_hot_prompt_family_spreads_no_further_than_its_load_bound() -> None:
+@pytest.mark.parametrize("questions", [40, 400])
+def test_a_hot_prompt_family_spreads_no_further_than_its_load_bound(questions: int) -> None:
     """One document asked about by many concurrent requests: its first replica takes them
-    up to the bound (balance x the mean), then the next replicas of its order do."""
+    up to the bound (the mean plus DOC_SLACK at low load, balance x the mean at high load),
+    then the next replicas of its order do."""
+    from corral.balancer.prefix_policy import DOC_SLACK
     from corral.balancer.routing import make_policy
 
     policy = make_policy("prefix_affinity", balance=1.25)
@@ -710,11 +714,13 @@ def test_a_hot_prompt_family_spreads_no_further_than_its_load_bound() -> None:
     policy.update(ready, {})
     document = "The shared document. " * 200
     in_flight: Counter[int] = Counter()
-    for q in range(40):  # none finishes: the load only grows
+    for q in range(questions):  # none finishes: the load only grows
         body = json.dumps({"model": "m", "prompt": document + f"Question {q}?"}).encode()
         rid = policy.select(ready, in_flight, view(body, b"/v1/completions"))
         in_flight[rid] += 1
-    assert max(in_flight.values()) <= 1.25 * 40 / 4 + 1, in_flight
+    mean = questions / 4
+    assert max(in_flight.values()) <= max(1.25 * mean, mean + DOC_SLACK) + 1, in_flight
+    assert len(in_flight) > 1, "a family over the bound spreads"
     # with little load it stays on one replica: the document is computed once
     policy = make_policy("prefix_affinity")
     policy.update(ready, {})
@@ -727,6 +733,27 @@ def test_a_hot_prompt_family_spreads_no_further_than_its_load_bound() -> None:
         for q in range(10)
     }
     assert len(firsts) == 1
+
+
+def test_a_document_stays_on_its_replica_until_doc_slack_past_the_mean() -> None:
+    """Moving a document makes another replica compute all of it, so its questions stay where
+    it is cached while that replica carries fewer than DOC_SLACK requests over the mean."""
+    from corral.balancer.prefix_policy import DOC_SLACK
+    from corral.balancer.routing import make_policy
+
+    policy = make_policy("prefix_affinity")
+    ready = (1, 2, 3, 4)
+    policy.update(ready, {})
+    document = "The shared document. " * 200
+
+    def ask(q: int, in_flight: dict[int, float]) -> int:
+        body = json.dumps({"prompt": document + f"Question {q}?"}).encode()
+        return policy.select(ready, in_flight, view(body, b"/v1/completions"))
+
+    first = ask(0, {})
+    # the mean counts this request: (10 + 1) / 4 = 2.75, and 10 is under 2.75 + 8
+    assert DOC_SLACK == 8 and ask(1, {first: 10}) == first
+    assert ask(2, {first: 11}) != first, "at the mean plus DOC_SLACK it spills"
 
 
 def test_an_engine_queue_counts_as_load() -> None:

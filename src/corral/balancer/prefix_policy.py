@@ -27,10 +27,12 @@ How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call t
    on its own.
 4. **Bounded load**: a replica is skipped while its load (requests in flight from every worker
    of the service, :mod:`corral.balancer.load_board`, or from this one where they share no
-   board; plus what its engine reports queued) is at ``balance`` times the mean or more; the
-   next in the anchor's order takes the request. A prompt family too hot for one replica
-   spreads to the next ones in its order, and only to them (Mirrokni et al., consistent
-   hashing with bounded loads): no replica carries more than ``balance`` times its share.
+   board; plus what its engine reports queued) is at ``balance`` times the mean or more (or
+   the mean plus a slack at low load: DOC_SLACK for a document, whose move costs all of it
+   computed again); the next in the anchor's order takes the request. A prompt family too
+   hot for one replica spreads to the next ones in its order, and only to them (Mirrokni et
+   al., consistent hashing with bounded loads): no replica carries more than ``balance``
+   times its share.
 5. Within those under the bound, a replica this worker knows holds a longer prefix of this
    prompt (its index of block hashes, :class:`corral.balancer.prefix.PrefixIndex`, bounded and
    LRU) wins over the anchor's first choice: a new conversation joins the replicas that hold
@@ -90,6 +92,17 @@ SLACK: Final = 2.0
 # same hit rate. Documents (not chats) keep 2: with 1 they spilled sooner, and each spill
 # computes a whole document again (RAG hit rate 0.85-0.89 against 0.88-0.90, p99 higher).
 PULL_SLACK: Final = 1.0
+# The slack for a prompt that is not a chat (a document's questions): its replica keeps them
+# until it carries this many requests more than the mean. Moving a document makes another
+# replica compute all of it (a 1500-token document: 300 ms of the simulator's engine time),
+# where a few requests more in a batching engine cost a few ms a step. Measured
+# (bench/llm_routing.py, RAG at 24 req/s, 4 documents, 2 workers, 8 rounds): with 2 the hit
+# rate was 0.86-0.91 and TTFT p99 334-618 ms, each spill a copy of a document; with 8
+# 0.91-0.93 and 323-333 ms (sglang-router's 0.92-0.93 and 323-332), the busiest engine
+# 0.28-0.33 with either. The ratio (``balance``) governs once the mean is past 32. Where
+# the spec limits a replica's requests in flight, the slack is at most that limit
+# (``corral.balancer.routing.make_policy``): past it the requests would queue, not batch.
+DOC_SLACK: Final = 8.0
 # A conversation already placed (the shared table) stays on its replica up to this many
 # requests past the bound: moving it makes another replica compute its whole history. With 1
 # (and PULL_SLACK 1) a conversation's turns stayed on one replica 0.98-0.99 of the time near
@@ -135,7 +148,10 @@ class PrefixAffinity:
         streams: Mapping[int, int] | None = None,
         stream_board: LoadBoard | None = None,
         share_balance: float = SHARE_BALANCE,
+        doc_slack: float = DOC_SLACK,
     ) -> None:
+        if doc_slack < 0.0:
+            raise ValueError(f"doc_slack must be 0 or more, not {doc_slack}")
         if balance < 1.0:
             raise ValueError(f"balance must be at least 1.0, not {balance}")
         if share_balance < 1.0:
@@ -145,6 +161,7 @@ class PrefixAffinity:
         self.prompt_field = prompt_field
         self.balance = balance
         self.share_balance = share_balance
+        self.doc_slack = doc_slack
         self.anchor_chars = anchor_chars
         self.table = table
         self.board = board
@@ -217,7 +234,7 @@ class PrefixAffinity:
         placed = table.get(key) if table is not None else None
         if placed is not None and placed not in candidates:
             placed = None  # a replica that left, or a collision's stale entry
-        sticky, slack = None, SLACK
+        sticky, slack = None, SLACK if prompt.chat else self.doc_slack
         if prompt.chat and table is not None:
             # Every worker follows the table, so a new conversation may go where a shared
             # system prompt is cached: its later turns will find it there from any worker.

@@ -192,6 +192,7 @@ class LoadBalancer(Counters, Gate):
             load_board=self._board,
             streams=self._streaming,
             stream_board=self._stream_board,
+            max_in_flight=routing.get("max_in_flight_per_replica"),
         )
         self._init_gate(
             routing.get("max_in_flight_per_replica"),

@@ -54,18 +54,26 @@ def make_policy(
     streams: Mapping[int, int] | None = None,
     stream_board: LoadBoard | None = None,
     share_balance: float | None = None,
+    max_in_flight: int | None = None,
 ) -> Policy:
     """Build a fresh policy from its service-YAML name and options.
 
     Raises ValueError for an unknown name, listing the valid ones, so a typo in the YAML is
     reported at validation rather than silently falling back to a default. A session header or
-    cookie wraps any policy in session affinity.
+    cookie wraps any policy in session affinity. ``max_in_flight``, the spec's limit per
+    replica, caps how far past the mean a document's replica keeps its questions (DOC_SLACK):
+    past the limit they would wait in the balancer, not share the engine's batch.
     """
     name = ALIASES.get(name, name)
     if name == "prefix_affinity" or session_header or session_cookie:
         # Imported here: a service under a load policy never loads the prompt readers.
         from corral.balancer.affinity import AffinityTable
-        from corral.balancer.prefix_policy import SHARE_BALANCE, PrefixAffinity, SessionAffinity
+        from corral.balancer.prefix_policy import (
+            DOC_SLACK,
+            SHARE_BALANCE,
+            PrefixAffinity,
+            SessionAffinity,
+        )
     policy: Policy
     if name == "round_robin":
         policy = RoundRobin()
@@ -86,6 +94,7 @@ def make_policy(
             stream_board=stream_board,
             # Not a spec field: bench/llm_routing.py compares settings with it.
             share_balance=SHARE_BALANCE if share_balance is None else share_balance,
+            doc_slack=min(DOC_SLACK, max_in_flight) if max_in_flight else DOC_SLACK,
         )
     else:
         raise ValueError(
