@@ -84,13 +84,16 @@ DEFAULT_INDEX_BLOCKS: Final = 1 << 16
 
 # A replica is never passed over while its load is within this many requests of the mean: at
 # low load ``balance`` times the mean is below one request, and a conversation would leave
-# its replica whenever that replica had anything in flight.
+# its replica whenever that replica had anything in flight. (A chat's, without the table;
+# session affinity's.)
 SLACK: Final = 2.0
 # The slack where the shared table lets a new chat join the replicas holding its system prompt
 # (a pull toward them that rendezvous alone does not have). Measured (bench/llm_routing.py,
 # chat, 2 workers): with 2 a replica took 0.29-0.39 of the requests, with 1 0.26-0.29 at the
-# same hit rate. Documents (not chats) keep 2: with 1 they spilled sooner, and each spill
-# computes a whole document again (RAG hit rate 0.85-0.89 against 0.88-0.90, p99 higher).
+# same hit rate (again on 2026-12-05, answers cached, 200 conversations, 2 rounds: 1, 2 and
+# 3 all gave a hit rate of 0.87-0.88, the busiest engine 0.26-0.29). Documents have their
+# own, DOC_SLACK: with 1 they spilled sooner, and each spill computes a whole document again
+# (RAG hit rate 0.85-0.89 against 0.88-0.90).
 PULL_SLACK: Final = 1.0
 # The slack for a prompt that is not a chat (a document's questions): its replica keeps them
 # until it carries this many requests more than the mean. Moving a document makes another

@@ -9,7 +9,7 @@
   leading blocks agree; blocks no running sequence holds are evicted least recently used first.
 * A finished answer's full blocks stay cached after its prompt's (:func:`answered`), as vLLM
   and SGLang keep the blocks of the tokens they generated: a chat's next turn, which repeats
-  the answer, finds it only on the replica that wrote it.
+  the answer, finds it on a replica that wrote it and on no other.
 """
 
 from __future__ import annotations
