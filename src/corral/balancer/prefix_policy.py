@@ -103,8 +103,8 @@ PULL_SLACK: Final = 1.0
 # rate was 0.86-0.91 and TTFT p99 334-618 ms, each spill a copy of a document; with 8
 # 0.91-0.93 and 323-333 ms (sglang-router's 0.92-0.93 and 323-332), the busiest engine
 # 0.28-0.33 with either. The ratio (``balance``) governs once the mean is past 32. Where
-# the spec limits a replica's requests in flight, the slack is at most that limit
-# (``corral.balancer.routing.make_policy``): past it the requests would queue, not batch.
+# the spec limits a replica's requests in flight, the slack is at most that limit: past it
+# the requests would queue, not batch.
 DOC_SLACK: Final = 8.0
 # A conversation already placed (the shared table) stays on its replica up to this many
 # requests past the bound: moving it makes another replica compute its whole history. With 1
@@ -152,6 +152,7 @@ class PrefixAffinity:
         stream_board: LoadBoard | None = None,
         share_balance: float = SHARE_BALANCE,
         doc_slack: float = DOC_SLACK,
+        max_in_flight: int | None = None,
     ) -> None:
         if doc_slack < 0.0:
             raise ValueError(f"doc_slack must be 0 or more, not {doc_slack}")
@@ -164,7 +165,9 @@ class PrefixAffinity:
         self.prompt_field = prompt_field
         self.balance = balance
         self.share_balance = share_balance
-        self.doc_slack = doc_slack
+        # Past the spec's limit per replica, a document's questions would wait in the balancer
+        # for its replica, not share the engine's batch there.
+        self.doc_slack = min(doc_slack, max_in_flight) if max_in_flight else doc_slack
         self.anchor_chars = anchor_chars
         self.table = table
         self.board = board

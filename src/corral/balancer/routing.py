@@ -60,20 +60,14 @@ def make_policy(
 
     Raises ValueError for an unknown name, listing the valid ones, so a typo in the YAML is
     reported at validation rather than silently falling back to a default. A session header or
-    cookie wraps any policy in session affinity. ``max_in_flight``, the spec's limit per
-    replica, caps how far past the mean a document's replica keeps its questions (DOC_SLACK):
-    past the limit they would wait in the balancer, not share the engine's batch.
+    cookie wraps any policy in session affinity. ``max_in_flight`` is the spec's limit per
+    replica (``prefix_affinity`` caps its DOC_SLACK there).
     """
     name = ALIASES.get(name, name)
     if name == "prefix_affinity" or session_header or session_cookie:
         # Imported here: a service under a load policy never loads the prompt readers.
         from corral.balancer.affinity import AffinityTable
-        from corral.balancer.prefix_policy import (
-            DOC_SLACK,
-            SHARE_BALANCE,
-            PrefixAffinity,
-            SessionAffinity,
-        )
+        from corral.balancer.prefix_policy import SHARE_BALANCE, PrefixAffinity, SessionAffinity
     policy: Policy
     if name == "round_robin":
         policy = RoundRobin()
@@ -94,7 +88,7 @@ def make_policy(
             stream_board=stream_board,
             # Not a spec field: bench/llm_routing.py compares settings with it.
             share_balance=SHARE_BALANCE if share_balance is None else share_balance,
-            doc_slack=min(DOC_SLACK, max_in_flight) if max_in_flight else DOC_SLACK,
+            max_in_flight=max_in_flight,
         )
     else:
         raise ValueError(
