@@ -191,6 +191,7 @@ def test_status_shows_the_llm_figures_and_leaves_out_what_the_engine_does_not_re
             "ttft_p50_seconds": 0.044,
             "ttft_p99_seconds": 0.2,
             "streams": 12,
+            "streaming": 2,
             "held": 3,
             "held_expired": 0,
             "queue": 0.0,
@@ -199,14 +200,14 @@ def test_status_shows_the_llm_figures_and_leaves_out_what_the_engine_does_not_re
         },
         "replicas": [
             {"id": 1, "llm": {"ttft_p50_seconds": None, "ttft_p99_seconds": None, "streams": 0,
-                              "waiting": 1.0, "running": 4.0, "kv_cache_usage": 0.5,
+                              "streaming": 0, "waiting": 1.0, "running": 4.0, "kv_cache_usage": 0.5,
                               "tokens_per_second": 212.4, "prefix_hit_rate": None}},
             {"id": 2, "llm": None},
         ],
     }  # fmt: skip
     line = cliview.llm_lines(service, verbose=False)
     assert line == [
-        "chat: TTFT p50 44 ms p99 200 ms over 12 streams; 0 waiting, 2 running; "
+        "chat: TTFT p50 44 ms p99 200 ms over 12 streams, 2 under way; 0 waiting, 2 running; "
         "prefix-cache hit rate 0.81; 3 held in the balancer"
     ]
     verbose = cliview.llm_lines(service, verbose=True)

@@ -215,6 +215,8 @@ def _llm_text(figures: dict[str, Any], queue_key: str) -> str:
     never shown as 0."""
     p50, p99 = _ms(figures.get("ttft_p50_seconds")), _ms(figures.get("ttft_p99_seconds"))
     parts = [f"TTFT p50 {p50} p99 {p99} over {figures.get('streams', 0)} streams"]
+    if figures.get("streaming"):
+        parts[0] += f", {figures['streaming']} under way"
     if figures.get(queue_key) is not None:
         parts.append(f"{figures[queue_key]:g} waiting, {figures.get('running') or 0:g} running")
     if figures.get("kv_cache_usage") is not None:
