@@ -343,8 +343,9 @@ def test_a_chat_s_next_turn_finds_the_answer_it_repeats_cached() -> None:
     run(scenario())
 
 
-def test_an_answer_to_token_ids_is_not_cached() -> None:
-    """The client's own tokens for the answer are unknown: nothing past the prompt is kept."""
+def test_an_answer_to_token_ids_or_cut_short_is_not_cached() -> None:
+    """The client's own tokens for an answer to token ids are unknown, and an aborted answer is
+    not whole: nothing past the prompt is kept for either."""
     scheduler = Scheduler(EngineConfig(block_size=4))
     seq = scheduler.submit(b"\1\0\0\0" * 16, 40, now=0.0, text=False)
     scheduler.begin_step(0.0)
@@ -356,6 +357,13 @@ def test_an_answer_to_token_ids_is_not_cached() -> None:
     while not text.done:
         scheduler.end_step(0.0)
     assert len(scheduler.cache) > 8, "a text's answer stays cached after its prompt"
+    cut = scheduler.submit(encode_text(words(16, "c")), 40, now=0.0)
+    scheduler.begin_step(0.0)
+    for _ in range(8):  # " tok0 ... tok7": 10 tokens, 2 full blocks of 4
+        scheduler.end_step(0.0)
+    before = len(scheduler.cache)
+    scheduler.abort(cut)
+    assert cut.generated == 8 and len(scheduler.cache) == before, "aborted: its prompt only"
 
 
 def test_generate_reads_sglang_text_and_tgi_inputs() -> None:
