@@ -47,6 +47,11 @@ What runs (everything on 127.0.0.1, every load bounded in time):
    the compiled fast path off) to every phase, in the same rounds. ``--only-streamed`` runs this
    phase alone (no phases 1-4): the stream relay's cost in a minute or two.
 
+``--floor`` adds ``floor`` rows (``floor xN`` in the N-worker phase): bench/_lb_floor.py, a relay
+that forwards bytes as read and finds each answer's end with httptools, nothing else. It is what
+any Python proxy on uvloop pays per request before doing a balancer's work; corral's distance to
+it is corral's own work, and its distance to nginx is the event loop's.
+
 ``--syscalls`` then counts each proxy's syscalls and context switches per request at 64
 connections (``perf stat`` on the kernel's syscall tracepoints; needs perf and root): whether a
 proxy's extra CPU is its own work or more trips into the kernel.
@@ -71,6 +76,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,6 +104,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results" / "balancer.json"
 PROXY = HERE / "_lb_proxy.py"
+FLOOR = HERE / "_lb_floor.py"
 ENGINE_READY_FLAG = Path("/tmp/corral-engine-ready")
 HOST = "127.0.0.1"
 N_REPLICAS = 4
@@ -922,6 +929,12 @@ def main() -> int:
         help="the script that runs corral's balancer (default bench/_lb_proxy.py)",
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also rows 'floor' and 'floor xN': bench/_lb_floor.py, a relay that does nothing"
+        " but forward bytes and find each answer's end (what uvloop and Python cost alone)",
+    )
+    parser.add_argument(
         "--syscalls",
         action="store_true",
         help="also count each proxy's syscalls per request (perf stat; needs perf and root)",
@@ -948,6 +961,9 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    # A run cut short by SIGTERM leaves through the same cleanup as a finished one (every replica,
+    # proxy and peer it started is stopped), not with its processes left running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rounds: int = args.rounds or (1 if args.quick else 3)
     duration: int = args.duration or (2 if args.quick else 8)
     duration_c1 = min(duration, 5)
@@ -976,6 +992,7 @@ def main() -> int:
             "sse_interval_s": SSE_INTERVAL,
             "stream_phase": {"chunks": args.stream_chunks, "gap_ms": args.stream_gap_ms},
             "pure_rows": args.pure,
+            "floor_rows": args.floor,
             "stream_rounds": stream_rounds,
             "targets": {
                 "cpu_ratio_max": CPU_RATIO_MAX,
@@ -1045,9 +1062,10 @@ def main() -> int:
             extra: list[str],
             src: Path | None = None,
             env: dict[str, str] | None = None,
+            proxy: Path | None = None,
         ) -> Target | None:
             try:
-                started = start_corral(args.proxy, name, urls, n, extra, procs, src, env)
+                started = start_corral(proxy or args.proxy, name, urls, n, extra, procs, src, env)
             except RuntimeError as exc:
                 log(f"{name} did not start ({exc}): its rows are skipped")
                 report.skipped.append(f"{name}: {exc}")
@@ -1066,6 +1084,7 @@ def main() -> int:
                 *(corral(name, 1, extra) for name, extra in variants.items()),
                 *(corral(name, 1, [], src) for name, src in compare.items()),
                 corral("corral pure", 1, [], None, pure_env) if args.pure else None,
+                corral("floor", 1, [], proxy=FLOOR) if args.floor else None,
             ):
                 if t is not None:
                     one.append(t)
@@ -1077,6 +1096,10 @@ def main() -> int:
                         many.append(t)
                     if args.pure:
                         t = corral(f"corral pure x{workers}", workers, [], None, pure_env)
+                        if t is not None:
+                            many.append(t)
+                    if args.floor:
+                        t = corral(f"floor x{workers}", workers, [], proxy=FLOOR)
                         if t is not None:
                             many.append(t)
                 else:
