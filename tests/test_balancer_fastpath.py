@@ -262,6 +262,11 @@ def _with_id(first: bool, n: int) -> bytes:
     return b"GET / HTTP/1.1\r\n" + b"\r\n".join(lines) + b"\r\n\r\n"
 
 
+def _no_fast_path(cl: ClientConnection, data: bytes) -> bool:
+    """ClientConnection.fast_request turned off: every request takes the general path."""
+    return False
+
+
 @pytest.fixture
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
@@ -297,7 +302,7 @@ def test_fast_path_sends_what_the_general_path_sends(
     responses: list[bytes],
 ) -> None:
     fast_result = _run(loop, request_bytes, responses)
-    monkeypatch.setattr(fast, "try_request", lambda cl, data: False)
+    monkeypatch.setattr(ClientConnection, "fast_request", _no_fast_path)
     general_result = _run(loop, request_bytes, responses)
     assert fast_result == general_result
 
@@ -398,7 +403,7 @@ def _differing(
     """The second request of each case whose exchanges differ between the fast path and the
     general path."""
     fast_results = [_repeat(loop, pairs) for pairs in cases]
-    with mock.patch.object(fast, "try_request", lambda cl, data: False):
+    with mock.patch.object(ClientConnection, "fast_request", _no_fast_path):
         general_results = [_repeat(loop, pairs) for pairs in cases]
     return [c[1][0] for c, f, g in zip(cases, fast_results, general_results, strict=True) if f != g]
 
@@ -409,7 +414,7 @@ def _assert_fast_matches_general(pairs: list[tuple[bytes, list[bytes]]]) -> None
     loop = asyncio.new_event_loop()
     try:
         fast_result = _repeat(loop, pairs)
-        with mock.patch.object(fast, "try_request", lambda cl, data: False):
+        with mock.patch.object(ClientConnection, "fast_request", _no_fast_path):
             general_result = _repeat(loop, pairs)
     finally:
         loop.close()
@@ -477,7 +482,7 @@ def test_repeated_exchanges_match_the_general_path(
     pairs: list[tuple[bytes, list[bytes]]],
 ) -> None:
     fast_result = _repeat(loop, pairs)
-    monkeypatch.setattr(fast, "try_request", lambda cl, data: False)
+    monkeypatch.setattr(ClientConnection, "fast_request", _no_fast_path)
     general_result = _repeat(loop, pairs)
     assert fast_result == general_result
 
@@ -653,7 +658,7 @@ def test_bodies_past_the_limits_after_a_lead_are_the_general_paths(
     502, else retried), one over max_body_bytes is a 413: the same after a remembered lead as
     on the general path."""
     fast_result = _bodies_past_the_limits(loop, held)
-    with mock.patch.object(fast, "try_request", lambda cl, data: False):
+    with mock.patch.object(ClientConnection, "fast_request", _no_fast_path):
         general_result = _bodies_past_the_limits(loop, held)
     assert fast_result == general_result
     _, (put_answer, retried), _, (_, post_answer) = fast_result[0]
@@ -780,7 +785,9 @@ def test_long_content_lengths_are_read_or_refused_not_internal_errors(
     with (
         caplog.at_level(logging.ERROR),
         mock.patch.object(
-            fast, "try_request", fast.try_request if fast_path else lambda cl, data: False
+            ClientConnection,
+            "fast_request",
+            ClientConnection.fast_request if fast_path else _no_fast_path,
         ),
     ):
         loop.run_until_complete(go())

@@ -9,7 +9,9 @@ that is the compiled one, the last test here runs them again on the pure build.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -188,3 +190,105 @@ def test_the_fast_path_tests_pass_on_the_pure_build_too() -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ the compiled fast path
+
+
+def _wiring() -> tuple[dict[str, type], dict[str, Any], dict[str, Any]]:
+    """The classes, pure functions and constants corral.balancer.client wires the build with."""
+    from corral.balancer import exchange, fast, upstream
+    from corral.balancer.client import ClientConnection
+    from corral.balancer.fast_state import BalancerSlots
+    from corral.balancer.metrics import LATENCY_BUCKETS
+
+    classes = {
+        "client": ClientConnection,
+        "upstream": upstream.UpstreamConnection,
+        "target": upstream.Target,
+        "balancer": BalancerSlots,
+        "pool": upstream.Pool,
+    }
+    pure = {
+        "try_request": fast.try_request,
+        "_send": fast._send,
+        "try_response": fast.try_response,
+        "start_exchange": fast.start_exchange,
+    }
+    constants = {
+        "LATENCY_BUCKETS": LATENCY_BUCKETS,
+        "DL_HEAD": exchange.DL_HEAD,
+        "DL_FIRST_BYTE": exchange.DL_FIRST_BYTE,
+        "IDEMPOTENT": exchange.IDEMPOTENT,
+        "NONIDEMPOTENT_MAX_IDLE": exchange.NONIDEMPOTENT_MAX_IDLE,
+    }
+    return classes, pure, constants
+
+
+def test_the_client_connection_runs_the_chosen_build() -> None:
+    from corral.balancer import fast
+    from corral.balancer.client import ClientConnection
+
+    if speedups.ACCELERATED == "compiled":
+        assert ClientConnection.fast_request is compiled.try_request
+        assert ClientConnection.fast_response is compiled.try_response
+    else:
+        assert ClientConnection.fast_request is fast.try_request
+        assert ClientConnection.fast_response is fast.try_response
+
+
+@needs_compiled
+def test_latencies_land_in_the_buckets_bisect_gives() -> None:
+    import bisect
+    import random
+
+    from corral.balancer.metrics import LATENCY_BUCKETS
+
+    rng = random.Random(7)
+    values = [0.0, -1.0, 1e9, *LATENCY_BUCKETS]
+    values += [math.nextafter(b, math.inf) for b in LATENCY_BUCKETS]
+    values += [math.nextafter(b, -math.inf) for b in LATENCY_BUCKETS]
+    values += [rng.uniform(0, 2 * LATENCY_BUCKETS[-1]) for _ in range(5000)]
+    for seconds in values:
+        assert compiled.latency_bucket(seconds) == bisect.bisect_left(LATENCY_BUCKETS, seconds)
+
+
+@needs_compiled
+def test_a_class_without_a_slot_is_refused_and_the_wiring_stays() -> None:
+    classes, pure, constants = _wiring()
+
+    class Loose:  # a balancer whose fields are in its __dict__: no offsets to read
+        pass
+
+    with pytest.raises(TypeError, match="_board is not a slot"):
+        compiled.wire({**classes, "balancer": Loose}, pure, constants)
+    with pytest.raises(KeyError):
+        compiled.wire(classes, {**pure, "_send": None} | {"start_exchange": None}, {})
+    # The refused calls changed nothing: a request still takes the compiled path, whole.
+    from test_balancer_fastpath import REQUESTS as FAST_REQUESTS
+    from test_balancer_fastpath import RESPONSES, Rig
+
+    async def go() -> None:
+        rig = Rig()
+        for _ in range(3):  # the second and third reuse the memos the compiled path reads
+            sent, got = rig.exchange(FAST_REQUESTS[0], RESPONSES[0])
+            assert sent.startswith(b"1:GET / HTTP/1.1\r\n") or sent.startswith(b"2:GET /pre/")
+            assert got == RESPONSES[0][0]
+        assert rig.lb.in_flight() == 0 and rig.lb.stats()["requests"] == 3
+
+    asyncio.run(go())
+
+
+@needs_compiled
+def test_objects_of_other_classes_take_the_pure_functions() -> None:
+    from types import SimpleNamespace
+
+    # Not a ClientConnection: the compiled entries must not read slots it does not have; the
+    # pure functions answer (nothing in flight: not the fast path's answer; no lead, no memo, a
+    # balancer that is stopping: not the fast path's request).
+    client = SimpleNamespace(
+        fast=None, memo=None, lead=None, lb=SimpleNamespace(_stopping=True, _max_header_bytes=8190)
+    )
+    conn = SimpleNamespace(_head=b"")
+    assert compiled.try_response(client, conn, b"HTTP/1.1 200 OK\r\n\r\n") is False
+    assert compiled.try_request(client, b"GET / HTTP/1.1\r\n\r\n") is False

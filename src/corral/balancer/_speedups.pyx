@@ -1,6 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""corral.balancer.lead in C: the request split under a remembered lead, in one call; and a
-live stream's end of batch (StreamBatch), the relay's one Python call per streamed event.
+"""corral.balancer.lead in C: the request split under a remembered lead, in one call; a live
+stream's end of batch (StreamBatch), the relay's one Python call per streamed event; and the
+fast path's common request and answer (twins of corral.balancer.fast's try_request, _send and
+try_response), which read the connections' and the balancer's slots at fixed offsets (wire).
 
 Same answers as ``corral.balancer.lead.lead_split`` byte for byte (tests/test_balancer_speedups.py
 holds them to it; tests/test_balancer_fastpath.py runs on whichever build is installed), with
@@ -14,6 +16,8 @@ from libc.stdlib cimport free, malloc
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from libc.string cimport memchr, memcmp, memcpy, memmove
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from cpython.object cimport PyObject, PyObject_TypeCheck, PyTypeObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 
 cdef unsigned char TOKEN[256]  # RFC 9110 tchar: a header name's bytes
 cdef unsigned char VALUE[256]  # a field value's: HTAB, SP, visible ASCII, obs-text
@@ -300,3 +304,412 @@ cdef class StreamBatch:
         clock_gettime(CLOCK_MONOTONIC, &ts)
         client.deadline_kind = self.kind
         client.deadline = ts.tv_sec + ts.tv_nsec * 1e-9 + self.idle
+
+
+# ---------------------------------------------------------------------------- the fast path's state
+
+# The compiled fast path reads the connections' and the balancer's state through the slots
+# their classes declare (``__slots__``), at the offsets the interpreter itself uses: what made
+# Cython slower than CPython 3.11 on ``fast.py`` was the generic attribute lookup, not the work.
+# ``wire`` takes the offsets from the classes' slot descriptors; an object of another class
+# (a test double) takes the pure path instead.
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef *d_member
+    PyTypeObject PyMemberDescr_Type
+
+cdef extern from "structmember.h":
+    int T_OBJECT_EX
+    int READONLY
+
+
+cdef Py_ssize_t _offset(type cls, str name) except -1:
+    descr = getattr(cls, name, None)
+    if type(descr) is not <object>&PyMemberDescr_Type:
+        raise TypeError(f"{cls.__name__}.{name} is not a slot")
+    cdef PyMemberDef *member = (<PyMemberDescrObject *>descr).d_member
+    if member.type != T_OBJECT_EX or member.flags & READONLY:
+        raise TypeError(f"{cls.__name__}.{name} is not a writable object slot")
+    return member.offset
+
+
+cdef inline object _get(object o, Py_ssize_t offset):
+    cdef PyObject *p = (<PyObject **>((<char *><PyObject *>o) + offset))[0]
+    if p == NULL:
+        raise AttributeError(f"{type(o).__name__}: a slot the fast path reads is not set")
+    return <object>p
+
+
+cdef inline void _put(object o, Py_ssize_t offset, object value):
+    cdef PyObject **slot = <PyObject **>((<char *><PyObject *>o) + offset)
+    cdef PyObject *old = slot[0]
+    Py_INCREF(value)
+    slot[0] = <PyObject *>value
+    Py_XDECREF(old)
+
+
+cdef inline double _now() noexcept nogil:
+    """``time.monotonic()``: the same clock (CLOCK_MONOTONIC), without the call."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef bint _wired = False
+cdef tuple _TYPES = ()
+cdef PyTypeObject *_CLIENT
+cdef PyTypeObject *_UPSTREAM
+cdef PyTypeObject *_TARGET
+cdef PyTypeObject *_BALANCER
+cdef PyTypeObject *_POOL
+cdef object _pure_response = None
+cdef object _pure_request = None
+cdef object _pure_send = None
+cdef object _start_exchange = None
+cdef object _DL_HEAD = None
+cdef object _DL_FIRST_BYTE = None
+cdef object _IDEMPOTENT = None
+cdef double _NONIDEMPOTENT_MAX_IDLE = 0.0
+cdef double _BUCKETS[64]
+cdef Py_ssize_t _NBUCKETS = 0
+cdef bytes _HEAD = b"HEAD"
+cdef bytes _KEEP_ALIVE = b"Connection: keep-alive\r\n"
+cdef bytes _CLOSE = b"Connection: close\r\n"
+cdef bytes _SPACE = b" "
+cdef bytes _CRLF = b"\r\n"
+cdef bytes _CLOSE_TOKEN = b"close"
+cdef bytes _KEEP_ALIVE_TOKEN = b"keep-alive"
+
+# The slots read, by index into OFF (their offsets): C_ the client connection's, U_ the replica
+# connection's, T_ its target's, B_ the balancer's, P_ its pool's. _FIELDS names them in the
+# same order, with the role of the class that holds each.
+cdef enum:
+    C_BUF, C_CLOSING, C_DEADLINE, C_DEADLINE_KIND, C_EOF, C_FAST, C_KEPT_ALIVE, C_LB, C_LEAD,
+    C_MEMO, C_PAUSED, C_TRANSPORT, C_XFF_LINE,
+    U_CLOSED, U_FAST_CLIENT, U_HEAD, U_IDLE_SINCE, U_READ_PAUSED, U_TARGET, U_TRANSPORT,
+    T_IDLE, T_LINE_TAIL, T_MEMO, T_PREFIX, T_RETIRED,
+    B_BOARD, B_CODES, B_DRAINED, B_EJECTED, B_FIRST_BYTE_TIMEOUT, B_GATED, B_HEADER_TIMEOUT,
+    B_HELD, B_IN_FLIGHT, B_LATENCY, B_LATENCY_SUM, B_MAX_BODY, B_MAX_BUFFERED_BODY,
+    B_MAX_HEADER_BYTES, B_POLICY, B_POOL, B_PROTO_LINE, B_READY, B_READY_IDS, B_REQUESTS,
+    B_SERVED, B_STOPPING, B_STREAMING, B_TIMESTAMPS,
+    P_TARGETS,
+    N_FIELDS
+
+_FIELDS = (
+    *(("client", n) for n in (
+        "_buf", "_closing", "deadline", "deadline_kind", "_eof", "fast", "kept_alive", "lb",
+        "lead", "memo", "_paused", "transport", "xff_line",
+    )),
+    *(("upstream", n) for n in (
+        "closed", "fast_client", "_head", "idle_since", "read_paused", "target", "transport",
+    )),
+    *(("target", n) for n in ("idle", "line_tail", "memo", "prefix", "retired")),
+    *(("balancer", n) for n in (
+        "_board", "_codes", "_drained", "_ejected", "_first_byte_timeout", "_gated",
+        "_header_timeout", "_held", "_in_flight", "_latency", "_latency_sum", "_max_body",
+        "_max_buffered_body", "_max_header_bytes", "_policy", "_pool", "_proto_line", "_ready",
+        "_ready_ids", "_requests", "_served", "_stopping", "_streaming", "_timestamps",
+    )),
+    ("pool", "_targets"),
+)
+cdef Py_ssize_t OFF[N_FIELDS]
+
+
+def wire(dict classes not None, dict pure not None, dict constants not None):
+    """Take the slots' offsets from the classes the fast path runs on (``classes``: by role,
+    ``client``, ``upstream``, ``target``, ``balancer``, ``pool``). ``pure``: the pure functions
+    (``fast``'s ``try_request``, ``_send``, ``try_response`` and ``start_exchange``), which serve
+    any other object and whatever the compiled ones leave to them; ``constants``:
+    ``LATENCY_BUCKETS`` (the latency histogram's bounds), ``DL_HEAD`` and ``DL_FIRST_BYTE``
+    (deadline kinds), ``IDEMPOTENT`` and ``NONIDEMPOTENT_MAX_IDLE``. Checks everything before
+    changing anything: a class without one of the slots is a TypeError naming it."""
+    global _wired, _TYPES, _CLIENT, _UPSTREAM, _TARGET, _BALANCER, _POOL, _NBUCKETS
+    global _pure_response, _pure_request, _pure_send, _start_exchange
+    global _DL_HEAD, _DL_FIRST_BYTE, _IDEMPOTENT, _NONIDEMPOTENT_MAX_IDLE
+    if len(_FIELDS) != N_FIELDS:
+        raise AssertionError("_FIELDS and the slot indices disagree")
+    offsets = [_offset(classes[role], name) for role, name in _FIELDS]
+    buckets = tuple(float(b) for b in constants["LATENCY_BUCKETS"])
+    if len(buckets) > 64:
+        raise ValueError("more than 64 latency buckets")
+    functions = [pure[n] for n in ("try_response", "try_request", "_send", "start_exchange")]
+    kinds = constants["DL_HEAD"], constants["DL_FIRST_BYTE"]
+    idempotent = frozenset(constants["IDEMPOTENT"])
+    max_idle = float(constants["NONIDEMPOTENT_MAX_IDLE"])
+    types = [classes[role] for role in ("client", "upstream", "target", "balancer", "pool")]
+    for k in range(N_FIELDS):
+        OFF[k] = offsets[k]
+    for k in range(len(buckets)):
+        _BUCKETS[k] = buckets[k]
+    _NBUCKETS = len(buckets)
+    _TYPES = tuple(types)  # held, so the pointers below stay valid
+    _CLIENT = <PyTypeObject *>_TYPES[0]
+    _UPSTREAM = <PyTypeObject *>_TYPES[1]
+    _TARGET = <PyTypeObject *>_TYPES[2]
+    _BALANCER = <PyTypeObject *>_TYPES[3]
+    _POOL = <PyTypeObject *>_TYPES[4]
+    _pure_response, _pure_request, _pure_send, _start_exchange = functions
+    _DL_HEAD, _DL_FIRST_BYTE = kinds
+    _IDEMPOTENT = idempotent
+    _NONIDEMPOTENT_MAX_IDLE = max_idle
+    _wired = True
+
+
+def latency_bucket(double seconds):
+    """The histogram bucket the compiled path counts a latency in (tests hold it to
+    ``bisect.bisect_left(LATENCY_BUCKETS, seconds)``)."""
+    return _bucket(seconds)
+
+
+cdef inline Py_ssize_t _bucket(double seconds) noexcept nogil:
+    """``bisect.bisect_left(LATENCY_BUCKETS, seconds)``."""
+    cdef Py_ssize_t k = 0
+    while k < _NBUCKETS and _BUCKETS[k] < seconds:
+        k += 1
+    return k
+
+
+def try_response(cl, conn, bytes data not None):
+    """``fast.try_response``, its pure twin, for a replica whose last validated head this
+    answer repeats (the common case); any other answer, and objects of other classes, go to
+    the pure function, before anything is done."""
+    if not (
+        _wired
+        and PyObject_TypeCheck(cl, _CLIENT)
+        and PyObject_TypeCheck(conn, _UPSTREAM)
+    ):
+        return _pure_response(cl, conn, data)
+    fast = _get(cl, OFF[C_FAST])
+    if fast is None or _get(conn, OFF[U_HEAD]):
+        return False
+    lb = _get(cl, OFF[C_LB])
+    dest = _get(conn, OFF[U_TARGET])
+    if not (
+        PyObject_TypeCheck(lb, _BALANCER)
+        and PyObject_TypeCheck(dest, _TARGET)
+        and type(fast) is tuple
+        and len(<tuple>fast) == 11
+    ):
+        return _pure_response(cl, conn, data)
+    memo = _get(dest, OFF[T_MEMO])
+    if memo is None or type(memo) is not tuple or len(<tuple>memo) != 4:
+        return _pure_response(cl, conn, data)
+    seen = (<tuple>memo)[0]
+    if type(seen) is not bytes or not data.startswith(<bytes>seen):
+        return _pure_response(cl, conn, data)
+    cdef tuple state = <tuple>fast
+    method = state[3]
+    if method == _HEAD:
+        return False  # the general path knows its framing
+    rid = state[1]
+    cdef double t0 = state[2]
+    cdef bint http11 = state[5]
+    cdef bint keep_alive = state[6]
+    status = (<tuple>memo)[1]
+    cdef Py_ssize_t length = (<tuple>memo)[2]
+    head = (<tuple>memo)[3]
+    cdef Py_ssize_t body_at = PyBytes_GET_SIZE(<bytes>seen)
+    cdef Py_ssize_t end = body_at - 4
+    if PyBytes_GET_SIZE(data) != body_at + length:
+        return False
+    if keep_alive and not _get(lb, OFF[B_STOPPING]):
+        extra = _EMPTY if http11 else _KEEP_ALIVE
+    else:
+        extra = _CLOSE
+    if head is None and extra is _EMPTY:
+        out = data
+    else:
+        out = _EMPTY.join((data[: end + 2] if head is None else head, extra, data[end + 2 :]))
+    # Committed from here: count it, send it, give the replica and its connection back.
+    _put(cl, OFF[C_FAST], None)
+    _put(conn, OFF[U_FAST_CLIENT], None)
+    cdef dict served = _get(lb, OFF[B_SERVED])
+    served[rid] = served.get(rid, 0) + 1
+    cdef double now = _now()
+    cdef double seconds = now - t0
+    cdef dict codes = _get(lb, OFF[B_CODES])
+    codes[status] = codes.get(status, 0) + 1
+    cdef list latency = _get(lb, OFF[B_LATENCY])
+    cdef Py_ssize_t k = _bucket(seconds)
+    if k < PyList_GET_SIZE(latency):
+        latency[k] = latency[k] + 1
+    else:
+        lb._latency[k] += 1  # the pure path's error, if the histogram was cut short
+    _put(lb, OFF[B_LATENCY_SUM], _get(lb, OFF[B_LATENCY_SUM]) + seconds)
+    cdef bint closing = _get(cl, OFF[C_CLOSING])
+    if not closing:
+        _get(cl, OFF[C_TRANSPORT]).write(out)
+    cdef dict in_flight = _get(lb, OFF[B_IN_FLIGHT])
+    count = in_flight.get(rid, 0)
+    if (
+        (
+            count > 1
+            or (
+                count == 1
+                and not _get(lb, OFF[B_DRAINED])
+                and rid in <dict?>_get(lb, OFF[B_READY])
+            )
+        )
+        and not _get(lb, OFF[B_HELD])
+        and _get(lb, OFF[B_BOARD]) is None
+    ):
+        in_flight[rid] = count - 1  # what lb._release does when nothing waits and none reads
+    else:
+        lb._release(rid)
+    pool = _get(lb, OFF[B_POOL])
+    if (
+        _get(conn, OFF[U_CLOSED])
+        or _get(dest, OFF[T_RETIRED])
+        or _get(conn, OFF[U_READ_PAUSED])
+    ):
+        pool.put(conn)
+    else:
+        _put(conn, OFF[U_IDLE_SINCE], now)
+        _get(dest, OFF[T_IDLE]).append(conn)
+        if PyObject_TypeCheck(pool, _POOL):
+            (<set?>_get(pool, OFF[P_TARGETS])).add(dest)
+        else:
+            pool._targets.add(dest)
+    if closing:
+        return True
+    if not keep_alive or _get(lb, OFF[B_STOPPING]):
+        cl._close()
+        return True
+    _put(cl, OFF[C_KEPT_ALIVE], True)
+    _put(cl, OFF[C_DEADLINE_KIND], _DL_HEAD)
+    _put(cl, OFF[C_DEADLINE], now + <double>_get(lb, OFF[B_HEADER_TIMEOUT]))
+    if _get(cl, OFF[C_PAUSED]):
+        cl._unpause()
+    if _get(cl, OFF[C_BUF]):
+        cl._process()
+    return True
+
+
+def try_request(cl, bytes data not None):
+    """``fast.try_request``, its pure twin, for the bytes of the connection's last request
+    again or a request under its remembered lead; anything else (a parse, another class) goes
+    to the pure function, with nothing done yet."""
+    if not (_wired and PyObject_TypeCheck(cl, _CLIENT)):
+        return _pure_request(cl, data)
+    lb = _get(cl, OFF[C_LB])
+    if not PyObject_TypeCheck(lb, _BALANCER) or _get(lb, OFF[B_STOPPING]):
+        return _pure_request(cl, data)
+    cdef bint http11
+    memo = _get(cl, OFF[C_MEMO])
+    if (
+        memo is not None
+        and type(memo) is tuple
+        and len(<tuple>memo) == 7
+        and (<tuple>memo)[0] == data
+    ):
+        # The bytes of the last parsed request on this connection again (see the pure twin).
+        m = <tuple>memo
+        http11 = m[3]
+        token = m[6]
+        keep_alive = (
+            (token != _CLOSE_TOKEN if http11 else token == _KEEP_ALIVE_TOKEN)
+            and not _get(cl, OFF[C_EOF])
+        )
+        xff_line = _get(cl, OFF[C_XFF_LINE])
+        return _send(cl, lb, m[1], m[2], http11, keep_alive, m[4], xff_line, m[5], None)
+    lead = _get(cl, OFF[C_LEAD])
+    if lead is not None and type(lead) is tuple and len(<tuple>lead) == 7:
+        split = lead_split(
+            data,
+            lead,
+            _get(lb, OFF[B_MAX_HEADER_BYTES]),
+            _get(lb, OFF[B_MAX_BUFFERED_BODY]),
+            _get(lb, OFF[B_MAX_BODY]),
+        )
+        if split is not None:
+            method, target, kept, body = split
+            keep_alive = not _get(cl, OFF[C_EOF])
+            xff_line = _get(cl, OFF[C_XFF_LINE])
+            fhost = (<tuple>lead)[6]
+            return _send(cl, lb, method, target, True, keep_alive, kept, xff_line, fhost, body)
+    return _pure_request(cl, data)
+
+
+cdef object _send(cl, lb, method, target, bint http11, bint keep_alive, kept, xff_line, fhost,
+                  body):
+    """``fast._send``: a pooled connection to the replica the policy picks, the request
+    written on it; a held request, or one with no such connection, goes to the pure code."""
+    if _get(lb, OFF[B_GATED]):
+        return _pure_send(cl, method, target, http11, keep_alive, kept, xff_line, fhost, body)
+    ids = _get(lb, OFF[B_READY_IDS])
+    cdef double now = _now()
+    rid = None
+    conn = None
+    transport = None
+    if ids:
+        loads = lb._loads(ids) if _get(lb, OFF[B_STREAMING]) else _get(lb, OFF[B_IN_FLIGHT])
+        pick = lb._healthy(ids) if _get(lb, OFF[B_EJECTED]) else ids
+        rid = _get(lb, OFF[B_POLICY]).select(pick, loads)
+    if ids and rid is not None:
+        dest = (<dict?>_get(lb, OFF[B_READY]))[rid]
+        if not PyObject_TypeCheck(dest, _TARGET):
+            return _start_exchange(
+                cl, method, target, http11, keep_alive, kept, xff_line, fhost, body, rid, False
+            )
+        idle = _get(dest, OFF[T_IDLE])
+        if idle:
+            conn = idle.pop()
+            if not PyObject_TypeCheck(conn, _UPSTREAM):
+                idle.append(conn)
+                conn = None
+            else:
+                transport = _get(conn, OFF[U_TRANSPORT])
+                if (
+                    _get(conn, OFF[U_CLOSED])
+                    or transport is None
+                    or transport.is_closing()
+                    or (
+                        method not in _IDEMPOTENT
+                        and now - <double>_get(conn, OFF[U_IDLE_SINCE]) > _NONIDEMPOTENT_MAX_IDLE
+                    )
+                ):
+                    idle.append(conn)  # Pool.take, on the general path, sorts these out
+                    conn = None
+    if conn is None or rid is None:
+        return _start_exchange(
+            cl, method, target, http11, keep_alive, kept, xff_line, fhost, body, rid, False
+        )
+    _put(lb, OFF[B_REQUESTS], _get(lb, OFF[B_REQUESTS]) + 1)
+    _get(lb, OFF[B_TIMESTAMPS]).append(now)  # what lb._count_request does, without the call
+    if _get(lb, OFF[B_BOARD]) is None:
+        in_flight = <dict?>_get(lb, OFF[B_IN_FLIGHT])
+        in_flight[rid] = in_flight.get(rid, 0) + 1
+    else:
+        lb._acquire(rid)  # and the other workers see it on the board
+    if body is None:
+        tail = _CRLF
+    else:
+        tail = b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    dest = _get(conn, OFF[U_TARGET])
+    _put(conn, OFF[U_FAST_CLIENT], cl)
+    transport.write(
+        _EMPTY.join(
+            (
+                method,
+                _SPACE,
+                _get(dest, OFF[T_PREFIX]),
+                target,
+                _get(dest, OFF[T_LINE_TAIL]),
+                kept,
+                xff_line,
+                _get(lb, OFF[B_PROTO_LINE]),
+                fhost,
+                tail,
+            )
+        )
+    )
+    state = (conn, rid, now, method, target, http11, keep_alive, kept, xff_line, fhost, body)
+    _put(cl, OFF[C_FAST], state)
+    _put(cl, OFF[C_DEADLINE_KIND], _DL_FIRST_BYTE)
+    _put(cl, OFF[C_DEADLINE], now + <double>_get(lb, OFF[B_FIRST_BYTE_TIMEOUT]))
+    return True

@@ -38,6 +38,13 @@ and only when every new line meets a grammar stricter than llhttp's
 (:mod:`corral.balancer.lead`, compiled by ``setup.py`` when it can be: ``REQUEST_LINE_RE``
 for a new request line, ``headers.PASS_LINES_RE`` for header lines, which also refuses every
 header the balancer acts on).
+
+These functions are the fast path's reference and its pure build. The compiled build
+(:mod:`corral.balancer.speedups`) has twins of :func:`try_request` (its memo and lead
+branches), :func:`_send` and :func:`try_response` (an answer under its replica's remembered
+head), which read the state through the slots :mod:`corral.balancer.fast_state` describes and
+hand anything else to these functions before doing anything. :mod:`corral.balancer.client`
+wires whichever build runs into ``ClientConnection.fast_request`` and ``fast_response``.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from corral.balancer.exchange import (
     NONIDEMPOTENT_MAX_IDLE,
     Exchange,
 )
+from corral.balancer.fast_state import Blocks, FastState, Lead, Memo
 from corral.balancer.headers import (
     HOP_RE,
     REQUEST_OTHER_RE,
@@ -76,36 +84,6 @@ if TYPE_CHECKING:
     from corral.balancer.upstream import UpstreamConnection
 
 __all__ = ["Blocks", "FastState", "Lead", "Memo", "materialize", "try_request", "try_response"]
-
-# (replica connection, replica id, t0, method, origin-form target, client is HTTP/1.1, keep the
-#  client connection alive, kept header block, X-Forwarded-For line, X-Forwarded-Host line or
-#  b"", Content-Length body or None): one tuple, not an object, per request.
-FastState = tuple[
-    "UpstreamConnection",
-    int,
-    float,
-    bytes,
-    bytes,
-    bool,
-    bool,
-    bytes,
-    bytes,
-    bytes,
-    "bytes | None",
-]
-# A client connection's last fast request: its bytes (head only, no body), method, origin-form
-# target, HTTP/1.1, kept header block, X-Forwarded-Host line (b"": no Host), Connection token.
-Memo = tuple[bytes, bytes, bytes, bool, bytes, bytes, "bytes | None"]
-# A client connection's last header block with no header but Host to drop: the block, what is
-# kept of it, its X-Forwarded-Host line.
-Blocks = tuple[bytes, bytes, bytes]
-# What a client connection's last HTTP/1.1 request with no header to drop but Host,
-# ``Connection: keep-alive`` (which an HTTP/1.1 request means anyway) and Content-Length shares
-# with the next ones from a client that varies other headers (a request or trace id, a cookie),
-# its request line or its body: its request line (CRLF included), method, origin-form target,
-# its Host line and its Connection line (each with the CRLF before and after it) or None, how it
-# spells ``\r\nContent-Length:`` (as written, if it had one), its X-Forwarded-Host line.
-Lead = tuple[bytes, bytes, bytes, "bytes | None", "bytes | None", bytes, bytes]
 
 # A validated response head: status, Content-Length, head rewritten (None: unchanged).
 _Checked = tuple[int, int, "bytes | None"]
@@ -312,12 +290,9 @@ def _send(
             else:
                 idle.pop()
     if conn is None or rid is None:
-        fwd = forwarded(kept, xff_line, lb._proto_line, fhost)
-        ex = Exchange(lb, cl, method, target, http11, keep_alive, fwd, None)
-        ex.must_wait = wait  # held at once: asking the policy again would count it twice
-        cl._buf = body or b""
-        cl._run(ex, None if body is None else len(body), False, rid)
-        return True
+        return start_exchange(
+            cl, method, target, http11, keep_alive, kept, xff_line, fhost, body, rid, wait
+        )
     lb._requests += 1
     lb._timestamps.append(now)  # what lb._count_request does, without the call
     if lb._board is None:
@@ -346,6 +321,30 @@ def _send(
     cl.fast = (conn, rid, now, method, target, http11, keep_alive, kept, xff_line, fhost, body)
     cl.deadline_kind = DL_FIRST_BYTE
     cl.deadline = now + lb._first_byte_timeout
+    return True
+
+
+def start_exchange(
+    cl: FastDownstream,
+    method: bytes,
+    target: bytes,
+    http11: bool,
+    keep_alive: bool,
+    kept: bytes,
+    xff_line: bytes,
+    fhost: bytes,
+    body: bytes | None,
+    rid: int | None,
+    wait: bool,
+) -> bool:
+    """The request on the general path after all: no pooled connection to ``rid`` (already
+    picked: a policy is asked once), or none picked (``wait``: hold it at once)."""
+    lb = cl.lb
+    fwd = forwarded(kept, xff_line, lb._proto_line, fhost)
+    ex = Exchange(lb, cl, method, target, http11, keep_alive, fwd, None)
+    ex.must_wait = wait  # held at once: asking the policy again would count it twice
+    cl._buf = body or b""
+    cl._run(ex, None if body is None else len(body), False, rid)
     return True
 
 

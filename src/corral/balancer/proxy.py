@@ -48,6 +48,7 @@ from typing import Any, Final
 from corral.balancer.client import ClientConnection
 from corral.balancer.counting import Counters
 from corral.balancer.failures import describe, refused
+from corral.balancer.fast_state import BalancerSlots
 from corral.balancer.gate import HOLD_PATIENCE, Gate
 from corral.balancer.load_board import LoadBoard, streams_path
 from corral.balancer.policies import EngineLoad
@@ -70,7 +71,7 @@ _refused = refused
 _describe = describe
 
 
-class LoadBalancer(Counters, Gate):
+class LoadBalancer(BalancerSlots, Counters, Gate):
     """Reverse proxy for one service; see the module docstring for the design."""
 
     # How long a replica that could not be connected to is passed over (unless all are).

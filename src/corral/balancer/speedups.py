@@ -1,16 +1,20 @@
 """Which build of the fast path's byte work runs: compiled (``_speedups``) or pure Python.
 
-Why: per request, the balancer's own user-space time is CPython running the fast path; the
-largest piece of it that touches bytes only (no connection or balancer state) is the split of a
-request under a remembered lead (:mod:`corral.balancer.lead`: a dozen bytes searches, slices
-and a regex). ``_speedups.pyx`` does that in C, in one call; ``setup.py`` builds it with Cython
-at install (optional: a machine without a compiler installs and runs the pure build). Measured
-choice: Cython compiling ``fast.py`` whole ran *slower* than CPython 3.11 (its generic attribute
-and method lookups against the interpreter's specialized ones; docs/benchmarks.md), so only
-the bytes work is compiled and the state handling stays Python. The one exception is a live
-stream's end of batch (``StreamBatch``, :mod:`corral.balancer.relay`): a handful of steps run once
-per streamed event, where a Python call costs more than the work; it touches the exchange's
-state through a few attributes only, and ``ResponseRelay.on_upstream_data_done`` is its twin.
+Why: per request, the balancer's own user-space time is CPython running the fast path. The
+compiled build does in C, in one call each: the split of a request under a remembered lead
+(:mod:`corral.balancer.lead`: a dozen bytes searches, slices and a regex), the fast path's common
+request and answer (:mod:`corral.balancer.fast`'s ``try_request``, ``_send`` and
+``try_response``, for a request whose bytes or lead are remembered and an answer whose head its
+replica sent last time; anything else goes to the pure functions before anything is done), and a
+live stream's end of batch (``StreamBatch``, :mod:`corral.balancer.relay`). The pure module
+stays the reference and the fallback; the tests run on both.
+
+Compiling ``fast.py`` whole, as it was, ran *slower* than CPython 3.11: the compiled code read
+the connections' state through Python's generic attribute lookup, where the interpreter's own
+access is specialized (docs/benchmarks.md). So the fields the fast path reads are slots
+(:mod:`corral.balancer.fast_state`): the compiled code takes their offsets from the classes at
+wiring (:func:`wire_fast_path`) and reads them as struct fields, and an object of another class
+takes the pure path.
 
 At import the compiled build is taken when:
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
@@ -37,7 +42,15 @@ from typing import Any, Final
 from corral.balancer import lead
 from corral.balancer.headers import REQUEST_DROP
 
-__all__ = ["ACCELERATED", "PURE_ENV", "StreamBatch", "lead_split", "source_digest", "state"]
+__all__ = [
+    "ACCELERATED",
+    "PURE_ENV",
+    "StreamBatch",
+    "lead_split",
+    "source_digest",
+    "state",
+    "wire_fast_path",
+]
 
 PURE_ENV: Final = "CORRAL_BALANCER_PURE"
 _COMPILED: Final = "corral.balancer._speedups"
@@ -64,7 +77,8 @@ def _compiled() -> tuple[ModuleType | None, str]:
         return None, "stale: _speedups.pyx changed since it was built (pip install -e . rebuilds)"
     module.configure(REQUEST_DROP)
     return module, (
-        "compiled (Cython): the request split under a remembered lead, a live stream's batches"
+        "compiled (Cython): the fast path's request and answer, the request split under a"
+        " remembered lead, a live stream's batches"
     )
 
 
@@ -76,6 +90,22 @@ StreamBatch: Any = None
 if _module is not None:
     lead_split = _module.lead_split
     StreamBatch = _module.StreamBatch
+
+
+def wire_fast_path(
+    classes: dict[str, type], pure: dict[str, Callable[..., bool]], constants: dict[str, Any]
+) -> tuple[Callable[..., bool], Callable[..., bool]]:
+    """The fast path's two entries to run, ``(try_request, try_response)``: ``pure``'s own, or
+    their compiled twins once told where the state lives. ``classes``: the client and replica
+    connections, the target, the balancer and the pool (``client``, ``upstream``, ``target``,
+    ``balancer``, ``pool``), whose slots the compiled functions read at fixed offsets (objects
+    of other classes take the pure functions); ``pure``: ``fast``'s ``try_request``, ``_send``,
+    ``try_response`` and ``start_exchange``; ``constants``: see ``_speedups.wire``. Called by
+    :mod:`corral.balancer.proxy`, the one module that sees all those classes."""
+    if _module is None:
+        return pure["try_request"], pure["try_response"]
+    _module.wire(classes, pure, constants)
+    return _module.try_request, _module.try_response
 
 
 def state() -> dict[str, str]:

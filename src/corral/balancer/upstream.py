@@ -130,6 +130,19 @@ class Target:
 class UpstreamConnection(asyncio.Protocol):
     """One connection to a replica; carries one request at a time (no pipelining)."""
 
+    # Slots: what the compiled fast path reads and writes (see ClientConnection's).
+    __slots__ = (
+        "__dict__",
+        "__weakref__",
+        "_head",
+        "closed",
+        "fast_client",
+        "idle_since",
+        "read_paused",
+        "target",
+        "transport",
+    )
+
     def __init__(self, target: Target) -> None:
         self.target = target
         self.transport: asyncio.Transport | None = None
@@ -329,6 +342,8 @@ class UpstreamConnection(asyncio.Protocol):
 
 class Pool:
     """Idle keep-alive connections of every replica (kept on their :class:`Target`)."""
+
+    __slots__ = ("_targets",)
 
     def __init__(self) -> None:
         self._targets: set[Target] = set()
