@@ -196,45 +196,25 @@ def test_the_fast_path_tests_pass_on_the_pure_build_too() -> None:
 
 
 def _wiring() -> tuple[dict[str, type], dict[str, Any], dict[str, Any]]:
-    """The classes, pure functions and constants corral.balancer.client wires the build with."""
-    from corral.balancer import exchange, fast, upstream
-    from corral.balancer.client import ClientConnection
-    from corral.balancer.fast_state import BalancerSlots
-    from corral.balancer.metrics import LATENCY_BUCKETS
+    """The classes, pure functions and constants corral.balancer.client wired the build with."""
+    from corral.balancer.wiring import FAST_PATH_WIRING
 
-    classes = {
-        "client": ClientConnection,
-        "upstream": upstream.UpstreamConnection,
-        "target": upstream.Target,
-        "balancer": BalancerSlots,
-        "pool": upstream.Pool,
-    }
-    pure = {
-        "try_request": fast.try_request,
-        "_send": fast._send,
-        "try_response": fast.try_response,
-        "start_exchange": fast.start_exchange,
-    }
-    constants = {
-        "LATENCY_BUCKETS": LATENCY_BUCKETS,
-        "DL_HEAD": exchange.DL_HEAD,
-        "DL_FIRST_BYTE": exchange.DL_FIRST_BYTE,
-        "IDEMPOTENT": exchange.IDEMPOTENT,
-        "NONIDEMPOTENT_MAX_IDLE": exchange.NONIDEMPOTENT_MAX_IDLE,
-    }
-    return classes, pure, constants
+    return FAST_PATH_WIRING
 
 
 def test_the_client_connection_runs_the_chosen_build() -> None:
     from corral.balancer import fast
     from corral.balancer.client import ClientConnection
 
+    _, pure, _ = _wiring()
     if speedups.ACCELERATED == "compiled":
         assert ClientConnection.fast_request is compiled.try_request
         assert ClientConnection.fast_response is compiled.try_response
     else:
         assert ClientConnection.fast_request is fast.try_request
         assert ClientConnection.fast_response is fast.try_response
+    # the fallbacks are the functions as written, never a compiled twin
+    assert pure["try_request"] is fast.try_request and pure["try_response"] is fast.try_response
 
 
 @needs_compiled

@@ -24,17 +24,8 @@ from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 
-from corral.balancer import fast, speedups
-from corral.balancer.exchange import (
-    DL_FIRST_BYTE,
-    DL_HEAD,
-    DL_LINGER,
-    DL_NONE,
-    IDEMPOTENT,
-    NONIDEMPOTENT_MAX_IDLE,
-    Exchange,
-)
-from corral.balancer.fast_state import BalancerSlots
+from corral.balancer import fast
+from corral.balancer.exchange import DL_HEAD, DL_LINGER, DL_NONE, Exchange
 from corral.balancer.headers import connection_tokens, forwarded, forwarded_host, scan_request
 from corral.balancer.http1 import (
     BadRequest,
@@ -43,13 +34,12 @@ from corral.balancer.http1 import (
     origin_form,
     parse_request_line,
 )
-from corral.balancer.metrics import LATENCY_BUCKETS
-from corral.balancer.upstream import Pool, Target, UpstreamConnection
 
 if TYPE_CHECKING:
     from typing import Protocol
 
     from corral.balancer.roles import Balancer, Pending
+    from corral.balancer.upstream import UpstreamConnection
 
     class Listener(Balancer, Protocol):
         """The balancer as its client connections see it: a :class:`Balancer` that keeps
@@ -465,29 +455,3 @@ class ClientConnection(asyncio.Protocol):
                 ex.client_lost()
             self.exchange = None
             self._close()
-
-
-# The fast path's entries: compiled when the build is (corral.balancer.speedups), handed the
-# classes whose slots they read.
-ClientConnection.fast_request, ClientConnection.fast_response = speedups.wire_fast_path(
-    {
-        "client": ClientConnection,
-        "upstream": UpstreamConnection,
-        "target": Target,
-        "balancer": BalancerSlots,
-        "pool": Pool,
-    },
-    {
-        "try_request": fast.try_request,
-        "_send": fast._send,
-        "try_response": fast.try_response,
-        "start_exchange": fast.start_exchange,
-    },
-    {
-        "LATENCY_BUCKETS": LATENCY_BUCKETS,
-        "DL_HEAD": DL_HEAD,
-        "DL_FIRST_BYTE": DL_FIRST_BYTE,
-        "IDEMPOTENT": IDEMPOTENT,
-        "NONIDEMPOTENT_MAX_IDLE": NONIDEMPOTENT_MAX_IDLE,
-    },
-)

@@ -43,8 +43,8 @@ These functions are the fast path's reference and its pure build. The compiled b
 (:mod:`corral.balancer.speedups`) has twins of :func:`try_request` (its memo and lead
 branches), :func:`_send` and :func:`try_response` (an answer under its replica's remembered
 head), which read the state through the slots :mod:`corral.balancer.fast_state` describes and
-hand anything else to these functions before doing anything. :mod:`corral.balancer.client`
-wires whichever build runs into ``ClientConnection.fast_request`` and ``fast_response``.
+hand anything else to these functions before doing anything. :mod:`corral.balancer.wiring`
+installs whichever build runs (``ClientConnection.fast_request`` and ``fast_response``).
 """
 
 from __future__ import annotations

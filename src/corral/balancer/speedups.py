@@ -101,7 +101,7 @@ def wire_fast_path(
     ``balancer``, ``pool``), whose slots the compiled functions read at fixed offsets (objects
     of other classes take the pure functions); ``pure``: ``fast``'s ``try_request``, ``_send``,
     ``try_response`` and ``start_exchange``; ``constants``: see ``_speedups.wire``. Called by
-    :mod:`corral.balancer.proxy`, the one module that sees all those classes."""
+    :mod:`corral.balancer.wiring`, which sees all those classes."""
     if _module is None:
         return pure["try_request"], pure["try_response"]
     _module.wire(classes, pure, constants)
