@@ -4,7 +4,10 @@ Why: the compiled build replaces a regex and a dozen bytes operations with hand-
 byte it lets through that the pure build refuses would pass a header line llhttp never judged.
 Both builds must give the same answer to every input: the same split, or both None. The fast
 path's own tests (tests/test_balancer_fastpath.py) run on whichever build is installed; where
-that is the compiled one, the last test here runs them again on the pure build.
+that is the compiled one, a test here runs them again on the pure build. The compiled fast
+path reads the connections' and the balancer's slots at offsets it is given once: the last
+tests check that wiring (the build chosen is the one installed, a class without a slot is
+refused and changes nothing, an object of another class gets the pure answer).
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ def test_the_fast_path_tests_pass_on_the_pure_build_too() -> None:
 
 
 def _wiring() -> tuple[dict[str, type], dict[str, Any], dict[str, Any]]:
-    """The classes, pure functions and constants corral.balancer.client wired the build with."""
+    """The classes, pure functions and constants corral.balancer.wiring wired the build with."""
     from corral.balancer.wiring import FAST_PATH_WIRING
 
     return FAST_PATH_WIRING
@@ -243,7 +246,7 @@ def test_a_class_without_a_slot_is_refused_and_the_wiring_stays() -> None:
     with pytest.raises(TypeError, match="_board is not a slot"):
         compiled.wire({**classes, "balancer": Loose}, pure, constants)
     with pytest.raises(KeyError):
-        compiled.wire(classes, {**pure, "_send": None} | {"start_exchange": None}, {})
+        compiled.wire(classes, pure, {})  # no constants: refused after the offsets were read
     # The refused calls changed nothing: a request still takes the compiled path, whole.
     from test_balancer_fastpath import REQUESTS as FAST_REQUESTS
     from test_balancer_fastpath import RESPONSES, Rig
