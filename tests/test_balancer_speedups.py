@@ -275,3 +275,46 @@ def test_objects_of_other_classes_take_the_pure_functions() -> None:
     conn = SimpleNamespace(_head=b"")
     assert compiled.try_response(client, conn, b"HTTP/1.1 200 OK\r\n\r\n") is False
     assert compiled.try_request(client, b"GET / HTTP/1.1\r\n\r\n") is False
+
+
+# ------------------------------------------------------------------ least load
+
+
+@needs_compiled
+@settings(max_examples=400, deadline=None)
+@given(
+    ids=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=8),
+    loads=st.dictionaries(
+        st.integers(min_value=0, max_value=40),
+        st.one_of(st.integers(min_value=0, max_value=5), st.sampled_from([0.0, 0.0625, 1.5, 2.0])),
+        max_size=10,
+    ),
+    last=st.one_of(st.none(), st.integers(min_value=-1, max_value=41)),
+    as_tuple=st.booleans(),
+)
+def test_least_loaded_picks_as_its_pure_twin(
+    ids: list[int], loads: dict[int, float], last: int | None, as_tuple: bool
+) -> None:
+    from corral.balancer import policies
+
+    candidates = tuple(ids) if as_tuple else ids
+    assert compiled.least_loaded(candidates, loads, last) == policies.least_loaded(
+        candidates, loads, last
+    )
+
+
+@needs_compiled
+def test_least_loaded_refuses_no_candidates_as_its_twin() -> None:
+    from corral.balancer import policies
+
+    with pytest.raises(ValueError, match="no candidate"):
+        policies.least_loaded((), {}, None)
+    with pytest.raises(ValueError, match="no candidate"):
+        compiled.least_loaded((), {}, None)
+
+
+def test_least_load_runs_the_chosen_build() -> None:
+    from corral.balancer import policies
+
+    expected = compiled.least_loaded if speedups.ACCELERATED == "compiled" else None
+    assert policies._least_loaded is (expected or policies.least_loaded)

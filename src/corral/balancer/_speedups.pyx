@@ -306,6 +306,38 @@ cdef class StreamBatch:
         client.deadline = ts.tv_sec + ts.tv_nsec * 1e-9 + self.idle
 
 
+# ---------------------------------------------------------------------------- least load
+
+def least_loaded(candidates, in_flight, last):
+    """``policies.least_loaded``, compiled: the same pass over the candidates with the same
+    comparisons (Python's, so ints and floats compare as they do there), without the bytecode."""
+    cdef bint found_after = False
+    cdef bint has_last = last is not None
+    cdef bint exact = type(in_flight) is dict
+    least = -1
+    smallest = 0
+    after = 0
+    for rid in candidates:
+        if exact:
+            load = (<dict>in_flight).get(rid, 0)
+        else:
+            load = in_flight.get(rid, 0)
+        if least < 0 or load < least:
+            least = load
+            smallest = rid
+            found_after = has_last and rid > last
+            after = rid
+        elif load == least:
+            if rid < smallest:
+                smallest = rid
+            if has_last and rid > last and (not found_after or rid < after):
+                found_after = True
+                after = rid
+    if least < 0:
+        raise ValueError("no candidate replica")
+    return after if found_after else smallest
+
+
 # ---------------------------------------------------------------------------- the fast path's state
 
 # The compiled fast path reads the connections' and the balancer's state through the slots

@@ -20,6 +20,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Final, NamedTuple, Protocol
 
+from corral.balancer import speedups
+
 __all__ = [
     "STREAM_WEIGHT",
     "EngineLoad",
@@ -204,34 +206,44 @@ class LeastLoad(_Blind):
         in_flight: Mapping[int, float],
         request: RequestView | None = None,
     ) -> int:
-        # One pass: the least load so far, the smallest id with it, and the smallest id with
-        # it after the last choice (what _next_after would find among the least loaded).
-        last = self._last
-        get = in_flight.get
-        least: float = -1
-        smallest = after = 0
-        found_after = False
-        for rid in candidates:
-            load = get(rid, 0)
-            if least < 0 or load < least:
-                least = load
-                smallest = rid
-                found_after = last is not None and rid > last
-                after = rid
-            elif load == least:
-                if rid < smallest:
-                    smallest = rid
-                if last is not None and rid > last and (not found_after or rid < after):
-                    found_after = True
-                    after = rid
-        if least < 0:
-            raise ValueError("no candidate replica")
-        chosen = after if found_after else smallest
+        chosen: int = _least_loaded(candidates, in_flight, self._last)
         self._last = chosen
         return chosen
 
     def __repr__(self) -> str:
         return "LeastLoad()"
+
+
+def least_loaded(
+    candidates: Sequence[int], in_flight: Mapping[int, float], last: int | None
+) -> int:
+    """:class:`LeastLoad`'s pick: in one pass, the least load so far, the smallest id with it,
+    and the smallest id with it after ``last`` (what :func:`_next_after` would find among the
+    least loaded). The reference; ``_speedups`` has its compiled twin, which the compiled build
+    runs (the loop is the largest piece of Python left per request on the fast path)."""
+    get = in_flight.get
+    least: float = -1
+    smallest = after = 0
+    found_after = False
+    for rid in candidates:
+        load = get(rid, 0)
+        if least < 0 or load < least:
+            least = load
+            smallest = rid
+            found_after = last is not None and rid > last
+            after = rid
+        elif load == least:
+            if rid < smallest:
+                smallest = rid
+            if last is not None and rid > last and (not found_after or rid < after):
+                found_after = True
+                after = rid
+    if least < 0:
+        raise ValueError("no candidate replica")
+    return after if found_after else smallest
+
+
+_least_loaded = speedups.twin("least_loaded") or least_loaded
 
 
 class PowerOfTwo(_Blind):

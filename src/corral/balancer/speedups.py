@@ -49,6 +49,7 @@ __all__ = [
     "lead_split",
     "source_digest",
     "state",
+    "twin",
     "wire_fast_path",
 ]
 
@@ -106,6 +107,12 @@ def wire_fast_path(
         return pure["try_request"], pure["try_response"]
     _module.wire(classes, pure, constants)
     return _module.try_request, _module.try_response
+
+
+def twin(name: str) -> Callable[..., Any] | None:
+    """The compiled build's function ``name`` (a twin of a pure one the caller holds), or None
+    on the pure build."""
+    return None if _module is None else getattr(_module, name)
 
 
 def state() -> dict[str, str]:
