@@ -5,8 +5,9 @@ compiled build does in C, in one call each: the split of a request under a remem
 (:mod:`corral.balancer.lead`: a dozen bytes searches, slices and a regex), the fast path's common
 request and answer (:mod:`corral.balancer.fast`'s ``try_request``, ``_send`` and
 ``try_response``, for a request whose bytes or lead are remembered and an answer whose head its
-replica sent last time; anything else goes to the pure functions before anything is done), and a
-live stream's end of batch (``StreamBatch``, :mod:`corral.balancer.relay`). The pure module
+replica sent last time; anything else goes to the pure functions before anything is done),
+``least_load``'s pick (:func:`corral.balancer.policies.least_loaded`, through :func:`twin`), and
+a live stream's end of batch (``StreamBatch``, :mod:`corral.balancer.relay`). The pure module
 stays the reference and the fallback; the tests run on both.
 
 Compiling ``fast.py`` whole, as it was, ran *slower* than CPython 3.11: the compiled code read
