@@ -252,6 +252,13 @@ cdef bytes _frame(bytes data):
     return framed
 
 
+cdef inline double _now() noexcept nogil:
+    """``time.monotonic()``: the same clock (CLOCK_MONOTONIC), without the call."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
 cdef class StreamBatch:
     """A live stream's ``on_upstream_data_done`` (corral.balancer.relay, ``_go_live``).
 
@@ -283,7 +290,6 @@ cdef class StreamBatch:
     def __call__(self, complete):
         cdef list out = self.out
         cdef Py_ssize_t n
-        cdef timespec ts
         if complete:
             exchange = self.exchange()
             if exchange is not None:
@@ -301,9 +307,8 @@ cdef class StreamBatch:
                 data = _frame(data)
             if not client._closing:
                 self.write(data)
-        clock_gettime(CLOCK_MONOTONIC, &ts)
         client.deadline_kind = self.kind
-        client.deadline = ts.tv_sec + ts.tv_nsec * 1e-9 + self.idle
+        client.deadline = _now() + self.idle
 
 
 # ---------------------------------------------------------------------------- least load
@@ -383,13 +388,6 @@ cdef inline void _put(object o, Py_ssize_t offset, object value):
     Py_INCREF(value)
     slot[0] = <PyObject *>value
     Py_XDECREF(old)
-
-
-cdef inline double _now() noexcept nogil:
-    """``time.monotonic()``: the same clock (CLOCK_MONOTONIC), without the call."""
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef bint _wired = False
