@@ -421,12 +421,14 @@ def test_actors_lost_while_no_daemon_ran_are_preempted_not_failed(
     home.run("up", "--detach", str(ray_spec(tmp_path, "lost", 3, run="sleep 600")))
 
     def started() -> dict[int, dict[str, Any]] | None:
+        # Launched, not just placed: an actor is recorded (with its pid) before its app starts,
+        # and a launch the daemon died in is relaunched as itself, not judged PREEMPTED.
+        svc = home.service("lost")
+        launched = svc is not None and [r["status"] for r in svc["replicas"]] == ["STARTING"] * 3
         found = ray_home.handles("lost")
-        return (
-            found if len(found) == 3 and all(h.get("actor_pid") for h in found.values()) else None
-        )
+        return found if launched and all(h.get("pid") for h in found.values()) else None
 
-    first = wait_for(started, 60, "3 replicas started on the cluster", interval=0.3)
+    first = wait_for(started, 60, "3 replicas launched on the cluster", interval=0.3)
     daemon = home.daemon_pid()
     os.kill(daemon, signal.SIGKILL)
     wait_for(lambda: not pid_alive(daemon), 10, "the daemon to die")
@@ -442,7 +444,9 @@ def test_actors_lost_while_no_daemon_ran_are_preempted_not_failed(
         states = {r["id"]: r["status"] for r in svc["replicas"]}
         fresh = [rid for rid, status in states.items() if rid not in first and status in LIVE]
         gone = [states.get(rid) for rid in first]
-        return svc if len(fresh) == 3 and gone == ["PREEMPTED"] * 3 else None
+        if len(fresh) == 3 and gone == ["PREEMPTED"] * 3:
+            return svc
+        raise AssertionError(f"replica states {states}")  # shown if the wait times out
 
     svc = wait_for(relaunched, 60, "the 3 lost replicas PREEMPTED and 3 new ones launched")
     assert svc["status"] != "FAILED", svc
