@@ -30,9 +30,19 @@ class FakeTransport:
     def __init__(self) -> None:
         self.out: list[bytes] = []
         self.closed = False
+        self.protocol: Any = None  # set only by set_protocol (a live stream's relay)
+        self.fail: Exception | None = None  # raised by write, to stand for a bug there
 
     def write(self, data: bytes) -> None:
+        if self.fail is not None:
+            raise self.fail
         self.out.append(data)
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self) -> Any:
+        return self.protocol
 
     def take(self) -> bytes:
         data, self.out = b"".join(self.out), []

@@ -31,18 +31,37 @@ SSE_HEAD = (
 GET = b"GET /sse HTTP/1.1\r\nHost: h\r\n\r\n"
 
 
-@pytest.fixture(autouse=True, params=["method", "compiled"])
+@pytest.fixture(autouse=True, params=["method", "compiled", "raw"])
 def batch_end(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test twice: a live stream's batches ended by the relay's method (the pure build),
-    and by the compiled ``StreamBatch`` that shadows it (skipped where it is not built or the
-    run is on the pure build)."""
-    if request.param == "compiled":
-        if speedups.StreamBatch is None:
-            pytest.skip("the compiled build is not built, or this run is on the pure build")
+    """Every test three times: a live stream's batches ended by the relay's method (the pure
+    build), by the compiled ``StreamBatch`` that shadows it, and, the compiled build's own
+    way, handled whole in C by ``LiveChunks`` where the replica's framing is plain chunks (the
+    last two skipped where it is not built or the run is on the pure build)."""
+    if request.param != "method" and speedups.StreamBatch is None:
+        pytest.skip("the compiled build is not built, or this run is on the pure build")
+    if request.param == "raw":
         yield request.param
         return
-    with mock.patch.object(relay, "StreamBatch", None):
+    with (
+        mock.patch.object(relay, "LiveChunks", None),
+        mock.patch.object(
+            relay, "StreamBatch", None if request.param == "method" else relay.StreamBatch
+        ),
+    ):
         yield request.param
+
+
+def feed(conn: UpstreamConnection, data: bytes) -> None:
+    """Bytes from the replica, to whichever protocol its transport has now (a live stream's
+    ``LiveChunks``, or the connection)."""
+    protocol = conn.transport.get_protocol() if conn.transport is not None else None
+    (protocol if protocol is not None else conn).data_received(data)
+
+
+def lose(conn: UpstreamConnection, exc: Exception | None) -> None:
+    """The replica's connection lost, reported to its transport's protocol."""
+    protocol = conn.transport.get_protocol() if conn.transport is not None else None
+    (protocol if protocol is not None else conn).connection_lost(exc)
 
 
 def frame(data: bytes) -> bytes:
@@ -50,7 +69,8 @@ def frame(data: bytes) -> bytes:
 
 
 def dechunk(body: bytes) -> tuple[bytes, bool]:
-    """The data of a chunked body, and whether its last chunk came (strict framing)."""
+    """The data of a chunked body, and whether its last chunk came (strict framing). The body
+    may stop inside a chunk's data, as a stream relayed as framed does between batches."""
     data, at = b"", 0
     while at < len(body):
         eol = body.index(b"\r\n", at)
@@ -59,6 +79,8 @@ def dechunk(body: bytes) -> tuple[bytes, bool]:
             assert body[eol:] == b"\r\n\r\n", body[eol:]
             return data, True
         data += body[eol + 2 : eol + 2 + size]
+        if eol + 2 + size >= len(body):
+            return data, False  # the rest of this chunk is still to come
         assert body[eol + 2 + size : eol + 4 + size] == b"\r\n"
         at = eol + 4 + size
     return data, False
@@ -95,7 +117,7 @@ def test_chunked_stream_batch_by_batch() -> None:
     ]
     sent = b""
     for i, batch in enumerate(batches):
-        conn.data_received(batch)
+        feed(conn, batch)
         got = rig.ct.take()
         if i == 0:
             head, got = split_head(got)
@@ -107,7 +129,8 @@ def test_chunked_stream_batch_by_batch() -> None:
         assert data.startswith(b"".join(events[: min(i + 1, 4)]))
     ex = rig.client.exchange
     assert ex is not None and ex.mode == _LIVE_CHUNK  # the path these tests are for
-    conn.data_received(frame(events[7]) + b"0\r\n\r\n")
+    assert_relayed_as_framed(conn)
+    feed(conn, frame(events[7]) + b"0\r\n\r\n")
     sent += rig.ct.take()
     data, ended = dechunk(sent)
     assert data == b"".join(events) and ended
@@ -119,39 +142,39 @@ def test_head_alone_then_events_times_the_first_event_once() -> None:
     rig = Rig()
     conn = send(rig, GET)
     with mock.patch.object(rig.lb, "_observe_ttft") as ttft:
-        conn.data_received(SSE_HEAD)
+        feed(conn, SSE_HEAD)
         assert split_head(rig.ct.take())[1] == b"" and ttft.call_count == 0
         for i in range(5):
-            conn.data_received(frame(b"data: %d\n\n" % i))
+            feed(conn, frame(b"data: %d\n\n" % i))
             assert dechunk(rig.ct.take())[0] == b"data: %d\n\n" % i
         assert ttft.call_count == 1
-        conn.data_received(b"0\r\n\r\n")
+        feed(conn, b"0\r\n\r\n")
         assert rig.ct.take() == b"0\r\n\r\n"
 
 
 def test_each_batch_moves_the_idle_deadline() -> None:
     rig = Rig(idle_timeout=30.0)
     conn = send(rig, GET)
-    conn.data_received(SSE_HEAD + frame(b"a"))
+    feed(conn, SSE_HEAD + frame(b"a"))
     rig.ct.take()
     for _ in range(3):
         rig.client.deadline = 1.0  # as if long passed: the next batch must move it again
-        conn.data_received(frame(b"b"))
+        feed(conn, frame(b"b"))
         assert rig.client.deadline_kind == DL_IDLE
         assert rig.client.deadline > 1000.0
-    conn.data_received(b"0\r\n\r\n")
+    feed(conn, b"0\r\n\r\n")
 
 
 def test_next_exchange_after_a_stream_is_relayed_whole() -> None:
     rig = Rig()
     conn = send(rig, GET)
-    conn.data_received(SSE_HEAD + frame(b"x"))
-    conn.data_received(frame(b"y"))
-    conn.data_received(b"0\r\n\r\n")
+    feed(conn, SSE_HEAD + frame(b"x"))
+    feed(conn, frame(b"y"))
+    feed(conn, b"0\r\n\r\n")
     assert dechunk(split_head(rig.ct.take())[1]) == (b"xy", True)
     conn = send(rig, b"GET /again HTTP/1.1\r\nHost: h\r\n\r\n")
-    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhe")
-    conn.data_received(b"llo")
+    feed(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhe")
+    feed(conn, b"llo")
     head, body = split_head(rig.ct.take())
     assert b"Content-Length: 5" in head and body == b"hello"
 
@@ -160,10 +183,10 @@ def test_stream_ended_by_the_replica_closing() -> None:
     """No length, no chunking from the replica: the client gets chunks, then the last one."""
     rig = Rig()
     conn = send(rig, GET)
-    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\nab")
-    conn.data_received(b"cd")
-    conn.data_received(b"ef")
-    conn.connection_lost(None)
+    feed(conn, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\nab")
+    feed(conn, b"cd")
+    feed(conn, b"ef")
+    lose(conn, None)
     head, body = split_head(rig.ct.take())
     assert b"Transfer-Encoding: chunked" in head
     assert dechunk(body) == (b"abcdef", True)
@@ -172,9 +195,9 @@ def test_stream_ended_by_the_replica_closing() -> None:
 def test_stream_to_an_http10_client_passes_raw() -> None:
     rig = Rig()
     conn = send(rig, b"GET /sse HTTP/1.0\r\nHost: h\r\n\r\n")
-    conn.data_received(SSE_HEAD + frame(b"one"))
-    conn.data_received(frame(b"two"))
-    conn.data_received(frame(b"three") + b"0\r\n\r\n")
+    feed(conn, SSE_HEAD + frame(b"one"))
+    feed(conn, frame(b"two"))
+    feed(conn, frame(b"three") + b"0\r\n\r\n")
     head, body = split_head(rig.ct.take())
     assert b"chunked" not in head.lower() and b"Connection: close" in head
     assert body == b"onetwothree"
@@ -184,11 +207,11 @@ def test_posted_answer_with_a_length_is_streamed_as_it_comes() -> None:
     """A POST's answer is not held for retries: its pieces pass as they come."""
     rig = Rig()
     conn = send(rig, b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\nx")
-    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nabc")
+    feed(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nabc")
     assert split_head(rig.ct.take())[1] == b"abc"
-    conn.data_received(b"def")
+    feed(conn, b"def")
     assert rig.ct.take() == b"def"
-    conn.data_received(b"ghi")
+    feed(conn, b"ghi")
     assert rig.ct.take() == b"ghi"
     assert rig.client.exchange is None
 
@@ -196,9 +219,9 @@ def test_posted_answer_with_a_length_is_streamed_as_it_comes() -> None:
 def test_stream_broken_mid_way_gets_no_last_chunk() -> None:
     rig = Rig()
     conn = send(rig, GET)
-    conn.data_received(SSE_HEAD + frame(b"a"))
-    conn.data_received(frame(b"b"))
-    conn.connection_lost(ConnectionResetError("reset"))
+    feed(conn, SSE_HEAD + frame(b"a"))
+    feed(conn, frame(b"b"))
+    lose(conn, ConnectionResetError("reset"))
     data, ended = dechunk(split_head(rig.ct.take())[1])
     assert data == b"ab" and not ended
     assert rig.ct.closed
@@ -211,13 +234,13 @@ def test_a_finished_stream_leaves_no_cycle_to_collect() -> None:
     try:
         rig = Rig()
         conn = send(rig, GET)
-        conn.data_received(SSE_HEAD + frame(b"a"))
-        conn.data_received(frame(b"b"))
+        feed(conn, SSE_HEAD + frame(b"a"))
+        feed(conn, frame(b"b"))
         ex = rig.client.exchange
         assert ex is not None and ex.mode == _LIVE_CHUNK
         gone = weakref.ref(ex)
         del ex
-        conn.data_received(b"0\r\n\r\n")
+        feed(conn, b"0\r\n\r\n")
         assert gone() is None
     finally:
         gc.enable()
@@ -226,11 +249,19 @@ def test_a_finished_stream_leaves_no_cycle_to_collect() -> None:
 def live_stream(rig: Rig) -> UpstreamConnection:
     """A chunked stream gone live, its head and first two events with the client."""
     conn = send(rig, GET)
-    conn.data_received(SSE_HEAD + frame(b"a"))
-    conn.data_received(frame(b"b"))
+    feed(conn, SSE_HEAD + frame(b"a"))
+    feed(conn, frame(b"b"))
     ex = rig.client.exchange
     assert ex is not None and ex.mode == _LIVE_CHUNK
+    assert_relayed_as_framed(conn)
     return conn
+
+
+def assert_relayed_as_framed(conn: UpstreamConnection) -> None:
+    """Where the build has it, a live stream of plain chunks is LiveChunks' to relay."""
+    if relay.LiveChunks is not None:
+        assert conn.transport is not None
+        assert type(conn.transport.get_protocol()) is relay.LiveChunks
 
 
 @pytest.mark.parametrize(
@@ -242,7 +273,7 @@ def test_malformed_chunking_mid_stream_cuts_the_client(bad: bytes) -> None:
     chunk (it must not take a truncated answer for a whole one), the connection not kept."""
     rig = Rig()
     conn = live_stream(rig)
-    conn.data_received(bad)
+    feed(conn, bad)
     data, ended = dechunk(split_head(rig.ct.take())[1])
     assert data.startswith(b"ab") and not ended
     assert rig.ct.closed and conn.closed
@@ -256,7 +287,7 @@ def test_second_answer_after_a_stream_is_dropped_with_the_connection() -> None:
     connection is not pooled."""
     rig = Rig()
     conn = live_stream(rig)
-    conn.data_received(b"0\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    feed(conn, b"0\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
     assert split_head(rig.ct.take())[1] == frame(b"a") + frame(b"b") + b"0\r\n\r\n"
     assert not rig.ct.closed and rig.client.exchange is None  # the client's connection goes on
     assert conn.closed and conn not in rig.lb._ready[conn.target.rid].idle
@@ -265,11 +296,11 @@ def test_second_answer_after_a_stream_is_dropped_with_the_connection() -> None:
 def test_second_answer_after_a_posted_answer_is_dropped() -> None:
     rig = Rig()
     conn = send(rig, b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\nx")
-    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")
+    feed(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")
     assert split_head(rig.ct.take())[1] == b"hi"
     conn = send(rig, b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\nx")
     extra = b"HTTP/1.1 500 Oops\r\nContent-Length: 0\r\n\r\n"
-    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + extra)
+    feed(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + extra)
     head, body = split_head(rig.ct.take())
     assert head.startswith(b"HTTP/1.1 200 ") and body == b"ok"
     assert conn.closed and conn not in rig.lb._ready[conn.target.rid].idle
@@ -280,7 +311,7 @@ def test_client_gone_mid_stream_drops_the_replica_connection() -> None:
     conn = live_stream(rig)
     rig.client.connection_lost(None)
     assert conn.closed
-    conn.data_received(frame(b"late"))  # in flight when it closed: dropped, no error
+    feed(conn, frame(b"late"))  # in flight when it closed: dropped, no error
     assert conn not in rig.lb._ready[conn.target.rid].idle
 
 
@@ -291,11 +322,9 @@ def test_error_in_a_live_batch_is_logged_and_cuts() -> None:
     ex = rig.client.exchange
     assert ex is not None
     rig.ct.take()
-    with (
-        mock.patch.object(ex, "on_upstream_data_done", side_effect=RuntimeError("bug")),
-        mock.patch.object(upstream.logger, "exception") as logged,
-    ):
-        conn.data_received(frame(b"c"))
+    rig.ct.fail = RuntimeError("bug")  # the client's write, in whichever code runs the batch
+    with mock.patch.object(upstream.logger, "exception") as logged:
+        feed(conn, frame(b"c"))
     assert logged.call_count == 1
     assert conn.closed and rig.ct.closed
 
@@ -305,15 +334,15 @@ def test_pooled_connection_after_a_stream_relays_a_new_answer() -> None:
     answer on it is parsed and relayed from its head."""
     rig = Rig()
     conn = live_stream(rig)
-    conn.data_received(b"0\r\n\r\n")
+    feed(conn, b"0\r\n\r\n")
     assert conn in rig.lb._ready[conn.target.rid].idle
     rig.ct.take()
     for _ in range(4):  # round robin: to this replica again within a few requests
         again = send(rig, GET)
         if again is conn:
             break
-        again.data_received(b"HTTP/1.1 204 No Content\r\n\r\n")
+        feed(again, b"HTTP/1.1 204 No Content\r\n\r\n")
         rig.ct.take()
     assert again is conn
-    again.data_received(SSE_HEAD + frame(b"n") + b"0\r\n\r\n")
+    feed(again, SSE_HEAD + frame(b"n") + b"0\r\n\r\n")
     assert dechunk(split_head(rig.ct.take())[1]) == (b"n", True)

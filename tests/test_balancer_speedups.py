@@ -175,6 +175,8 @@ def test_the_choice_is_reported_and_the_env_forces_the_pure_build() -> None:
         assert speedups.state()["accelerated"] == "compiled"
         assert speedups.lead_split is compiled.lead_split
         assert speedups.StreamBatch is compiled.StreamBatch
+        assert speedups.LiveChunks is compiled.LiveChunks
+        assert speedups.ChunkScan is compiled.ChunkScan
 
 
 @needs_compiled

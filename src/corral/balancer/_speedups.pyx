@@ -1,6 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
 """corral.balancer.lead in C: the request split under a remembered lead, in one call; a live
-stream's end of batch (StreamBatch), the relay's one Python call per streamed event; and the
+stream's end of batch (StreamBatch), the relay's one Python call per streamed event; a live
+stream of plain chunks relayed as framed, with no Python call per event (ChunkScan, LiveChunks);
+and the
 fast path's common request and answer (twins of corral.balancer.fast's try_request, _send and
 try_response), which read the connections' and the balancer's slots at fixed offsets (wire).
 
@@ -309,6 +311,249 @@ cdef class StreamBatch:
                 self.write(data)
         client.deadline_kind = self.kind
         client.deadline = _now() + self.idle
+
+
+# ---------------------------------------------------------------------------- live chunks
+
+cdef enum:
+    # What ChunkScan.scan found in a batch.
+    MORE = 0  # every byte taken; the answer goes on
+    DONE = 1  # the last chunk and its empty trailer section ended the answer
+    BAIL = 2  # framing this scanner leaves to httptools (an extension, a trailer, an error)
+    # Where the scanner is in the chunked framing.
+    S_SIZE = 0  # a chunk-size line's hex digits
+    S_SIZE_LF = 1  # its CR seen
+    S_DATA = 2  # a chunk's data
+    S_DATA_CR = 3  # the CRLF after it
+    S_DATA_LF = 4
+    S_LAST = 5  # after "0\r\n": the empty line that ends the answer, or a trailer
+    S_LAST_LF = 6
+    S_END = 7  # done or bailed: takes nothing more
+    MAX_DIGITS = 15  # a size up to 2**60 - 1; longer (leading zeros too) is left to httptools
+
+cdef bytes _PRIME_DATA_CR = b"1\r\nX"     # a parser left where the CR after a chunk is due
+cdef bytes _PRIME_DATA_LF = b"1\r\nX\r"   # ... where its LF is
+
+
+cdef class ChunkScan:
+    """The chunked framing of one answer's body, followed byte by byte so that a live stream's
+    bytes can go to the client as the replica framed them (corral.balancer.relay, _go_live).
+
+    It follows the body from its first byte (the replica connection feeds it each batch beside
+    httptools until the stream goes live), so its state is httptools' at every batch's end. It
+    knows the plain framing only: hex sizes, data, CRLFs, and the last chunk with no trailer.
+    Anything else (an extension, a trailer, a malformed line) is a BAIL: the bytes not yet
+    relayed are handed back, with the prefix that puts a fresh httptools parser where this one
+    stopped, so httptools alone judges them as it would have. A size line is held back until
+    it is whole (it may still turn out to have an extension), and the last chunk is never
+    relayed (the relay writes its own, as for every chunked answer).
+    """
+
+    cdef int state
+    cdef int digits
+    cdef long long size
+    cdef Py_ssize_t remaining
+    cdef bytes held           # a line's bytes from earlier batches, not relayed yet
+    # What the last scan() found, for the caller:
+    cdef public bytes forward  # the bytes to relay now (may be empty)
+    cdef public bytes prime    # BAIL: what follows a chunked head to put httptools here
+    cdef public bytes replay   # BAIL: the bytes httptools takes from there
+    cdef public bint extra     # DONE: bytes followed the end (a second message)
+
+    def __init__(self):
+        self.state = S_SIZE
+        self.held = _EMPTY
+        self.forward = _EMPTY
+        self.prime = _EMPTY
+        self.replay = _EMPTY
+
+    @property
+    def open(self):
+        """False once it ended the answer or bailed: nothing it says counts any more."""
+        return self.state != S_END
+
+    def scan(self, bytes data not None):
+        """Follow ``data``; MORE (0), DONE (1) or BAIL (2), with ``forward``, ``prime``,
+        ``replay`` and ``extra`` set as the class docstring says."""
+        return self._scan(data)
+
+    cdef int _scan(self, bytes data) except -1:
+        cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+        cdef Py_ssize_t i = 0
+        cdef Py_ssize_t line = 0      # where the line being read began in data (0: before it)
+        cdef Py_ssize_t take
+        cdef bint release = False      # the held line is whole: relay it before data[:line]
+        cdef int state = self.state
+        cdef unsigned char c
+        cdef int v
+        if state == S_END:
+            raise ValueError("the answer's framing already ended")
+        if state == S_DATA or state == S_DATA_CR or state == S_DATA_LF:
+            line = -1  # no line under way: everything taken is relayed
+        while i < n:
+            c = p[i]
+            if state == S_DATA:
+                take = n - i
+                if take > self.remaining:
+                    take = self.remaining
+                i += take
+                self.remaining -= take
+                if self.remaining == 0:
+                    state = S_DATA_CR
+                continue
+            if state == S_SIZE:
+                if 48 <= c <= 57:
+                    v = c - 48
+                elif 97 <= c <= 102:
+                    v = c - 87
+                elif 65 <= c <= 70:
+                    v = c - 55
+                elif c == 13 and self.digits:
+                    state = S_SIZE_LF
+                    i += 1
+                    continue
+                else:
+                    return self._bail(data, line, i, state, release)
+                if self.digits == MAX_DIGITS:
+                    return self._bail(data, line, i, state, release)
+                self.size = self.size * 16 + v
+                self.digits += 1
+            elif state == S_SIZE_LF:
+                if c != 10:
+                    return self._bail(data, line, i, state, release)
+                if self.size == 0:
+                    state = S_LAST
+                else:
+                    self.remaining = <Py_ssize_t>self.size
+                    state = S_DATA
+                    if line == 0 and PyBytes_GET_SIZE(self.held):
+                        release = True
+                    line = -1
+            elif state == S_DATA_CR:
+                if c != 13:
+                    return self._bail(data, line, i, state, release)
+                state = S_DATA_LF
+            elif state == S_DATA_LF:
+                if c != 10:
+                    return self._bail(data, line, i, state, release)
+                state = S_SIZE
+                self.size = 0
+                self.digits = 0
+                line = i + 1
+            elif state == S_LAST:
+                if c != 13:
+                    return self._bail(data, line, i, state, release)
+                state = S_LAST_LF
+            else:  # S_LAST_LF
+                if c != 10:
+                    return self._bail(data, line, i, state, release)
+                self.state = S_END
+                self.extra = i + 1 < n
+                self.forward = self._relayed(data, release, line)
+                self.held = _EMPTY
+                return DONE
+            i += 1
+        self.state = state
+        if line < 0:
+            self.forward = self._relayed(data, release, n)
+            self.held = _EMPTY
+        elif line == 0:  # the line held from earlier batches goes on to the end of this one
+            self.forward = _EMPTY
+            self.held = self.held + data
+        else:  # a line began in this batch: held until it is whole
+            self.forward = self._relayed(data, release, line)
+            self.held = data[line:]
+        return MORE
+
+    cdef bytes _relayed(self, bytes data, bint release, Py_ssize_t end):
+        """What goes to the client of this batch: the held line if it became whole in it,
+        then ``data`` up to ``end`` (where a line under way, or the last chunk, starts)."""
+        cdef bytes part = data if end == PyBytes_GET_SIZE(data) else data[:end]
+        return self.held + part if release else part
+
+    cdef int _bail(self, bytes data, Py_ssize_t line, Py_ssize_t i, int state,
+                   bint release) except -1:
+        self.state = S_END
+        if line < 0:
+            # In a chunk's CRLF: what came before i is relayed, and httptools resumes where
+            # that CRLF is due.
+            self.forward = self._relayed(data, release, i)
+            self.prime = _PRIME_DATA_CR if state == S_DATA_CR else _PRIME_DATA_LF
+            self.replay = data[i:]
+        elif line == 0:
+            # A line held from earlier batches: none of it was relayed; httptools reads it.
+            self.forward = _EMPTY
+            self.prime = _EMPTY
+            self.replay = self.held + data
+        else:
+            self.forward = self._relayed(data, release, line)
+            self.prime = _EMPTY
+            self.replay = data[line:]
+        self.held = _EMPTY
+        return BAIL
+
+
+cdef class LiveChunks:
+    """A live chunked stream's replica-side protocol (corral.balancer.relay, _go_live).
+
+    Installed on the replica connection's transport (``set_protocol``) once the stream is live,
+    so each batch the replica sends reaches C code with no Python frame: ChunkScan follows the
+    framing, the bytes go to the client as they came, and the client's idle deadline moves, as
+    ``StreamBatch`` does for the pieces httptools found. The answer's end, a framing it leaves
+    to httptools, and every other transport event go back to the connection
+    (``UpstreamConnection.raw_done``, ``raw_resume``, ``connection_lost`` ...), which puts
+    itself back as the transport's protocol first.
+    """
+
+    cdef object conn, client, write
+    cdef ChunkScan scan
+    cdef double idle
+    cdef object kind
+
+    def __init__(self, conn, ChunkScan scan not None, client, write, double idle, kind):
+        self.conn = conn
+        self.scan = scan
+        self.client = client
+        self.write = write
+        self.idle = idle
+        self.kind = kind
+
+    def connection_made(self, transport):
+        pass
+
+    def data_received(self, bytes data not None):
+        cdef ChunkScan scan = self.scan
+        cdef int found
+        try:
+            found = scan._scan(data)
+            client = self.client
+            if PyBytes_GET_SIZE(scan.forward) and not client._closing:
+                self.write(scan.forward)
+            scan.forward = _EMPTY
+            if found == MORE:
+                client.deadline_kind = self.kind
+                client.deadline = _now() + self.idle
+                return
+        except Exception:
+            self.conn.raw_failed()  # logged with its traceback there; the exchange cuts
+            return
+        if found == DONE:
+            self.conn.raw_done(scan.extra)
+        else:
+            self.conn.raw_resume(scan.prime, scan.replay)
+
+    def eof_received(self):
+        return None  # as the connection: close our side too; connection_lost reports it
+
+    def connection_lost(self, exc):
+        self.conn.connection_lost(exc)
+
+    def pause_writing(self):
+        self.conn.pause_writing()
+
+    def resume_writing(self):
+        self.conn.resume_writing()
 
 
 # ---------------------------------------------------------------------------- least load

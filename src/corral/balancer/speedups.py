@@ -7,8 +7,11 @@ request and answer (:mod:`corral.balancer.fast`'s ``try_request``, ``_send`` and
 ``try_response``, for a request whose bytes or lead are remembered and an answer whose head its
 replica sent last time; anything else goes to the pure functions before anything is done),
 ``least_load``'s pick (:func:`corral.balancer.policies.least_loaded`, through :func:`twin`), and
-a live stream's end of batch (``StreamBatch``, :mod:`corral.balancer.relay`). The pure module
-stays the reference and the fallback; the tests run on both.
+a live stream's end of batch (``StreamBatch``, :mod:`corral.balancer.relay`), and a live
+stream of plain chunks relayed as the replica framed them, each batch handled whole in C
+(``LiveChunks`` on the replica's transport, ``ChunkScan`` following the framing; its pure twin
+is the relay's general live path: httptools de-chunks, each batch is framed again). The pure
+module stays the reference and the fallback; the tests run on both.
 
 Compiling ``fast.py`` whole, as it was, ran *slower* than CPython 3.11: the compiled code read
 the connections' state through Python's generic attribute lookup, where the interpreter's own
@@ -46,6 +49,8 @@ from corral.balancer.headers import REQUEST_DROP
 __all__ = [
     "ACCELERATED",
     "PURE_ENV",
+    "ChunkScan",
+    "LiveChunks",
     "StreamBatch",
     "lead_split",
     "source_digest",
@@ -80,7 +85,7 @@ def _compiled() -> tuple[ModuleType | None, str]:
     module.configure(REQUEST_DROP)
     return module, (
         "compiled (Cython): the fast path's request and answer, the request split under a"
-        " remembered lead, a live stream's batches"
+        " remembered lead, a live stream's batches, chunks relayed as framed"
     )
 
 
@@ -89,9 +94,16 @@ ACCELERATED: Final = "pure" if _module is None else "compiled"
 lead_split = lead.lead_split
 # A live stream's end of batch (see the module docstring); None: the relay's method does it.
 StreamBatch: Any = None
+# A live chunked stream relayed as the replica framed it (corral.balancer.relay, _go_live):
+# its framing followed (ChunkScan), and each batch handled in C (LiveChunks). None: httptools
+# de-chunks it and StreamBatch (or the relay's method) frames each batch again.
+ChunkScan: Any = None
+LiveChunks: Any = None
 if _module is not None:
     lead_split = _module.lead_split
     StreamBatch = _module.StreamBatch
+    ChunkScan = _module.ChunkScan
+    LiveChunks = _module.LiveChunks
 
 
 def wire_fast_path(

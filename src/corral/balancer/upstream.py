@@ -20,10 +20,12 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Final, Protocol, cast
+from typing import Any, Final, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
+
+from corral.balancer.speedups import ChunkScan
 
 __all__ = [
     "KEEPALIVE_SECONDS",
@@ -42,6 +44,8 @@ logger = logging.getLogger("corral.balancer")
 KEEPALIVE_SECONDS: Final = 4.0
 # Longest response head accepted from a replica (its Set-Cookie headers may be large).
 RESPONSE_HEAD_LIMIT: Final = 64 * 1024
+# What a fresh parser is fed to stand inside a chunked body (UpstreamConnection.raw_resume).
+_PRIMED_HEAD: Final = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
 class ResponseSink(Protocol):
@@ -135,6 +139,7 @@ class UpstreamConnection(asyncio.Protocol):
         "__dict__",
         "__weakref__",
         "_head",
+        "chunks",
         "closed",
         "fast_client",
         "idle_since",
@@ -154,6 +159,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.uses = 0
         self.read_paused = False
         self._parser = httptools.HttpResponseParser(self)
+        # A chunked answer's framing followed beside the parser (ChunkScan, compiled build),
+        # so that a live stream can be relayed as framed (go_raw); None for other answers.
+        self.chunks: Any = None
         # Validates the whole answers the fast path takes, with no callback at all.
         self.check = httptools.HttpResponseParser(None)
         self._head = b""
@@ -211,6 +219,7 @@ class UpstreamConnection(asyncio.Protocol):
             ):
                 sink.on_upstream_error("response head too large")
                 return
+        chunks = self.chunks  # taken before the head that may start it: it scans its own part
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -227,6 +236,8 @@ class UpstreamConnection(asyncio.Protocol):
             self.reusable = False
             sink.on_upstream_error(f"invalid HTTP response: {exc}")
             return
+        if chunks is not None and chunks.open:
+            chunks.scan(data)
         sink.on_upstream_data_done(self._complete)
 
     def _upgraded(self, sink: ResponseSink, rest: bytes) -> None:
@@ -287,6 +298,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._skip = True
             self.reusable = self._keep_alive and len(head) == end
             raise _SkipBody
+        if self.chunks is not None and len(head) > end:
+            self.chunks.scan(head[end:])  # the body's first bytes, in the head's batch
 
     def on_body(self, body: bytes) -> None:
         if self.sink is not None:
@@ -301,9 +314,63 @@ class UpstreamConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ used by the exchange
 
+    def follow_chunks(self) -> None:
+        """Follow this answer's chunked framing from its first body byte (the sink asks, in
+        ``on_response_head``), so that it can be relayed as framed once live (go_raw)."""
+        if ChunkScan is not None:
+            self.chunks = ChunkScan()
+
+    def go_raw(self, relay: asyncio.BaseProtocol) -> bool:
+        """Hand this answer's next batches to ``relay`` (``LiveChunks``), which relays them as
+        the replica framed them, with no Python call per batch. False (nothing changed): the
+        framing was not followed, or it needs httptools (an extension, a trailer)."""
+        chunks, transport = self.chunks, self.transport
+        if chunks is None or not chunks.open or transport is None or self.closed:
+            return False
+        transport.set_protocol(relay)
+        return True
+
+    def _end_raw(self) -> None:
+        self.chunks = None
+        if self.transport is not None:
+            self.transport.set_protocol(self)
+
+    def raw_done(self, extra: bool) -> None:
+        """``LiveChunks`` saw the answer end (``extra``: bytes followed it)."""
+        self._end_raw()
+        self._complete = True
+        self.reusable = self._keep_alive and not extra
+        self._parser = httptools.HttpResponseParser(self)  # the old one stopped mid-body
+        if self.sink is not None:
+            self.sink.on_upstream_data_done(True)
+
+    def raw_failed(self) -> None:
+        """``LiveChunks`` met a bug: as ``data_received`` does, logged, cut."""
+        logger.exception("balancer: unexpected error on a replica connection")
+        self._end_raw()
+        sink = self.sink
+        self.abort()
+        if sink is not None:
+            sink.on_upstream_error("internal proxy error")
+
+    def raw_resume(self, prime: bytes, replay: bytes) -> None:
+        """``LiveChunks`` met framing it leaves to httptools: a fresh parser is put where it
+        stopped (a chunked head, then ``prime``, with nothing reported), and ``replay`` goes
+        through the general path as if it had just come."""
+        self._end_raw()
+        sink, keep_alive = self.sink, self._keep_alive
+        self.sink = None  # the primed head and data are not the answer's
+        self._parser = parser = httptools.HttpResponseParser(self)
+        try:
+            parser.feed_data(_PRIMED_HEAD + prime)
+        finally:
+            self.sink, self._keep_alive = sink, keep_alive
+        self.data_received(replay)
+
     def begin(self, sink: ResponseSink) -> None:
         """Start carrying one request for ``sink``."""
         self.sink = sink
+        self.chunks = None
         self.uses += 1
         self._in_head = True
         self._complete = False
