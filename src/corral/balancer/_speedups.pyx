@@ -2,9 +2,9 @@
 """corral.balancer.lead in C: the request split under a remembered lead, in one call; a live
 stream's end of batch (StreamBatch), the relay's one Python call per streamed event; a live
 stream of plain chunks relayed as framed, with no Python call per event (ChunkScan, LiveChunks);
-and the
-fast path's common request and answer (twins of corral.balancer.fast's try_request, _send and
-try_response), which read the connections' and the balancer's slots at fixed offsets (wire).
+and the fast path's common request and answer (twins of corral.balancer.fast's try_request,
+_send and try_response), which read the connections' and the balancer's slots at fixed offsets
+(wire).
 
 Same answers as ``corral.balancer.lead.lead_split`` byte for byte (tests/test_balancer_speedups.py
 holds them to it; tests/test_balancer_fastpath.py runs on whichever build is installed), with
