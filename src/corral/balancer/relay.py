@@ -150,7 +150,12 @@ class ResponseRelay:
         (_go_live), when Transfer-Encoding says ``chunked`` and nothing else: only then is the
         body the plain chunks ChunkScan follows (other codings are httptools' alone)."""
         conn = self.conn
-        if conn is not None and coding is not None and [c.lower() for c in coding] == [b"chunked"]:
+        if (
+            conn is not None
+            and coding is not None
+            and len(coding) == 1
+            and coding[0].lower() == b"chunked"
+        ):
             conn.follow_chunks()
 
     def on_response_body(self, data: bytes) -> None:
