@@ -44,3 +44,16 @@ def test_trie_finds_what_a_flat_alternation_finds() -> None:
                 if colon and name in names:
                     expected.append(name)
             assert _names(names, block) == expected
+
+
+def test_a_last_line_without_its_crlf_is_read_not_looped_on() -> None:
+    """The callers pass blocks that end with CRLF; one that does not must still end (it once
+    searched again from the start, for ever)."""
+    kept, found = headers.scan_response(
+        b"\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked"
+    )
+    assert found[b"transfer-encoding"] == [b"chunked"]
+    assert kept == b"\r\nContent-Type: text/plain"
+    kept, found = headers.scan_request(b"\r\nHost: h\r\nX-A: 1\r\nConnection: close")
+    assert found[b"host"] == [b"h"] and found[b"connection"] == [b"close"]
+    assert kept == b"\r\nX-A: 1"

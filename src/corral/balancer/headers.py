@@ -176,6 +176,8 @@ def _scan(
     pos = 0
     while m is not None:
         end = low.find(b"\r\n", m.end())
+        if end < 0:  # a last line without its CRLF (callers pass one; never loop on it)
+            end = len(low)
         name = m.group(1)
         value = block[m.end() : end].strip(b" \t")
         values = found.get(name)
