@@ -346,3 +346,22 @@ def test_pooled_connection_after_a_stream_relays_a_new_answer() -> None:
     assert again is conn
     feed(again, SSE_HEAD + frame(b"n") + b"0\r\n\r\n")
     assert dechunk(split_head(rig.ct.take())[1]) == (b"n", True)
+
+
+def test_each_answer_gets_its_own_head_when_a_replica_changes_it() -> None:
+    """The general path remembers each replica's last header block and what its scan found:
+    the same block again reuses it, a changed one (a new Date, another header) is scanned."""
+    rig = Rig()
+    versions = [b"1", b"1", b"2", b"2", b"1", b"1"]  # round robin: each replica 1, 2, 1
+    for version in versions:
+        conn = send(rig, GET)
+        extra = b"Keep-Alive: timeout=5\r\n" if version == b"2" else b""
+        head = SSE_HEAD.replace(b"\r\n\r\n", b"\r\nX-Version: %b\r\n%b\r\n" % (version, extra))
+        feed(conn, head + frame(b"x") + b"0\r\n\r\n")
+        got, body = split_head(rig.ct.take())
+        assert b"X-Version: " + version in got and b"X-Version" not in body
+        assert (b"Keep-Alive" in got) is False  # hop-by-hop: dropped whenever it comes
+        assert dechunk(body) == (b"x", True)
+    for rid in (1, 2):
+        scanned = rig.lb._ready[rid].scanned
+        assert scanned is not None and b"X-Version: 1" in scanned[0]  # each replica's last

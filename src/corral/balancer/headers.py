@@ -35,6 +35,7 @@ __all__ = [
     "REQUEST_RE",
     "RESPONSE_RE",
     "CommonScan",
+    "Found",
     "connection_tokens",
     "drop_keep_alive",
     "forwarded",

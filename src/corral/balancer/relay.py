@@ -14,7 +14,7 @@ import weakref
 from typing import TYPE_CHECKING, Final
 
 from corral.balancer.failures import Failure, describe
-from corral.balancer.headers import scan_response
+from corral.balancer.headers import Found, scan_response
 from corral.balancer.http1 import LAST_CHUNK, content_length
 from corral.balancer.speedups import LiveChunks, StreamBatch
 
@@ -101,7 +101,7 @@ class ResponseRelay:
             lb._served[self.rid] = lb._served.get(self.rid, 0) + 1
         eol = head.find(b"\r\n")
         block = head[eol:-2]
-        kept, found = scan_response(block)
+        kept, found = self._scan_head(block)
         status_line = head[:eol]
         if status_line[:9] != b"HTTP/1.1 ":
             status_line = b"HTTP/1.1 " + status_line[9:]
@@ -144,6 +144,21 @@ class ResponseRelay:
             self.out.append(reply)
             self._record(status)
         return self.head_only
+
+    def _scan_head(self, block: bytes) -> tuple[bytes, Found]:
+        """``scan_response``, remembered per replica: a stream's head (or any answer the fast
+        path does not take) is the same block each time but for a Date header, and the scan
+        is most of what the general path does with it (measured: 2.3 us of 21 per short
+        stream in a hot loop). What it found is only read, never changed."""
+        conn = self.conn
+        target = conn.target if conn is not None else None
+        memo = target.scanned if target is not None else None
+        if memo is not None and memo[0] == block:
+            return memo[1], memo[2]
+        kept, found = scan_response(block)
+        if target is not None:
+            target.scanned = (block, kept, found)
+        return kept, found
 
     def _follow_chunks(self, coding: list[bytes] | None) -> None:
         """Have the connection follow the framing, so a live stream can go as framed

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from corral.balancer.headers import Found
 from corral.balancer.speedups import ChunkScan
 
 __all__ = [
@@ -110,6 +111,7 @@ class Target:
         "prefix",
         "retired",
         "rid",
+        "scanned",
         "ssl",
     )
 
@@ -129,6 +131,9 @@ class Target:
         # The last response head the fast path validated from this replica, with what it
         # found: its bytes, status, Content-Length and rewritten head (None: unchanged).
         self.memo: tuple[bytes, int, int, bytes | None] | None = None
+        # The last response header block the general path scanned from this replica, with
+        # what the scan found (corral.balancer.relay): a stream's head is the same each time.
+        self.scanned: tuple[bytes, bytes, Found] | None = None
 
 
 class UpstreamConnection(asyncio.Protocol):
