@@ -89,6 +89,40 @@ class Exchange(ResponseRelay):
     """One request from head to the end of its answer; see the module docstring (the answer's
     side is in :class:`~corral.balancer.relay.ResponseRelay`)."""
 
+    # What every exchange starts with, as class attributes: an instance holds only what it
+    # changed (``__init__`` sets the rest, and each its own lists). Every request off the fast
+    # path, every stream among them, builds one.
+    body_kind = 0  # 0 none, 1 Content-Length, 2 chunked
+    body_left = 0
+    body_open = False
+    body_size = 0
+    decoder: ChunkedDecoder | None = None
+    had_length = False
+    expect = False
+    streamed = False
+    streaming_to: UpstreamConnection | None = None
+    sent_body = False
+    counted = 0
+    last: Failure | None = None
+    rid: int | None = None
+    picked: int | None = None  # the replica the fast path already picked
+    # The fast path's pick found no replica with room: the request waits, and the policy is
+    # not asked again (it counted the request once: share, index, table).
+    must_wait = False
+    conn: UpstreamConnection | None = None
+    task: asyncio.Task[None] | None = None
+    waited = False
+    mode = _HEAD
+    reply_head = b""
+    status = 0
+    started = False
+    close_client = False
+    ttft_from = 0.0
+    stream_counted = False  # in the balancer's streams (gate._stream_began)
+    eof_ends = False
+    pending_failure: Failure | None = None
+    done = False
+
     def __init__(
         self,
         lb: Balancer,
@@ -111,41 +145,11 @@ class Exchange(ResponseRelay):
         self.upgrade = upgrade  # the Upgrade value of a WebSocket request
         self.idempotent = method in IDEMPOTENT
         self.head_only = method == b"HEAD"
-        self.body_kind = 0  # 0 none, 1 Content-Length, 2 chunked
-        self.body_left = 0
-        self.body_open = False
         self.body: list[bytes] = []
-        self.body_size = 0
-        self.decoder: ChunkedDecoder | None = None
-        self.had_length = False
-        self.expect = False
-        self.streamed = False
-        self.streaming_to: UpstreamConnection | None = None
-        self.sent_body = False
         self.tried: list[int] = []
-        self.counted = 0
         self.failures: list[str] = []
-        self.last: Failure | None = None
-        self.rid: int | None = None
-        self.picked: int | None = None  # the replica the fast path already picked
-        # The fast path's pick found no replica with room: the request waits, and the policy
-        # is not asked again (it counted the request once: share, index, table).
-        self.must_wait = False
-        self.conn: UpstreamConnection | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.waited = False
-        self.mode = _HEAD
         self.out: list[bytes] = []
         self.whole: list[bytes] = []
-        self.reply_head = b""
-        self.status = 0
-        self.started = False
-        self.close_client = False
-        self.ttft_from = 0.0
-        self.stream_counted = False  # in the balancer's streams (gate._stream_began)
-        self.eof_ends = False
-        self.pending_failure: Failure | None = None
-        self.done = False
 
     # ------------------------------------------------------------------ request side
 
