@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corral.balancer import LoadBalancer, fast
+from corral.balancer import LoadBalancer, fast, plain_answer
 from corral.balancer.client import ClientConnection
 from corral.balancer.upstream import UpstreamConnection
 
@@ -508,6 +508,39 @@ def test_remembered_heads_are_used(loop: asyncio.AbstractEventLoop) -> None:
         rig.client.eof_received()
         _sent, got = rig.exchange(REQUESTS[0], RESPONSES[0])
         assert got.endswith(b"Connection: close\r\n\r\nok") and rig.ct.closed
+
+    loop.run_until_complete(go())
+
+
+def test_a_head_turned_down_is_remembered_for_what_it_says_only(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A stream's head is turned down for the general path once per replica, then by the
+    memo with no check; a plain answer whose body had not all come yet is not remembered as
+    turned down, and any other head is checked as before."""
+    stream = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n"
+    plain = RESPONSES[0][0]
+
+    async def go() -> None:
+        rig = Rig()
+        checked = mock.Mock(wraps=plain_answer.check_head)
+        with mock.patch.object(fast, "check_head", checked):
+            for _ in range(4):  # round robin: twice to each replica
+                _sent, got = rig.exchange(REQUESTS[0], [stream])
+                assert got.endswith(b"1\r\nx\r\n0\r\n\r\n")
+            assert checked.call_count == 2
+            head = stream[: stream.index(b"\r\n\r\n") + 4]
+            assert rig.lb._ready[1].turned_down == head
+            # its body in two reads: not a verdict on the head
+            _sent, got = rig.exchange(REQUESTS[0], [plain[:-1], plain[-1:]])
+            assert got.endswith(b"\r\n\r\nok")
+            assert rig.lb._ready[1].turned_down == head  # the stream's, still
+            checked.reset_mock()
+            for _ in range(3):  # replicas 2, 1, 2
+                _sent, got = rig.exchange(REQUESTS[0], [plain])
+                assert got == plain
+            assert rig.client.exchange is None and rig.lb._ready[1].memo is not None
+            assert checked.call_count == 2  # each replica's plain head, checked once
 
     loop.run_until_complete(go())
 

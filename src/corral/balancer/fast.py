@@ -28,7 +28,8 @@ verdict on them is known), its header lines (the same lines under another reques
 request line and Host line (:data:`Lead`: a client that varies other headers, a request id or
 a cookie, has only those lines checked; one that also varies its path or method has its request
 line checked too, and a body is framed by its Content-Length line); per replica, its last
-response head.
+response head, and the last one it turned down (a stream's, :mod:`corral.balancer.plain_answer`,
+which has the check of an answer's head).
 
 Both sides are validated by llhttp (the request parser the general path uses; a second,
 callback-free response parser per replica connection), so framing is as strict as before:
@@ -64,9 +65,7 @@ from corral.balancer.exchange import (
 )
 from corral.balancer.fast_state import Blocks, FastState, Lead, Memo
 from corral.balancer.headers import (
-    HOP_RE,
     REQUEST_OTHER_RE,
-    drop_keep_alive,
     forwarded,
     forwarded_host,
     header_line,
@@ -74,6 +73,7 @@ from corral.balancer.headers import (
 )
 from corral.balancer.lead import METHODS
 from corral.balancer.metrics import LATENCY_BUCKETS
+from corral.balancer.plain_answer import check_head, turned_down
 from corral.balancer.policies import RequestView
 from corral.balancer.speedups import lead_split
 
@@ -84,9 +84,6 @@ if TYPE_CHECKING:
     from corral.balancer.upstream import UpstreamConnection
 
 __all__ = ["Blocks", "FastState", "Lead", "Memo", "materialize", "try_request", "try_response"]
-
-# A validated response head: status, Content-Length, head rewritten (None: unchanged).
-_Checked = tuple[int, int, "bytes | None"]
 
 if TYPE_CHECKING:
 
@@ -368,10 +365,10 @@ def try_response(cl: FastDownstream, conn: UpstreamConnection, data: bytes) -> b
         end = body_at - 4
     else:
         end = data.find(b"\r\n\r\n")
-        if end < 0:
+        if end < 0 or turned_down(conn, data):
             return False
         body_at = end + 4
-        checked = _check_head(conn, data, end)
+        checked = check_head(conn, data, end)
         if checked is None:
             return False
         status, length, head = checked
@@ -432,38 +429,6 @@ def try_response(cl: FastDownstream, conn: UpstreamConnection, data: bytes) -> b
     if cl._buf:
         cl._process()
     return True
-
-
-def _check_head(conn: UpstreamConnection, data: bytes, end: int) -> _Checked | None:
-    """Status, Content-Length and rewritten head (None: unchanged) of a whole plain response
-    (``data`` holds it whole when the length matches); None when the general path must
-    handle it."""
-    if data[:9] != b"HTTP/1.1 ":
-        return None
-    status = data[9:12]
-    if status[:1] not in b"23456789" or status in (b"204", b"304"):
-        return None  # 1xx, 204, 304 answers: the general path knows their framing
-    low = data[: end + 2].lower()  # same offsets as data
-    head = None
-    if HOP_RE.search(low) is not None:  # the common case has none
-        head = drop_keep_alive(data, low)
-        if head is None:
-            return None
-    i = low.find(_LENGTH)
-    if i < 0:
-        return None
-    try:
-        length = int(low[i + 17 : low.find(_CRLF, i + 17)])
-    except ValueError:
-        return None
-    if len(data) != end + 4 + length:
-        return None  # not fed: the parser must see whole messages only
-    try:
-        conn.check.feed_data(data)  # same checks as the general path's parser
-    except httptools.HttpParserError:
-        conn.check = httptools.HttpResponseParser(None)
-        return None  # the general path reports it (its parser sees the same error)
-    return int(status), length, head
 
 
 def materialize(cl: FastDownstream) -> Exchange:

@@ -113,6 +113,7 @@ class Target:
         "rid",
         "scanned",
         "ssl",
+        "turned_down",
     )
 
     def __init__(
@@ -134,6 +135,9 @@ class Target:
         # The last response header block the general path scanned from this replica, with
         # what the scan found (corral.balancer.relay): a stream's head is the same each time.
         self.scanned: tuple[bytes, bytes, Found] | None = None
+        # The last head the fast path turned down for what it says (corral.balancer.
+        # plain_answer): a stream's, each time.
+        self.turned_down: bytes | None = None
 
 
 class UpstreamConnection(asyncio.Protocol):
