@@ -376,3 +376,84 @@ def test_streams_through_a_balancer_on_real_sockets(
         else:
             asyncio.run(asyncio.wait_for(main(), 30))
     assert len(made) == (2 if build == "compiled" else 0)
+
+
+@pytest.mark.parametrize("build", ["compiled", "pure"])
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_client_that_does_not_read_pauses_the_replica(build: str, loop: str) -> None:
+    """Flow control holds while a stream is live: a client that stops reading has the
+    balancer stop reading the replica (its connection paused, the replica's writes waiting)
+    instead of buffering the stream, and once it reads again every byte arrives."""
+    if build == "compiled" and speedups.LiveChunks is None:
+        pytest.skip("the compiled build is not built, or this run is pure")
+    piece = frame(b"d" * 16000)
+    count = 3000  # 48 MB: well over what loopback's socket buffers hold on both hops
+    state: dict[str, Any] = {"written": 0, "done": False}
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(STREAM_HEAD + frame(b"first"))
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the stream goes live on the first batch
+        for _ in range(count):
+            writer.write(piece)
+            await writer.drain()
+            state["written"] += 1
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        state["done"] = True
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, HOST, 0)
+        lb = LoadBalancer(name="svc")
+        await lb.start()
+        try:
+            lb.set_ready({1: f"http://{HOST}:{server.sockets[0].getsockname()[1]}"})
+            reader, writer = await asyncio.open_connection(HOST, lb.port, limit=1 << 16)
+            writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")
+
+            def paused() -> bool:
+                return any(
+                    c.exchange is not None
+                    and c.exchange.conn is not None
+                    and c.exchange.conn.read_paused
+                    for c in lb._clients
+                )
+
+            deadline = asyncio.get_running_loop().time() + 10
+            while not paused():  # the client reads nothing meanwhile
+                assert asyncio.get_running_loop().time() < deadline, state
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            assert not state["done"] and state["written"] < count * 3 // 4, state
+            data = await asyncio.wait_for(read_answer_body(reader), 30)
+            assert data == b"first" + b"d" * 16000 * count
+            writer.close()
+        finally:
+            await lb.stop()
+            server.close()
+
+    builds: list[Any] = []
+    if build == "pure":
+        builds = [
+            mock.patch.object(relay, "LiveChunks", None),
+            mock.patch.object(relay, "StreamBatch", None),
+            mock.patch.object(upstream, "ChunkScan", None),
+        ]
+    with contextlib.ExitStack() as stack:
+        for patch in builds:
+            stack.enter_context(patch)
+        runner = uvloop.run if loop == "uvloop" else asyncio.run
+        runner(asyncio.wait_for(main(), 60))
+
+
+async def read_answer_body(reader: asyncio.StreamReader) -> bytes:
+    """A chunked body's data, read to its last chunk (the head already read)."""
+    data = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+        if size == 0:
+            assert await reader.readexactly(2) == b"\r\n"
+            return bytes(data)
+        data += (await reader.readexactly(size + 2))[:-2]
