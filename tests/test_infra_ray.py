@@ -634,7 +634,9 @@ def test_terminate_stops_the_app_group_and_is_idempotent(harness: Harness) -> No
 def test_cancel_mid_setup_leaves_no_actor_and_no_process(harness: Harness) -> None:
     item = harness.launch(setup="echo setting up; sleep 120")
     wait_for(lambda: "setting up" in item.launch_log.read_text(), 30, "setup to start")
-    assert harness.keyed(), "setup runs on a node"
+    # Its processes, found by their environment: read while the shell execs ``sleep`` (right
+    # after the echo), /proc/<pid>/environ can come back empty, so this waits a little.
+    wait_for(harness.keyed, 10, "setup's processes on the node")
     assert item.job.cancel()
     assert item.job.wait(30)
     assert item.job.state is jobs.JobState.CANCELLED
