@@ -299,13 +299,7 @@ async def read_answer(reader: asyncio.StreamReader) -> bytes:
     """One chunked answer's data, read to its last chunk."""
     head = await reader.readuntil(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head, head
-    data = b""
-    while True:
-        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
-        if size == 0:
-            assert await reader.readexactly(2) == b"\r\n"
-            return data
-        data += (await reader.readexactly(size + 2))[:-2]
+    return await read_answer_body(reader)
 
 
 @pytest.mark.parametrize("build", ["compiled", "pure"])
@@ -362,7 +356,7 @@ def test_streams_through_a_balancer_on_real_sockets(
                 await lb.stop()
             assert replica.connections == 1
 
-    builds = [mock.patch.object(relay, "LiveChunks", counted)]
+    builds = [mock.patch.object(upstream, "LiveChunks", counted)]
     if build == "pure":
         builds += [
             mock.patch.object(relay, "StreamBatch", None),
@@ -437,7 +431,7 @@ def test_a_client_that_does_not_read_pauses_the_replica(build: str, loop: str) -
     builds: list[Any] = []
     if build == "pure":
         builds = [
-            mock.patch.object(relay, "LiveChunks", None),
+            mock.patch.object(upstream, "LiveChunks", None),
             mock.patch.object(relay, "StreamBatch", None),
             mock.patch.object(upstream, "ChunkScan", None),
         ]

@@ -43,7 +43,7 @@ def batch_end(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
         return
     with (
-        mock.patch.object(relay, "LiveChunks", None),
+        mock.patch.object(upstream, "LiveChunks", None),
         mock.patch.object(
             relay, "StreamBatch", None if request.param == "method" else relay.StreamBatch
         ),
@@ -259,9 +259,9 @@ def live_stream(rig: Rig) -> UpstreamConnection:
 
 def assert_relayed_as_framed(conn: UpstreamConnection) -> None:
     """Where the build has it, a live stream of plain chunks is LiveChunks' to relay."""
-    if relay.LiveChunks is not None:
+    if upstream.LiveChunks is not None:
         assert conn.transport is not None
-        assert type(conn.transport.get_protocol()) is relay.LiveChunks
+        assert type(conn.transport.get_protocol()) is upstream.LiveChunks
 
 
 @pytest.mark.parametrize(

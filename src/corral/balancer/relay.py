@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Final
 from corral.balancer.failures import Failure, describe
 from corral.balancer.headers import Found, scan_response
 from corral.balancer.http1 import LAST_CHUNK, content_length
-from corral.balancer.speedups import LiveChunks, StreamBatch
+from corral.balancer.speedups import StreamBatch
 
 if TYPE_CHECKING:
     from corral.balancer.roles import Balancer, Downstream
@@ -261,19 +261,8 @@ class ResponseRelay:
         attrs["on_response_body"] = out.append
         transport = self.client.transport
         conn = self.conn
-        if (
-            LiveChunks is not None
-            and live == _LIVE_CHUNK
-            and transport is not None
-            and conn is not None
-            and conn.chunks is not None
-            and conn.chunks.open
-        ):
-            conn.go_raw(
-                LiveChunks(
-                    conn, conn.chunks, self.client, transport.write, self.lb._idle_timeout, DL_IDLE
-                )
-            )
+        if live == _LIVE_CHUNK and transport is not None and conn is not None:
+            conn.go_raw(self.client, transport.write, self.lb._idle_timeout, DL_IDLE)
         if StreamBatch is not None and transport is not None:
             attrs["on_upstream_data_done"] = StreamBatch(
                 weakref.ref(self),

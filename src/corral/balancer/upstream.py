@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from corral.balancer.headers import Found
-from corral.balancer.speedups import ChunkScan
+from corral.balancer.speedups import ChunkScan, LiveChunks
 
 __all__ = [
     "KEEPALIVE_SECONDS",
@@ -329,15 +329,16 @@ class UpstreamConnection(asyncio.Protocol):
         if ChunkScan is not None:
             self.chunks = ChunkScan()
 
-    def go_raw(self, relay: asyncio.BaseProtocol) -> bool:
-        """Hand this answer's next batches to ``relay`` (``LiveChunks``), which relays them as
-        the replica framed them, with no Python call per batch. False (nothing changed): the
-        framing was not followed, or it needs httptools (an extension, a trailer)."""
+    def go_raw(self, client: object, write: object, idle: float, kind: int) -> None:
+        """Hand this answer's next batches to ``LiveChunks`` (compiled build), which relays them
+        to ``client`` (``write``: its transport's) as the replica framed them, with no Python
+        call per batch, and moves its ``kind`` deadline ``idle`` seconds on. Nothing changes
+        when the framing was not followed, or it needs httptools (an extension, a trailer)."""
         chunks, transport = self.chunks, self.transport
-        if chunks is None or not chunks.open or transport is None or self.closed:
-            return False
-        transport.set_protocol(relay)
-        return True
+        if LiveChunks is None or chunks is None or not chunks.open:
+            return
+        if transport is not None and not self.closed:
+            transport.set_protocol(LiveChunks(self, chunks, client, write, idle, kind))
 
     def _end_raw(self) -> None:
         self.chunks = None
