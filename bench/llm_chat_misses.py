@@ -2,9 +2,9 @@
 
 Why: a fleet's hit rate is one number; to know what a router could still win, and at what price
 in balance, the misses have to be split by cause. Each request of bench/llm_routing.py's chat
-workload (conversations over 5 shared ~600-token system prompts, streamed, a new connection per
-turn) asks the engine for its usage, so the engine's own count of cached tokens is known per
-request. A miss is then one of:
+workload (conversations over ``--system-prompts`` shared ~600-token system prompts, 5 by
+default; streamed, a new connection per turn) asks the engine for its usage, so the engine's
+own count of cached tokens is known per request. A miss is then one of:
 
 * **first placement**: a conversation's first turn on an engine that never served its system
   prompt in this run (the system prompt is computed there once);
@@ -78,7 +78,7 @@ async def ask(port: int, body: dict[str, Any], session: str) -> tuple[str, str, 
 async def play(port: int, args: argparse.Namespace, seed: str) -> list[dict[str, Any]]:
     """The chat workload of bench/llm_routing.py; one row per request."""
     shape, text = random.Random(seed), random.Random(f"{seed}/{port}")
-    systems = [lr.words(text, 600) for _ in range(lr.SYSTEM_PROMPTS)]
+    systems = [lr.words(text, 600) for _ in range(args.system_prompts)]
     rows: list[dict[str, Any]] = []
     start = time.perf_counter() + 0.05
 
@@ -102,7 +102,7 @@ async def play(port: int, args: argparse.Namespace, seed: str) -> list[dict[str,
     tasks, offset = [], 0.0
     for _ in range(args.conversations):
         offset += shape.expovariate(args.rate / args.turns)
-        family = shape.randrange(lr.SYSTEM_PROMPTS)
+        family = shape.randrange(args.system_prompts)
         users = [lr.words(text, shape.randint(40, 100)) for _ in range(args.turns)]
         thinks = [shape.expovariate(1 / args.think) for _ in range(args.turns)]
         tasks.append(asyncio.create_task(conversation(offset, family, users, thinks)))
@@ -144,6 +144,12 @@ def main() -> int:
     p.add_argument("--routers", default=DEFAULT_ROUTERS, help="row names of llm_routing.py")
     p.add_argument("--conversations", type=int, default=100)
     p.add_argument("--turns", type=int, default=3)
+    p.add_argument(
+        "--system-prompts",
+        type=int,
+        default=lr.SYSTEM_PROMPTS,
+        help="shared system prompts (prompt families)",
+    )
     p.add_argument("--think", type=float, default=0.3)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--cache-blocks", type=int, default=1536)

@@ -626,6 +626,7 @@ class Workload:
     turns: int = 1
     think: float = 0.0
     documents: int = DOCUMENTS  # rag: the shared documents the questions follow
+    system_prompts: int = SYSTEM_PROMPTS  # chat: the shared system prompts (prompt families)
 
 
 async def run_workload(
@@ -650,13 +651,13 @@ async def run_workload(
 
     tasks: list[asyncio.Task[None]] = []
     if wl.name == "chat":
-        systems = [words(text, 600) for _ in range(SYSTEM_PROMPTS)]
+        systems = [words(text, 600) for _ in range(wl.system_prompts)]
         conversations = max(1, wl.requests // wl.turns)
         conv_rate = wl.rate / wl.turns
         offset = 0.0
         for c in range(conversations):
             offset += shape.expovariate(conv_rate)
-            system = systems[shape.randrange(SYSTEM_PROMPTS)]
+            system = systems[shape.randrange(wl.system_prompts)]
             users = [words(text, shape.randint(40, 100)) for _ in range(wl.turns)]
             thinks = [shape.expovariate(1 / wl.think) if wl.think else 0.0 for _ in range(wl.turns)]
             conv = f"{salt}-c{c}"
@@ -870,6 +871,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think", type=float, default=0.3, help="mean think time between turns, s")
     p.add_argument("--questions", type=int, default=100, help="requests per rag/control run")
     p.add_argument("--documents", type=int, default=DOCUMENTS, help="rag's shared documents")
+    p.add_argument(
+        "--system-prompts",
+        type=int,
+        default=SYSTEM_PROMPTS,
+        help="chat's shared system prompts (prompt families)",
+    )
     p.add_argument("--chat-max-tokens", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=16, help="rag and control answers")
     p.add_argument("--cache-blocks", type=int, default=1536, help="each engine's KV cache")
@@ -1015,6 +1022,7 @@ def workload_of(args: argparse.Namespace, name: str, rate: float) -> Workload:
             args.chat_max_tokens,
             args.turns,
             args.think,
+            system_prompts=args.system_prompts,
         )
     return Workload(name, rate, args.questions, args.max_tokens, documents=args.documents)
 
