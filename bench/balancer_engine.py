@@ -12,8 +12,9 @@ Requests, each kind on one client connection with two replicas (round robin):
 ``same`` (wrk's identical GETs), ``varied`` (a new X-Request-Id each time, as in
 ``bench/balancer.py``), ``paths`` (a new path and id each time), ``library`` (``paths`` with
 the headers an HTTP client library adds, python-requests' ``Connection: keep-alive`` among
-them), ``post`` (a small JSON body, new id) and ``general`` (``varied`` with the fast path
-turned off: the general path's cost).
+them), ``post`` (a small JSON body, new id), ``general`` (``varied`` with the fast path
+turned off: the general path's cost) and ``stream`` (``varied`` answered by a 2-event chunked
+stream: what a stream's start and end cost, the per-request part of a streamed answer).
 
 Run: ``python bench/balancer_engine.py [--compare NAME=SRC ...] [--requests N] [--rounds R]``.
 Prints a table (median CPU microseconds per request over the rounds, and each engine's ratio to
@@ -34,8 +35,16 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "balancer_engine.json"
-KINDS = ("same", "varied", "paths", "library", "post", "general")
+KINDS = ("same", "varied", "paths", "library", "post", "general", "stream")
 RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
+# ``stream``: a short server-sent-event stream, as the replica's three reads bring it (the head
+# with the first event, one more event, the last chunk): what a stream's start and end cost.
+STREAM = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n9\r\ndata: 0\n\n\r\n",
+    b"9\r\ndata: 1\n\n\r\n",
+    b"0\r\n\r\n",
+)
 HOST = b"Host: 127.0.0.1:8080\r\n"
 
 
@@ -64,6 +73,7 @@ class Transport:
 
     def __init__(self) -> None:
         self.last = b""
+        self.protocol: Any = None  # what set_protocol put in the connection's place, if any
 
     def write(self, data: bytes) -> None:
         self.last = data
@@ -81,6 +91,12 @@ class Transport:
     def pause_reading(self) -> None: ...
 
     def resume_reading(self) -> None: ...
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self) -> Any:
+        return self.protocol
 
 
 def measure(kind: str, count: int) -> float:
@@ -106,14 +122,17 @@ def measure(kind: str, count: int) -> float:
         ct = Transport()
         client.connection_made(ct)  # type: ignore[arg-type]
         requests = [request(kind, n) for n in range(count)]
+        answer = STREAM if kind == "stream" else (RESPONSE,)
+        end = STREAM[-1] if kind == "stream" else b"ok"  # the client's last write ends so
         started = time.process_time()
         for data in requests:
             client.data_received(data)
             for conn, transport in ups:
                 if transport.last:
                     transport.last = b""
-                    conn.data_received(RESPONSE)
-            if not ct.last.endswith(b"ok"):
+                    for piece in answer:
+                        (transport.protocol or conn).data_received(piece)
+            if not ct.last.endswith(end):
                 raise RuntimeError(f"{kind}: no answer: {ct.last!r}")
             ct.last = b""
         return (time.process_time() - started) / count * 1e6
