@@ -31,6 +31,7 @@ class FakeTransport:
         self.out: list[bytes] = []
         self.closed = False
         self.protocol: Any = None  # set only by set_protocol (a live stream's relay)
+        self.protocols_set = 0  # how many times (uvloop restarts reading at each)
         self.fail: Exception | None = None  # raised by write, to stand for a bug there
 
     def write(self, data: bytes) -> None:
@@ -40,6 +41,7 @@ class FakeTransport:
 
     def set_protocol(self, protocol: Any) -> None:
         self.protocol = protocol
+        self.protocols_set += 1
 
     def get_protocol(self) -> Any:
         return self.protocol

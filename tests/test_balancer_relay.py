@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from unittest import mock
 
 import pytest
-from test_balancer_fastpath import Rig
+from test_balancer_fastpath import FakeTransport, Rig
 
 from corral.balancer import relay, speedups, upstream
 from corral.balancer.relay import _LIVE_CHUNK, DL_IDLE
@@ -261,7 +261,8 @@ def assert_relayed_as_framed(conn: UpstreamConnection) -> None:
     """Where the build has it, a live stream of plain chunks is LiveChunks' to relay."""
     if upstream.LiveChunks is not None:
         assert conn.transport is not None
-        assert type(conn.transport.get_protocol()) is upstream.LiveChunks
+        front = conn.transport.get_protocol()
+        assert type(front) is upstream.LiveChunks and front.armed
 
 
 @pytest.mark.parametrize(
@@ -346,6 +347,43 @@ def test_pooled_connection_after_a_stream_relays_a_new_answer() -> None:
     assert again is conn
     feed(again, SSE_HEAD + frame(b"n") + b"0\r\n\r\n")
     assert dechunk(split_head(rig.ct.take())[1]) == (b"n", True)
+
+
+def test_the_reader_stays_in_front_of_a_connection_between_streams() -> None:
+    """Where the build has LiveChunks, it is put in front of a replica connection at the
+    connection's first live stream and left there, disarmed, when the stream ends (uvloop
+    restarts reading at each set_protocol): a plain answer after it reaches the connection
+    through it, and the next stream arms the same reader, with no set_protocol again."""
+    rig = Rig()
+    conn = live_stream(rig)
+    transport = conn.transport
+    assert isinstance(transport, FakeTransport)
+    front = transport.get_protocol()
+    feed(conn, b"0\r\n\r\n")
+    assert dechunk(split_head(rig.ct.take())[1]) == (b"ab", True)
+    if upstream.LiveChunks is not None:
+        assert transport.get_protocol() is front and not front.armed
+    for answer in (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", None):
+        for _ in range(4):  # round robin: to this replica again within a few requests
+            again = send(rig, GET)
+            if again is conn:
+                break
+            feed(again, b"HTTP/1.1 204 No Content\r\n\r\n")
+            rig.ct.take()
+        assert again is conn
+        if answer is not None:
+            feed(conn, answer)
+            assert rig.ct.take().endswith(b"\r\n\r\nok")
+            assert conn in rig.lb._ready[conn.target.rid].idle
+            continue
+        feed(conn, SSE_HEAD + frame(b"c"))
+        feed(conn, frame(b"d"))
+        assert_relayed_as_framed(conn)
+        feed(conn, b"0\r\n\r\n")
+        assert dechunk(split_head(rig.ct.take())[1]) == (b"cd", True)
+    if upstream.LiveChunks is not None:
+        assert transport.get_protocol() is front and not front.armed
+        assert transport.protocols_set == 1
 
 
 def test_each_answer_gets_its_own_head_when_a_replica_changes_it() -> None:

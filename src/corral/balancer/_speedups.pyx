@@ -495,29 +495,55 @@ cdef class ChunkScan:
 
 
 cdef class LiveChunks:
-    """A live chunked stream's replica-side protocol (corral.balancer.relay, _go_live).
+    """The compiled reader in front of a replica connection once it has carried a live chunked
+    stream (corral.balancer.relay, _go_live; ``UpstreamConnection.go_raw``).
 
-    Installed on the replica connection's transport (``set_protocol``) once the stream is live,
-    so each batch the replica sends reaches C code with no Python frame: ChunkScan follows the
-    framing, the bytes go to the client as they came, and the client's idle deadline moves, as
-    ``StreamBatch`` does for the pieces httptools found. The answer's end, a framing it leaves
-    to httptools, and every other transport event go back to the connection
-    (``UpstreamConnection.raw_done``, ``raw_resume``, ``connection_lost`` ...), which puts
-    itself back as the transport's protocol first.
+    Armed for a live stream, it takes each batch the replica sends with no Python frame:
+    ChunkScan follows the framing, the bytes go to the client as they came, and the client's
+    idle deadline moves, as ``StreamBatch`` does for the pieces httptools found. The answer's
+    end, a framing it leaves to httptools, and a bug disarm it and go back to the connection
+    (``UpstreamConnection.raw_done``, ``raw_resume``, ``raw_failed``).
+
+    Why it stays the transport's protocol between streams, disarmed, handing every event to the
+    connection: uvloop stops and restarts reading on each ``set_protocol`` (two changes to the
+    loop's epoll set, which libuv submits through io_uring), and swapping the protocol in and
+    out around every stream made 2.3 ``io_uring_enter`` calls per 50-event stream, against
+    0.03 now (perf stat, docs/benchmarks.md). What a disarmed reader costs instead is one C
+    call per read: 0.02 us per plain answer on such a connection, in the engine alone.
     """
 
-    cdef object conn, client, write
-    cdef ChunkScan scan
+    cdef object conn, received, client, write
+    cdef ChunkScan scan  # None: disarmed
     cdef double idle
     cdef object kind
 
-    def __init__(self, conn, ChunkScan scan not None, client, write, double idle, kind):
+    def __init__(self, conn):
         self.conn = conn
+        self.received = conn.data_received  # the connection's own path, for a disarmed read
+        self.scan = None
+
+    @property
+    def armed(self):
+        """A live stream's batches are this reader's to relay."""
+        return self.scan is not None
+
+    def arm(self, ChunkScan scan not None, client, write, double idle, kind):
+        """Relay the live stream ``scan`` follows to ``client`` (``write``: its transport's),
+        moving its ``kind`` deadline ``idle`` seconds on with each batch."""
         self.scan = scan
         self.client = client
         self.write = write
         self.idle = idle
         self.kind = kind
+
+    cdef inline void _disarm(self):
+        self.scan = None
+        self.client = None
+        self.write = None
+
+    def disarm(self):
+        """Hand every event to the connection again (nothing to do if already disarmed)."""
+        self._disarm()
 
     def connection_made(self, transport):
         pass
@@ -525,6 +551,9 @@ cdef class LiveChunks:
     def data_received(self, bytes data not None):
         cdef ChunkScan scan = self.scan
         cdef int found
+        if scan is None:
+            self.received(data)
+            return
         try:
             found = scan._scan(data)
             client = self.client
@@ -536,8 +565,10 @@ cdef class LiveChunks:
                 client.deadline = _now() + self.idle
                 return
         except Exception:
+            self._disarm()
             self.conn.raw_failed()  # logged with its traceback there; the exchange cuts
             return
+        self._disarm()
         if found == DONE:
             self.conn.raw_done(scan.extra)
         else:
@@ -547,6 +578,7 @@ cdef class LiveChunks:
         return None  # as the connection: close our side too; connection_lost reports it
 
     def connection_lost(self, exc):
+        self._disarm()
         self.conn.connection_lost(exc)
 
     def pause_writing(self):

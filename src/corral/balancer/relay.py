@@ -250,10 +250,10 @@ class ResponseRelay:
 
         And in the compiled build a stream of plain chunks (the connection followed its framing
         from the first body byte: ``UpstreamConnection.follow_chunks``) skips all that: the
-        replica's transport gets ``LiveChunks`` as its protocol, which relays each batch as the
-        replica framed it with no Python call (measured at 64 connections: 382 against 404 us
-        of CPU per 50-event stream, docs/benchmarks.md). What it leaves to httptools comes back
-        to the path above, which is why both are set up.
+        ``LiveChunks`` reader in front of the replica's connection (``UpstreamConnection.go_raw``)
+        is armed and relays each batch as the replica framed it with no Python call (measured at
+        64 connections: 382 against 404 us of CPU per 50-event stream, docs/benchmarks.md).
+        What it leaves to httptools comes back to the path above, which is why both are set up.
         """
         self.mode = live = _LIVE_CHUNK if mode == _CHUNK else _LIVE_RAW
         out = self.out

@@ -151,6 +151,7 @@ class UpstreamConnection(asyncio.Protocol):
         "chunks",
         "closed",
         "fast_client",
+        "front",
         "idle_since",
         "read_paused",
         "target",
@@ -171,6 +172,9 @@ class UpstreamConnection(asyncio.Protocol):
         # A chunked answer's framing followed beside the parser (ChunkScan, compiled build),
         # so that a live stream can be relayed as framed (go_raw); None for other answers.
         self.chunks: Any = None
+        # LiveChunks, once this connection carried a live stream: its transport's protocol
+        # from then on, armed for each live stream and handing everything else to this one.
+        self.front: Any = None
         # Validates the whole answers the fast path takes, with no callback at all.
         self.check = httptools.HttpResponseParser(None)
         self._head = b""
@@ -337,13 +341,20 @@ class UpstreamConnection(asyncio.Protocol):
         chunks, transport = self.chunks, self.transport
         if LiveChunks is None or chunks is None or not chunks.open:
             return
-        if transport is not None and not self.closed:
-            transport.set_protocol(LiveChunks(self, chunks, client, write, idle, kind))
+        if transport is None or self.closed:
+            return
+        front = self.front
+        if front is None:
+            # Once per connection: uvloop restarts reading on each set_protocol (LiveChunks'
+            # docstring says what that cost per stream).
+            self.front = front = LiveChunks(self)
+            transport.set_protocol(front)
+        front.arm(chunks, client, write, idle, kind)
 
     def _end_raw(self) -> None:
         self.chunks = None
-        if self.transport is not None:
-            self.transport.set_protocol(self)
+        if self.front is not None:
+            self.front.disarm()
 
     def raw_done(self, extra: bool) -> None:
         """``LiveChunks`` saw the answer end (``extra``: bytes followed it)."""
