@@ -54,7 +54,8 @@ it is corral's own work, and its distance to nginx is the event loop's.
 
 ``--syscalls`` then counts each proxy's syscalls and context switches per request at 64
 connections (``perf stat`` on the kernel's syscall tracepoints; needs perf and root): whether a
-proxy's extra CPU is its own work or more trips into the kernel.
+proxy's extra CPU is its own work or more trips into the kernel. With ``--only-streamed`` it
+counts them per stream, on the streamed answers.
 
 wrk, nginx and HAProxy are installed with ``apt-get install -y`` when missing (their service is
 not started); rows that need a tool that cannot be installed are skipped with a message.
@@ -415,14 +416,17 @@ SYSCALL_GROUPS = {
     "reads": ("read", "recvfrom", "recvmsg", "readv"),
     "writes": ("write", "writev", "sendto", "sendmsg"),
     "waits": ("epoll_wait", "epoll_pwait", "epoll_pwait2"),
-    "epoll_ctl": ("epoll_ctl",),
+    # libuv (uvloop) submits its changes to the epoll set through io_uring where it can
+    "epoll changes": ("epoll_ctl", "io_uring_enter"),
 }
 
 
-def count_syscalls(wrk: list[str], target: Target, seconds: int = 2) -> dict[str, Any]:
-    """Syscalls and context switches per request of the target's processes at 64 connections,
-    counted by ``perf stat`` on the kernel's syscall tracepoints while wrk runs. Tells whether a
-    proxy's extra CPU is its own work or more trips into the kernel."""
+def count_syscalls(
+    wrk: list[str], target: Target, seconds: int = 2, path: str = "/"
+) -> dict[str, Any]:
+    """Syscalls and context switches per request (to ``path``) of the target's processes at 64
+    connections, counted by ``perf stat`` on the kernel's syscall tracepoints while wrk runs.
+    Tells whether a proxy's extra CPU is its own work or more trips into the kernel."""
     perf = shutil.which("perf")
     if perf is None:
         return {"error": "perf is not installed"}
@@ -430,7 +434,7 @@ def count_syscalls(wrk: list[str], target: Target, seconds: int = 2) -> dict[str
     names = [n for group in SYSCALL_GROUPS.values() for n in group]
     events = [f"syscalls:sys_enter_{n}" for n in names] + ["context-switches"]
     load = subprocess.Popen(
-        wrk_cmd(wrk, target.port, 64, seconds + 2), stdout=subprocess.PIPE, text=True
+        wrk_cmd(wrk, target.port, 64, seconds + 2, path), stdout=subprocess.PIPE, text=True
     )
     time.sleep(1)
     watch = ["-p", ",".join(map(str, pids)), "--", "sleep", str(seconds)]
@@ -457,13 +461,13 @@ def count_syscalls(wrk: list[str], target: Target, seconds: int = 2) -> dict[str
 
 
 def syscall_table(rows: dict[str, Any]) -> str:
-    cols = ["target", "reads", "writes", "waits", "epoll_ctl", "context switches"]
+    cols = ["target", "reads", "writes", "waits", "epoll changes", "context switches"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for name, row in rows.items():
         if "error" in row:
             lines.append(f"| {name} | {row['error']} |")
             continue
-        cells = [row["reads"], row["writes"], row["waits"], row["epoll_ctl"]]
+        cells = [row["reads"], row["writes"], row["waits"], row["epoll changes"]]
         cells.append(row["context_switches"])
         lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     return "\n".join(lines)
@@ -1195,7 +1199,15 @@ def main() -> int:
                     "reference": phase.reference,
                     "targets": summarize(phase, runs, "direct" if phase.name == "c1" else None),
                 }
-            if args.syscalls:
+            if args.syscalls and args.only_streamed and streamed:
+                log("syscalls per stream, 64 connections, perf stat")
+                sse = streamed[0]
+                for t in sse.targets:
+                    if t.pids:
+                        report.syscalls[t.name] = count_syscalls(
+                            sse.wrk or wrk_base, t, path=sse.path
+                        )
+            elif args.syscalls:
                 log("syscalls per request, 64 connections, perf stat")
                 for t in [*one, *many]:
                     if t.pids:
@@ -1252,7 +1264,8 @@ def main() -> int:
         print(stream_table(report.streaming))
     if report.syscalls:
         print()
-        print("Syscalls and context switches per request, 64 connections (perf stat):")
+        what = "stream" if args.only_streamed and args.stream_chunks > 0 else "request"
+        print(f"Syscalls and context switches per {what}, 64 connections (perf stat):")
         print(syscall_table(report.syscalls))
     print()
     print("Issue 11's targets (corral):")
