@@ -35,9 +35,10 @@ What runs (everything on 127.0.0.1, every run bounded in time and requests):
   benchmark-only, small, and deliberately not dependencies in pyproject.toml. Nothing is
   downloaded but from PyPI (and Debian's mirror for nginx).
 * Workloads, each client request on a NEW connection (as many clients do), streaming:
-  ``chat``: conversations over 5 shared ~600-token system prompts, Poisson conversation starts,
-  several turns each (turn N+1 = turn N's messages + the answer + a new user message, after a
-  short think time), ``/v1/chat/completions``, ``X-Session-ID`` = the conversation;
+  ``chat``: conversations over 5 shared ~600-token system prompts (``--system-prompts``),
+  Poisson conversation starts, several turns each (turn N+1 = turn N's messages + the answer +
+  a new user message, after a short think time), ``/v1/chat/completions``, ``X-Session-ID`` =
+  the conversation;
   ``rag``: independent questions after one of 4 (``--documents``) shared ~1500-token documents,
   Poisson arrivals, ``/v1/completions``; ``control``: random prompts of a chat turn's length,
   nothing shared.
