@@ -537,13 +537,10 @@ cdef class LiveChunks:
         self.kind = kind
 
     cdef inline void _disarm(self):
+        """Hand every event to the connection again: done here before each call back to it."""
         self.scan = None
         self.client = None
         self.write = None
-
-    def disarm(self):
-        """Hand every event to the connection again (nothing to do if already disarmed)."""
-        self._disarm()
 
     def connection_made(self, transport):
         pass

@@ -351,14 +351,9 @@ class UpstreamConnection(asyncio.Protocol):
             transport.set_protocol(front)
         front.arm(chunks, client, write, idle, kind)
 
-    def _end_raw(self) -> None:
-        self.chunks = None
-        if self.front is not None:
-            self.front.disarm()
-
     def raw_done(self, extra: bool) -> None:
         """``LiveChunks`` saw the answer end (``extra``: bytes followed it)."""
-        self._end_raw()
+        self.chunks = None  # the reader disarmed itself before calling
         self._complete = True
         self.reusable = self._keep_alive and not extra
         self._parser = httptools.HttpResponseParser(self)  # the old one stopped mid-body
@@ -368,7 +363,7 @@ class UpstreamConnection(asyncio.Protocol):
     def raw_failed(self) -> None:
         """``LiveChunks`` met a bug: as ``data_received`` does, logged, cut."""
         logger.exception("balancer: unexpected error on a replica connection")
-        self._end_raw()
+        self.chunks = None  # the reader disarmed itself before calling
         sink = self.sink
         self.abort()
         if sink is not None:
@@ -378,7 +373,7 @@ class UpstreamConnection(asyncio.Protocol):
         """``LiveChunks`` met framing it leaves to httptools: a fresh parser is put where it
         stopped (a chunked head, then ``prime``, with nothing reported), and ``replay`` goes
         through the general path as if it had just come."""
-        self._end_raw()
+        self.chunks = None  # the reader disarmed itself before calling
         sink, keep_alive = self.sink, self._keep_alive
         self.sink = None  # the primed head and data are not the answer's
         self._parser = parser = httptools.HttpResponseParser(self)
