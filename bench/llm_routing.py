@@ -881,6 +881,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-max-tokens", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=16, help="rag and control answers")
     p.add_argument("--cache-blocks", type=int, default=1536, help="each engine's KV cache")
+    p.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=EngineConfig.prefill_per_token_ms,
+        help="the engines' time per uncached prompt token (raise it for a prefill-bound fleet:"
+        " a slower GPU or a bigger model)",
+    )
     p.add_argument("--timeout", type=float, default=30.0, help="per request, s")
     p.add_argument(
         "--untagged",
@@ -925,7 +932,12 @@ def main() -> int:
             log(f"skipping {spec.name}: corral.balancer.prefix_policy does not import yet")
         else:
             usable.append(spec)
-    config = EngineConfig(max_batch=8, block_size=16, cache_blocks=args.cache_blocks)
+    config = EngineConfig(
+        max_batch=8,
+        block_size=16,
+        cache_blocks=args.cache_blocks,
+        prefill_per_token_ms=args.prefill_ms,
+    )
     started: list[subprocess.Popen[Any]] = []
     raw: list[dict[str, Any]] = []
     report: dict[str, Any] = {
