@@ -13,7 +13,9 @@ What runs (everything on 127.0.0.1, every run bounded in time and requests):
 * The fleet: 4 ``corral.llmsim`` engines (docs/llmsim.md), max_batch 8, block size 16, a prefix
   cache of ``--cache-blocks`` (default 1536 blocks, 24k tokens: the working set of the chat
   workload under round robin does not fit, under affinity it does, so eviction matters a
-  little). The same 4 processes serve every run: each run's prompts are new text (a fresh salt)
+  little), 0.2 ms of engine time per uncached prompt token (``--prefill-ms``: raise it for a
+  fleet whose engines spend their time on prompts, where caching them buys capacity and not
+  only TTFT). The same 4 processes serve every run: each run's prompts are new text (a fresh salt)
   with the same lengths and arrival times, so what one run cached is only LRU garbage to the
   next, as good as a cold cache. Each engine serves its own model name (``corral-llmsim-eN``)
   while clients ask for ``corral-llmsim`` (the simulator answers any name), so the client
