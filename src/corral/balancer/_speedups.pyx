@@ -507,8 +507,8 @@ cdef class LiveChunks:
     Why it stays the transport's protocol between streams, disarmed, handing every event to the
     connection: uvloop stops and restarts reading on each ``set_protocol`` (two changes to the
     loop's epoll set, which libuv submits through io_uring), and swapping the protocol in and
-    out around every stream made 2.3 ``io_uring_enter`` calls per 50-event stream, against
-    0.03 now (perf stat, docs/benchmarks.md). What a disarmed reader costs instead is one C
+    out around every stream made 2.4 ``io_uring_enter`` calls per 50-event stream, against
+    none now (``bench/balancer.py --syscalls --only-streamed``, docs/benchmarks.md). What a disarmed reader costs instead is one C
     call per read: 0.02 us per plain answer on such a connection, in the engine alone.
     """
 
