@@ -572,7 +572,7 @@ cdef class LiveChunks:
             self.conn.raw_resume(scan.prime, scan.replay)
 
     def eof_received(self):
-        return None  # as the connection: close our side too; connection_lost reports it
+        return self.conn.eof_received()  # its decision, armed or not (connection_lost follows)
 
     def connection_lost(self, exc):
         self._disarm()
