@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corral.balancer import LoadBalancer, relay, speedups, upstream
+from corral.balancer import client as client_module
 
 needs_compiled = pytest.mark.skipif(
     speedups.ChunkScan is None, reason="the compiled build is not built, or this run is pure"
@@ -448,6 +449,50 @@ def test_a_client_that_does_not_read_pauses_the_replica(build: str, loop: str) -
             stack.enter_context(patch)
         runner = uvloop.run if loop == "uvloop" else asyncio.run
         runner(asyncio.wait_for(main(), 60))
+
+
+@needs_compiled
+def test_a_live_streams_last_event_and_its_end_leave_in_one_write() -> None:
+    """A replica that sends its last event and the last chunk together has them reach the
+    client in one write from the balancer too (not the event, then the end in a write of its
+    own: a syscall more per stream). Every write to the client is recorded: LiveChunks' (the
+    transport's write it is armed with) and the relay's (``ClientConnection.write``)."""
+    events = [frame(b"data: 0\n\n"), frame(b"data: 1\n\n"), frame(b"data: 2\n\n") + b"0\r\n\r\n"]
+    writes: list[bytes] = []
+    relay_write = client_module.ClientConnection.write
+
+    class Recorded(speedups.LiveChunks):  # type: ignore[misc, name-defined]
+        def arm(self, scan: object, client: object, write: Any, *rest: object) -> None:
+            def recorded(data: bytes) -> None:
+                writes.append(bytes(data))
+                write(data)
+
+            super().arm(scan, client, recorded, *rest)
+
+    def recorded_relay_write(self: Any, data: bytes) -> None:
+        writes.append(bytes(data))
+        relay_write(self, data)
+
+    async def main() -> None:
+        async with StreamingReplica(events) as replica:
+            lb = LoadBalancer(name="svc")
+            await lb.start()
+            try:
+                lb.set_ready({1: f"http://{HOST}:{replica.port}"})
+                reader, writer = await asyncio.open_connection(HOST, lb.port)
+                writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
+                got = await asyncio.wait_for(read_answer(reader), 10)
+                assert got == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+                writer.close()
+            finally:
+                await lb.stop()
+
+    with (
+        mock.patch.object(upstream, "LiveChunks", Recorded),
+        mock.patch.object(client_module.ClientConnection, "write", recorded_relay_write),
+    ):
+        uvloop.run(asyncio.wait_for(main(), 30))
+    assert writes[-1] == events[-1], writes
 
 
 async def read_answer_body(reader: asyncio.StreamReader) -> bytes:

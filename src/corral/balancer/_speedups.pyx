@@ -346,7 +346,8 @@ cdef class ChunkScan:
     relayed are handed back, with the prefix that puts a fresh httptools parser where this one
     stopped, so httptools alone judges them as it would have. A size line is held back until
     it is whole (it may still turn out to have an extension), and the last chunk is never
-    relayed (the relay writes its own, as for every chunked answer).
+    relayed (the relay writes its own, as for every chunked answer, in the same write as the
+    answer's last batch: ``LiveChunks`` holds that batch back).
     """
 
     cdef int state
@@ -553,11 +554,14 @@ cdef class LiveChunks:
             return
         try:
             found = scan._scan(data)
-            client = self.client
-            if PyBytes_GET_SIZE(scan.forward) and not client._closing:
-                self.write(scan.forward)
+            forward = scan.forward
             scan.forward = _EMPTY
+            if found == DONE:
+                pass  # the last batch goes out with the last chunk, in one write (raw_done)
+            elif PyBytes_GET_SIZE(forward) and not self.client._closing:
+                self.write(forward)
             if found == MORE:
+                client = self.client
                 client.deadline_kind = self.kind
                 client.deadline = _now() + self.idle
                 return
@@ -567,7 +571,7 @@ cdef class LiveChunks:
             return
         self._disarm()
         if found == DONE:
-            self.conn.raw_done(scan.extra)
+            self.conn.raw_done(scan.extra, forward)
         else:
             self.conn.raw_resume(scan.prime, scan.replay)
 

@@ -217,6 +217,19 @@ class ResponseRelay:
         client.deadline_kind = DL_IDLE
         client.deadline = time.monotonic() + self.lb._idle_timeout
 
+    def on_live_chunks_done(self, last: bytes) -> None:
+        """``LiveChunks`` ended a live chunked answer (``UpstreamConnection.raw_done``).
+
+        ``last`` is the answer's final batch as the replica framed it, held back by the reader
+        so that it and the last chunk leave in one write: one syscall fewer per stream, and
+        the client gets the end of the stream in the segment that carries its last event.
+        """
+        if self.pending_failure is not None:
+            self._failed(self.pending_failure)
+            return
+        self._flush(last + LAST_CHUNK)
+        self._response_done()
+
     def _batch_done(self, complete: bool) -> None:
         """The rarer ends of a batch: the answer complete, nothing sent yet, or a stream's
         first batches."""

@@ -63,6 +63,10 @@ class ResponseSink(Protocol):
         """End of one batch of received bytes; ``complete``: the response ended."""
         ...
 
+    def on_live_chunks_done(self, last: bytes) -> None:
+        """``LiveChunks`` ended the answer; ``last``: its final bytes, framed, not yet sent."""
+        ...
+
     def on_upgraded(self, status: int, head: bytes, rest: bytes) -> None: ...
 
     def on_upstream_error(self, message: str) -> None:
@@ -351,14 +355,15 @@ class UpstreamConnection(asyncio.Protocol):
             transport.set_protocol(front)
         front.arm(chunks, client, write, idle, kind)
 
-    def raw_done(self, extra: bool) -> None:
-        """``LiveChunks`` saw the answer end (``extra``: bytes followed it)."""
+    def raw_done(self, extra: bool, last: bytes) -> None:
+        """``LiveChunks`` saw the answer end (``extra``: bytes followed it; ``last``: the
+        answer's final bytes, framed, which the sink sends with the last chunk)."""
         self.chunks = None  # the reader disarmed itself before calling
         self._complete = True
         self.reusable = self._keep_alive and not extra
         self._parser = httptools.HttpResponseParser(self)  # the old one stopped mid-body
         if self.sink is not None:
-            self.sink.on_upstream_data_done(True)
+            self.sink.on_live_chunks_done(last)
 
     def raw_failed(self) -> None:
         """``LiveChunks`` met a bug: as ``data_received`` does, logged, cut."""
