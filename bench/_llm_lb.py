@@ -5,11 +5,12 @@ process) per request, as it does nginx's and the Rust routers', so the balancer 
 thing in it. Why the engine refresh: a real balancer worker reads every engine's ``/metrics``
 each ``corral.dataplane.engines.INTERVAL`` and hands their queues to the policy
 (``prefix_affinity`` weighs them), so a benchmark without it would measure a policy that never
-runs like that; this loop does the same call, :func:`corral.dataplane.engines.refresh`.
+runs like that; this loop does the same call, :func:`corral.dataplane.engine_shares.refresh`
+(with ``--engine-share``, the processes of one router split the reading as the workers do).
 
 Run: ``python bench/_llm_lb.py --replica URL ... --policy P [--option KEY=JSON]
 [--max-in-flight N] [--workers W] [--port N] [--reuse-port] [--affinity-file F]
-[--load-file F --slot N]``; prints
+[--load-file F --slot N] [--engine-share DIR]``; prints
 ``PORT <n>`` once listening, serves until SIGTERM/SIGINT, then prints ``STATS {json}``
 (requests routed by their prompt, for a policy that counts them). Listens on 127.0.0.1 only; on
 uvloop as in production.
@@ -25,12 +26,14 @@ import contextlib
 import json
 import logging
 import signal
+from pathlib import Path
 from typing import Any
 
 import uvloop
 
 from corral.balancer import LoadBalancer
-from corral.dataplane import engines
+from corral.dataplane import engine_shares, engines
+from corral.dataplane.engine_shares import Share
 
 METRICS_PATH = "/metrics"
 
@@ -56,11 +59,13 @@ def routing_of(args: argparse.Namespace) -> dict[str, Any]:
     return routing
 
 
-async def refresh_forever(lb: LoadBalancer, ready: dict[int, str]) -> None:
-    """What a balancer worker does for a service with engine metrics: read them every INTERVAL."""
+async def refresh_forever(lb: LoadBalancer, ready: dict[int, str], share: Share | None) -> None:
+    """What a balancer worker does for a service with engine metrics: read them every INTERVAL,
+    split with the other processes when ``share`` says where (as the data plane's workers)."""
+    seen: dict[int, Any] = {}
     while True:
         with contextlib.suppress(Exception):  # an engine slow to answer is skipped, as there
-            await engines.refresh(lb, ready, METRICS_PATH)
+            seen = await engine_shares.refresh(lb, ready, METRICS_PATH, seen, share)
         await asyncio.sleep(engines.INTERVAL)
 
 
@@ -76,7 +81,8 @@ async def main(args: argparse.Namespace) -> None:
     await lb.start()
     ready = {i + 1: url for i, url in enumerate(args.replica)}
     lb.set_ready(ready)
-    refresher = asyncio.create_task(refresh_forever(lb, ready))
+    share = Share(Path(args.engine_share), args.slot, args.workers) if args.engine_share else None
+    refresher = asyncio.create_task(refresh_forever(lb, ready, share))
     print(f"PORT {lb.port}", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -103,6 +109,7 @@ def cli() -> None:
     parser.add_argument("--affinity-file", help="the conversation table the processes share")
     parser.add_argument("--load-file", help="the board of counts in flight they share")
     parser.add_argument("--slot", type=int, default=0, help="this process's row in it")
+    parser.add_argument("--engine-share", help="the directory of the engine readings they split")
     uvloop.run(main(parser.parse_args()))
 
 

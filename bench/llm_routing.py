@@ -394,10 +394,12 @@ def start_router(
         base = [sys.executable, str(LLM_LB), "--policy", spec.policy, *spec.extra]
         base += [a for url in urls for a in ("--replica", url)]
         base += ["--workers", str(spec.workers)]
-        # As the data plane's workers do: one conversation table and one board of counts in
-        # flight for the router's processes, each process a slot of its own.
+        # As the data plane's workers do: one conversation table, one board of counts in
+        # flight and the engine readings they split, for the router's processes, each process
+        # a slot of its own.
         base += ["--affinity-file", str(tmp / f"{slug}.affinity")]
         base += ["--load-file", str(tmp / f"{slug}.load")]
+        base += ["--engine-share", str(tmp / f"{slug}.engines")]
         reuse = ["--reuse-port"] if spec.workers > 1 else []
         first = popen([*base, *reuse], stdout=subprocess.PIPE, stderr=out, text=True)
         port = int(read_line(first, "PORT ", 30))

@@ -942,13 +942,18 @@ def test_conversations_find_their_cache_through_corral_across_workers_and_a_daem
     metrics = corral_home.api("GET", "/metrics").body.decode()
     assert 'corral_lb_ttft_seconds_count{service="chat"}' in metrics
     assert "corral_engine_prefix_queries{" in metrics
-    # The workers' shared conversation table and board of counts live with them, and go
+    # The workers' shared conversation table, board of counts and engine readings (each
+    # worker reads some engines and leaves what it read for the other) live with them, and go
     # with the service.
     table = corral_home.path / "dataplane" / "affinity-chat.bin"
     board = corral_home.path / "dataplane" / "load-chat.bin"
+    readings = corral_home.path / "dataplane" / "engines-chat"
     assert table.exists() and board.exists()
+    assert sorted(p.name for p in readings.glob("slot-*")) == ["slot-0.json", "slot-1.json"]
     corral_home.run("down", "chat", timeout=60)
     assert not table.exists() and not board.exists()
+    # A reading under way when the service went is written, then deleted when it ends.
+    corral_home.wait_for(lambda: not readings.exists(), 10, "the engine readings deleted")
 
 
 # -- the spec ------------------------------------------------------------------------------------

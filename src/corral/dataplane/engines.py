@@ -149,10 +149,15 @@ async def refresh(
     read = await read_all(ready, path)
     now = time.monotonic()
     signals = {rid: with_rate(s, (before or {}).get(rid), now) for rid, s in read.items()}
+    give(lb, signals)
+    return dict(signals)
+
+
+def give(lb: LoadBalancer, signals: Mapping[int, Mapping[str, Any]]) -> None:
+    """Hand ``lb`` the engines' load as its policies weigh it."""
     lb.set_engine_load(
         {
             rid: EngineLoad(s.get("waiting", 0.0), s.get("running", 0.0), s.get("kv_usage"))
             for rid, s in signals.items()
         }
     )
-    return dict(signals)

@@ -6,15 +6,18 @@ channel, reports, its home and its slot) and this one to what a route turns into
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import resource
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from corral.balancer import LoadBalancer
 from corral.balancer.affinity import table_path
-from corral.balancer.load_board import board_path
+from corral.balancer.load_board import board_path, streams_board_path
+from corral.dataplane.engine_shares import share_dir
 from corral.dataplane.protocol import Route
 
 log = logging.getLogger("corral.worker")
@@ -58,6 +61,16 @@ def make_balancer(
         on_drained=on_drained,
         **config,
     )
+
+
+def remove_shared(home: Path, name: str) -> None:
+    """Delete what the workers of service ``name`` share in the home's ``dataplane/``: its
+    conversation table, its boards of counts and streams, its engine readings."""
+    shared = home / "dataplane"
+    for path in (table_path, board_path, streams_board_path):
+        with contextlib.suppress(OSError):
+            path(shared, name).unlink()
+    shutil.rmtree(share_dir(shared, name), ignore_errors=True)
 
 
 def default_max_connections() -> int:

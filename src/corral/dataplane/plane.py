@@ -28,9 +28,8 @@ from typing import Any, Final
 
 import psutil
 
-from corral.balancer.affinity import table_path
-from corral.balancer.load_board import board_path, streams_board_path
 from corral.balancer.metrics import merge_stats
+from corral.dataplane.listeners import remove_shared
 from corral.dataplane.processes import (
     WORKER_STOP_TIMEOUT,
     find_process,
@@ -403,9 +402,7 @@ class DataPlane:
             return 0
         self._times.pop(name, None)
         self._bind_errors.pop(name, None)
-        for path in (table_path, board_path, streams_board_path):  # later: a fresh start
-            with contextlib.suppress(OSError):
-                path(self.home / "dataplane", name).unlink()
+        remove_shared(self.home, name)  # a later service of that name starts afresh
         return self.changed()
 
     def current_seq(self) -> int:

@@ -50,7 +50,8 @@ from typing import IO, Any, Final
 
 from corral.balancer import LoadBalancer, speedups
 from corral.balancer.metrics import merge_stats
-from corral.dataplane import engines
+from corral.dataplane import engine_shares, engines
+from corral.dataplane.daemon_restart import start_daemon
 from corral.dataplane.listeners import make_balancer
 from corral.dataplane.locks import claim_respawn, daemon_holds_lock, take_slot
 from corral.dataplane.protocol import (
@@ -241,6 +242,7 @@ class Worker:
         for name in [n for n in self.services if n not in table]:
             self._retire(name, self.services.pop(name).lb)
             self.errors.pop(name, None)
+            engine_shares.forget(engine_shares.Share.of(self.home, name, self.slot, self.fleet))
         # Let the retiring listeners close before the report that says this table is applied
         # (a `corral down` waits for that report to mean "the port is closed").
         await asyncio.sleep(0)
@@ -346,13 +348,19 @@ class Worker:
         await self._send({"t": "report", "seq": self.seq, "services": services})
 
     async def _engines_loop(self) -> None:
-        """Every engines.INTERVAL: the replicas' own load, where their route says to read it."""
+        """Every engines.INTERVAL: the replicas' own load, where their route says to read it,
+        each engine read by one of the home's workers for all (corral.dataplane.engine_shares)."""
         while True:
             await asyncio.sleep(engines.INTERVAL)
-            for svc in list(self.services.values()):
+            for name, svc in list(self.services.items()):
                 if svc.engine_path and svc.ready:
-                    read = engines.refresh(svc.lb, svc.ready, svc.engine_path, svc.engines)
+                    share = engine_shares.Share.of(self.home, name, self.slot, self.fleet)
+                    read = engine_shares.refresh(
+                        svc.lb, svc.ready, svc.engine_path, svc.engines, share
+                    )
                     svc.engines = await read
+                    if name not in self.services:  # it went meanwhile: so do its readings
+                        engine_shares.forget(share)
 
     # -- bringing a crashed daemon back -------------------------------------------------------
 
@@ -393,14 +401,10 @@ class Worker:
             if not claim_respawn(self.home, RESPAWN_BACKOFF):
                 continue  # another worker started one a moment ago
             self._last_spawn = now
-            try:
-                argv = [str(a) for a in self.respawn["argv"]]
-                env = {str(k): str(v) for k, v in dict(self.respawn.get("env") or {}).items()}
-                cwd = str(self.respawn.get("cwd") or "/")
-            except (KeyError, TypeError, ValueError) as exc:
-                log.error("cannot restart the daemon: bad command from it: %s", exc)
-                continue
-            self._spawn_daemon(argv, env or dict(os.environ), cwd)
+            child = start_daemon(self.home, self.respawn)
+            if child is not None:
+                self._children.append(child)
+                log.warning("no daemon for %.1fs: started one (pid %d)", RESPAWN_AFTER, child.pid)
 
     async def _home_lost(self) -> bool:
         """True (and the worker stopping) when its home is gone. With no daemon connected the
@@ -422,26 +426,6 @@ class Worker:
         if self._writer is not None or self.services or self.unbound or self.retiring:
             return False
         return now - self._disconnected_since >= self.idle_exit
-
-    def _spawn_daemon(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
-        """Start the daemon's own command line again (never through a shell): ``argv`` is
-        what the daemon said it was started with, over the home's 0600 socket."""
-        try:
-            with open(self.home / "daemon.log", "ab") as out:
-                child = subprocess.Popen(
-                    argv,
-                    cwd=cwd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=out,
-                    start_new_session=True,
-                )
-        except (OSError, ValueError) as exc:
-            log.error("could not restart the daemon: %s", exc)
-            return
-        self._children.append(child)
-        log.warning("no daemon for %.1fs: started one (pid %d)", RESPAWN_AFTER, child.pid)
 
 
 def _created() -> float:
