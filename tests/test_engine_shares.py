@@ -166,3 +166,27 @@ def test_one_worker_shares_nothing(tmp_path: Path) -> None:
             assert not directory.exists()
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_a_file_caught_mid_write_is_not_used(tmp_path: Path) -> None:
+    """The other slot's file with a byte changed (as a reader that met a write under way sees
+    it) fails its check: its engines are read again, and what it says is not taken."""
+
+    async def go() -> None:
+        async with servers((1, False), (2, False)) as fleet:
+            ready = {rid: s.url for rid, s in enumerate(fleet, start=1)}
+            directory = share_dir(tmp_path, "chat")
+            first, second = Worker(directory, 0), Worker(directory, 1)
+            await second.refresh(ready)
+            path = directory / "slot-1.json"
+            whole = path.read_bytes()
+            path.write_bytes(whole.replace(b'"waiting": 2.0', b'"waiting": 9.0'))
+            for server in fleet:
+                server.scrapes = 0
+            assert waiting(await first.refresh(ready)) == {1: 1, 2: 2}
+            assert [s.scrapes for s in fleet] == [1, 1]
+            path.write_bytes(whole)  # whole again: taken, replica 2 not read
+            await first.refresh(ready)
+            assert [s.scrapes for s in fleet] == [2, 1]
+
+    asyncio.run(asyncio.wait_for(go(), 30))

@@ -7,9 +7,9 @@ Prometheus text in the Python process that also tokenizes and streams, so W work
 read every engine every second cost every engine W renders a second, and each worker a
 connection to every engine every second. So the workers split the reading: the replica at
 position i of the sorted ready set is read by the worker in slot ``i mod W``, which writes what
-it read to ``dataplane/engines-<service>/slot-<N>.json`` (write, then rename: a reader never
-sees half a file), and every worker takes the other replicas' readings from the other slots'
-files.
+it read to ``dataplane/engines-<service>/slot-<N>.json`` (in place, checked: a reader that
+meets a write half done does not use it), and every worker takes the other replicas' readings
+from the other slots' files.
 
 What keeps it as safe as each worker reading everything:
 
@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,8 +118,7 @@ def _fresh(share: Share, wanted: set[int], now: float) -> dict[int, Mapping[str,
         if slot == share.slot:
             continue
         try:
-            data = json.loads(_slot_file(share, slot).read_bytes())
-            entries = data["readings"].items()
+            entries = _read(_slot_file(share, slot))["readings"].items()
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             continue  # not written yet, or its worker is gone: this worker reads them
         for key, entry in entries:
@@ -138,21 +138,39 @@ def _fresh(share: Share, wanted: set[int], now: float) -> dict[int, Mapping[str,
 
 
 def _leave(share: Share, readings: Mapping[int, tuple[float, Mapping[str, Any] | None]]) -> None:
-    """Write this slot's readings for the others; a failure only costs them a read of their
-    own."""
-    body = json.dumps(
+    """Write this slot's readings for the others, in place (one ``pwrite`` at the start of the
+    file, headed by the length and CRC-32 of what follows): a new file and a rename each time
+    cost 0.3 ms here (ext4 flushes a file renamed over another), this costs a few µs. A reader
+    that meets a write half done finds the check wrong and reads those engines itself. A
+    failure only costs the others a read of their own."""
+    data = json.dumps(
         {"readings": {str(rid): {"at": at, "signals": got} for rid, (at, got) in readings.items()}}
     ).encode()
+    blob = b"%d %d\n%b" % (len(data), zlib.crc32(data), data)
     target = _slot_file(share, share.slot)
-    temp = target.with_name(f".{target.name}.{os.getpid()}")
     try:
-        share.directory.mkdir(mode=0o700, exist_ok=True)
-        temp.write_bytes(body)
-        os.replace(temp, target)
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            share.directory.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.pwrite(fd, blob, 0)
+        finally:
+            os.close(fd)
     except OSError as exc:
         log.debug("engine readings not shared (%s): %s", target, exc)
-        with contextlib.suppress(OSError):
-            temp.unlink()
+
+
+def _read(path: Path) -> Any:
+    """What :func:`_leave` wrote at ``path`` (ValueError when it is not whole: a write under
+    way, or not such a file)."""
+    head, _, rest = path.read_bytes().partition(b"\n")
+    length, crc = (int(x) for x in head.split())
+    data = rest[:length]
+    if len(data) != length or zlib.crc32(data) != crc:
+        raise ValueError("a write under way")
+    return json.loads(data)
 
 
 def forget(share: Share) -> None:
