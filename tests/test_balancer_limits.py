@@ -177,6 +177,28 @@ def test_idle_timeout_cuts_a_stalled_stream_but_not_a_slow_first_byte() -> None:
     run(main())
 
 
+def test_a_client_of_an_idle_balancer_has_its_deadlines_kept() -> None:
+    """With no client connected the ticker wakes once a second (an idle service costs a
+    worker next to nothing); a client that connects just after such a tick has its first-byte
+    deadline fired at the short tick, not at the next idle one a second later."""
+
+    async def main() -> None:
+        async with (
+            cluster(1, first_byte_timeout=0.3, idle_timeout=10) as (lb, _, _),
+            aiohttp.ClientSession() as s,
+        ):
+            deadline = time.monotonic() + 5
+            while not lb._tick_idle:  # set by a tick that found no client
+                assert time.monotonic() < deadline, "the ticker never idled"
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            async with s.get(lb.url + "/delay?s=3") as resp:
+                assert resp.status == 504
+            assert time.monotonic() - start < 0.8  # the idle tick would come at ~1 s
+
+    run(main())
+
+
 def test_idle_timer_is_not_left_running_on_pooled_connections() -> None:
     async def main() -> None:
         # idle != first byte, so every response switches aiohttp's read timer; a timer left

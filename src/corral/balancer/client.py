@@ -46,6 +46,9 @@ if TYPE_CHECKING:
         the set of them open (which roles.py, below this module, cannot name)."""
 
         _clients: set[ClientConnection]
+        _tick_idle: bool
+
+        def _tick_soon(self) -> None: ...
 
 
 __all__ = ["MAX_HEADERS", "ClientConnection"]
@@ -140,6 +143,8 @@ class ClientConnection(asyncio.Protocol):
             return
         lb._clients.add(self)
         self.set_deadline(DL_HEAD, lb._header_timeout)
+        if lb._tick_idle:
+            lb._tick_soon()
 
     def data_received(self, data: bytes) -> None:
         try:
