@@ -18,10 +18,10 @@ log = logging.getLogger("corral.worker")
 
 
 def start_daemon(home: Path, command: Mapping[str, Any]) -> subprocess.Popen[bytes] | None:
-    """Start the daemon's own command line again (never through a shell), its output appended
-    to the home's ``daemon.log``. ``command`` is what the daemon said it was started with
-    (``argv``, ``env``, ``cwd``), over the home's 0600 socket. None, logged, when it is not a
-    command or does not start."""
+    """Start the daemon's own command line again, its output appended to the home's
+    ``daemon.log``. ``command`` is what the daemon said it was started with (``argv``,
+    ``env``, ``cwd``), over the home's 0600 socket. None, logged, when it is not a command or
+    does not start."""
     try:
         argv = [str(a) for a in command["argv"]]
         env = {str(k): str(v) for k, v in dict(command.get("env") or {}).items()}
@@ -29,12 +29,19 @@ def start_daemon(home: Path, command: Mapping[str, Any]) -> subprocess.Popen[byt
     except (KeyError, TypeError, ValueError) as exc:
         log.error("cannot restart the daemon: bad command from it: %s", exc)
         return None
+    return _spawn(home, argv, env or dict(os.environ), cwd)
+
+
+def _spawn(
+    home: Path, argv: list[str], env: dict[str, str], cwd: str
+) -> subprocess.Popen[bytes] | None:
+    """``argv`` run as it is, never through a shell, in a session of its own."""
     try:
         with open(home / "daemon.log", "ab") as out:
             return subprocess.Popen(
                 argv,
                 cwd=cwd,
-                env=env or dict(os.environ),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
