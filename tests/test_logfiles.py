@@ -112,41 +112,48 @@ def test_env_values() -> None:
             parse_max_bytes(bad)
 
 
+# The busy writer of the next test: a process of its own, as a replica is. A thread of the test's
+# process shared its GIL with the rotation, which then waited out the writer's time slices
+# between its copy and its truncation and lost more than a replica's log does (over half the
+# lines in one CI run on a loaded machine). It appends numbered lines, 10 a write, until the
+# stop file exists, then prints how many it wrote.
+BUSY_WRITER = textwrap.dedent(
+    """
+    import os, sys
+    fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    n = 0
+    while n < 10**6 and not os.path.exists(sys.argv[2]):
+        os.write(fd, b"".join(b"line %06d %s\\n" % (i, b"x" * 40) for i in range(n, n + 10)))
+        n += 10
+    print(n)
+    """
+)
+
+
 def test_rotating_under_a_busy_writer(tmp_path: Path) -> None:
-    """A thread appends numbered lines, many per write, while the log is rotated again and
+    """A process appends numbered lines, many per write, while the log is rotated again and
     again. Every generation copied plus the last one, read in order: whole lines only, numbers
     strictly increasing (nothing read twice, nothing out of order), a generation copied to .1
     may end mid-line; what is missing went in the window between the copy's end and the
     truncation."""
     log = tmp_path / "replica_5.log"
-    fd = append_fd(log)
-    per_write = 10
-    written = [0]  # lines, by the writer
-    stop = threading.Event()
-
-    def writer() -> None:
-        n = 0
-        while not stop.is_set() and n < 10**6:
-            block = b"".join(f"line {i:06d} {'x' * 40}\n".encode() for i in range(n, n + per_write))
-            os.write(fd, block)
-            n += per_write
-            written[0] = n
-
-    thread = threading.Thread(target=writer)
+    os.close(append_fd(log))
+    stop = tmp_path / "stop"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", BUSY_WRITER, str(log), str(stop)], stdout=subprocess.PIPE
+    )
     generations: list[bytes] = []
     rotations = 0
-    thread.start()
     try:
         deadline = time.monotonic() + 30
-        while rotations < 20 and thread.is_alive() and time.monotonic() < deadline:
+        while rotations < 20 and writer.poll() is None and time.monotonic() < deadline:
             if rotate_if_over(log, 4096) is not None:
                 rotations += 1
                 generations.append(backup_of(log).read_bytes())
     finally:
-        stop.set()
-        thread.join(30)
-        os.close(fd)
-    total = written[0]
+        stop.touch()
+        out, _ = writer.communicate(timeout=30)
+    total = int(out)
     generations.append(log.read_bytes())
     numbers: list[int] = []
     for n, generation in enumerate(generations):
