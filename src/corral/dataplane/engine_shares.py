@@ -93,11 +93,8 @@ async def refresh(
     mine = {
         rid: base for rid, base in ready.items() if readers[rid] == share.slot or rid not in theirs
     }
-    read = await engines.read_all(mine, path)
+    signals = await engines.read_rated(mine, path, before)
     now = time.monotonic()
-    signals: dict[int, Any] = {
-        rid: engines.with_rate(s, (before or {}).get(rid), now) for rid, s in read.items()
-    }
     _leave(share, {rid: (now, signals.get(rid)) for rid in mine})
     for rid, got in theirs.items():
         if rid not in mine and got is not None:

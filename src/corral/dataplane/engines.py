@@ -146,11 +146,18 @@ async def refresh(
 ) -> dict[int, Any]:
     """Read the engines of ``ready``, give their load to ``lb``; return what was read, with
     each one's tokens per second since ``before`` (:func:`with_rate`)."""
+    signals = await read_rated(ready, path, before)
+    give(lb, signals)
+    return signals
+
+
+async def read_rated(
+    ready: Mapping[int, str], path: str, before: Mapping[int, Mapping[str, Any]] | None
+) -> dict[int, Any]:
+    """:func:`read_all`, each reading :func:`with_rate` against ``before``."""
     read = await read_all(ready, path)
     now = time.monotonic()
-    signals = {rid: with_rate(s, (before or {}).get(rid), now) for rid, s in read.items()}
-    give(lb, signals)
-    return dict(signals)
+    return {rid: with_rate(s, (before or {}).get(rid), now) for rid, s in read.items()}
 
 
 def give(lb: LoadBalancer, signals: Mapping[int, Mapping[str, Any]]) -> None:
