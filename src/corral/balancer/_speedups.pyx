@@ -509,8 +509,9 @@ cdef class LiveChunks:
     connection: uvloop stops and restarts reading on each ``set_protocol`` (two changes to the
     loop's epoll set, which libuv submits through io_uring), and swapping the protocol in and
     out around every stream made 2.4 ``io_uring_enter`` calls per 50-event stream, against
-    none now (``bench/balancer.py --syscalls --only-streamed``, docs/benchmarks.md). What a disarmed reader costs instead is one C
-    call per read: 0.02 us per plain answer on such a connection, in the engine alone.
+    none now (``bench/balancer.py --syscalls --only-streamed``, docs/benchmarks.md). What a
+    disarmed reader costs instead is one C call per read: 0.02 us per plain answer on such a
+    connection, in the engine alone.
     """
 
     cdef object conn, received, client, write
@@ -556,9 +557,8 @@ cdef class LiveChunks:
             found = scan._scan(data)
             forward = scan.forward
             scan.forward = _EMPTY
-            if found == DONE:
-                pass  # the last batch goes out with the last chunk, in one write (raw_done)
-            elif PyBytes_GET_SIZE(forward) and not self.client._closing:
+            # DONE: the last batch goes out with the last chunk, in one write (raw_done).
+            if found != DONE and PyBytes_GET_SIZE(forward) and not self.client._closing:
                 self.write(forward)
             if found == MORE:
                 client = self.client
