@@ -518,6 +518,7 @@ cdef class LiveChunks:
     cdef ChunkScan scan  # None: disarmed
     cdef double idle
     cdef object kind
+    cdef bint first  # the answer's first body bytes are still to come (conn.raw_first)
 
     def __init__(self, conn):
         self.conn = conn
@@ -529,20 +530,24 @@ cdef class LiveChunks:
         """A live stream's batches are this reader's to relay."""
         return self.scan is not None
 
-    def arm(self, ChunkScan scan not None, client, write, double idle, kind):
+    def arm(self, ChunkScan scan not None, client, write, double idle, kind, bint first=False):
         """Relay the live stream ``scan`` follows to ``client`` (``write``: its transport's),
-        moving its ``kind`` deadline ``idle`` seconds on with each batch."""
+        moving its ``kind`` deadline ``idle`` seconds on with each batch. ``first``: none of
+        the answer's body came yet; the batch that brings its first bytes calls the
+        connection's ``raw_first`` (one Python call per stream: its time to first token)."""
         self.scan = scan
         self.client = client
         self.write = write
         self.idle = idle
         self.kind = kind
+        self.first = first
 
     cdef inline void _disarm(self):
         """Hand every event to the connection again: done here before each call back to it."""
         self.scan = None
         self.client = None
         self.write = None
+        self.first = False
 
     def connection_made(self, transport):
         pass
@@ -557,6 +562,9 @@ cdef class LiveChunks:
             found = scan._scan(data)
             forward = scan.forward
             scan.forward = _EMPTY
+            if self.first and PyBytes_GET_SIZE(forward):
+                self.first = False
+                self.conn.raw_first()
             # DONE: the last batch goes out with the last chunk, in one write (raw_done).
             if found != DONE and PyBytes_GET_SIZE(forward) and not self.client._closing:
                 self.write(forward)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 
-from corral.balancer import fast
+from corral.balancer import fast, fast_stream
 from corral.balancer.exchange import DL_HEAD, DL_LINGER, DL_NONE, Exchange
 from corral.balancer.headers import connection_tokens, forwarded, forwarded_host, scan_request
 from corral.balancer.http1 import (
@@ -93,6 +93,8 @@ class ClientConnection(asyncio.Protocol):
     # The fast path, as methods (no extra call on the way).
     fast_request = fast.try_request
     fast_response = fast.try_response
+    try_stream = fast_stream.try_stream
+    stream_done = fast_stream.finish
     materialize = fast.materialize
 
     def __init__(self, lb: Listener) -> None:

@@ -20,7 +20,9 @@ only place where failures are handled:
   client or the replica going away, a chunked or HEAD or 1xx/204/304 answer, one split over
   reads) first turns the fast state into the Exchange it stands for (:func:`materialize`), in
   exactly the state the general path would have reached, and lets that handle it (retries
-  included).
+  included). The one exception is a stream whose head the replica sent before
+  (:mod:`corral.balancer.fast_stream`), which stays a fast request while it is live and is
+  materialized, live, only if something but its end happens.
 
 What a parse found is remembered, so that what a client repeats is not parsed again: per client
 connection, its last parsed request (the same bytes again skip the parse and llhttp, whose
@@ -64,6 +66,7 @@ from corral.balancer.exchange import (
     Exchange,
 )
 from corral.balancer.fast_state import Blocks, FastState, Lead, Memo
+from corral.balancer.fast_stream import live_exchange
 from corral.balancer.headers import (
     REQUEST_OTHER_RE,
     forwarded,
@@ -119,6 +122,10 @@ if TYPE_CHECKING:
         def _close(self) -> None: ...
 
         def fast_response(self, conn: UpstreamConnection, data: bytes) -> bool: ...
+
+        def try_stream(self, conn: UpstreamConnection, data: bytes) -> bool: ...
+
+        def stream_done(self, conn: UpstreamConnection, last: bytes) -> None: ...
 
         def materialize(self) -> Exchange: ...
 
@@ -453,5 +460,7 @@ def materialize(cl: FastDownstream) -> Exchange:
     ex.rid = rid
     ex.conn = conn
     conn.begin(ex)
+    if conn.fast_stream is not None:
+        live_exchange(ex, conn)  # its stream is live already (corral.balancer.fast_stream)
     cl.exchange = ex
     return ex

@@ -12,14 +12,13 @@ Design points:
   clients, ``loop.create_connection`` for replicas), httptools (llhttp) to validate request heads
   and parse responses, header blocks passed through as byte strings, a keep-alive pool per
   replica. On uvloop a proxied request makes the syscalls nginx makes (one read and one write
-  per side) and costs 1.1-1.25x its CPU (docs/benchmarks.md), against 8-12x with the aiohttp
-  engine this replaced. It runs on the stock
-  asyncio loop too (tests), as nothing here depends on the loop's implementation.
+  per side) and costs 1.0-1.1x its CPU (docs/benchmarks.md), against 8-12x with the aiohttp
+  engine this replaced. It runs on the stock asyncio loop too (tests).
 * The common request (whole in one read, a pooled connection ready, a plain Content-Length
-  answer) takes the fast path (:mod:`corral.balancer.fast`): no per-request object, about a
-  third of the Python work. Everything else, and every failure of a fast request, is a
-  callback-driven :class:`~corral.balancer.exchange.Exchange` (retry rules are in its module
-  docstring); only connecting and waiting for a first ready replica are coroutines.
+  answer, or a stream with a head seen before) takes the fast path (:mod:`corral.balancer.fast`,
+  :mod:`corral.balancer.fast_stream`): no per-request object. Everything else, and every
+  failure of a fast request, is a callback-driven :class:`~corral.balancer.exchange.Exchange`
+  (retry rules in its docstring); only connecting and waiting for a replica are coroutines.
 * Three timeouts instead of one total: ``connect_timeout`` (a dead host), ``first_byte_timeout``
   (a replica that accepted the request but never answers) and ``idle_timeout`` (silence between
   two chunks of a response). A token stream that keeps sending is never cut however long it
@@ -52,6 +51,7 @@ from corral.balancer.fast_state import BalancerSlots
 from corral.balancer.gate import HOLD_PATIENCE, Gate
 from corral.balancer.load_board import LoadBoard, streams_path
 from corral.balancer.policies import EngineLoad
+from corral.balancer.pool import Pool
 from corral.balancer.routing import make_policy, shares_load
 from corral.balancer.settings import (
     DEFAULT_HEADER_BYTES,
@@ -60,7 +60,7 @@ from corral.balancer.settings import (
     head_limit,
     tick_interval,
 )
-from corral.balancer.upstream import Pool, Target, target_of
+from corral.balancer.upstream import Target, target_of
 
 __all__ = ["DEFAULT_HEADER_TIMEOUT", "LoadBalancer"]
 

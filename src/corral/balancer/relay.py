@@ -27,6 +27,9 @@ __all__ = ["BUFFER_RESPONSE_BYTES", "ResponseRelay"]
 # Answers up to this size to idempotent requests are read whole before they are sent, so a
 # replica dying mid-answer is retried on another one.
 BUFFER_RESPONSE_BYTES: Final = 256 * 1024
+# A stream's head up to this size is remembered for the fast path (Target.stream_memo).
+STREAM_MEMO_MAX: Final = 2048
+_CHUNKED_LINE: Final = b"Transfer-Encoding: chunked\r\n"
 
 # Response modes
 _HEAD, _WHOLE, _RAW, _CHUNK, _NONE, _SPLICE = range(6)
@@ -91,9 +94,8 @@ class ResponseRelay:
             return False  # the connection reports the switch next (on_upgraded)
         if self.upgrade is not None or status == 101:
             what = "refused the WebSocket upgrade" if self.upgrade else "sent an unasked 101"
-            self.pending_failure = Failure(
-                502, f"{what} (HTTP {status})", "upstream_error", retryable=False
-            )
+            msg = f"{what} (HTTP {status})"
+            self.pending_failure = Failure(502, msg, "upstream_error", retryable=False)
             return True
         self.status = status
         lb = self.lb
@@ -122,7 +124,7 @@ class ResponseRelay:
             self.eof_ends = coding is None
             if self.http11:
                 mode = _CHUNK
-                extra = b"Transfer-Encoding: chunked\r\n"
+                extra = _CHUNKED_LINE
                 self._follow_chunks(coding)
             else:
                 mode = _RAW
@@ -143,7 +145,17 @@ class ResponseRelay:
         else:
             self.out.append(reply)
             self._record(status)
+            if extra is _CHUNKED_LINE:
+                self._remember_stream(head, status, reply, keep_alive)
         return self.head_only
+
+    def _remember_stream(self, head: bytes, status: int, reply: bytes, keep_alive: bool) -> None:
+        """A stream's head sent on as the fast path would send it (its framing followed, no
+        Connection header added): remembered on the replica, for the next stream to go
+        unparsed (corral.balancer.fast_stream)."""
+        conn = self.conn
+        if conn is not None and conn.chunks is not None and len(head) <= STREAM_MEMO_MAX:
+            conn.target.stream_memo = (head, status, reply, keep_alive)
 
     def _scan_head(self, block: bytes) -> tuple[bytes, Found]:
         """``scan_response``, remembered per replica: a stream's head (or any answer the fast
@@ -176,18 +188,25 @@ class ResponseRelay:
     def on_response_body(self, data: bytes) -> None:
         """One piece of the body, until the answer's first batch went out (then _go_live)."""
         mode = self.mode
-        if self.ttft_from and data:  # the first bytes of a streamed answer
-            self.lb._observe_ttft(self.rid, time.monotonic() - self.ttft_from)
-            self.ttft_from = 0.0
-            if self.rid is not None:  # its load drops to a stream's (corral.balancer.gate)
-                self.lb._stream_began(self.rid)
-                self.stream_counted = True
+        if self.ttft_from and data:
+            self.on_first_bytes()
         if mode == _CHUNK:
             self.out.append(b"%x\r\n%b\r\n" % (len(data), data))
-        elif mode == _RAW:
+        elif mode == _RAW or mode >= _LIVE_RAW:  # live: a fast stream's Exchange (materialize)
             self.out.append(data)
         elif mode == _WHOLE:
             self.whole.append(data)
+
+    def on_first_bytes(self) -> None:
+        """The first bytes of a streamed answer: its time to first token, and its replica's
+        load drops to a stream's (corral.balancer.gate)."""
+        if not self.ttft_from:
+            return
+        self.lb._observe_ttft(self.rid, time.monotonic() - self.ttft_from)
+        self.ttft_from = 0.0
+        if self.rid is not None:
+            self.lb._stream_began(self.rid)
+            self.stream_counted = True
 
     def on_upstream_data_done(self, complete: bool) -> None:
         """End of one batch from the replica: send what it carried, or end the answer.

@@ -59,7 +59,8 @@ from typing import Protocol
 
 from corral.balancer.load_board import LoadBoard
 from corral.balancer.policies import Policy, RequestView
-from corral.balancer.upstream import Pool, Target, UpstreamConnection
+from corral.balancer.pool import Pool
+from corral.balancer.upstream import Target, UpstreamConnection
 
 __all__ = ["Balancer", "Downstream", "Held", "Pending"]
 

@@ -1,9 +1,8 @@
-"""Connections to replicas: one asyncio Protocol per connection, a keep-alive pool per replica.
+"""Connections to replicas: one asyncio Protocol per connection, kept alive between requests.
 
 Why keep-alive: opening a TCP connection per request costs a connect, an accept and a close on
-both sides (and a TIME_WAIT socket); reusing one costs nothing. The pool is LIFO, so the
-connection taken is the one used last: the least likely to have been closed by the replica, and
-under light load the older ones expire (``KEEPALIVE_SECONDS``) instead of being kept warm.
+both sides (and a TIME_WAIT socket); reusing one costs nothing (the idle ones wait in
+:mod:`corral.balancer.pool`).
 
 A response is parsed by httptools with three callbacks (headers complete, body, message
 complete) and no per-header callback; the raw head is taken from the bytes received, so it
@@ -11,14 +10,15 @@ passes to the client as one block (see :mod:`corral.balancer.headers`). The conn
 nothing of retries or clients: it reports to the :class:`Exchange` using it through the small
 :class:`ResponseSink` interface. While it carries a request of the fast path
 (:mod:`corral.balancer.fast`) it has no sink but a ``fast_client`` (:class:`FastClient`), which
-either takes a plain answer whole or turns the request into an Exchange that becomes the sink.
+either takes a plain answer whole, or a stream whose head it knows (and then stays the
+connection's while the stream is live: ``fast_stream``), or turns the request into an Exchange
+that becomes the sink.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from typing import Any, Final, Protocol, cast
 from urllib.parse import urlsplit
@@ -29,9 +29,7 @@ from corral.balancer.headers import Found
 from corral.balancer.speedups import ChunkScan, LiveChunks
 
 __all__ = [
-    "KEEPALIVE_SECONDS",
     "FastClient",
-    "Pool",
     "ResponseSink",
     "Target",
     "UpstreamConnection",
@@ -39,10 +37,6 @@ __all__ = [
 
 logger = logging.getLogger("corral.balancer")
 
-# Pooled connections are closed after this many idle seconds: below the idle timeout of common
-# Python servers (uvicorn closes after 5 s), so the balancer rarely picks a pooled connection
-# the replica is closing at that moment.
-KEEPALIVE_SECONDS: Final = 4.0
 # Longest response head accepted from a replica (its Set-Cookie headers may be large).
 RESPONSE_HEAD_LIMIT: Final = 64 * 1024
 # What a fresh parser is fed to stand inside a chunked body (UpstreamConnection.raw_resume).
@@ -61,6 +55,10 @@ class ResponseSink(Protocol):
 
     def on_upstream_data_done(self, complete: bool) -> None:
         """End of one batch of received bytes; ``complete``: the response ended."""
+        ...
+
+    def on_first_bytes(self) -> None:
+        """A live stream's first body bytes came (``LiveChunks`` armed before them)."""
         ...
 
     def on_live_chunks_done(self, last: bytes) -> None:
@@ -91,9 +89,24 @@ class FastClient(Protocol):
         connection's own parser and the exchange take it."""
         ...
 
+    def try_stream(self, conn: UpstreamConnection, data: bytes) -> bool:
+        """Send the head of a stream the replica's head memo knows, and hand the rest to
+        ``LiveChunks`` (``fast_stream`` set); False: nothing done."""
+        ...
+
+    def stream_done(self, conn: UpstreamConnection, last: bytes) -> None:
+        """The fast stream ended: send ``last`` with the last chunk, count, give back."""
+        ...
+
     def materialize(self) -> object:
         """Turn the fast request into the Exchange it stands for (which becomes the sink)."""
         ...
+
+
+class LiveState(Protocol):
+    """A fast stream's own state while it is live (:mod:`corral.balancer.fast_stream`)."""
+
+    def first_bytes(self) -> None: ...
 
 
 class _SkipBody(Exception):
@@ -117,6 +130,7 @@ class Target:
         "rid",
         "scanned",
         "ssl",
+        "stream_memo",
         "turned_down",
     )
 
@@ -142,6 +156,9 @@ class Target:
         # The last head the fast path turned down for what it says (corral.balancer.
         # plain_answer): a stream's, each time.
         self.turned_down: bytes | None = None
+        # The last stream head the general path relayed from this replica as the fast path
+        # can (corral.balancer.fast_stream): its bytes, status, the head sent on, keep-alive.
+        self.stream_memo: tuple[bytes, int, bytes, bool] | None = None
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -155,6 +172,7 @@ class UpstreamConnection(asyncio.Protocol):
         "chunks",
         "closed",
         "fast_client",
+        "fast_stream",
         "front",
         "idle_since",
         "read_paused",
@@ -167,6 +185,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sink: ResponseSink | None = None
         self.fast_client: FastClient | None = None  # carrying a fast-path request
+        self.fast_stream: LiveState | None = None  # ... whose stream is live, with no sink
         self.spliced = False
         self.closed = False
         self.idle_since = 0.0
@@ -200,7 +219,7 @@ class UpstreamConnection(asyncio.Protocol):
         client = self.fast_client
         if client is not None:
             try:
-                if client.fast_response(self, data):
+                if client.fast_response(self, data) or client.try_stream(self, data):
                     return
             except Exception:
                 logger.exception("balancer: unexpected error on a replica connection")
@@ -337,23 +356,28 @@ class UpstreamConnection(asyncio.Protocol):
         if ChunkScan is not None:
             self.chunks = ChunkScan()
 
-    def go_raw(self, client: object, write: object, idle: float, kind: int) -> None:
+    def go_raw(
+        self, client: object, write: object, idle: float, kind: int, first: bool = False
+    ) -> bool:
         """Hand this answer's next batches to ``LiveChunks`` (compiled build), which relays them
         to ``client`` (``write``: its transport's) as the replica framed them, with no Python
         call per batch, and moves its ``kind`` deadline ``idle`` seconds on. Nothing changes
-        when the framing was not followed, or it needs httptools (an extension, a trailer)."""
+        when the framing was not followed, or it needs httptools (an extension, a trailer).
+        ``first``: no body byte came yet (``raw_first`` is called when one does). True:
+        armed."""
         chunks, transport = self.chunks, self.transport
         if LiveChunks is None or chunks is None or not chunks.open:
-            return
+            return False
         if transport is None or self.closed:
-            return
+            return False
         front = self.front
         if front is None:
             # Once per connection: uvloop restarts reading on each set_protocol (LiveChunks'
             # docstring says what that cost per stream).
             self.front = front = LiveChunks(self)
             transport.set_protocol(front)
-        front.arm(chunks, client, write, idle, kind)
+        front.arm(chunks, client, write, idle, kind, first)
+        return True
 
     def raw_done(self, extra: bool, last: bytes) -> None:
         """``LiveChunks`` saw the answer end (``extra``: bytes followed it; ``last``: the
@@ -361,14 +385,31 @@ class UpstreamConnection(asyncio.Protocol):
         self.chunks = None  # the reader disarmed itself before calling
         self._complete = True
         self.reusable = self._keep_alive and not extra
+        client = self.fast_client
+        if self.fast_stream is not None and client is not None:
+            client.stream_done(self, last)  # its parser never saw the stream: kept as it is
+            return
         self._parser = httptools.HttpResponseParser(self)  # the old one stopped mid-body
         if self.sink is not None:
             self.sink.on_live_chunks_done(last)
+
+    def raw_first(self) -> None:
+        """``LiveChunks`` relays a live stream's first body bytes: its time to first token."""
+        if self.fast_stream is not None:
+            self.fast_stream.first_bytes()
+        elif self.sink is not None:
+            self.sink.on_first_bytes()
+
+    def _leave_fast_stream(self) -> None:
+        """Anything but the stream's end: the Exchange it stands for takes over."""
+        if self.fast_stream is not None and self.fast_client is not None:
+            self.fast_client.materialize()
 
     def raw_failed(self) -> None:
         """``LiveChunks`` met a bug: as ``data_received`` does, logged, cut."""
         logger.exception("balancer: unexpected error on a replica connection")
         self.chunks = None  # the reader disarmed itself before calling
+        self._leave_fast_stream()
         sink = self.sink
         self.abort()
         if sink is not None:
@@ -378,6 +419,7 @@ class UpstreamConnection(asyncio.Protocol):
         """``LiveChunks`` met framing it leaves to httptools: a fresh parser is put where it
         stopped (a chunked head, then ``prime``, with nothing reported), and ``replay`` goes
         through the general path as if it had just come."""
+        self._leave_fast_stream()
         self.chunks = None  # the reader disarmed itself before calling
         sink, keep_alive = self.sink, self._keep_alive
         self.sink = None  # the primed head and data are not the answer's
@@ -426,58 +468,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
-
-
-class Pool:
-    """Idle keep-alive connections of every replica (kept on their :class:`Target`)."""
-
-    __slots__ = ("_targets",)
-
-    def __init__(self) -> None:
-        self._targets: set[Target] = set()
-
-    def take(self, target: Target, max_idle: float) -> UpstreamConnection | None:
-        """The most recently used idle connection, if it has been idle at most ``max_idle``
-        seconds; connections known closed are dropped on the way."""
-        idle = target.idle
-        while idle:
-            conn = idle.pop()
-            if conn.closed or conn.transport is None or conn.transport.is_closing():
-                continue
-            if time.monotonic() - conn.idle_since > max_idle:
-                idle.append(conn)  # older ones may still serve an idempotent request
-                return None
-            return conn
-        return None
-
-    def put(self, conn: UpstreamConnection) -> None:
-        """Keep a connection whose exchange ended cleanly; close it otherwise."""
-        conn.sink = None
-        if not conn.reusable or conn.closed or conn.target.retired:
-            conn.close()
-            return
-        conn.pause_reading(False)
-        conn.idle_since = time.monotonic()
-        conn.target.idle.append(conn)
-        self._targets.add(conn.target)
-
-    def expire(self, now: float) -> None:
-        """Close connections idle for KEEPALIVE_SECONDS (oldest are at the left)."""
-        for target in list(self._targets):
-            idle = target.idle
-            while idle and (idle[0].closed or now - idle[0].idle_since > KEEPALIVE_SECONDS):
-                idle.popleft().close()
-            if not idle:
-                self._targets.discard(target)
-
-    def close_target(self, target: Target) -> None:
-        while target.idle:
-            target.idle.pop().close()
-        self._targets.discard(target)
-
-    def close_all(self) -> None:
-        for target in list(self._targets):
-            self.close_target(target)
 
 
 def target_of(rid: int, base: str) -> Target:

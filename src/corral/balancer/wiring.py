@@ -23,7 +23,8 @@ from corral.balancer.client import ClientConnection
 from corral.balancer.exchange import DL_FIRST_BYTE, DL_HEAD, IDEMPOTENT, NONIDEMPOTENT_MAX_IDLE
 from corral.balancer.fast_state import BalancerSlots
 from corral.balancer.metrics import LATENCY_BUCKETS
-from corral.balancer.upstream import Pool, Target, UpstreamConnection
+from corral.balancer.pool import Pool
+from corral.balancer.upstream import Target, UpstreamConnection
 
 __all__ = ["FAST_PATH_WIRING"]
 
