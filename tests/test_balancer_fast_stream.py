@@ -18,22 +18,16 @@ from unittest import mock
 
 import pytest
 import uvloop
+from chunked import HOST, STREAM_HEAD, Replica, Script, frame, read_answer, replica_paused
 
 from corral.balancer import LoadBalancer, fast, speedups, upstream
 from corral.balancer import client as client_module
 
-HOST = "127.0.0.1"
-HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 GET = b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n"
-Script = Callable[[int, asyncio.StreamWriter], Awaitable[None]]
 
 needs_compiled = pytest.mark.skipif(
     speedups.LiveChunks is None, reason="the compiled build is not built, or this run is pure"
 )
-
-
-def frame(data: bytes) -> bytes:
-    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 async def events(writer: asyncio.StreamWriter, first: int, count: int) -> None:
@@ -46,14 +40,14 @@ async def events(writer: asyncio.StreamWriter, first: int, count: int) -> None:
 
 async def whole_stream(n: int, writer: asyncio.StreamWriter) -> None:
     """The head with the first event in one write (as the benchmark's replica writes it)."""
-    writer.write(HEAD + frame(b"data: 0\n\n"))
+    writer.write(STREAM_HEAD + frame(b"data: 0\n\n"))
     await events(writer, 1, 4)
     writer.write(b"0\r\n\r\n")
 
 
 async def head_alone(n: int, writer: asyncio.StreamWriter) -> None:
     """The head on its own, the first event later (as an engine sends it after the prompt)."""
-    writer.write(HEAD)
+    writer.write(STREAM_HEAD)
     await writer.drain()
     await asyncio.sleep(0.02)
     await events(writer, 0, 5)
@@ -61,57 +55,6 @@ async def head_alone(n: int, writer: asyncio.StreamWriter) -> None:
 
 
 WANT = b"".join(b"data: %d\n\n" % i for i in range(5))
-
-
-class Replica:
-    """Answers the ``n``-th request it gets (counted over all its connections) by
-    ``script(n, writer)``; keeps each connection for the next request; counts connections."""
-
-    def __init__(self, script: Script) -> None:
-        self.script = script
-        self.requests = 0
-        self.connections = 0
-        self.lost = asyncio.Event()  # a connection of its ended (EOF or reset)
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> Replica:
-        self._server = await asyncio.start_server(self._serve, HOST, 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), 2)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                await reader.readuntil(b"\r\n\r\n")
-                n, self.requests = self.requests, self.requests + 1
-                await self.script(n, writer)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self.lost.set()
-            writer.close()
-
-
-async def read_stream(reader: asyncio.StreamReader) -> bytes:
-    """One chunked answer's data, read to its last chunk."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head, head
-    data = bytearray()
-    while True:
-        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
-        if size == 0:
-            assert await reader.readexactly(2) == b"\r\n"
-            return bytes(data)
-        data += (await reader.readexactly(size + 2))[:-2]
 
 
 @contextlib.contextmanager
@@ -167,6 +110,40 @@ async def with_balancer(
             await lb.stop()
 
 
+def run(
+    script: Script,
+    body: Callable[[LoadBalancer, Replica], Awaitable[None]],
+    timeout: float = 30,
+    **options: Any,
+) -> tuple[int, int]:
+    """``body`` against a balancer in front of one replica answering by ``script``, on
+    uvloop; how many fast streams ended, and how many turned into their Exchange mid-way."""
+    with fast_streams_counted() as ended, fast_streams_turned() as turned:
+        uvloop.run(asyncio.wait_for(with_balancer(script, body, **options), timeout))
+    return len(ended), len(turned)
+
+
+async def streams(port: int, count: int) -> None:
+    """``count`` streams, one after the other on a new client connection, each read whole."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    for _ in range(count):
+        writer.write(GET)
+        assert await asyncio.wait_for(read_answer(reader), 10) == WANT
+    writer.close()
+
+
+async def second_stream(
+    port: int, limit: int = 1 << 16
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A new client connection whose first stream was read whole (its replica's head is
+    known now) and whose second was asked for: the one the test is about."""
+    reader, writer = await asyncio.open_connection(HOST, port, limit=limit)
+    writer.write(GET)
+    assert await asyncio.wait_for(read_answer(reader), 10) == WANT
+    writer.write(GET)
+    return reader, writer
+
+
 @pytest.mark.parametrize("build", ["compiled", "pure"])
 @pytest.mark.parametrize("script", [whole_stream, head_alone], ids=["with its head", "head alone"])
 def test_streams_after_the_first_go_out_unparsed(build: str, script: Script) -> None:
@@ -177,23 +154,15 @@ def test_streams_after_the_first_go_out_unparsed(build: str, script: Script) -> 
         pytest.skip("the compiled build is not built, or this run is pure")
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
-        reader, writer = await asyncio.open_connection(HOST, lb.port)
-        for _ in range(4):
-            writer.write(GET)
-            assert await asyncio.wait_for(read_stream(reader), 10) == WANT
-        writer.close()
+        await streams(lb.port, 4)
         assert lb._codes.get(200) == 4
         assert ttft_count(lb) == 4  # taken at each stream's first event, head alone or not
         assert replica.connections == 1
         settled(lb)
 
     pure = build == "pure"
-    with (
-        fast_streams_counted() as ended,
-        mock.patch.object(upstream, "LiveChunks", None if pure else upstream.LiveChunks),
-    ):
-        uvloop.run(asyncio.wait_for(with_balancer(script, body), 30))
-    assert len(ended) == (3 if build == "compiled" else 0)
+    with mock.patch.object(upstream, "LiveChunks", None if pure else upstream.LiveChunks):
+        assert run(script, body) == ((0, 0) if pure else (3, 0))
 
 
 @needs_compiled
@@ -207,33 +176,24 @@ def test_a_replica_lost_mid_stream_cuts_the_client_and_the_next_one_is_served(wh
         if n != 1:
             await whole_stream(n, writer)
             return
-        writer.write(HEAD + frame(b"data: 0\n\n") if when == "after its first event" else HEAD)
+        first = frame(b"data: 0\n\n") if when == "after its first event" else b""
+        writer.write(STREAM_HEAD + first)
         await writer.drain()
         await asyncio.sleep(0.05)
-        transport = writer.transport
-        transport.abort()  # a reset, mid-stream
+        writer.transport.abort()  # a reset, mid-stream
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
-        reader, writer = await asyncio.open_connection(HOST, lb.port)
-        writer.write(GET)
-        assert await asyncio.wait_for(read_stream(reader), 10) == WANT
-        writer.write(GET)
+        reader, writer = await second_stream(lb.port)
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
-            await asyncio.wait_for(read_stream(reader), 10)
+            await asyncio.wait_for(read_answer(reader), 10)
         writer.close()
         assert lb._aborted == 1
-        reader, writer = await asyncio.open_connection(HOST, lb.port)
-        for _ in range(2):
-            writer.write(GET)
-            assert await asyncio.wait_for(read_stream(reader), 10) == WANT
-        writer.close()
+        await streams(lb.port, 2)
         assert replica.connections == 2
         settled(lb)
 
-    with fast_streams_counted() as ended, fast_streams_turned() as turned:
-        uvloop.run(asyncio.wait_for(with_balancer(script, body), 30))
     # The fourth stream: the third had no pooled connection to take the fast path on.
-    assert (len(ended), len(turned)) == (1, 1)
+    assert run(script, body) == (1, 1)
 
 
 @needs_compiled
@@ -247,7 +207,7 @@ def test_a_client_gone_mid_stream_ends_the_replicas_work() -> None:
         if n != 1:
             await whole_stream(n, writer)
             return
-        writer.write(HEAD + frame(b"data: 0\n\n"))
+        writer.write(STREAM_HEAD + frame(b"data: 0\n\n"))
         await gone.wait()
         for _ in range(500):  # until the balancer's reset reaches this side
             writer.write(frame(b"data: more\n\n"))
@@ -255,10 +215,7 @@ def test_a_client_gone_mid_stream_ends_the_replicas_work() -> None:
             await asyncio.sleep(0.01)
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
-        reader, writer = await asyncio.open_connection(HOST, lb.port)
-        writer.write(GET)
-        assert await asyncio.wait_for(read_stream(reader), 10) == WANT
-        writer.write(GET)
+        reader, writer = await second_stream(lb.port)
         await asyncio.wait_for(reader.readuntil(b"data: 0\n\n"), 10)
         writer.transport.abort()
         gone.set()
@@ -266,9 +223,7 @@ def test_a_client_gone_mid_stream_ends_the_replicas_work() -> None:
         assert lb._client_gone == 1
         settled(lb)
 
-    with fast_streams_counted() as ended, fast_streams_turned() as turned:
-        uvloop.run(asyncio.wait_for(with_balancer(script, body), 30))
-    assert (len(ended), len(turned)) == (0, 1)
+    assert run(script, body) == (0, 1)
 
 
 @needs_compiled
@@ -279,23 +234,18 @@ def test_a_silent_replica_mid_stream_is_cut_at_the_idle_timeout() -> None:
         if n != 1:
             await whole_stream(n, writer)
             return
-        writer.write(HEAD + frame(b"data: 0\n\n"))
+        writer.write(STREAM_HEAD + frame(b"data: 0\n\n"))
         await asyncio.sleep(5)
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
-        reader, writer = await asyncio.open_connection(HOST, lb.port)
-        writer.write(GET)
-        assert await asyncio.wait_for(read_stream(reader), 10) == WANT
-        writer.write(GET)
+        reader, writer = await second_stream(lb.port)
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
-            await asyncio.wait_for(read_stream(reader), 10)
+            await asyncio.wait_for(read_answer(reader), 10)
         writer.close()
         assert lb._error_reasons.get("idle_timeout") == 1, lb._error_reasons
         settled(lb)
 
-    with fast_streams_turned() as turned:
-        uvloop.run(asyncio.wait_for(with_balancer(script, body, idle_timeout=0.3), 30))
-    assert len(turned) == 1
+    assert run(script, body, idle_timeout=0.3) == (0, 1)
 
 
 @needs_compiled
@@ -311,7 +261,7 @@ def test_a_client_that_stops_reading_pauses_the_replica_mid_stream() -> None:
         if n != 1:
             await whole_stream(n, writer)
             return
-        writer.write(HEAD + frame(b"first"))
+        writer.write(STREAM_HEAD + frame(b"first"))
         for _ in range(count):
             await writer.drain()
             writer.write(piece)
@@ -319,32 +269,15 @@ def test_a_client_that_stops_reading_pauses_the_replica_mid_stream() -> None:
         writer.write(b"0\r\n\r\n")
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
-        reader, writer = await asyncio.open_connection(HOST, lb.port, limit=1 << 16)
-        writer.write(GET)
-        assert await asyncio.wait_for(read_stream(reader), 10) == WANT
-        writer.write(GET)
-
-        def paused() -> bool:
-            return any(
-                c.exchange is not None
-                and c.exchange.conn is not None
-                and c.exchange.conn.read_paused
-                for c in lb._clients
-            )
-
-        deadline = asyncio.get_running_loop().time() + 10
-        while not paused():
-            assert asyncio.get_running_loop().time() < deadline, state
-            await asyncio.sleep(0.02)
+        reader, writer = await second_stream(lb.port)
+        await replica_paused(lb, state)  # the client reads nothing meanwhile
         await asyncio.sleep(0.3)
         assert state["written"] < count * 3 // 4, state
-        assert await asyncio.wait_for(read_stream(reader), 30) == b"first" + b"d" * 16000 * count
+        assert await asyncio.wait_for(read_answer(reader), 30) == b"first" + b"d" * 16000 * count
         writer.close()
         settled(lb)
 
-    with fast_streams_turned() as turned:
-        uvloop.run(asyncio.wait_for(with_balancer(script, body), 60))
-    assert len(turned) == 1
+    assert run(script, body, timeout=60) == (0, 1)
 
 
 @needs_compiled
@@ -353,11 +286,11 @@ def test_what_the_fast_path_leaves_to_the_general_one() -> None:
     Exchange there and still reaches the client whole; a stream whose head changed (a new
     header, as a new Date does each second) and one whole in one read take the general path
     from the start; the one after them goes the fast way again."""
-    other_head = HEAD.replace(b"\r\n\r\n", b"\r\nX-Replica: 2\r\n\r\n")
+    other_head = STREAM_HEAD.replace(b"\r\n\r\n", b"\r\nX-Replica: 2\r\n\r\n")
 
     async def script(n: int, writer: asyncio.StreamWriter) -> None:
         if n == 1:  # an extension mid-stream, a trailer at its end
-            writer.write(HEAD + frame(b"data: 0\n\n"))
+            writer.write(STREAM_HEAD + frame(b"data: 0\n\n"))
             await events(writer, 1, 1)
             await writer.drain()
             await asyncio.sleep(0.002)
@@ -369,21 +302,16 @@ def test_what_the_fast_path_leaves_to_the_general_one() -> None:
             await events(writer, 1, 4)
             writer.write(b"0\r\n\r\n")
         elif n == 4:  # the whole answer in one write
-            writer.write(HEAD + b"".join(frame(b"data: %d\n\n" % i) for i in range(5)) + frame(b""))
+            whole = b"".join(frame(b"data: %d\n\n" % i) for i in range(5))
+            writer.write(STREAM_HEAD + whole + b"0\r\n\r\n")
         else:
             await whole_stream(n, writer)
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
-        reader, writer = await asyncio.open_connection(HOST, lb.port)
-        for _ in range(6):
-            writer.write(GET)
-            assert await asyncio.wait_for(read_stream(reader), 10) == WANT
-        writer.close()
+        await streams(lb.port, 6)
         assert replica.connections == 1
         settled(lb)
 
-    with fast_streams_counted() as ended, fast_streams_turned() as turned:
-        uvloop.run(asyncio.wait_for(with_balancer(script, body), 30))
     # Stream 0 general (no head known), 1 fast then turned, 2 general (a new head, now the one
     # known), 3 general (the first head again, known again), 4 general (whole), 5 fast.
-    assert (len(ended), len(turned)) == (1, 1)
+    assert run(script, body) == (1, 1)

@@ -23,6 +23,15 @@ from unittest import mock
 import httptools
 import pytest
 import uvloop
+from chunked import (
+    HOST,
+    STREAM_HEAD,
+    Replica,
+    read_answer,
+    read_answer_body,
+    replica_paused,
+    written,
+)
 from conftest import OPENSSL, make_cert
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -239,52 +248,6 @@ def test_a_scan_after_the_end_is_refused() -> None:
 # ---------------------------------------------------------------------------- on real sockets
 
 
-class StreamingReplica:
-    """A replica on 127.0.0.1 (TLS with ``context``) that answers each request with a chunked
-    stream: the head with its first event, then each event a few ms apart as written by
-    ``events``, then the last chunk; it keeps its connection for the next request and counts
-    the connections it accepted."""
-
-    def __init__(self, events: list[bytes], context: ssl.SSLContext | None = None) -> None:
-        self.events = events
-        self.context = context
-        self.connections = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> StreamingReplica:
-        self._server = await asyncio.start_server(self._serve, HOST, 0, ssl=self.context)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), 2)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                await reader.readuntil(b"\r\n\r\n")
-                first, *rest = self.events
-                writer.write(STREAM_HEAD + first)
-                for piece in rest:
-                    await writer.drain()
-                    await asyncio.sleep(0.003)
-                    writer.write(piece)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
-HOST = "127.0.0.1"
-STREAM_HEAD = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-)
 PLAIN = [frame(b"data: %d\n\n" % i) for i in range(6)] + [b"0\r\n\r\n"]
 # An extension mid-stream and a trailer at the end: what LiveChunks hands back to httptools.
 HANDED_BACK = [
@@ -294,13 +257,6 @@ HANDED_BACK = [
     frame(b"data: 3\n\n"),
     b"0\r\nX-Done: yes\r\n\r\n",
 ]
-
-
-async def read_answer(reader: asyncio.StreamReader) -> bytes:
-    """One chunked answer's data, read to its last chunk."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head, head
-    return await read_answer_body(reader)
 
 
 @pytest.mark.parametrize("build", ["compiled", "pure"])
@@ -344,7 +300,7 @@ def test_streams_through_a_balancer_on_real_sockets(
 
     async def main() -> None:
         replica_ctx = server_ctx if tls == "tls replica" else None
-        async with StreamingReplica(events, replica_ctx) as replica:
+        async with Replica(written(events), replica_ctx) as replica:
             scheme = "https" if replica_ctx else "http"
             lb = LoadBalancer(name="svc", ssl_context=server_ctx if tls == "tls client" else None)
             if replica_ctx is not None:
@@ -415,19 +371,7 @@ def test_a_client_that_does_not_read_pauses_the_replica(build: str, loop: str) -
             reader, writer = await asyncio.open_connection(HOST, lb.port, limit=1 << 16)
             writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
             await reader.readuntil(b"\r\n\r\n")
-
-            def paused() -> bool:
-                return any(
-                    c.exchange is not None
-                    and c.exchange.conn is not None
-                    and c.exchange.conn.read_paused
-                    for c in lb._clients
-                )
-
-            deadline = asyncio.get_running_loop().time() + 10
-            while not paused():  # the client reads nothing meanwhile
-                assert asyncio.get_running_loop().time() < deadline, state
-                await asyncio.sleep(0.02)
+            await replica_paused(lb, state)  # the client reads nothing meanwhile
             await asyncio.sleep(0.3)
             assert not state["done"] and state["written"] < count * 3 // 4, state
             data = await asyncio.wait_for(read_answer_body(reader), 30)
@@ -474,7 +418,7 @@ def test_a_live_streams_last_event_and_its_end_leave_in_one_write() -> None:
         relay_write(self, data)
 
     async def main() -> None:
-        async with StreamingReplica(events) as replica:
+        async with Replica(written(events)) as replica:
             lb = LoadBalancer(name="svc")
             await lb.start()
             try:
@@ -493,14 +437,3 @@ def test_a_live_streams_last_event_and_its_end_leave_in_one_write() -> None:
     ):
         uvloop.run(asyncio.wait_for(main(), 30))
     assert writes[-1] == events[-1], writes
-
-
-async def read_answer_body(reader: asyncio.StreamReader) -> bytes:
-    """A chunked body's data, read to its last chunk (the head already read)."""
-    data = bytearray()
-    while True:
-        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
-        if size == 0:
-            assert await reader.readexactly(2) == b"\r\n"
-            return bytes(data)
-        data += (await reader.readexactly(size + 2))[:-2]
