@@ -283,7 +283,8 @@ def test_a_client_that_stops_reading_pauses_the_replica_mid_stream() -> None:
 @needs_compiled
 def test_what_the_fast_path_leaves_to_the_general_one() -> None:
     """A stream whose framing needs httptools mid-way (an extension, a trailer) turns into its
-    Exchange there and still reaches the client whole; a stream whose head changed (a new
+    Exchange there and still reaches the client whole (its time to first token taken there
+    when no event had come yet); a stream whose head changed (a new
     header, as a new Date does each second) and one whole in one read take the general path
     from the start; the one after them goes the fast way again."""
     other_head = STREAM_HEAD.replace(b"\r\n\r\n", b"\r\nX-Replica: 2\r\n\r\n")
@@ -301,6 +302,13 @@ def test_what_the_fast_path_leaves_to_the_general_one() -> None:
             writer.write(other_head + frame(b"data: 0\n\n"))
             await events(writer, 1, 4)
             writer.write(b"0\r\n\r\n")
+        elif n == 6:  # the head alone, then a first event with an extension
+            writer.write(STREAM_HEAD)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(b"9;id=0\r\ndata: 0\n\n\r\n")
+            await events(writer, 1, 4)
+            writer.write(b"0\r\n\r\n")
         elif n == 4:  # the whole answer in one write
             whole = b"".join(frame(b"data: %d\n\n" % i) for i in range(5))
             writer.write(STREAM_HEAD + whole + b"0\r\n\r\n")
@@ -308,10 +316,12 @@ def test_what_the_fast_path_leaves_to_the_general_one() -> None:
             await whole_stream(n, writer)
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
-        await streams(lb.port, 6)
+        await streams(lb.port, 7)
         assert replica.connections == 1
+        assert ttft_count(lb) == 7  # stream 6's at its first event, in its Exchange
         settled(lb)
 
     # Stream 0 general (no head known), 1 fast then turned, 2 general (a new head, now the one
-    # known), 3 general (the first head again, known again), 4 general (whole), 5 fast.
-    assert run(script, body) == (1, 1)
+    # known), 3 general (the first head again, known again), 4 general (whole), 5 fast, 6 fast
+    # then turned before its first event.
+    assert run(script, body) == (1, 2)
