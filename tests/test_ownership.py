@@ -273,3 +273,33 @@ def test_home_watch_sees_deletion_replacement_and_a_lost_state_file(tmp_path: Pa
     home.mkdir()  # a new home at the path (the kernel may even give it the same inode)
     (home / "state.db").write_text("")
     assert watch.gone() is not None
+
+
+def test_one_look_finds_each_services_foreign_listener() -> None:
+    """The port check reads the machine's listening sockets once for all services
+    (``ports.listening_on``) and still tells each service's foreign listener apart: a service
+    whose port only our socket holds has none, one whose port another socket holds has that
+    one, one whose port nobody holds has none, and a listener on another address than the one
+    a service is reached at is not in its way."""
+    from corral.dataplane.shared_ports import foreign_listeners
+
+    with contextlib.ExitStack() as stack:
+        socks = []
+        for host in ("127.0.0.1", "127.0.0.1", "127.0.0.2"):
+            sock = stack.enter_context(socket.socket())
+            sock.bind((host, 0))
+            sock.listen()
+            socks.append(sock)
+        (ours, theirs, elsewhere) = socks
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]  # released: nobody listens there
+        routes = {
+            "ours": ("127.0.0.1", ours.getsockname()[1]),
+            "taken": ("127.0.0.1", theirs.getsockname()[1]),
+            "free": ("127.0.0.1", free),
+            "other address": ("127.0.0.3", elsewhere.getsockname()[1]),
+        }
+        found = foreign_listeners(routes, {os.fstat(ours.fileno()).st_ino})
+        want = {"taken": [("127.0.0.1", os.fstat(theirs.fileno()).st_ino)]}
+    assert found == want, found

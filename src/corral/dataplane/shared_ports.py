@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from corral.ports import listening_sockets, reaches, socket_owner
+from corral.ports import listening_on, reaches, socket_owner
 
 PORT_CHECK_INTERVAL: Final = 2.0
 
@@ -28,10 +28,11 @@ def foreign_listeners(
     """Per service, the (address, inode) of sockets on its port that may take its connections
     and are not its workers'."""
     found: dict[str, list[tuple[str, int]]] = {}
+    listening = listening_on({port for _, port in routes.values()})
     for name, (host, port) in routes.items():
         extra = [
             (address, inode)
-            for address, inode in listening_sockets(port)
+            for address, inode in listening.get(port, ())
             if inode not in ours and reaches(address, host)
         ]
         if extra:
