@@ -320,3 +320,48 @@ def test_least_load_runs_the_chosen_build() -> None:
 
     expected = compiled.least_loaded if speedups.ACCELERATED == "compiled" else None
     assert policies._least_loaded is (expected or policies.least_loaded)
+
+
+# ------------------------------------------------------------------ prefix blocks
+
+# Text that reaches every case of the twin: ASCII (read where it lies) and not (encoded), lone
+# surrogates (as a JSON body may carry them), 4-byte characters (words near 2**64), blocks of
+# whole words, of a partial word and of less than one.
+_TEXT = st.text(
+    alphabet=st.one_of(
+        st.sampled_from("abc xyz\n\x1d\x1f\x7f"),
+        st.sampled_from("\u00e9\u4e2d\ud800\udfff\U0010ffff\U0001f600"),
+    ),
+    max_size=700,
+)
+
+
+@needs_compiled
+@settings(max_examples=600, deadline=None)
+@given(
+    text=_TEXT,
+    block=st.sampled_from([1, 2, 3, 7, 8, 9, 13, 16, 63, 64, 65, 100, 256]),
+    limit=st.one_of(st.none(), st.integers(min_value=-2, max_value=40)),
+)
+def test_block_hashes_are_their_pure_twins(text: str, block: int, limit: int | None) -> None:
+    from corral.balancer import prefix
+
+    assert compiled.block_hashes(text, block, limit) == prefix.block_hashes(text, block, limit)
+
+
+@needs_compiled
+def test_block_hashes_agree_on_long_prompts_and_refuse_empty_blocks() -> None:
+    from corral.balancer import prefix
+
+    prompt = "You are a helpful assistant. " * 400 + "\u00e9" * 3000
+    assert compiled.block_hashes(prompt, 256, 1024) == prefix.block_hashes(prompt, 256, 1024)
+    assert compiled.block_hashes(prompt, 64, 1024) == prefix.block_hashes(prompt, 64, 1024)
+    with pytest.raises(ValueError, match="positive"):
+        compiled.block_hashes("abc", 0)
+
+
+def test_prefix_index_runs_the_chosen_build() -> None:
+    from corral.balancer import prefix
+
+    expected = compiled.block_hashes if speedups.ACCELERATED == "compiled" else None
+    assert prefix._block_hashes is (expected or prefix.block_hashes)

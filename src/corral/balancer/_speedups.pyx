@@ -4,7 +4,7 @@ stream's end of batch (StreamBatch), the relay's one Python call per streamed ev
 stream of plain chunks relayed as framed, with no Python call per event (ChunkScan, LiveChunks);
 and the fast path's common request and answer (twins of corral.balancer.fast's try_request,
 _send and try_response), which read the connections' and the balancer's slots at fixed offsets
-(wire).
+(wire); and a prompt's chained block hashes (corral.balancer.prefix.block_hashes).
 
 Same answers as ``corral.balancer.lead.lead_split`` byte for byte (tests/test_balancer_speedups.py
 holds them to it; tests/test_balancer_fastpath.py runs on whichever build is installed), with
@@ -20,6 +20,7 @@ from libc.string cimport memchr, memcmp, memcpy, memmove
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.object cimport PyObject, PyObject_TypeCheck, PyTypeObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
+from libc.stdint cimport int64_t, uint64_t
 
 cdef unsigned char TOKEN[256]  # RFC 9110 tchar: a header name's bytes
 cdef unsigned char VALUE[256]  # a field value's: HTAB, SP, visible ASCII, obs-text
@@ -627,6 +628,100 @@ def least_loaded(candidates, in_flight, last):
     if least < 0:
         raise ValueError("no candidate replica")
     return after if found_after else smallest
+
+
+# ---------------------------------------------------------------------------- prefix blocks
+
+# CPython's own hashes, as ``hash((parent, int.from_bytes(block, "little")))`` computes them on
+# a 64-bit build: an int's hash is its value modulo 2**61 - 1 (signed as the int), a tuple's
+# mixes its items' hashes as xxHash's round does (Objects/longobject.c, Objects/tupleobject.c;
+# unchanged since 3.8). So the twin gives the pure function's values exactly (the tests hold
+# it to that) and a worker of either build agrees with every other.
+cdef extern from *:
+    """
+    #include <stdint.h>
+    static const uint64_t CORRAL_P61 = (((uint64_t)1) << 61) - 1;
+    static inline uint64_t corral_fold61(unsigned __int128 x) {
+        uint64_t r;
+        x = (x & CORRAL_P61) + (x >> 61);
+        x = (x & CORRAL_P61) + (x >> 61);
+        r = (uint64_t)x;
+        return r >= CORRAL_P61 ? r - CORRAL_P61 : r;
+    }
+    /* hash(int.from_bytes(p[:n], "little")): the value modulo 2**61 - 1, by Horner's rule
+       over 64-bit words from the most significant (2**64 is 8 modulo 2**61 - 1). */
+    static inline int64_t corral_block_hash(const unsigned char *p, Py_ssize_t n) {
+        Py_ssize_t words = n >> 3, top = n & 7, i;
+        uint64_t h = 0, w;
+        for (i = top - 1; i >= 0; i--) h = (h << 8) | p[(words << 3) + i];
+        for (i = words - 1; i >= 0; i--) {
+            memcpy(&w, p + (i << 3), 8);  /* little-endian, as x86-64 and arm64 are */
+            h = corral_fold61(((unsigned __int128)h << 3) + w);
+        }
+        return (int64_t)h;
+    }
+    /* hash(n) for an int n that is itself a hash (so never -1). */
+    static inline uint64_t corral_int_hash(int64_t n) {
+        uint64_t m = n < 0 ? (uint64_t)0 - (uint64_t)n : (uint64_t)n;
+        uint64_t r = corral_fold61(m);
+        if (n < 0) { r = (uint64_t)0 - r; if (r == (uint64_t)-1) r = (uint64_t)-2; }
+        return r;
+    }
+    /* hash((a, b)) for two ints whose hashes are ha and hb. */
+    static inline int64_t corral_pair_hash(uint64_t ha, uint64_t hb) {
+        const uint64_t P1 = 11400714785074694791ULL, P2 = 14029467366897019727ULL,
+                       P5 = 2870177450012600261ULL;
+        uint64_t acc = P5;
+        acc += ha * P2; acc = (acc << 31) | (acc >> 33); acc *= P1;
+        acc += hb * P2; acc = (acc << 31) | (acc >> 33); acc *= P1;
+        acc += 2 ^ (P5 ^ 3527539UL);
+        if (acc == (uint64_t)-1) return 1546275796;
+        return (int64_t)acc;
+    }
+    """
+    int64_t corral_block_hash(const unsigned char *p, Py_ssize_t n) noexcept nogil
+    uint64_t corral_int_hash(int64_t n) noexcept nogil
+    int64_t corral_pair_hash(uint64_t ha, uint64_t hb) noexcept nogil
+
+cdef extern from "Python.h":
+    bint PyUnicode_IS_ASCII(object o)
+    void *PyUnicode_DATA(object o)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+
+
+def block_hashes(str text not None, Py_ssize_t block_chars=64, limit_blocks=None):
+    """``prefix.block_hashes``, compiled: the same chained hashes, with no Python object per
+    block but the list's ints, and an ASCII prompt read where it lies (no encoded copy).
+    Routing calls it once a request; with the index's dicts it is most of the policy's time,
+    and on a busy machine it runs from cold caches (docs/benchmarks.md)."""
+    if block_chars < 1:
+        raise ValueError("block_chars must be positive")
+    cdef bytes encoded
+    cdef const unsigned char *data
+    cdef Py_ssize_t size
+    if PyUnicode_IS_ASCII(text):
+        data = <const unsigned char *>PyUnicode_DATA(text)
+        size = PyUnicode_GET_LENGTH(text)
+    else:
+        encoded = text.encode("utf-8", "surrogatepass")
+        data = <const unsigned char *>PyBytes_AS_STRING(encoded)
+        size = PyBytes_GET_SIZE(encoded)
+    cdef Py_ssize_t end = size - size % block_chars
+    cdef Py_ssize_t limit
+    if limit_blocks is not None:
+        limit = max(<Py_ssize_t>limit_blocks, 0)
+        if limit < end // block_chars:
+            end = limit * block_chars
+    cdef list out = []
+    cdef int64_t parent = 0
+    cdef Py_ssize_t i = 0
+    while i < end:
+        parent = corral_pair_hash(
+            corral_int_hash(parent), <uint64_t>corral_block_hash(data + i, block_chars)
+        )
+        out.append(parent)
+        i += block_chars
+    return out
 
 
 # ---------------------------------------------------------------------------- the fast path's state

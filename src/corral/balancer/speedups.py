@@ -10,7 +10,9 @@ replica sent last time; anything else goes to the pure functions before anything
 a live stream's end of batch (``StreamBatch``, :mod:`corral.balancer.relay`), and a live
 stream of plain chunks relayed as the replica framed them, each batch handled whole in C
 (``LiveChunks`` on the replica's transport, ``ChunkScan`` following the framing; its pure twin
-is the relay's general live path: httptools de-chunks, each batch is framed again). The pure
+is the relay's general live path: httptools de-chunks, each batch is framed again), and a
+prompt's chained block hashes for ``prefix_affinity`` (:func:`corral.balancer.prefix.block_hashes`,
+through :func:`twin`, the same values). The pure
 module stays the reference and the fallback; the tests run on both.
 
 Compiling ``fast.py`` whole, as it was, ran *slower* than CPython 3.11: the compiled code read
@@ -85,7 +87,7 @@ def _compiled() -> tuple[ModuleType | None, str]:
     module.configure(REQUEST_DROP)
     return module, (
         "compiled (Cython): the fast path's request and answer, the request split under a"
-        " remembered lead, a live stream's batches, chunks relayed as framed"
+        " remembered lead, a live stream's batches, chunks relayed as framed, prompt block hashes"
     )
 
 
