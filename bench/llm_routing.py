@@ -49,9 +49,11 @@ What runs (everything on 127.0.0.1, every run bounded in time and requests):
   ``vllm:prefix_cache_hits_total`` / ``queries_total`` over the 4 engines), the engines' own
   median TTFT (``vllm:time_to_first_token_seconds`` bucket deltas, interpolated), each
   engine's share of requests (``vllm:request_success_total`` deltas; max share vs an even 25%),
-  the router's CPU per request (psutil user+system of its process tree, delta / requests; the
-  idle routers' own background work, corral's metrics refresh and the Rust routers' health
-  checks, lands on the engines meanwhile), and for chat the turns' affinity: the share of each
+  the router's CPU per request (its process tree's CPU, delta / requests: the scheduler's
+  nanoseconds per thread, or psutil's 10 ms ticks where a thread ended during the run, as the
+  JSON's ``cpu_counted`` says; the idle routers' own background work, corral's metrics refresh
+  and the Rust routers' health checks, lands on the engines meanwhile), and for chat the
+  turns' affinity: the share of each
   conversation's turns that reached its most frequent engine.
 * Rounds: ``--rounds`` (default 2) times, each workload at each load level runs every router
   back to back, in an order that rotates with the round. Reported: the median over rounds;
@@ -147,10 +149,21 @@ def end_tree(popen: subprocess.Popen[Any], sig: int = signal.SIGTERM, grace: flo
         popen.wait(grace)
 
 
-def tree_cpu(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes and their children (children's own counters:
-    nginx's workers, a Python launcher's Rust threads are in the process itself)."""
-    total = 0.0
+@dataclass
+class CpuSnapshot:
+    """A router's CPU so far: per thread from the scheduler (``/proc/PID/task/TID/schedstat``,
+    nanoseconds) and per process from psutil (user + system, in 10 ms ticks, counting threads
+    that have exited too)."""
+
+    threads: dict[tuple[int, int], int]
+    ticks: float
+
+
+def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
+    """Of these processes and their children (nginx's workers; a launcher's Rust threads are
+    in the process itself)."""
+    threads: dict[tuple[int, int], int] = {}
+    ticks = 0.0
     for pid in pids:
         try:
             root = psutil.Process(pid)
@@ -160,8 +173,28 @@ def tree_cpu(pids: list[int]) -> float:
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 t = proc.cpu_times()
-                total += t.user + t.system
-    return total
+                ticks += t.user + t.system
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                    with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
+                        threads[(proc.pid, int(tid))] = int(f.read().split()[0])
+    return CpuSnapshot(threads, ticks)
+
+
+def cpu_between(a: CpuSnapshot, b: CpuSnapshot) -> tuple[float, str]:
+    """CPU seconds from ``a`` to ``b`` and how they were counted. The scheduler's nanoseconds
+    where every thread of ``a`` is still there (a run of 100 requests at ~1 ms each is 10
+    ticks, so ticks alone put +-10% on a row); psutil's ticks where a thread ended on the way
+    (its time is in its process's ticks only), or the ticks exceed the threads' sum by more
+    than two ticks a process (a thread born and gone between the two)."""
+    ticks = b.ticks - a.ticks
+    if not a.threads.keys() <= b.threads.keys():
+        return ticks, "ticks"
+    precise = sum(b.threads[k] - a.threads.get(k, 0) for k in b.threads) / 1e9
+    processes = len({pid for pid, _ in b.threads}) or 1
+    if ticks - precise > 0.02 * processes:
+        return ticks, "ticks"
+    return precise, "schedstat"
 
 
 def read_line(popen: subprocess.Popen[str], prefix: str, timeout: float) -> str:
@@ -761,10 +794,11 @@ def measure(
     timeout: float,
 ) -> dict[str, Any]:
     before = [scrape(e.url) for e in fleet]
-    cpu0 = tree_cpu(router.pids)
+    cpu0 = cpu_snapshot(router.pids)
     deadline = wl.requests / wl.rate + wl.turns * (wl.think + 1.0) + 10.0
     results, served = uvloop.run(run_workload(router.port, wl, shape_seed, salt, timeout, deadline))
-    cpu1 = tree_cpu(router.pids)
+    cpu1 = cpu_snapshot(router.pids)
+    cpu, cpu_counted = cpu_between(cpu0, cpu1)
     time.sleep(0.3)  # the engines count a request after its last token is sent
     after = [scrape(e.url) for e in fleet]
     ok = [r for r in results if r.ok]
@@ -782,7 +816,8 @@ def measure(
         "ttft_p99": pct(ttfts, 0.99),
         "e2e_p50": pct([r.e2e for r in ok if r.e2e is not None], 0.5),
         "e2e_p99": pct([r.e2e for r in ok if r.e2e is not None], 0.99),
-        "cpu_ms_per_req": 1000 * (cpu1 - cpu0) / len(ok) if ok else None,
+        "cpu_ms_per_req": 1000 * cpu / len(ok) if ok else None,
+        "cpu_counted": cpu_counted,
         "client_share": [client_share.get(i, 0) for i in range(len(fleet))],
         "affinity": affinity(served) if wl.name == "chat" and len(engines) > 1 else None,
         "loadavg": os.getloadavg()[0],
@@ -801,7 +836,7 @@ COLUMNS = [
     ("hit", "hit_rate", "{:.2f}", 1),
     ("eng TTFT p50", "engine_ttft_p50", "{:.0f}", 1000),
     ("max share", "max_share", "{:.2f}", 1),
-    ("CPU ms/req", "cpu_ms_per_req", "{:.1f}", 1),
+    ("CPU ms/req", "cpu_ms_per_req", "{:.2f}", 1),
     ("affinity", "affinity", "{:.2f}", 1),
     ("errors", "errors_n", "{:.0f}", 1),
 ]
