@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import ssl
 import time
+import weakref
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 from urllib.parse import urlsplit
 
 from corral.balancer import LoadBalancer
@@ -70,53 +71,147 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
+class _Kept(NamedTuple):
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    used: float
+
+
+# Per event loop, the connection last used to each engine, kept open between readings: a new
+# TCP connection and its asyncio streams each second were a third of an idle worker's CPU
+# (py-spy, docs/benchmarks.md). Closed after KEEP_IDLE unused (a replica that left), when the
+# engine closes it, or on any error.
+_KEPT: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int, bool], _Kept]]
+_KEPT = weakref.WeakKeyDictionary()
+KEEP_IDLE: Final = 3 * INTERVAL
+
+
+class _Stale(Exception):
+    """A kept connection the engine had closed meanwhile: the reading is tried once anew."""
+
+
+def _kept() -> dict[tuple[str, int, bool], _Kept]:
+    loop = asyncio.get_running_loop()
+    kept = _KEPT.get(loop)
+    if kept is None:
+        kept = _KEPT[loop] = {}
+    return kept
+
+
 async def fetch(base: str, path: str) -> dict[str, float] | None:
     """One replica's signals, or None (no answer in TIMEOUT, not 200, nothing known)."""
     url = urlsplit(base)
     host, secure = url.hostname or "127.0.0.1", url.scheme == "https"
     port = url.port or (443 if secure else 80)
-    context = ssl.create_default_context() if secure else None
-    writer: asyncio.StreamWriter | None = None
+    key = (host, port, secure)
+    head = f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\nAccept: text/plain\r\n\r\n"
+    request = head.encode("latin-1")
+    kept = _kept()
+    old = kept.pop(key, None)
+    conn = None if old is None else (old.reader, old.writer)
+    answer: tuple[int, bytes, bool] | None = None
     try:
         async with asyncio.timeout(TIMEOUT):
-            reader, writer = await asyncio.open_connection(host, port, ssl=context)
-            writer.write(
-                f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\nConnection: close\r\n"
-                "Accept: text/plain\r\n\r\n".encode("latin-1")
-            )
-            data = await reader.read(MAX_BYTES)
-            while len(data) < MAX_BYTES:
-                more = await reader.read(MAX_BYTES - len(data))
-                if not more:
-                    break
-                data += more
-    except (OSError, TimeoutError, ssl.SSLError, UnicodeError, ValueError):
-        return None
+            if conn is not None:
+                with contextlib.suppress(_Stale):
+                    answer = await _exchange(*conn, request, reused=True)
+            if answer is None:
+                if conn is not None:
+                    conn[1].close()
+                context = ssl.create_default_context() if secure else None
+                conn = await asyncio.open_connection(host, port, ssl=context)
+                answer = await _exchange(*conn, request, reused=False)
+    except (OSError, TimeoutError, EOFError, ssl.SSLError, UnicodeError, ValueError, BadRequest):
+        answer = None
     finally:
-        if writer is not None:
-            writer.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    if not head.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
+        # Kept only after a whole answer that leaves it usable; closed on anything else,
+        # cancellation included.
+        if conn is not None:
+            if answer is not None and answer[2] and key not in kept:
+                kept[key] = _Kept(conn[0], conn[1], time.monotonic())
+            else:
+                conn[1].close()
+    if answer is None or answer[0] != 200:
         return None
-    if b"transfer-encoding: chunked" in head.lower():
-        body = _unchunk(body)
-    return parse(body.decode("utf-8", "replace")) or None
+    return parse(answer[1].decode("utf-8", "replace")) or None
 
 
-def _unchunk(body: bytes) -> bytes:
-    """A chunked body's data (the balancer's own decoder); empty when its framing is broken."""
+async def _exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, reused: bool
+) -> tuple[int, bytes, bool]:
+    """Send the request, read one answer: its status, its body, and whether the connection
+    can carry the next (HTTP/1.1, not closing, its body framed). ``reused``: the connection
+    was kept, so an end before any byte of the answer is :class:`_Stale`."""
+    writer.write(request)
     try:
-        pieces, _, _ = ChunkedDecoder().feed(body)
-    except BadRequest:
-        return b""
-    return b"".join(pieces)
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if reused and not exc.partial:
+            raise _Stale from exc
+        raise ValueError("the engine closed the connection mid-answer") from exc
+    except ConnectionError as exc:
+        if reused:
+            raise _Stale from exc
+        raise
+    except asyncio.LimitOverrunError as exc:
+        raise ValueError("answer head too long") from exc
+    lines = head.decode("latin-1").lower().split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("http/1.") or not parts[1].isdigit():
+        raise ValueError("not an HTTP/1 answer")
+    fields = dict(line.partition(":")[::2] for line in lines[1:] if line)
+    fields = {name.strip(): value.strip() for name, value in fields.items()}
+    reusable = parts[0] == "http/1.1" and fields.get("connection") != "close"
+    if "chunked" in fields.get("transfer-encoding", ""):
+        return int(parts[1]), await _read_chunked(reader), reusable
+    if "content-length" in fields:
+        length = int(fields["content-length"])
+        if not 0 <= length <= MAX_BYTES:
+            raise ValueError("metrics too large")
+        return int(parts[1]), await reader.readexactly(length), reusable
+    data = await reader.read(MAX_BYTES)  # framed by the end of the connection
+    while len(data) < MAX_BYTES and (more := await reader.read(MAX_BYTES - len(data))):
+        data += more
+    return int(parts[1]), data, False
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked body, to its last chunk (the balancer's own decoder), at most MAX_BYTES."""
+    decoder = ChunkedDecoder()
+    pieces: list[bytes] = []
+    size = 0
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            raise ValueError("the engine closed the connection mid-answer")
+        got, used, done = decoder.feed(data)
+        pieces += got
+        size += sum(map(len, got))
+        if size > MAX_BYTES:
+            raise ValueError("metrics too large")
+        if done:
+            if used != len(data):
+                raise ValueError("bytes after the answer")
+            return b"".join(pieces)
 
 
 async def read_all(ready: Mapping[int, str], path: str) -> dict[int, dict[str, float]]:
     """Every ready replica's signals at once (those that answered)."""
     ids = list(ready)
     got = await asyncio.gather(*(fetch(ready[rid], path) for rid in ids))
+    _close_idle()
     return {rid: signals for rid, signals in zip(ids, got, strict=True) if signals}
+
+
+def _close_idle() -> None:
+    """Close the kept connections unused for KEEP_IDLE (their replica left, or another worker
+    reads it now)."""
+    kept = _kept()
+    now = time.monotonic()
+    for key, conn in list(kept.items()):
+        if now - conn.used > KEEP_IDLE:
+            conn.writer.close()
+            del kept[key]
 
 
 def with_rate(
