@@ -3,8 +3,8 @@ the workers (``corral.dataplane.engine_shares``) or each worker reading every en
 
 Why: with W balancer workers each reading every engine's ``/metrics`` every second, every
 engine renders its metrics W times a second, in the process that also serves its requests
-(vLLM's and SGLang's API servers; the simulator's aiohttp server here), and each worker opens
-a connection to every engine every second. Split, each engine is read once a second whatever
+(vLLM's and SGLang's API servers; the simulator's aiohttp server here), and each worker reads
+every engine every second. Split, each engine is read once a second whatever
 W is. This script shows both costs side by side: the engines' CPU and the routers' CPU while
 nothing else happens (the reads are all there is to measure).
 
@@ -12,10 +12,13 @@ What runs (127.0.0.1 only, bounded in time): 4 ``corral.llmsim`` engines; for ea
 ``--workers`` and each mode, W processes of ``bench/_llm_lb.py`` (corral's balancer, uvloop,
 ``prefix_affinity``, one port with SO_REUSEPORT, refreshing the engines' metrics every second
 as a balancer worker does) with ``--engine-share`` (``split``) or without (``each``). After a
-warm-up, the engines' and the routers' CPU (psutil user+system) over ``--duration`` seconds.
+warm-up, the engines' and the routers' CPU (every thread's, from ``/proc/PID/task/*/schedstat``)
+over ``--duration`` seconds. ``--compare NAME=SRC`` adds rows of another tree's routers (its
+``corral`` through PYTHONPATH; the engines stay this tree's), reading split.
 Rounds interleave the rows, in an order that rotates.
 
-Run: ``.venv/bin/python bench/engine_reads.py [--workers 1,2,4] [--duration 20] [--rounds 2]``.
+Run: ``.venv/bin/python bench/engine_reads.py [--workers 1,2,4] [--duration 20] [--rounds 2]
+[--compare before=/tmp/before/src]``.
 Prints a table (median over rounds, CPU ms per second) and writes
 ``bench/results/engine_reads.json``.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,9 +44,11 @@ ENGINES = 4
 WARMUP = 3.0
 
 
-def start(argv: list[str]) -> tuple[subprocess.Popen[str], int]:
+def start(argv: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
     """A process that prints ``PORT <n>`` once listening, and that port."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -77,11 +83,14 @@ def engine() -> tuple[subprocess.Popen[str], int]:
 
 
 def cpu(procs: list[psutil.Process]) -> float:
-    total = 0.0
+    """CPU seconds of these processes, every thread's from the scheduler (nanoseconds; psutil's
+    10 ms ticks are too coarse for a few ms a second)."""
+    total = 0
     for p in procs:
-        times = p.cpu_times()
-        total += times.user + times.system
-    return total
+        for task in os.listdir(f"/proc/{p.pid}/task"):
+            with open(f"/proc/{p.pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+    return total / 1e9
 
 
 def stop(procs: list[subprocess.Popen[str]]) -> None:
@@ -102,6 +111,7 @@ def one_run(
     mode: str,
     duration: float,
     tmp: Path,
+    src: str | None = None,
 ) -> dict[str, float]:
     base = [sys.executable, str(HERE / "_llm_lb.py"), "--policy", "prefix_affinity"]
     base += [a for url in urls for a in ("--replica", url)]
@@ -109,11 +119,12 @@ def one_run(
     if mode == "split":
         base += ["--engine-share", str(tmp / f"engines-{workers}-{time.monotonic_ns()}")]
     routers: list[subprocess.Popen[str]] = []
+    env = None if src is None else {**os.environ, "PYTHONPATH": src}
     try:
-        first, port = start(base)
+        first, port = start(base, env)
         routers.append(first)
         for slot in range(1, workers):
-            more, _ = start([*base, "--port", str(port), "--slot", str(slot)])
+            more, _ = start([*base, "--port", str(port), "--slot", str(slot)], env)
             routers.append(more)
         time.sleep(WARMUP)
         watched = [psutil.Process(p.pid) for p in routers]
@@ -131,10 +142,18 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4", help="balancer processes per row")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds measured per run")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="also run the routers of the tree at SRC (its corral through PYTHONPATH), split",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
-    rows = [(w, mode) for w in counts for mode in ("each", "split")]
+    trees = dict(item.partition("=")[::2] for item in args.compare)
+    rows = [(w, mode) for w in counts for mode in ("each", "split", *trees)]
     runs: dict[str, list[dict[str, float]]] = {f"{w} {m}": [] for w, m in rows}
     spawned = [engine() for _ in range(ENGINES)]
     try:
@@ -144,7 +163,8 @@ def main() -> None:
             for r in range(args.rounds):
                 order = rows[r % len(rows) :] + rows[: r % len(rows)]
                 for w, mode in order:
-                    got = one_run(urls, engines, w, mode, args.duration, Path(tmp))
+                    reading, src = ("split", trees[mode]) if mode in trees else (mode, None)
+                    got = one_run(urls, engines, w, reading, args.duration, Path(tmp), src)
                     runs[f"{w} {mode}"].append(got)
                     print(
                         f"[{time.strftime('%H:%M:%S')}] round {r + 1} {w} workers, {mode}: "
@@ -168,8 +188,8 @@ def main() -> None:
         each = runs[f"{w} each"]
         e_each = statistics.median(g["engines_ms_per_s"] for g in each)
         r_each = statistics.median(g["routers_ms_per_s"] for g in each)
-        ratio_e = f"{eng / e_each:.2f}x" if mode == "split" and e_each else ""
-        ratio_r = f"{rout / r_each:.2f}x" if mode == "split" and r_each else ""
+        ratio_e = f"{eng / e_each:.2f}x" if mode != "each" and e_each else ""
+        ratio_r = f"{rout / r_each:.2f}x" if mode != "each" and r_each else ""
         print(f"| {w} | {mode} | {eng:.1f} | {rout:.1f} | {ratio_e} | {ratio_r} |")
         table.append(
             {
