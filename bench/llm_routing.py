@@ -174,10 +174,15 @@ def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
             with contextlib.suppress(psutil.NoSuchProcess):
                 t = proc.cpu_times()
                 ticks += t.user + t.system
+            tids: list[str] = []
             with contextlib.suppress(OSError):
-                for tid in os.listdir(f"/proc/{proc.pid}/task"):
-                    with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
-                        threads[(proc.pid, int(tid))] = int(f.read().split()[0])
+                tids = os.listdir(f"/proc/{proc.pid}/task")
+            for tid in tids:
+                with (
+                    contextlib.suppress(OSError),
+                    open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f,
+                ):
+                    threads[(proc.pid, int(tid))] = int(f.read().split()[0])
     return CpuSnapshot(threads, ticks)
 
 
