@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from _cpu import schedstat_seconds
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "engine_reads.json"
@@ -85,12 +86,7 @@ def engine() -> tuple[subprocess.Popen[str], int]:
 def cpu(procs: list[psutil.Process]) -> float:
     """CPU seconds of these processes, every thread's from the scheduler (nanoseconds; psutil's
     10 ms ticks are too coarse for a few ms a second)."""
-    total = 0
-    for p in procs:
-        for task in os.listdir(f"/proc/{p.pid}/task"):
-            with open(f"/proc/{p.pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-    return total / 1e9
+    return sum(schedstat_seconds(p.pid) for p in procs)
 
 
 def stop(procs: list[subprocess.Popen[str]]) -> None:

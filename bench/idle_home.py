@@ -32,19 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _cpu import schedstat_seconds
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "idle_home.json"
 SETTLE = 3.0
-
-
-def schedstat_seconds(pid: int) -> float:
-    """The CPU time the scheduler charged to every thread of ``pid``, in seconds."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total / 1e9
 
 
 def spec(path: Path, name: str) -> Path:

@@ -103,6 +103,7 @@ from typing import Any
 
 import psutil
 import uvloop
+from _cpu import thread_nanoseconds
 from _lb_peers import apt_install, find_binary, free_port, tool_version
 
 from corral.balancer.http1 import BadRequest, ChunkedDecoder
@@ -174,15 +175,8 @@ def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
             with contextlib.suppress(psutil.NoSuchProcess):
                 t = proc.cpu_times()
                 ticks += t.user + t.system
-            tids: list[str] = []
-            with contextlib.suppress(OSError):
-                tids = os.listdir(f"/proc/{proc.pid}/task")
-            for tid in tids:
-                with (
-                    contextlib.suppress(OSError),
-                    open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f,
-                ):
-                    threads[(proc.pid, int(tid))] = int(f.read().split()[0])
+            for tid, ns in thread_nanoseconds(proc.pid).items():
+                threads[(proc.pid, tid)] = ns
     return CpuSnapshot(threads, ticks)
 
 
