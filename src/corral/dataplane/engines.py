@@ -164,8 +164,8 @@ async def _exchange(
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("http/1.") or not parts[1].isdigit():
         raise ValueError("not an HTTP/1 answer")
-    fields = dict(line.partition(":")[::2] for line in lines[1:] if line)
-    fields = {name.strip(): value.strip() for name, value in fields.items()}
+    split = (line.partition(":") for line in lines[1:] if line)
+    fields = {name.strip(): value.strip() for name, _, value in split}
     reusable = parts[0] == "http/1.1" and fields.get("connection") != "close"
     if "chunked" in fields.get("transfer-encoding", ""):
         return int(parts[1]), await _read_chunked(reader), reusable
