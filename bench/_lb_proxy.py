@@ -5,7 +5,8 @@ request, which needs the balancer to be the only thing in its process. It runs o
 balancer workers do in production (``--asyncio`` for the stock loop).
 
 Run: ``python bench/_lb_proxy.py --replica http://127.0.0.1:P1 ... [--metrics] [--policy P]
-[--port N] [--reuse-port]``; prints ``PORT <n>`` once listening, serves until SIGTERM/SIGINT.
+[--port N] [--reuse-port] [--env NAME=VALUE]``; prints ``PORT <n>`` once listening, serves until
+SIGTERM/SIGINT.
 Listens on 127.0.0.1 only. With ``--reuse-port`` several of these can serve one port.
 """
 
@@ -14,11 +15,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import sys
 
-import uvloop
+# --env NAME=VALUE (repeatable) is set before corral is imported, so that a --variant row of
+# bench/balancer.py can run the engine with a setting read at import (CORRAL_BALANCER_PUMP=0).
+for _flag, _value in zip(sys.argv, sys.argv[1:], strict=False):
+    if _flag == "--env":
+        _name, _, _setting = _value.partition("=")
+        os.environ[_name] = _setting
 
-from corral.balancer import LoadBalancer, merge_stats, render
+import uvloop  # noqa: E402
+
+from corral.balancer import LoadBalancer, merge_stats, render  # noqa: E402
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -52,6 +62,9 @@ def cli() -> None:
     parser.add_argument("--metrics", action="store_true", help="render the metrics at the end")
     parser.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT")
     parser.add_argument("--asyncio", action="store_true", help="stock asyncio loop, not uvloop")
+    parser.add_argument(
+        "--env", action="append", default=[], help="NAME=VALUE set before corral is imported"
+    )
     args = parser.parse_args()
     if args.asyncio:
         asyncio.run(main(args))

@@ -20,7 +20,12 @@ from libc.string cimport memchr, memcmp, memcpy, memmove
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.object cimport PyObject, PyObject_TypeCheck, PyTypeObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+
+import logging
+import threading
+
+_log = logging.getLogger("corral.balancer")
 
 cdef unsigned char TOKEN[256]  # RFC 9110 tchar: a header name's bytes
 cdef unsigned char VALUE[256]  # a field value's: HTAB, SP, visible ASCII, obs-text
@@ -496,6 +501,312 @@ cdef class ChunkScan:
         return BAIL
 
 
+# ---------------------------------------------------------------------------- stream pump
+
+# A long live stream's batches relayed by a thread of their own (Pump), off the event loop:
+# epoll, read, scan, send, and no Python at all per batch. Why: on uvloop each batch costs a
+# loop wake-up, a bytes object, a protocol call and a transport write, about 1.6 us of user
+# time per event against nginx's 1.0, whatever that protocol does (docs/benchmarks.md). The
+# thread takes a stream's replica socket (uvloop's reading paused meanwhile) and a duplicate
+# of its client's socket once the stream proves long (PUMP_LONG), relays only batches
+# that are whole chunk data, and hands anything else back to the loop before relaying it:
+# the batch that ends the answer, framing the scanner leaves to httptools, a client that does
+# not take a whole batch at once, the replica's end or error. The loop then runs that batch
+# as LiveChunks would have (LiveChunks.reclaim), so the stream's end, flow control and
+# failures keep the one code path they have.
+
+cdef extern from "<sys/epoll.h>" nogil:
+    ctypedef union epoll_data_t:
+        void *ptr
+        int fd
+        uint32_t u32
+        uint64_t u64
+    cdef struct epoll_event:
+        uint32_t events
+        epoll_data_t data
+    int epoll_create1(int flags)
+    int epoll_ctl(int epfd, int op, int fd, epoll_event *event)
+    int epoll_wait(int epfd, epoll_event *events, int maxevents, int timeout)
+    int EPOLLIN
+    int EPOLL_CTL_ADD
+    int EPOLL_CTL_DEL
+    int EPOLL_CLOEXEC
+
+cdef extern from "<sys/eventfd.h>" nogil:
+    int eventfd(unsigned int initval, int flags)
+    int EFD_NONBLOCK
+    int EFD_CLOEXEC
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t send(int sockfd, const void *buf, size_t n, int flags)
+    int MSG_NOSIGNAL
+    int MSG_DONTWAIT
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t c_read "read" (int fd, void *buf, size_t n)
+    ssize_t c_write "write" (int fd, const void *buf, size_t n)
+    int c_close "close" (int fd)
+
+cdef extern from "<fcntl.h>" nogil:
+    int fcntl(int fd, int cmd, int arg)
+    int F_DUPFD_CLOEXEC
+
+cdef extern from "<errno.h>" nogil:
+    int errno
+    int EAGAIN
+    int EINTR
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *mutex, void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mutex)
+    int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_unlock(pthread_mutex_t *mutex)
+
+cdef enum:
+    # A stream goes to the thread after PUMP_LONG batches on the loop, or after its first if
+    # the last stream on the same replica connection had that many: handing one over and back
+    # costs about 24 us (two epoll changes, a duplicate socket, a wake-up of each thread),
+    # each batch the thread relays about 1.3 us less than the loop (docs/benchmarks.md).
+    PUMP_LONG = 24
+    PUMP_HOLD = 24  # bytes of a size line cut by a batch's end the thread holds (15 digits, CR)
+    PUMP_SLOTS = 4096  # streams one pump relays at once; more stay on the loop
+    PUMP_BUF = 65536  # one read's bytes
+    PUMP_EVENTS = 64
+    # What a flow handed back to the loop (Flow.back).
+    BACK_NONE = 0  # nothing: the thread relays it
+    BACK_UNSENT = 1  # bytes scanned and partly sent: the rest go through the client transport
+    BACK_REPLAY = 2  # a batch not relayed: LiveChunks takes it as uvloop would have given it
+    BACK_END = 3  # the replica's end or error: uvloop reads it again once reading resumes
+    BACK_LOST = 4  # a batch the thread could not keep (no memory): the stream is cut
+
+
+cdef struct Flow:
+    # One stream the thread relays; it lives in its LiveChunks, which the pump keeps alive.
+    int slot
+    uint32_t gen
+    int up  # the replica's socket (uvloop's own descriptor; its reading is paused)
+    int down  # a duplicate of the client's socket (so a close by uvloop cannot reuse it)
+    int state  # ChunkScan's framing, carried over and back
+    int digits
+    long long size
+    Py_ssize_t remaining
+    double last  # when a batch was last relayed (the idle deadline runs from it)
+    int batches  # batches the thread relayed
+    bint busy  # the thread is reading or sending it: the loop waits to take it back
+    int back
+    char *data  # BACK_UNSENT, BACK_REPLAY: the bytes, malloc'd by the thread
+    Py_ssize_t ndata
+    unsigned char held[PUMP_HOLD]  # a size line cut by the last batch's end, not relayed yet
+    Py_ssize_t nheld
+
+
+cdef struct PumpCore:
+    pthread_mutex_t lock  # held by the thread per wake-up and by the loop to take or give back
+    int ep  # the thread's epoll set
+    int wake  # eventfd the loop reads: flows were handed back
+    int stop  # eventfd in ep: the thread is to end
+    bint stopping
+    bint orphaned  # the Pump went away before the thread ended: the thread frees this
+    Flow *table[PUMP_SLOTS]
+    uint32_t gens[PUMP_SLOTS]
+    int free_slots[PUMP_SLOTS]
+    int nfree
+    uint64_t done[PUMP_SLOTS]  # flows handed back, as (gen << 32 | slot), until the loop drains
+    int ndone
+    unsigned char buf[PUMP_BUF]
+
+
+cdef Py_ssize_t _scan_whole(Flow *f, const unsigned char *p, Py_ssize_t n) noexcept nogil:
+    """ChunkScan's MORE for a batch of plain chunk data: how many of its bytes to relay, the
+    framing moved past them. What follows them is a size line the batch cut (at most
+    PUMP_HOLD bytes), which the caller holds back, as ChunkScan does, until it is whole: it
+    may yet turn out to have an extension, httptools' to read. -1, with the framing
+    untouched, for anything else (the last chunk, an extension, anything ChunkScan would bail
+    on): the loop's ChunkScan takes that batch whole."""
+    cdef int state = f.state
+    cdef int digits = f.digits
+    cdef long long size = f.size
+    cdef Py_ssize_t remaining = f.remaining
+    cdef Py_ssize_t i = 0
+    cdef Py_ssize_t line = 0 if state == S_SIZE else -1  # where a size line began (-1: none)
+    cdef Py_ssize_t take
+    cdef unsigned char c
+    cdef int v
+    while i < n:
+        if state == S_DATA:
+            take = n - i
+            if take > remaining:
+                take = remaining
+            i += take
+            remaining -= take
+            if remaining == 0:
+                state = S_DATA_CR
+            continue
+        c = p[i]
+        if state == S_SIZE:
+            if 48 <= c <= 57:
+                v = c - 48
+            elif 97 <= c <= 102:
+                v = c - 87
+            elif 65 <= c <= 70:
+                v = c - 55
+            elif c == 13 and digits:
+                state = S_SIZE_LF
+                i += 1
+                continue
+            else:
+                return -1
+            if digits == MAX_DIGITS:
+                return -1
+            size = size * 16 + v
+            digits += 1
+        elif state == S_SIZE_LF:
+            if c != 10 or size == 0:
+                return -1
+            remaining = <Py_ssize_t>size
+            state = S_DATA
+            line = -1
+        elif state == S_DATA_CR:
+            if c != 13:
+                return -1
+            state = S_DATA_LF
+        elif state == S_DATA_LF:
+            if c != 10:
+                return -1
+            state = S_SIZE
+            size = 0
+            digits = 0
+            line = i + 1
+        else:
+            return -1
+        i += 1
+    if state == S_SIZE_LF or (state == S_SIZE and digits):
+        if line < 0 or n - line > PUMP_HOLD:
+            return -1
+        f.state = S_SIZE  # where the held line begins
+        f.digits = 0
+        f.size = 0
+        return line
+    f.state = state
+    f.digits = digits
+    f.size = size
+    f.remaining = remaining
+    return n
+
+
+cdef bint _hand_back(Flow *f, const unsigned char *p, Py_ssize_t n, int kind) noexcept nogil:
+    f.data = <char *>malloc(n if n > 0 else 1)
+    if f.data == NULL:
+        f.back = BACK_LOST
+        return True
+    memcpy(f.data, p, n)
+    f.ndata = n
+    f.back = kind
+    return True
+
+
+cdef bint _pump_batch(PumpCore *c, Flow *f) noexcept nogil:
+    """Relay what the replica sent; True: the flow is handed back (``f.back`` says why). A
+    size line held from the last batch goes in front of this one's bytes."""
+    cdef Py_ssize_t held = f.nheld
+    cdef ssize_t r
+    cdef ssize_t w
+    cdef Py_ssize_t n, end
+    if held:
+        memcpy(c.buf, f.held, held)
+    r = c_read(f.up, c.buf + held, PUMP_BUF - held)
+    if r < 0:
+        if errno == EAGAIN or errno == EINTR:
+            return False
+        f.back = BACK_END  # the held line stays held: the loop takes it
+        return True
+    if r == 0:
+        f.back = BACK_END
+        return True
+    n = held + r
+    end = _scan_whole(f, c.buf, n)
+    if end < 0:
+        f.nheld = 0  # it is the batch's start
+        return _hand_back(f, c.buf, n, BACK_REPLAY)
+    f.nheld = n - end
+    memcpy(f.held, c.buf + end, n - end)
+    if end == 0:
+        return False
+    w = send(f.down, c.buf, end, MSG_NOSIGNAL | MSG_DONTWAIT)
+    f.last = _now()
+    f.batches += 1
+    if w == end:
+        return False
+    if w < 0:
+        w = 0  # EAGAIN, or an error the client transport meets again and reports
+    return _hand_back(f, c.buf + w, end - w, BACK_UNSENT)
+
+
+cdef void _pump_free(PumpCore *c) noexcept nogil:
+    c_close(c.ep)
+    c_close(c.wake)
+    c_close(c.stop)
+    pthread_mutex_destroy(&c.lock)
+    free(c)
+
+
+cdef void _pump_serve(PumpCore *c) noexcept nogil:
+    """The thread: wait, relay, hand back; until ``stopping``. The lock is held to look a flow
+    up and to hand it back, never across its read and send (``busy`` keeps the loop from
+    taking it back meanwhile), so the loop seldom waits for it."""
+    cdef epoll_event events[PUMP_EVENTS]
+    cdef uint64_t one = 1
+    cdef uint64_t key
+    cdef int n, i, slot
+    cdef bint signal, orphaned, handed
+    cdef Flow *f
+    while True:
+        n = epoll_wait(c.ep, events, PUMP_EVENTS, -1)
+        if n < 0:
+            if errno == EINTR:
+                continue
+            return  # cannot happen with a valid set; the flows left time out on the loop
+        if c.stopping:
+            pthread_mutex_lock(&c.lock)
+            orphaned = c.orphaned
+            pthread_mutex_unlock(&c.lock)
+            if orphaned:
+                _pump_free(c)
+            return
+        signal = False
+        for i in range(n):
+            key = events[i].data.u64
+            slot = <int>(key & 0xFFFFFFFFU)
+            if slot >= PUMP_SLOTS:
+                continue  # the stop eventfd
+            pthread_mutex_lock(&c.lock)
+            f = c.table[slot]
+            if f == NULL or f.gen != <uint32_t>(key >> 32) or f.back != BACK_NONE:
+                pthread_mutex_unlock(&c.lock)
+                continue  # given back, or taken back by the loop, since the wait returned
+            f.busy = True
+            pthread_mutex_unlock(&c.lock)
+            handed = _pump_batch(c, f)
+            pthread_mutex_lock(&c.lock)
+            f.busy = False
+            if handed:
+                epoll_ctl(c.ep, EPOLL_CTL_DEL, f.up, NULL)
+                c.done[c.ndone] = key
+                c.ndone += 1
+                signal = True
+            pthread_mutex_unlock(&c.lock)
+        if signal:
+            c_write(c.wake, &one, 8)
+
+
+cdef class Pump
+
+
 cdef class LiveChunks:
     """The compiled reader in front of a replica connection once it has carried a live chunked
     stream (corral.balancer.relay, _go_live; ``UpstreamConnection.go_raw``).
@@ -520,28 +831,46 @@ cdef class LiveChunks:
     cdef double idle
     cdef object kind
     cdef bint first  # the answer's first body bytes are still to come (conn.raw_first)
+    cdef Pump pumps  # the balancer's pump, for a stream that goes on (None: never)
+    cdef Pump pump  # not None: the pump's thread holds this stream (Flow below)
+    cdef int batches  # batches this stream relayed (the thread's counted when it gives back)
+    cdef int after  # ... when the thread takes it
+    cdef bint long_last  # the last stream on this connection was long (PUMP_LONG)
+    cdef Flow flow
 
     def __init__(self, conn):
         self.conn = conn
         self.received = conn.data_received  # the connection's own path, for a disarmed read
         self.scan = None
+        self.pumps = None
+        self.pump = None
 
     @property
     def armed(self):
         """A live stream's batches are this reader's to relay."""
         return self.scan is not None
 
-    def arm(self, ChunkScan scan not None, client, write, double idle, kind, bint first=False):
+    @property
+    def pumped(self):
+        """The pump's thread holds this stream: ``reclaim`` before touching either socket."""
+        return self.pump is not None
+
+    def arm(self, ChunkScan scan not None, client, write, double idle, kind, bint first=False,
+            Pump pump=None):
         """Relay the live stream ``scan`` follows to ``client`` (``write``: its transport's),
         moving its ``kind`` deadline ``idle`` seconds on with each batch. ``first``: none of
         the answer's body came yet; the batch that brings its first bytes calls the
-        connection's ``raw_first`` (one Python call per stream: its time to first token)."""
+        connection's ``raw_first`` (one Python call per stream: its time to first token).
+        ``pump``: the thread to hand the stream to once it proves long (PUMP_LONG)."""
         self.scan = scan
         self.client = client
         self.write = write
         self.idle = idle
         self.kind = kind
         self.first = first
+        self.pumps = pump
+        self.batches = 0
+        self.after = 1 if self.long_last else PUMP_LONG
 
     cdef inline void _disarm(self):
         """Hand every event to the connection again: done here before each call back to it."""
@@ -549,6 +878,117 @@ cdef class LiveChunks:
         self.client = None
         self.write = None
         self.first = False
+        self.pumps = None
+
+    cdef _to_pump(self, ChunkScan scan, client):
+        """Hand the rest of this stream to the pump's thread, if nothing stands in the way:
+        a line held back, a client with bytes still queued, a paused replica, transports
+        with no socket of their own (or not uvloop's: any error here leaves it on the loop)."""
+        cdef Flow *f = &self.flow
+        cdef int down
+        conn = self.conn
+        transport = client.transport
+        up = conn.transport
+        if (PyBytes_GET_SIZE(scan.held) or scan.state == S_END or transport is None
+                or up is None or client._closing or conn.closed or conn.read_paused):
+            return
+        try:
+            if transport.get_write_buffer_size():
+                return
+            sock = transport.get_extra_info("socket")
+            usock = up.get_extra_info("socket")
+            if sock is None or usock is None:
+                return
+            down = fcntl(sock.fileno(), F_DUPFD_CLOEXEC, 0)
+            fd = usock.fileno()
+        except Exception:
+            return
+        if down < 0:
+            return
+        f.state = scan.state
+        f.digits = scan.digits
+        f.size = scan.size
+        f.remaining = scan.remaining
+        f.last = _now()
+        f.batches = 0
+        f.nheld = 0
+        try:
+            up.pause_reading()  # before the thread can read: one reader at a time
+        except Exception:
+            c_close(down)
+            return
+        if not self.pumps.take(self, fd, down):
+            c_close(down)
+            up.resume_reading()
+            return
+        self.pump = self.pumps
+        client.pumped = self
+
+    cpdef reclaim(self, bint replay):
+        """Take this stream back from the pump's thread. ``replay``: what the thread handed
+        back is run as uvloop would have given it (the loop drains it); False: dropped, for a
+        connection being closed or cut (the caller goes on to do that)."""
+        cdef Pump pump = self.pump
+        cdef Flow *f = &self.flow
+        cdef ChunkScan scan = self.scan
+        cdef int back
+        if pump is None:
+            return
+        self.pump = None
+        pump.release(f)
+        c_close(f.down)
+        back = f.back
+        self.batches += f.batches
+        data = None
+        if f.data != NULL:
+            data = PyBytes_FromStringAndSize(f.data, f.ndata)
+            free(f.data)
+            f.data = NULL
+        if scan is not None:
+            scan.state = f.state
+            scan.digits = f.digits
+            scan.size = f.size
+            scan.remaining = f.remaining
+        client = self.client
+        conn = self.conn
+        client.pumped = None
+        up = conn.transport
+        if up is not None and not conn.closed and not conn.read_paused:
+            try:
+                up.resume_reading()
+            except Exception:
+                pass  # closed under us (connection_lost comes next): nothing to read
+        held = PyBytes_FromStringAndSize(<char *>f.held, f.nheld) if f.nheld else None
+        f.nheld = 0
+        if not replay:
+            return
+        client.deadline_kind = self.kind
+        client.deadline = f.last + self.idle
+        if back == BACK_UNSENT:
+            if not client._closing:
+                self.write(data)
+        elif back == BACK_REPLAY:
+            self.data_received(data)
+            return  # a line the thread held is the start of that batch
+        elif back == BACK_LOST:
+            self._disarm()
+            conn.raw_failed()
+            return
+        if held is not None:  # ChunkScan holds it from here, as it would have
+            self.data_received(held)
+
+    def extend(self):
+        """The client's deadline passed while the thread holds the stream: True, with the
+        deadline moved, if a batch went within ``idle``; else False, taken back (dropped)."""
+        cdef double due
+        if self.pump is None:
+            return False
+        due = self.flow.last + self.idle
+        if due > _now():
+            self.client.deadline = due
+            return True
+        self.reclaim(False)
+        return False
 
     def connection_made(self, transport):
         pass
@@ -573,6 +1013,10 @@ cdef class LiveChunks:
                 client = self.client
                 client.deadline_kind = self.kind
                 client.deadline = _now() + self.idle
+                if self.pumps is not None:
+                    self.batches += 1
+                    if self.batches == self.after:
+                        self._to_pump(scan, client)
                 return
         except Exception:
             self._disarm()
@@ -580,6 +1024,7 @@ cdef class LiveChunks:
             return
         self._disarm()
         if found == DONE:
+            self.long_last = self.batches >= PUMP_LONG
             self.conn.raw_done(scan.extra, forward)
         else:
             self.conn.raw_resume(scan.prime, scan.replay)
@@ -588,6 +1033,7 @@ cdef class LiveChunks:
         return self.conn.eof_received()  # its decision, armed or not (connection_lost follows)
 
     def connection_lost(self, exc):
+        self.reclaim(False)
         self._disarm()
         self.conn.connection_lost(exc)
 
@@ -596,6 +1042,230 @@ cdef class LiveChunks:
 
     def resume_writing(self):
         self.conn.resume_writing()
+
+
+cdef class Pump:
+    """The thread that relays long live streams for one balancer (see "stream pump" above).
+
+    The loop hands it a stream (``take``, from LiveChunks) and takes it back (``release``)
+    under the core's lock; the thread tells the loop which streams it handed back through an
+    eventfd the loop reads (``_drain``). Created by corral.balancer.pump for a balancer with no
+    TLS on its client side; its thread starts with the first stream and ends in ``close``.
+    """
+
+    cdef PumpCore *c
+    cdef object loop
+    cdef object thread
+    cdef dict owners  # slot: the LiveChunks whose flow it is (alive while taken)
+    cdef bint closed
+    cdef public long long taken  # streams handed to the thread, ever
+    cdef public long long handed_back  # ... that the thread gave back (to end, or to go on)
+    cdef long long backs[5]  # ... by why (Flow.back)
+
+    def __cinit__(self):
+        cdef epoll_event ev
+        cdef int i
+        self.c = <PumpCore *>malloc(sizeof(PumpCore))
+        if self.c == NULL:
+            raise MemoryError()
+        c = self.c
+        for i in range(5):
+            self.backs[i] = 0
+        c.stopping = False
+        c.orphaned = False
+        c.ndone = 0
+        c.nfree = PUMP_SLOTS
+        for i in range(PUMP_SLOTS):
+            c.table[i] = NULL
+            c.gens[i] = 0
+            c.free_slots[i] = PUMP_SLOTS - 1 - i
+        pthread_mutex_init(&c.lock, NULL)
+        c.ep = epoll_create1(EPOLL_CLOEXEC)
+        c.wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        c.stop = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        ev.events = EPOLLIN
+        ev.data.u64 = 0xFFFFFFFFU
+        if c.ep < 0 or c.wake < 0 or c.stop < 0 or epoll_ctl(c.ep, EPOLL_CTL_ADD, c.stop, &ev):
+            self.c = NULL
+            _pump_free(c)
+            raise OSError(errno, "the stream pump's epoll set or eventfds could not be made")
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.owners = {}
+        loop.add_reader(self.c.wake, self._drain)
+
+    @property
+    def streams(self):
+        """How many streams the thread holds now (taken and not yet given back)."""
+        return len(self.owners)
+
+    @property
+    def given_back(self):
+        """How many streams the thread gave back, by why: ``unsent`` (the client did not take
+        a whole batch), ``replayed`` (a batch it does not relay: the end, other framing),
+        ``ended`` (the replica's end or error), ``lost`` (no memory for a batch)."""
+        return {
+            "unsent": self.backs[BACK_UNSENT],
+            "replayed": self.backs[BACK_REPLAY],
+            "ended": self.backs[BACK_END],
+            "lost": self.backs[BACK_LOST],
+        }
+
+    @property
+    def running(self):
+        """The thread was started and has not ended."""
+        return self.thread is not None and self.thread.is_alive()
+
+    cdef bint take(self, LiveChunks front, int up, int down):
+        """Hand ``front``'s flow (its framing already in it) to the thread: ``up`` the
+        replica's socket, ``down`` the client's duplicate. False: not taken (closed, full)."""
+        cdef PumpCore *c = self.c
+        cdef Flow *f = &front.flow
+        cdef epoll_event ev
+        cdef int slot
+        if self.closed:
+            return False
+        pthread_mutex_lock(&c.lock)
+        if c.nfree == 0:
+            pthread_mutex_unlock(&c.lock)
+            return False
+        c.nfree -= 1
+        slot = c.free_slots[c.nfree]
+        c.gens[slot] += 1
+        f.slot = slot
+        f.gen = c.gens[slot]
+        f.up = up
+        f.down = down
+        f.back = BACK_NONE
+        f.busy = False
+        f.data = NULL
+        f.ndata = 0
+        c.table[slot] = f
+        pthread_mutex_unlock(&c.lock)
+        ev.events = EPOLLIN
+        ev.data.u64 = (<uint64_t>f.gen << 32) | <uint64_t>slot
+        if epoll_ctl(c.ep, EPOLL_CTL_ADD, up, &ev):
+            pthread_mutex_lock(&c.lock)
+            c.table[slot] = NULL
+            c.free_slots[c.nfree] = slot
+            c.nfree += 1
+            pthread_mutex_unlock(&c.lock)
+            return False
+        self.owners[slot] = front
+        self.taken += 1
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, name="corral-stream-pump",
+                                           daemon=True)
+            self.thread.start()
+        return True
+
+    cdef void release(self, Flow *f):
+        """The flow is the loop's again: out of the thread's set (or its list of flows handed
+        back), its slot free for another."""
+        cdef PumpCore *c = self.c
+        cdef uint64_t key = (<uint64_t>f.gen << 32) | <uint64_t>f.slot
+        cdef int i
+        cdef bint running
+        pthread_mutex_lock(&c.lock)
+        while f.busy:  # a read or send under way: a few microseconds
+            pthread_mutex_unlock(&c.lock)
+            sched_yield()
+            pthread_mutex_lock(&c.lock)
+        running = f.back == BACK_NONE
+        if not running:
+            for i in range(c.ndone):
+                if c.done[i] == key:
+                    c.ndone -= 1
+                    c.done[i] = c.done[c.ndone]
+                    break
+        c.table[f.slot] = NULL
+        c.free_slots[c.nfree] = f.slot
+        c.nfree += 1
+        pthread_mutex_unlock(&c.lock)
+        if running:  # out of the set before the loop reads the socket again
+            epoll_ctl(c.ep, EPOLL_CTL_DEL, f.up, NULL)
+        self.owners.pop(f.slot, None)
+
+    def _serve(self):
+        cdef PumpCore *c = self.c
+        with nogil:
+            _pump_serve(c)
+
+    def _drain(self):
+        """The thread handed flows back: each goes on as LiveChunks would have."""
+        cdef PumpCore *c = self.c
+        cdef uint64_t count
+        cdef uint64_t keys[PUMP_EVENTS]
+        cdef int n, i
+        cdef LiveChunks front
+        if c == NULL:
+            return
+        c_read(c.wake, &count, 8)
+        while True:
+            pthread_mutex_lock(&c.lock)
+            n = c.ndone if c.ndone < PUMP_EVENTS else PUMP_EVENTS
+            for i in range(n):
+                keys[i] = c.done[c.ndone - 1 - i]
+            c.ndone -= n
+            pthread_mutex_unlock(&c.lock)
+            if n == 0:
+                return
+            for i in range(n):
+                front = self.owners.get(<int>(keys[i] & 0xFFFFFFFFU))
+                # Taken back already while an earlier one ran (its slot may be another's now).
+                if front is None or front.flow.gen != <uint32_t>(keys[i] >> 32):
+                    continue
+                self.handed_back += 1
+                self.backs[front.flow.back] += 1
+                try:
+                    front.reclaim(True)
+                except Exception:  # a bug: the others still go on
+                    _log.exception("balancer: unexpected error taking a stream back")
+
+    def close(self):
+        """Give every stream back (dropped: their connections are being closed) and end the
+        thread. Safe to call twice."""
+        cdef PumpCore *c = self.c
+        cdef uint64_t one = 1
+        if self.closed:
+            return
+        self.closed = True
+        for front in list(self.owners.values()):
+            (<LiveChunks>front).reclaim(False)
+        try:
+            self.loop.remove_reader(c.wake)
+        except Exception:
+            pass  # the loop is closed already: nothing of ours is in it any more
+        pthread_mutex_lock(&c.lock)
+        c.stopping = True
+        pthread_mutex_unlock(&c.lock)
+        c_write(c.stop, &one, 8)
+        if self.thread is not None:
+            self.thread.join(2.0)
+            if self.thread.is_alive():
+                pthread_mutex_lock(&c.lock)
+                c.orphaned = True  # it frees the core when it ends
+                pthread_mutex_unlock(&c.lock)
+                self.c = NULL
+                return
+        self.c = NULL
+        _pump_free(c)
+
+    def __dealloc__(self):
+        cdef PumpCore *c = self.c
+        cdef uint64_t one = 1
+        if c == NULL:
+            return
+        self.c = NULL
+        if self.thread is None:
+            _pump_free(c)
+            return
+        pthread_mutex_lock(&c.lock)
+        c.stopping = True
+        c.orphaned = True
+        pthread_mutex_unlock(&c.lock)
+        c_write(c.stop, &one, 8)
 
 
 # ---------------------------------------------------------------------------- least load

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import httptools
 
@@ -122,6 +122,9 @@ class ClientConnection(asyncio.Protocol):
         self._eof = False
         self._paused = 0
         self._spliced: UpstreamConnection | None = None
+        # The LiveChunks whose stream to this client the pump's thread relays (corral.balancer.
+        # pump): taken back before this connection is closed, cut or timed out.
+        self.pumped: Any = None
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -187,6 +190,8 @@ class ClientConnection(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.pumped is not None:
+            self.pumped.reclaim(False)
         if self.fast is not None:
             self.materialize()
         self._closing = True
@@ -376,6 +381,9 @@ class ClientConnection(asyncio.Protocol):
 
     def on_timeout(self) -> None:
         """The ticker found the deadline passed."""
+        pumped = self.pumped
+        if pumped is not None and pumped.extend():
+            return  # the pump's thread relayed a batch since: the deadline moved on
         self.deadline = 0.0
         if self.fast is not None:
             self.materialize()
@@ -387,6 +395,8 @@ class ClientConnection(asyncio.Protocol):
 
     def abort(self) -> None:
         """Drop the connection now (the balancer stops)."""
+        if self.pumped is not None:
+            self.pumped.reclaim(False)
         if self.fast is not None:
             self.materialize()
         ex, self.exchange = self.exchange, None
@@ -426,6 +436,8 @@ class ClientConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _close(self) -> None:
+        if self.pumped is not None:
+            self.pumped.reclaim(False)
         self._closing = True
         if self.transport is not None:
             self.transport.close()

@@ -8,12 +8,10 @@ back through :meth:`LoadBalancer.in_flight`, :meth:`LoadBalancer.wait_drained`,
 
 Design points:
 
-* No framework on the hot path: asyncio Protocols on both sides (``loop.create_server`` for
-  clients, ``loop.create_connection`` for replicas), httptools (llhttp) to validate request heads
-  and parse responses, header blocks passed through as byte strings, a keep-alive pool per
-  replica. On uvloop a proxied request makes the syscalls nginx makes (one read and one write
-  per side) and costs 1.0-1.1x its CPU (docs/benchmarks.md), against 8-12x with the aiohttp
-  engine this replaced. It runs on the stock asyncio loop too (tests).
+* No framework on the hot path: asyncio Protocols on both sides, httptools (llhttp) to check
+  request heads and parse answers, header blocks passed through as bytes, a keep-alive pool
+  per replica. On uvloop a request makes nginx's syscalls and costs 1.0-1.1x its CPU
+  (docs/benchmarks.md); a long stream goes on a thread of its own (:mod:`.pump`).
 * The common request (whole in one read, a pooled connection ready, a plain Content-Length
   answer, or a stream with a head seen before) takes the fast path (:mod:`corral.balancer.fast`,
   :mod:`corral.balancer.fast_stream`): no per-request object. Everything else, and every
@@ -52,6 +50,7 @@ from corral.balancer.gate import HOLD_PATIENCE, Gate
 from corral.balancer.load_board import LoadBoard, streams_path
 from corral.balancer.policies import EngineLoad
 from corral.balancer.pool import Pool
+from corral.balancer.pump import close_stream_pump
 from corral.balancer.routing import make_policy, shares_load
 from corral.balancer.settings import (
     DEFAULT_HEADER_BYTES,
@@ -271,6 +270,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
             client.abort()
         self._clients.clear()
         self._pool.close_all()
+        close_stream_pump(self)
         for board in (self._board, self._stream_board):
             if board is not None:
                 board.clear()  # its requests are over: they count nowhere any more

@@ -53,6 +53,7 @@ __all__ = [
     "PURE_ENV",
     "ChunkScan",
     "LiveChunks",
+    "Pump",
     "StreamBatch",
     "lead_split",
     "source_digest",
@@ -87,7 +88,8 @@ def _compiled() -> tuple[ModuleType | None, str]:
     module.configure(REQUEST_DROP)
     return module, (
         "compiled (Cython): the fast path's request and answer, the request split under a"
-        " remembered lead, a live stream's batches, chunks relayed as framed, prompt block hashes"
+        " remembered lead, a live stream's batches, chunks relayed as framed (long streams by a"
+        " thread of their own), prompt block hashes"
     )
 
 
@@ -101,11 +103,14 @@ StreamBatch: Any = None
 # de-chunks it and StreamBatch (or the relay's method) frames each batch again.
 ChunkScan: Any = None
 LiveChunks: Any = None
+# The thread that relays long live streams off the loop (corral.balancer.pump); None: none.
+Pump: Any = None
 if _module is not None:
     lead_split = _module.lead_split
     StreamBatch = _module.StreamBatch
     ChunkScan = _module.ChunkScan
     LiveChunks = _module.LiveChunks
+    Pump = _module.Pump
 
 
 def wire_fast_path(

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from corral.balancer.headers import Found
+from corral.balancer.pump import stream_pump
 from corral.balancer.speedups import ChunkScan, LiveChunks
 
 __all__ = [
@@ -363,8 +364,9 @@ class UpstreamConnection(asyncio.Protocol):
         to ``client`` (``write``: its transport's) as the replica framed them, with no Python
         call per batch, and moves its ``kind`` deadline ``idle`` seconds on. Nothing changes
         when the framing was not followed, or it needs httptools (an extension, a trailer).
-        ``first``: no body byte came yet (``raw_first`` is called when one does). True:
-        armed."""
+        ``first``: no body byte came yet (``raw_first`` is called when one does). A stream
+        that goes on is relayed by the balancer's pump thread (corral.balancer.pump) unless the
+        replica speaks TLS. True: armed."""
         chunks, transport = self.chunks, self.transport
         if LiveChunks is None or chunks is None or not chunks.open:
             return False
@@ -376,7 +378,8 @@ class UpstreamConnection(asyncio.Protocol):
             # docstring says what that cost per stream).
             self.front = front = LiveChunks(self)
             transport.set_protocol(front)
-        front.arm(chunks, client, write, idle, kind, first)
+        pump = None if self.target.ssl else stream_pump(client.lb)  # type: ignore[attr-defined]
+        front.arm(chunks, client, write, idle, kind, first, pump)
         return True
 
     def raw_done(self, extra: bool, last: bytes) -> None:
@@ -444,7 +447,15 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.write(data)
 
+    def _reclaim(self, replay: bool) -> None:
+        """Take a live stream back from the pump's thread (``LiveChunks.reclaim``) before this
+        connection's socket is touched: paused, closed or aborted."""
+        front = self.front
+        if front is not None and front.pumped:
+            front.reclaim(replay)
+
     def pause_reading(self, paused: bool) -> None:
+        self._reclaim(True)
         if self.transport is None or self.closed or paused == self.read_paused:
             return
         self.read_paused = paused
@@ -455,6 +466,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close without reuse (anything in flight on it is given up)."""
+        self._reclaim(False)
         self.sink = None
         self.reusable = False
         self.closed = True
@@ -463,6 +475,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def abort(self) -> None:
         """Close at once, dropping unsent bytes: the replica sees the request cancelled."""
+        self._reclaim(False)
         self.sink = None
         self.reusable = False
         self.closed = True
