@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 GET = b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n"
-LONG = 40  # events: past PUMP_LONG (24), so the thread takes the stream
+LONG = 50  # events: past PUMP_LONG (32), so the thread takes the stream
 
 
 def event(i: int, size: int = 0) -> bytes:
@@ -158,18 +158,18 @@ def test_framing_the_thread_leaves_to_the_loop() -> None:
     the client gets the data as sent, and the thread gave each stream back to the loop at
     the framing it does not relay."""
     big = b"B" * 200_000
-    split = frame(event(30))
+    split = frame(event(40))
     cut = [split[:1], split[1:3], split[3:]]  # "b\r\n..." in three writes
     # an extension whose size line is cut too: what the thread relayed of a line it could
     # not yet judge would be lost to httptools, so the thread relays no part of one
-    extended = b"%x;note=1\r\n%b\r\n" % (len(event(30)), event(30))
+    extended = b"%x;note=1\r\n%b\r\n" % (len(event(40)), event(40))
     extension = [extended[:1], extended[1:]]
-    expected = want(30) + big + want(40)[len(want(30)) :]
+    expected = want(40) + big + want(50)[len(want(40)) :]
 
     async def script(n: int, writer: asyncio.StreamWriter) -> None:
-        pieces = [frame(event(i)) for i in range(30)] + [frame(big)]
+        pieces = [frame(event(i)) for i in range(40)] + [frame(big)]
         pieces += cut if n == 0 else extension
-        pieces += [frame(event(i)) for i in range(31, 40)]
+        pieces += [frame(event(i)) for i in range(41, 50)]
         writer.write(STREAM_HEAD)
         for piece in pieces:
             await writer.drain()
@@ -201,7 +201,7 @@ def test_a_client_gone_mid_stream_ends_the_replicas_work() -> None:
         reader, writer = await asyncio.open_connection(HOST, lb.port)
         writer.write(GET)
         await reader.readuntil(b"\r\n\r\n")
-        await reader.readuntil(b"data: 30 ")  # the thread has it by now
+        await reader.readuntil(b"data: 40 ")  # the thread has it by now
         assert pump_of(lb).streams == 1
         writer.transport.abort()
         await asyncio.wait_for(replica.lost.wait(), 10)
@@ -257,7 +257,7 @@ def test_a_slow_client_gets_every_byte() -> None:
         sock.connect((HOST, lb.port))
         reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 25)
         writer.write(GET)
-        raw = await reader.readuntil(b"data: 30 ")  # the thread has it by now
+        raw = await reader.readuntil(b"data: 40 ")  # the thread has it by now
         await asyncio.sleep(0.5)  # not reading: the replica writes on
         assert pump_of(lb).given_back["unsent"] == 1, pump_of(lb).given_back
         raw += await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
@@ -289,7 +289,7 @@ def test_the_idle_timeout_runs_from_the_last_batch_the_thread_relayed() -> None:
 
     async def script(n: int, writer: asyncio.StreamWriter) -> None:
         writer.write(STREAM_HEAD)
-        for i in range(LONG):  # the thread takes it, after 24 quick ones
+        for i in range(LONG):  # the thread takes it, after 32 quick ones
             await writer.drain()
             await asyncio.sleep(0.001)
             writer.write(frame(event(i)))
@@ -326,7 +326,7 @@ def test_the_balancer_stopping_mid_stream_ends_the_thread() -> None:
     async def body(lb: LoadBalancer, replica: Replica) -> None:
         reader, writer = await asyncio.open_connection(HOST, lb.port)
         writer.write(GET)
-        await reader.readuntil(b"data: 30 ")
+        await reader.readuntil(b"data: 40 ")
         assert pump_of(lb).streams == 1
         pump = pump_of(lb)
         await asyncio.wait_for(lb.stop(), 10)

@@ -571,8 +571,9 @@ cdef enum:
     # A stream goes to the thread after PUMP_LONG batches on the loop, or after its first if
     # the last stream on the same replica connection had that many: handing one over and back
     # costs about 24 us (two epoll changes, a duplicate socket, a wake-up of each thread),
-    # each batch the thread relays about 1.3 us less than the loop (docs/benchmarks.md).
-    PUMP_LONG = 24
+    # each batch the thread relays about 1.3 us less than the loop, so a stream pays back
+    # from about 20 batches on (docs/benchmarks.md).
+    PUMP_LONG = 32
     PUMP_HOLD = 24  # bytes of a size line cut by a batch's end the thread holds (15 digits, CR)
     PUMP_SLOTS = 4096  # streams one pump relays at once; more stay on the loop
     PUMP_BUF = 65536  # one read's bytes
