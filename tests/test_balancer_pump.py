@@ -13,15 +13,22 @@ the loop, with the thread holding nothing afterwards.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import ssl
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import uvloop
 from chunked import HOST, STREAM_HEAD, Replica, Script, frame, read_answer
+from conftest import OPENSSL, make_cert
 
 from corral.balancer import LoadBalancer, speedups
+from corral.balancer import pump as pump_module
 
 pytestmark = pytest.mark.skipif(
     speedups.Pump is None, reason="the compiled build is not built, or this run is pure"
@@ -79,26 +86,33 @@ def run(
     script: Script,
     body: Callable[[LoadBalancer, Replica], Awaitable[None]],
     timeout: float = 30,
+    replica_tls: ssl.SSLContext | None = None,
+    trust: ssl.SSLContext | None = None,
+    stock_loop: bool = False,
     **options: Any,
 ) -> LoadBalancer:
-    """``body`` against a balancer in front of one replica answering by ``script``; the
-    balancer, stopped, whose pump thread must have ended with it."""
+    """``body`` against a balancer in front of one replica answering by ``script`` (over TLS
+    with ``replica_tls``, whose certificate ``trust`` has), on uvloop (or asyncio's own
+    loop); the balancer, stopped, whose pump thread must have ended with it."""
     box: list[LoadBalancer] = []
 
     async def main() -> None:
-        async with Replica(script) as replica:
+        async with Replica(script, replica_tls) as replica:
             lb = LoadBalancer(name="svc", **options)
             box.append(lb)
+            if trust is not None:
+                lb._client_ssl = trust
             await lb.start()
             try:
-                lb.set_ready({1: f"http://{HOST}:{replica.port}"})
+                scheme = "https" if replica_tls else "http"
+                lb.set_ready({1: f"{scheme}://{HOST}:{replica.port}"})
                 await body(lb, replica)
             finally:
                 pump = getattr(lb, "_stream_pump", None)
                 await lb.stop()
                 assert pump is None or not pump.running, "the pump's thread outlived stop()"
 
-    uvloop.run(asyncio.wait_for(main(), timeout))
+    (asyncio.run if stock_loop else uvloop.run)(asyncio.wait_for(main(), timeout))
     return box[0]
 
 
@@ -111,10 +125,12 @@ async def streams(port: int, count: int, events: int, size: int = 0) -> None:
     writer.close()
 
 
-def test_long_streams_go_to_the_thread_and_arrive_whole() -> None:
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_long_streams_go_to_the_thread_and_arrive_whole(loop: str) -> None:
     """Three long streams on one client connection: each reaches the client byte for byte,
     the thread took every one (the second and third after their first batch), counted as
-    the loop counts them, over one replica connection kept between them."""
+    the loop counts them, over one replica connection kept between them; on asyncio's own
+    loop as on uvloop."""
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
         await streams(lb.port, 3, LONG)
@@ -125,7 +141,34 @@ def test_long_streams_go_to_the_thread_and_arrive_whole() -> None:
         assert replica.connections == 1
         settled(lb)
 
-    run(stream_of(LONG), body)
+    run(stream_of(LONG), body, stock_loop=loop == "asyncio")
+
+
+@pytest.mark.skipif(OPENSSL is None, reason="the openssl command is missing")
+@pytest.mark.parametrize("tls", ["tls replica", "tls client"])
+def test_tls_streams_stay_on_the_loop(tmp_path: Path, tls: str) -> None:
+    """The thread sends and reads raw sockets: a stream with TLS on either side stays on
+    the loop, whole."""
+    cert, key = make_cert(tmp_path, "localhost", "IP:127.0.0.1")
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    client = ssl.create_default_context(cafile=str(cert))
+
+    async def body(lb: LoadBalancer, replica: Replica) -> None:
+        ctx = client if tls == "tls client" else None
+        reader, writer = await asyncio.open_connection(HOST, lb.port, ssl=ctx)
+        for _ in range(2):
+            writer.write(GET)
+            assert await asyncio.wait_for(read_answer(reader), 10) == want(LONG)
+        writer.close()
+        pump = getattr(lb, "_stream_pump", None)
+        assert pump is None or pump.taken == 0
+        settled(lb)
+
+    if tls == "tls client":
+        run(stream_of(LONG), body, ssl_context=server)
+    else:
+        run(stream_of(LONG), body, replica_tls=server, trust=client)
 
 
 def test_short_streams_stay_on_the_loop() -> None:
@@ -337,3 +380,23 @@ def test_the_balancer_stopping_mid_stream_ends_the_thread() -> None:
         writer.close()
 
     run(stream_of(5000, gap=0.002), body)
+
+
+def test_the_environment_turns_the_pump_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CORRAL_BALANCER_PUMP=0`` is read at import; with it off, long streams stay on the
+    loop, whole."""
+    probe = "from corral.balancer import pump; print(pump._ENABLED)"  # at import
+    for value, enabled in (("0", "False"), ("1", "True")):
+        env = {**os.environ, pump_module.PUMP_ENV: value}
+        out = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == enabled
+    monkeypatch.setattr(pump_module, "_ENABLED", False)
+
+    async def body(lb: LoadBalancer, replica: Replica) -> None:
+        await streams(lb.port, 2, LONG)
+        assert getattr(lb, "_stream_pump", None) is None
+        settled(lb)
+
+    run(stream_of(LONG), body)
