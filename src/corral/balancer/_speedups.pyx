@@ -341,6 +341,17 @@ cdef bytes _PRIME_DATA_CR = b"1\r\nX"     # a parser left where the CR after a c
 cdef bytes _PRIME_DATA_LF = b"1\r\nX\r"   # ... where its LF is
 
 
+cdef inline int _hex(unsigned char c) noexcept nogil:
+    """A hex digit's value; -1 for any other byte."""
+    if 48 <= c <= 57:
+        return c - 48
+    if 97 <= c <= 102:
+        return c - 87
+    if 65 <= c <= 70:
+        return c - 55
+    return -1
+
+
 cdef class ChunkScan:
     """The chunked framing of one answer's body, followed byte by byte so that a live stream's
     bytes can go to the client as the replica framed them (corral.balancer.relay, _go_live).
@@ -410,17 +421,12 @@ cdef class ChunkScan:
                     state = S_DATA_CR
                 continue
             if state == S_SIZE:
-                if 48 <= c <= 57:
-                    v = c - 48
-                elif 97 <= c <= 102:
-                    v = c - 87
-                elif 65 <= c <= 70:
-                    v = c - 55
-                elif c == 13 and self.digits:
-                    state = S_SIZE_LF
-                    i += 1
-                    continue
-                else:
+                v = _hex(c)
+                if v < 0:
+                    if c == 13 and self.digits:
+                        state = S_SIZE_LF
+                        i += 1
+                        continue
                     return self._bail(data, line, i, state, release)
                 if self.digits == MAX_DIGITS:
                     return self._bail(data, line, i, state, release)
@@ -650,17 +656,12 @@ cdef Py_ssize_t _scan_whole(Flow *f, const unsigned char *p, Py_ssize_t n) noexc
             continue
         c = p[i]
         if state == S_SIZE:
-            if 48 <= c <= 57:
-                v = c - 48
-            elif 97 <= c <= 102:
-                v = c - 87
-            elif 65 <= c <= 70:
-                v = c - 55
-            elif c == 13 and digits:
-                state = S_SIZE_LF
-                i += 1
-                continue
-            else:
+            v = _hex(c)
+            if v < 0:
+                if c == 13 and digits:
+                    state = S_SIZE_LF
+                    i += 1
+                    continue
                 return -1
             if digits == MAX_DIGITS:
                 return -1
