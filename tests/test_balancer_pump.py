@@ -128,14 +128,23 @@ async def streams(port: int, count: int, events: int, size: int = 0) -> None:
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_long_streams_go_to_the_thread_and_arrive_whole(loop: str) -> None:
     """Three long streams on one client connection: each reaches the client byte for byte,
-    the thread took every one (the second and third after their first batch), counted as
-    the loop counts them, over one replica connection kept between them; on asyncio's own
-    loop as on uvloop."""
+    the thread took every one, counted as the loop counts them, over one replica connection
+    kept between them; on asyncio's own loop as on uvloop. The first went to the thread after
+    32 batches; the next ones, after a long one on the same replica connection, at once."""
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
-        await streams(lb.port, 3, LONG)
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        writer.write(GET)
+        assert await asyncio.wait_for(read_answer(reader), 10) == want(LONG)
+        assert pump_of(lb).taken == 1
+        for taken in (2, 3):
+            writer.write(GET)
+            raw = await asyncio.wait_for(reader.readuntil(b"data: 3 "), 10)
+            assert (pump_of(lb).taken, pump_of(lb).streams) == (taken, 1)
+            raw += await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)
+            assert dechunk(raw.partition(b"\r\n\r\n")[2]) == want(LONG)
+        writer.close()
         pump = pump_of(lb)
-        assert pump.taken == 3
         assert pump.given_back["replayed"] == 3  # each one's last batch: the loop ends it
         assert lb._codes.get(200) == 3
         assert replica.connections == 1

@@ -8,10 +8,10 @@ back through :meth:`LoadBalancer.in_flight`, :meth:`LoadBalancer.wait_drained`,
 
 Design points:
 
-* No framework on the hot path: asyncio Protocols on both sides, httptools (llhttp) to check
-  request heads and parse answers, header blocks passed through as bytes, a keep-alive pool
-  per replica. On uvloop a request makes nginx's syscalls and costs 1.0-1.1x its CPU
-  (docs/benchmarks.md); a long stream goes on a thread of its own (:mod:`.pump`).
+* No framework on the hot path: asyncio Protocols on both sides (uvloop's, or the stock loop's),
+  httptools to check request heads and parse answers, a keep-alive pool per replica. A request
+  makes nginx's syscalls and costs 1.0-1.1x its CPU (docs/benchmarks.md); a long stream goes
+  on a thread of its own (:mod:`corral.balancer.pump`).
 * The common request (whole in one read, a pooled connection ready, a plain Content-Length
   answer, or a stream with a head seen before) takes the fast path (:mod:`corral.balancer.fast`,
   :mod:`corral.balancer.fast_stream`): no per-request object. Everything else, and every
