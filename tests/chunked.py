@@ -1,9 +1,10 @@
 """Chunked streams on real sockets, for the balancer's stream tests: a replica on 127.0.0.1
 that answers each request by a script, and a client's reading of a chunked answer.
 
-Why a module: the live stream's tests (tests/test_balancer_live_chunks.py) and the fast path
-for streams' (tests/test_balancer_fast_stream.py) drive the same kind of replica and read the
-same kind of answer.
+Why a module: the live stream's tests (tests/test_balancer_live_chunks.py), the fast path
+for streams' (tests/test_balancer_fast_stream.py) and the stream pump's
+(tests/test_balancer_pump.py) drive the same kind of replica and read the same kind of
+answer; the relay's (tests/test_balancer_relay.py) and the pump's decode raw chunked bytes.
 """
 
 from __future__ import annotations
@@ -79,6 +80,24 @@ class Replica:
         finally:
             self.lost.set()
             writer.close()
+
+
+def dechunk(body: bytes) -> tuple[bytes, bool]:
+    """The data of a chunked body, and whether its last chunk came (strict framing). The body
+    may stop inside a chunk's data, as a stream relayed as framed does between batches."""
+    data, at = b"", 0
+    while at < len(body):
+        eol = body.index(b"\r\n", at)
+        size = int(body[at:eol], 16)
+        if size == 0:
+            assert body[eol:] == b"\r\n\r\n", body[eol:]
+            return data, True
+        data += body[eol + 2 : eol + 2 + size]
+        if eol + 2 + size >= len(body):
+            return data, False  # the rest of this chunk is still to come
+        assert body[eol + 2 + size : eol + 4 + size] == b"\r\n"
+        at = eol + 4 + size
+    return data, False
 
 
 async def read_answer(reader: asyncio.StreamReader) -> bytes:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from unittest import mock
 
 import pytest
+from chunked import dechunk
 from test_balancer_fastpath import FakeTransport, Rig
 
 from corral.balancer import relay, speedups, upstream
@@ -66,24 +67,6 @@ def lose(conn: UpstreamConnection, exc: Exception | None) -> None:
 
 def frame(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
-
-
-def dechunk(body: bytes) -> tuple[bytes, bool]:
-    """The data of a chunked body, and whether its last chunk came (strict framing). The body
-    may stop inside a chunk's data, as a stream relayed as framed does between batches."""
-    data, at = b"", 0
-    while at < len(body):
-        eol = body.index(b"\r\n", at)
-        size = int(body[at:eol], 16)
-        if size == 0:
-            assert body[eol:] == b"\r\n\r\n", body[eol:]
-            return data, True
-        data += body[eol + 2 : eol + 2 + size]
-        if eol + 2 + size >= len(body):
-            return data, False  # the rest of this chunk is still to come
-        assert body[eol + 2 + size : eol + 4 + size] == b"\r\n"
-        at = eol + 4 + size
-    return data, False
 
 
 def send(rig: Rig, request: bytes) -> UpstreamConnection:

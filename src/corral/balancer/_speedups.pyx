@@ -960,10 +960,11 @@ cdef class LiveChunks:
                 up.resume_reading()
             except Exception:
                 pass  # closed under us (connection_lost comes next): nothing to read
+        if not replay:
+            f.nheld = 0
+            return
         held = PyBytes_FromStringAndSize(<char *>f.held, f.nheld) if f.nheld else None
         f.nheld = 0
-        if not replay:
-            return
         client.deadline_kind = self.kind
         client.deadline = f.last + self.idle
         if back == BACK_UNSENT:
@@ -1061,8 +1062,7 @@ cdef class Pump:
     cdef dict owners  # slot: the LiveChunks whose flow it is (alive while taken)
     cdef bint closed
     cdef public long long taken  # streams handed to the thread, ever
-    cdef public long long handed_back  # ... that the thread gave back (to end, or to go on)
-    cdef long long backs[5]  # ... by why (Flow.back)
+    cdef long long backs[5]  # streams it gave back (to end, or to go on), by why (Flow.back)
 
     def __cinit__(self):
         cdef epoll_event ev
@@ -1218,7 +1218,6 @@ cdef class Pump:
                 # Taken back already while an earlier one ran (its slot may be another's now).
                 if front is None or front.flow.gen != <uint32_t>(keys[i] >> 32):
                     continue
-                self.handed_back += 1
                 self.backs[front.flow.back] += 1
                 try:
                     front.reclaim(True)
