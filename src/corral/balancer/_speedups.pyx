@@ -511,7 +511,7 @@ cdef class ChunkScan:
 
 # A long live stream's batches relayed by a thread of their own (Pump), off the event loop:
 # epoll, read, scan, send, and no Python at all per batch. Why: on uvloop each batch costs a
-# loop wake-up, a bytes object, a protocol call and a transport write, about 1.6 us of user
+# loop wake-up, a bytes object, a protocol call and a transport write, about 1.8 us of user
 # time per event against nginx's 1.0, whatever that protocol does (docs/benchmarks.md). The
 # thread takes a stream's replica socket (uvloop's reading paused meanwhile) and a duplicate
 # of its client's socket once the stream proves long (PUMP_LONG), relays only batches

@@ -1,7 +1,7 @@
 """Which balancer relays its long live streams on a thread of its own, and that thread's end.
 
 Why a thread: on uvloop each batch of a live stream costs a loop wake-up, a bytes object, a
-protocol call and a transport write, about 1.6 us of user time per event against nginx's 1.0,
+protocol call and a transport write, about 1.8 us of user time per event against nginx's 1.0,
 whatever the protocol does with it (docs/benchmarks.md). The compiled build's ``Pump``
 (``_speedups.pyx``, "stream pump") takes a stream once it has relayed a few batches on the loop
 and relays the rest with no Python at all: epoll, read, check the chunk framing, send. Whatever
