@@ -437,3 +437,58 @@ def test_a_live_streams_last_event_and_its_end_leave_in_one_write() -> None:
     ):
         uvloop.run(asyncio.wait_for(main(), 30))
     assert writes[-1] == events[-1], writes
+
+
+# First batches that end part-way through the replica's framing: in a chunk's data, between
+# its data and CRLF, between CR and LF, in the next size line. The general path frames what it
+# read of that batch as chunks of its own, so the replica's framing cannot take over there.
+CUT_FIRST = {
+    "in data": [b"10\r\nAAAAAAAA", b"BBBBBBBB\r\n", *PLAIN],
+    "before CRLF": [b"8\r\nAAAAAAAA", b"\r\n", *PLAIN],
+    "between CR and LF": [b"8\r\nAAAAAAAA\r", b"\n", *PLAIN],
+    "in a size line": [frame(b"AAAAAAAA") + b"1", b"0\r\n" + b"B" * 16 + b"\r\n", *PLAIN],
+}
+
+
+@pytest.mark.parametrize("build", ["compiled", "pure"])
+@pytest.mark.parametrize("cut", list(CUT_FIRST))
+def test_a_first_batch_cut_in_a_chunk_reaches_the_client_whole(build: str, cut: str) -> None:
+    """Whatever the first batch cut, the client decodes every byte the replica sent, on the
+    general path (a connection's first stream) and then on the fast one (its second)."""
+    if build == "compiled" and speedups.LiveChunks is None:
+        pytest.skip("the compiled build is not built, or this run is pure")
+    pieces = CUT_FIRST[cut]
+    want = _dechunked(b"".join(pieces))
+
+    async def main() -> None:
+        async with Replica(written(pieces)) as replica:
+            lb = LoadBalancer(name="svc")
+            await lb.start()
+            try:
+                lb.set_ready({1: f"http://{HOST}:{replica.port}"})
+                reader, writer = await asyncio.open_connection(HOST, lb.port)
+                for _ in range(2):
+                    writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
+                    assert await asyncio.wait_for(read_answer(reader), 10) == want
+                writer.close()
+            finally:
+                await lb.stop()
+
+    with contextlib.ExitStack() as stack:
+        if build == "pure":
+            stack.enter_context(mock.patch.object(relay, "StreamBatch", None))
+            stack.enter_context(mock.patch.object(upstream, "ChunkScan", None))
+        uvloop.run(asyncio.wait_for(main(), 30))
+
+
+def _dechunked(body: bytes) -> bytes:
+    """What httptools reads from a chunked body: the data the replica meant."""
+    got: list[bytes] = []
+
+    class Sink:
+        def on_body(self, data: bytes) -> None:
+            got.append(data)
+
+    parser = httptools.HttpResponseParser(Sink())
+    parser.feed_data(STREAM_HEAD + body)
+    return b"".join(got)

@@ -390,6 +390,13 @@ cdef class ChunkScan:
         """False once it ended the answer or bailed: nothing it says counts any more."""
         return self.state != S_END
 
+    @property
+    def at_boundary(self):
+        """Between two chunks (or before the first): nothing of a chunk or its size line is
+        part-way. The relay's general path frames what httptools gave it as chunks of its
+        own, so the replica's own framing may follow them only from such a point."""
+        return self.state == S_SIZE and self.digits == 0 and PyBytes_GET_SIZE(self.held) == 0
+
     def scan(self, bytes data not None):
         """Follow ``data``; MORE (0), DONE (1) or BAIL (2), with ``forward``, ``prime``,
         ``replay`` and ``extra`` set as the class docstring says."""

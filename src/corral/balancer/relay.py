@@ -293,8 +293,13 @@ class ResponseRelay:
         attrs["on_response_body"] = out.append
         transport = self.client.transport
         conn = self.conn
+        # Only from a chunk's start: what came before was framed here (``_flush``), so a chunk
+        # the last batch cut would reach the client with no size line. Such a stream stays
+        # on the path below (a replica that flushes whole events never cuts one).
         if live == _LIVE_CHUNK and transport is not None and conn is not None:
-            conn.go_raw(self.client, transport.write, self.lb._idle_timeout, DL_IDLE)
+            chunks = conn.chunks
+            if chunks is not None and chunks.at_boundary:
+                conn.go_raw(self.client, transport.write, self.lb._idle_timeout, DL_IDLE)
         if StreamBatch is not None and transport is not None:
             attrs["on_upstream_data_done"] = StreamBatch(
                 weakref.ref(self),
