@@ -365,3 +365,58 @@ def test_prefix_index_runs_the_chosen_build() -> None:
 
     expected = compiled.block_hashes if speedups.ACCELERATED == "compiled" else None
     assert prefix._block_hashes is (expected or prefix.block_hashes)
+    assert prefix._insert_blocks is (
+        compiled.insert_blocks if speedups.ACCELERATED == "compiled" else prefix.insert_blocks
+    )
+
+
+# Chains of block hashes as prompts make them: several families sharing leading blocks, each
+# prompt a family's prefix plus blocks of its own (so inserts find runs already held).
+_CHAINS = st.lists(
+    st.tuples(
+        st.integers(min_value=0, max_value=3),  # the family
+        st.integers(min_value=0, max_value=12),  # how many of its blocks
+        st.lists(st.integers(min_value=0, max_value=5), max_size=6),  # its own
+        st.integers(min_value=0, max_value=3),  # the replica
+    ),
+    max_size=40,
+)
+
+
+@needs_compiled
+@settings(max_examples=400, deadline=None)
+@given(chains=_CHAINS, bound=st.integers(min_value=1, max_value=30))
+def test_insert_blocks_changes_the_index_as_its_pure_twin(
+    chains: list[tuple[int, int, list[int], int]], bound: int
+) -> None:
+    from collections import OrderedDict
+
+    from corral.balancer import prefix
+
+    states: list[tuple[dict[int, OrderedDict[int, None]], dict[int, int]]] = [({}, {}), ({}, {})]
+    for family, length, own, replica in chains:
+        hashes, parent = [], 0
+        for block in [family * 100 + i for i in range(length)] + own:
+            parent = hash((parent, block))  # chained: one hash names the whole prefix
+            hashes.append(parent)
+        builds = (prefix.insert_blocks, compiled.insert_blocks)
+        for (lrus, owners), insert in zip(states, builds, strict=True):
+            lru = lrus.setdefault(replica, OrderedDict())
+            insert(lru, owners, hashes, min(len(hashes), bound), 1 << replica, bound)
+    (pure_lrus, pure_owners), (fast_lrus, fast_owners) = states
+    assert fast_owners == pure_owners
+    assert {r: list(lru) for r, lru in fast_lrus.items()} == {
+        r: list(lru) for r, lru in pure_lrus.items()
+    }
+
+
+@needs_compiled
+def test_insert_blocks_takes_any_sequence_and_refuses_a_limit_past_it() -> None:
+    from collections import OrderedDict
+
+    lru: OrderedDict[int, None] = OrderedDict()
+    owners: dict[int, int] = {}
+    compiled.insert_blocks(lru, owners, (3, 4, 5), 2, 1, 10)
+    assert list(lru) == [4, 3] and owners == {3: 1, 4: 1}
+    with pytest.raises(ValueError, match="past"):
+        compiled.insert_blocks(lru, owners, [3], 2, 1, 10)

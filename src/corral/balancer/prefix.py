@@ -65,6 +65,7 @@ __all__ = [
     "PrefixIndex",
     "block_hashes",
     "bounded_choice",
+    "insert_blocks",
     "rendezvous_order",
     "stable_key",
 ]
@@ -160,6 +161,40 @@ def _held(lru: Mapping[int, None], hashes: Sequence[int], limit: int) -> int:
     return lo
 
 
+def insert_blocks(
+    lru: OrderedDict[int, None],
+    owners: dict[int, int],
+    hashes: Sequence[int],
+    limit: int,
+    bit: int,
+    bound: int,
+) -> None:
+    """:meth:`PrefixIndex.insert`'s work on one replica's blocks (``lru``, its ``bit`` in the
+    ``owners`` masks): the first ``limit`` of ``hashes`` recorded most recently used, then
+    its oldest blocks beyond ``bound`` evicted. A function of its own so that the compiled
+    build can run its twin (the same changes in the same order)."""
+    held = _held(lru, hashes, limit)
+    # Last block first, so that every block ends up more recently used than its children:
+    # the new ones (the chain's end), then those held, moved in one pass in C.
+    for i in range(limit - 1, held - 1, -1):
+        h = hashes[i]
+        lru[h] = None
+        owners[h] = owners.get(h, 0) | bit
+    if held:
+        deque(map(lru.move_to_end, hashes[held - 1 :: -1]), maxlen=0)
+    extra = len(lru) - bound
+    for _ in range(extra):
+        h = lru.popitem(last=False)[0]
+        left = owners[h] & ~bit
+        if left:
+            owners[h] = left
+        else:
+            del owners[h]
+
+
+_insert_blocks = speedups.twin("insert_blocks") or insert_blocks
+
+
 class PrefixIndex:
     """Per replica, the chained block hashes of the prompts sent there, LRU-bounded.
 
@@ -236,26 +271,10 @@ class PrefixIndex:
             index = self._free.pop() if self._free else len(self._bit)
             self._bit[replica] = 1 << index
             self._rid[index] = replica
-        bit = self._bit[replica]
-        owners = self._owners
         limit = min(len(hashes), self.max_blocks_per_replica)
-        held = _held(lru, hashes, limit)
-        # Last block first, so that every block ends up more recently used than its children:
-        # the new ones (the chain's end), then those held, moved in one pass in C.
-        for i in range(limit - 1, held - 1, -1):
-            h = hashes[i]
-            lru[h] = None
-            owners[h] = owners.get(h, 0) | bit
-        if held:
-            deque(map(lru.move_to_end, hashes[held - 1 :: -1]), maxlen=0)
-        extra = len(lru) - self.max_blocks_per_replica
-        for _ in range(extra):
-            h = lru.popitem(last=False)[0]
-            left = owners[h] & ~bit
-            if left:
-                owners[h] = left
-            else:
-                del owners[h]
+        _insert_blocks(
+            lru, self._owners, hashes, limit, self._bit[replica], self.max_blocks_per_replica
+        )
 
     def forget(self, replica: int) -> None:
         """Drop everything recorded for ``replica`` (it left the ready set, or restarted with an
