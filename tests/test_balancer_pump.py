@@ -13,11 +13,13 @@ the loop, with the thread holding nothing afterwards.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -395,3 +397,30 @@ def test_the_environment_turns_the_pump_off(monkeypatch: pytest.MonkeyPatch) -> 
         settled(lb)
 
     run(stream_of(LONG), body)
+
+
+def test_a_thread_that_cannot_start_leaves_streams_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where no thread can be started (a limit on threads or processes), long streams stay
+    on the loop, whole; the pump takes none, says so once, and the balancer stops cleanly."""
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "corral-stream-pump":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+
+    async def body(lb: LoadBalancer, replica: Replica) -> None:
+        await streams(lb.port, 3, LONG)
+        pump = pump_of(lb)
+        assert (pump.taken, pump.streams, pump.running) == (0, 0, False)
+        assert lb._codes.get(200) == 3
+        settled(lb)
+
+    with caplog.at_level(logging.WARNING, logger="corral.balancer"):
+        run(stream_of(LONG), body)
+    said = [r for r in caplog.records if "could not start" in r.getMessage()]
+    assert len(said) == 1

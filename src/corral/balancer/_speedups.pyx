@@ -604,8 +604,11 @@ cdef struct Flow:
     # One stream the thread relays; it lives in its LiveChunks, which the pump keeps alive.
     int slot
     uint32_t gen
-    int up  # the replica's socket (uvloop's own descriptor; its reading is paused)
-    int down  # a duplicate of the client's socket (so a close by uvloop cannot reuse it)
+    # Duplicates of the replica's and the client's sockets (uvloop's reading of the replica
+    # paused): a close by uvloop, which may come before the connection hears of it, cannot
+    # hand either number to another socket while the thread reads or sends on it.
+    int up
+    int down
     int state  # ChunkScan's framing, carried over and back
     int digits
     long long size
@@ -720,9 +723,10 @@ cdef bint _hand_back(Flow *f, const unsigned char *p, Py_ssize_t n, int kind) no
     return True
 
 
-cdef bint _pump_batch(PumpCore *c, Flow *f) noexcept nogil:
+cdef bint _pump_batch(PumpCore *c, Flow *f, double *sent) noexcept nogil:
     """Relay what the replica sent; True: the flow is handed back (``f.back`` says why). A
-    size line held from the last batch goes in front of this one's bytes."""
+    size line held from the last batch goes in front of this one's bytes. ``sent``: when
+    bytes went to the client (0: none), for the caller to store under the lock."""
     cdef Py_ssize_t held = f.nheld
     cdef ssize_t r
     cdef ssize_t w
@@ -748,7 +752,7 @@ cdef bint _pump_batch(PumpCore *c, Flow *f) noexcept nogil:
     if end == 0:
         return False
     w = send(f.down, c.buf, end, MSG_NOSIGNAL | MSG_DONTWAIT)
-    f.last = _now()
+    sent[0] = _now()
     f.batches += 1
     if w == end:
         return False
@@ -774,6 +778,7 @@ cdef void _pump_serve(PumpCore *c) noexcept nogil:
     cdef uint64_t key
     cdef int n, i, slot
     cdef bint signal, orphaned, handed
+    cdef double sent
     cdef Flow *f
     while True:
         n = epoll_wait(c.ep, events, PUMP_EVENTS, -1)
@@ -791,9 +796,9 @@ cdef void _pump_serve(PumpCore *c) noexcept nogil:
         signal = False
         for i in range(n):
             key = events[i].data.u64
-            slot = <int>(key & 0xFFFFFFFFU)
-            if slot >= PUMP_SLOTS:
+            if (key & 0xFFFFFFFFU) >= PUMP_SLOTS:
                 continue  # the stop eventfd
+            slot = <int>(key & 0xFFFFFFFFU)
             pthread_mutex_lock(&c.lock)
             f = c.table[slot]
             if f == NULL or f.gen != <uint32_t>(key >> 32) or f.back != BACK_NONE:
@@ -801,9 +806,12 @@ cdef void _pump_serve(PumpCore *c) noexcept nogil:
                 continue  # given back, or taken back by the loop, since the wait returned
             f.busy = True
             pthread_mutex_unlock(&c.lock)
-            handed = _pump_batch(c, f)
+            sent = 0.0
+            handed = _pump_batch(c, f, &sent)
             pthread_mutex_lock(&c.lock)
             f.busy = False
+            if sent != 0.0:
+                f.last = sent  # under the lock: the loop reads it to move the idle deadline
             if handed:
                 epoll_ctl(c.ep, EPOLL_CTL_DEL, f.up, NULL)
                 c.done[c.ndone] = key
@@ -895,7 +903,7 @@ cdef class LiveChunks:
         a line held back, a client with bytes still queued, a paused replica, transports
         with no socket of their own (or not uvloop's: any error here leaves it on the loop)."""
         cdef Flow *f = &self.flow
-        cdef int down
+        cdef int down, fd
         conn = self.conn
         transport = client.transport
         up = conn.transport
@@ -909,11 +917,16 @@ cdef class LiveChunks:
             usock = up.get_extra_info("socket")
             if sock is None or usock is None:
                 return
-            down = fcntl(sock.fileno(), F_DUPFD_CLOEXEC, 0)
+            down = sock.fileno()
             fd = usock.fileno()
         except Exception:
             return
+        down = fcntl(down, F_DUPFD_CLOEXEC, 0)
         if down < 0:
+            return
+        fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)
+        if fd < 0:
+            c_close(down)
             return
         f.state = scan.state
         f.digits = scan.digits
@@ -926,9 +939,11 @@ cdef class LiveChunks:
             up.pause_reading()  # before the thread can read: one reader at a time
         except Exception:
             c_close(down)
+            c_close(fd)
             return
         if not self.pumps.take(self, fd, down):
             c_close(down)
+            c_close(fd)
             up.resume_reading()
             return
         self.pump = self.pumps
@@ -947,13 +962,9 @@ cdef class LiveChunks:
         self.pump = None
         pump.release(f)
         c_close(f.down)
+        c_close(f.up)
         back = f.back
         self.batches += f.batches
-        data = None
-        if f.data != NULL:
-            data = PyBytes_FromStringAndSize(f.data, f.ndata)
-            free(f.data)
-            f.data = NULL
         if scan is not None:
             scan.state = f.state
             scan.digits = f.digits
@@ -968,11 +979,18 @@ cdef class LiveChunks:
                 up.resume_reading()
             except Exception:
                 pass  # closed under us (connection_lost comes next): nothing to read
-        if not replay:
+        data = held = None
+        try:  # the stream is the loop's again whatever happens here
+            if replay and f.data != NULL:
+                data = PyBytes_FromStringAndSize(f.data, f.ndata)
+            if replay and f.nheld:
+                held = PyBytes_FromStringAndSize(<char *>f.held, f.nheld)
+        finally:
+            free(f.data)
+            f.data = NULL
             f.nheld = 0
+        if not replay:
             return
-        held = PyBytes_FromStringAndSize(<char *>f.held, f.nheld) if f.nheld else None
-        f.nheld = 0
         client.deadline_kind = self.kind
         client.deadline = f.last + self.idle
         if back == BACK_UNSENT:
@@ -983,7 +1001,10 @@ cdef class LiveChunks:
             return  # a line the thread held is the start of that batch
         elif back == BACK_LOST:
             self._disarm()
-            conn.raw_failed()
+            try:
+                raise MemoryError("the stream pump had no memory to keep a batch")
+            except MemoryError:
+                conn.raw_failed()  # logs the error it is handling, and cuts
             return
         if held is not None:  # ChunkScan holds it from here, as it would have
             self.data_received(held)
@@ -994,7 +1015,7 @@ cdef class LiveChunks:
         cdef double due
         if self.pump is None:
             return False
-        due = self.flow.last + self.idle
+        due = self.pump.last_batch(&self.flow) + self.idle
         if due > _now():
             self.client.deadline = due
             return True
@@ -1069,6 +1090,7 @@ cdef class Pump:
     cdef object thread
     cdef dict owners  # slot: the LiveChunks whose flow it is (alive while taken)
     cdef bint closed
+    cdef bint unstartable  # its thread could not be started: it takes nothing
     cdef public long long taken  # streams handed to the thread, ever
     cdef long long backs[5]  # streams it gave back (to end, or to go on), by why (Flow.back)
 
@@ -1129,12 +1151,13 @@ cdef class Pump:
 
     cdef bint take(self, LiveChunks front, int up, int down):
         """Hand ``front``'s flow (its framing already in it) to the thread: ``up`` the
-        replica's socket, ``down`` the client's duplicate. False: not taken (closed, full)."""
+        replica's socket, ``down`` the client's, both duplicates. False: not taken (closed,
+        full, or no thread could be started: the stream stays on the loop)."""
         cdef PumpCore *c = self.c
         cdef Flow *f = &front.flow
         cdef epoll_event ev
         cdef int slot
-        if self.closed:
+        if self.closed or not self._started():
             return False
         pthread_mutex_lock(&c.lock)
         if c.nfree == 0:
@@ -1164,11 +1187,33 @@ cdef class Pump:
             return False
         self.owners[slot] = front
         self.taken += 1
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._serve, name="corral-stream-pump",
-                                           daemon=True)
-            self.thread.start()
         return True
+
+    cdef bint _started(self):
+        """The thread runs (started with the first stream). One that cannot be started (a
+        limit on threads) leaves every stream on the loop, said once in the log."""
+        if self.thread is not None:
+            return True
+        if self.unstartable:
+            return False
+        thread = threading.Thread(target=self._serve, name="corral-stream-pump", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            self.unstartable = True
+            _log.warning("balancer: the stream pump's thread could not start (%s): long "
+                         "streams stay on the event loop", exc)
+            return False
+        self.thread = thread
+        return True
+
+    cdef double last_batch(self, Flow *f) noexcept:
+        """When the thread last relayed a batch of ``f`` (it writes that time as it goes)."""
+        cdef double last
+        pthread_mutex_lock(&self.c.lock)
+        last = f.last
+        pthread_mutex_unlock(&self.c.lock)
+        return last
 
     cdef void release(self, Flow *f):
         """The flow is the loop's again: out of the thread's set (or its list of flows handed
