@@ -18,10 +18,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from corral.balancer import prompt as prompt_module
 from corral.balancer.prefix import (
     PrefixIndex,
     block_hashes,
@@ -362,3 +366,45 @@ def test_bounded_choice_spills_a_hot_key_in_order() -> None:
     assert bounded_choice(order, {2: 3, 0: 0, 1: 0}) == 0  # bound ceil(1.25 * 4 / 3) = 2
     assert bounded_choice(order, {2: 1, 0: 0, 1: 0}) == 0  # bound ceil(1.25 * 2 / 3) = 1
     assert bounded_choice(order, {2: 1, 0: 1, 1: 1}) == 2  # bound ceil(1.25 * 4 / 3) = 2
+
+
+def _stdlib_prompt(path: str, body: bytes, field: str | None) -> Any:
+    """read_prompt with the standard library's parser alone (what it was before orjson)."""
+    with mock.patch.object(prompt_module, "_parse", json.loads):
+        return read_prompt(path, body, field)
+
+
+# Integers within 64 bits: past them orjson reads a float (prompt._parse says so).
+_json64 = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=20,
+)
+
+
+@given(_json64, _paths, _fields, st.sampled_from(["messages", "prompt", "text", "x"]))
+def test_the_prompt_is_the_one_the_standard_parser_gives(
+    value: Any, path: str, field: str | None, key: str
+) -> None:
+    """orjson reads the body first; whatever it reads, the prompt is the standard library's."""
+    for doc in (value, {key: value}, {key: value, "tools": value}):
+        body = json.dumps(doc).encode()
+        assert read_prompt(path, body, field) == _stdlib_prompt(path, body, field)
+
+
+def test_what_orjson_refuses_the_standard_parser_reads() -> None:
+    """Bodies the standard library takes and orjson does not: the same prompt as before."""
+    bodies = [
+        b'{"prompt": "\\ud800 lone"}',  # a lone surrogate in an escape
+        b'{"prompt": "p", "temperature": NaN}',
+        '{"prompt": "utf-16"}'.encode("utf-16"),
+    ]
+    for body in bodies:
+        with pytest.raises(orjson.JSONDecodeError):
+            orjson.loads(body)
+        got = read_prompt("/v1/completions", body)
+        assert got is not None and got == _stdlib_prompt("/v1/completions", body, None)
