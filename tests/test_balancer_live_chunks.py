@@ -492,3 +492,44 @@ def _dechunked(body: bytes) -> bytes:
     parser = httptools.HttpResponseParser(Sink())
     parser.feed_data(STREAM_HEAD + body)
     return b"".join(got)
+
+
+@pytest.mark.parametrize(
+    ("coding", "relayed"),
+    [
+        (b"Transfer-Encoding: gzip, chunked\r\n", False),
+        (b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n", False),
+        (b"Transfer-Encoding: Chunked \r\n", True),
+    ],
+    ids=["gzip, chunked", "on two lines", "chunked in capitals"],
+)
+def test_a_transfer_coding_other_than_chunked_is_refused(coding: bytes, relayed: bool) -> None:
+    """The relay takes the chunks off and puts them back, and Transfer-Encoding is hop-by-hop:
+    a body gzip'd as a transfer coding would reach the client gzip'd with nothing saying so.
+    Such an answer is a 502 naming the coding (as nginx refuses it); ``chunked`` alone, in
+    any case, is relayed."""
+    body = b"data: hello\n\n"
+
+    async def script(n: int, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n" + coding + b"\r\n" + frame(body) + b"0\r\n\r\n")
+
+    async def main() -> None:
+        async with Replica(script) as replica:
+            lb = LoadBalancer(name="svc")
+            await lb.start()
+            try:
+                lb.set_ready({1: f"http://{HOST}:{replica.port}"})
+                reader, writer = await asyncio.open_connection(HOST, lb.port)
+                writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\nConnection: close\r\n\r\n")
+                answer = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+            finally:
+                await lb.stop()
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        if relayed:
+            assert head.startswith(b"HTTP/1.1 200") and _dechunked(rest) == body
+        else:
+            assert head.startswith(b"HTTP/1.1 502"), answer
+            assert b"transfer coding the balancer cannot relay" in rest
+
+    uvloop.run(asyncio.wait_for(main(), 30))

@@ -45,6 +45,13 @@ DL_HEAD: Final = -1
 DL_LINGER: Final = -2
 
 
+def _only_chunked(values: list[bytes]) -> bool:
+    """A Transfer-Encoding (its header lines' values) that is ``chunked`` alone, the one
+    coding the relay carries (its framing is taken off and put back)."""
+    codings = [c.strip().lower() for value in values for c in value.split(b",") if c.strip()]
+    return codings == [b"chunked"]
+
+
 class ResponseRelay:
     """The response side of an exchange (see the module docstring)."""
 
@@ -97,13 +104,23 @@ class ResponseRelay:
             msg = f"{what} (HTTP {status})"
             self.pending_failure = Failure(502, msg, "upstream_error", retryable=False)
             return True
+        eol = head.find(b"\r\n")
+        block = head[eol:-2]
+        kept, found = self._scan_head(block)
+        coding = found.get(b"transfer-encoding")
+        bodiless = self.head_only or status in (204, 304)
+        if coding is not None and not bodiless and not _only_chunked(coding):
+            # httptools takes the chunks off and nothing else, and the header is hop-by-hop:
+            # relayed, the body would reach the client still gzip'd with nothing saying so.
+            # As nginx does: the replica's answer is refused.
+            shown = b", ".join(coding).decode("latin-1")[:80]
+            msg = f"sent a transfer coding the balancer cannot relay ({shown})"
+            self.pending_failure = Failure(502, msg, "upstream_error", retryable=False)
+            return True
         self.status = status
         lb = self.lb
         if self.rid is not None:
             lb._served[self.rid] = lb._served.get(self.rid, 0) + 1
-        eol = head.find(b"\r\n")
-        block = head[eol:-2]
-        kept, found = self._scan_head(block)
         status_line = head[:eol]
         if status_line[:9] != b"HTTP/1.1 ":
             status_line = b"HTTP/1.1 " + status_line[9:]
@@ -111,7 +128,7 @@ class ResponseRelay:
         if length is not None:
             self.ttft_from = 0.0  # a whole answer, not a stream: no first token to time
         extra = b""
-        if self.head_only or status in (204, 304):
+        if bodiless:
             mode = _NONE
         elif length is not None:
             mode = _RAW
@@ -120,7 +137,6 @@ class ResponseRelay:
                 if 0 < size <= BUFFER_RESPONSE_BYTES:
                     mode = _WHOLE
         else:
-            coding = found.get(b"transfer-encoding")
             self.eof_ends = coding is None
             if self.http11:
                 mode = _CHUNK
@@ -174,15 +190,10 @@ class ResponseRelay:
 
     def _follow_chunks(self, coding: list[bytes] | None) -> None:
         """Have the connection follow the framing, so a live stream can go as framed
-        (_go_live), when Transfer-Encoding says ``chunked`` and nothing else: only then is the
-        body the plain chunks ChunkScan follows (other codings are httptools' alone)."""
+        (_go_live), when Transfer-Encoding says ``chunked`` (on_response_head refused any
+        other coding): only then is the body the plain chunks ChunkScan follows."""
         conn = self.conn
-        if (
-            conn is not None
-            and coding is not None
-            and len(coding) == 1
-            and coding[0].lower() == b"chunked"
-        ):
+        if conn is not None and coding is not None:
             conn.follow_chunks()
 
     def on_response_body(self, data: bytes) -> None:
