@@ -533,3 +533,37 @@ def test_a_transfer_coding_other_than_chunked_is_refused(coding: bytes, relayed:
             assert b"transfer coding the balancer cannot relay" in rest
 
     uvloop.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_size_line_alone_is_not_the_first_token() -> None:
+    """A replica that sends a chunk's size line, and its data a while later: the time to
+    first token runs to the data, on the general path (a connection's first stream) as on
+    the fast one (its second), where the compiled scanner sees the size line go by."""
+    gap = 0.3
+
+    async def script(n: int, writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM_HEAD + b"5\r\n")
+        await writer.drain()
+        await asyncio.sleep(gap)
+        writer.write(b"hello\r\n0\r\n\r\n")
+
+    seen: list[float] = []
+
+    async def main() -> None:
+        async with Replica(script) as replica:
+            lb = LoadBalancer(name="svc")
+            observe = lb._observe_ttft
+            lb._observe_ttft = lambda rid, s: (seen.append(s), observe(rid, s))  # type: ignore[method-assign]
+            await lb.start()
+            try:
+                lb.set_ready({1: f"http://{HOST}:{replica.port}"})
+                reader, writer = await asyncio.open_connection(HOST, lb.port)
+                for _ in range(2):
+                    writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
+                    assert await asyncio.wait_for(read_answer(reader), 10) == b"hello"
+                writer.close()
+            finally:
+                await lb.stop()
+
+    uvloop.run(asyncio.wait_for(main(), 30))
+    assert len(seen) == 2 and min(seen) >= gap * 0.8, seen

@@ -378,6 +378,8 @@ cdef class ChunkScan:
     cdef public bytes prime    # BAIL: what follows a chunked head to put httptools here
     cdef public bytes replay   # BAIL: the bytes httptools takes from there
     cdef public bint extra     # DONE: bytes followed the end (a second message)
+    # A data byte was scanned (a size line alone is not the answer's first token).
+    cdef public bint fed
 
     def __init__(self):
         self.state = S_SIZE
@@ -425,6 +427,7 @@ cdef class ChunkScan:
                     take = self.remaining
                 i += take
                 self.remaining -= take
+                self.fed = True
                 if self.remaining == 0:
                     state = S_DATA_CR
                 continue
@@ -1035,7 +1038,7 @@ cdef class LiveChunks:
             found = scan._scan(data)
             forward = scan.forward
             scan.forward = _EMPTY
-            if self.first and PyBytes_GET_SIZE(forward):
+            if self.first and scan.fed:
                 self.first = False
                 self.conn.raw_first()
             # DONE: the last batch goes out with the last chunk, in one write (raw_done).
@@ -1045,7 +1048,7 @@ cdef class LiveChunks:
                 client = self.client
                 client.deadline_kind = self.kind
                 client.deadline = _now() + self.idle
-                if self.pumps is not None:
+                if self.pumps is not None and not self.first:
                     self.batches += 1
                     if self.batches == self.after:
                         self._to_pump(scan, client)

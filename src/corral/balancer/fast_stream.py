@@ -120,7 +120,7 @@ def try_stream(cl: StreamDownstream, conn: UpstreamConnection, data: bytes) -> b
         first = scan.forward
         scan.forward = b""
     conn.chunks = scan
-    if not conn.go_raw(cl, transport.write, lb._idle_timeout, DL_IDLE, not first):
+    if not conn.go_raw(cl, transport.write, lb._idle_timeout, DL_IDLE, not scan.fed):
         conn.chunks = None  # no LiveChunks for this connection (closing; the pure build)
         return False
     # Committed from here (armed, and nothing is read before this returns): the head is
@@ -132,7 +132,7 @@ def try_stream(cl: StreamDownstream, conn: UpstreamConnection, data: bytes) -> b
     served[rid] = served.get(rid, 0) + 1
     lb._record(status, now - t0)
     stream = conn.fast_stream = FastStream(lb, rid, t0, status, upstream_keep_alive)
-    if first:
+    if scan.fed:  # a data byte, not a size line alone: the answer's first token
         stream.first_bytes()
     conn._keep_alive = upstream_keep_alive
     cl.deadline_kind = DL_IDLE
