@@ -248,6 +248,16 @@ LEAD_LINES = [
     b"GET /x HTTP/1.2\r\n",
     b"GET /x HTTP/1.1\n",
     b"GET /x\r\n",
+    # line ends inside the request line, which llhttp reads as an HTTP/0.9 line and headers
+    *(
+        LINE_ENDS := [
+            # (no space in them: the request line splits at its spaces)
+            b"GET /a\r\nX-Forwarded-For:6.6.6.6\r\nTransfer-Encoding:chunked\r\nX:y HTTP/1.1\r\n"
+            b"Host: h\r\n\r\n",
+            b"GET /a\nX-Forwarded-For:6.6.6.6 HTTP/1.1\r\nHost: h\r\n\r\n",
+        ]
+    ),
+    b"GET /pc HTTP/1.1\r\nHost: h\r\nProxy-Connection: close\r\n\r\n",
 ]
 
 
@@ -317,6 +327,36 @@ def test_fast_path_sends_what_the_general_path_sends(
     monkeypatch.setattr(ClientConnection, "fast_request", _no_fast_path)
     general_result = _run(loop, request_bytes, responses)
     assert fast_result == general_result
+
+
+@pytest.mark.parametrize("request_bytes", LINE_ENDS, ids=["CRLF", "bare LF"])
+def test_a_line_end_in_the_request_line_is_a_400_on_either_path(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch, request_bytes: bytes
+) -> None:
+    """What follows a line end there would reach the replica as header lines of the client's
+    making, past the balancer's checks (its own X-Forwarded-For, a Transfer-Encoding it
+    never framed): refused before anything goes upstream, whichever path reads it."""
+    for on_fast_path in (True, False):
+        if not on_fast_path:
+            monkeypatch.setattr(ClientConnection, "fast_request", _no_fast_path)
+        sent, got, *_ = _run(loop, request_bytes, RESPONSES[0])
+        assert sent == b"" and b" 400 " in got.split(b"\r\n")[0], (on_fast_path, got)
+
+
+def test_proxy_connection_close_ends_the_connection_on_either_path(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Old clients' Connection header, which llhttp reads as one: after "close" in it the
+    connection ends with the answer, on either path (the parser would refuse the next
+    request: the general path answered it 400 and the fast path served it)."""
+    first = b"GET /pc HTTP/1.1\r\nHost: h\r\nProxy-Connection: close\r\n\r\n"
+    pairs = [(first, RESPONSES[0]), (REQUESTS[0], RESPONSES[0])]
+    for on_fast_path in (True, False):
+        if not on_fast_path:
+            monkeypatch.setattr(ClientConnection, "fast_request", _no_fast_path)
+        seen, _ = _repeat(loop, pairs)
+        assert len(seen) == 1 and seen[0][2], (on_fast_path, seen)  # closed after the first answer
+        assert b"Connection: close" in seen[0][1]
 
 
 def test_common_request_takes_the_fast_path(loop: asyncio.AbstractEventLoop) -> None:

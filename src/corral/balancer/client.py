@@ -282,7 +282,11 @@ class ClientConnection(asyncio.Protocol):
         lb = self.lb
         kept, found = scan_request(head[eol:-2])
         tokens = connection_tokens(found.get(b"connection"))
-        keep_alive = b"close" not in tokens if http11 else b"keep-alive" in tokens
+        proxy = found.get(b"proxy-connection")
+        # Old clients' Connection, which llhttp reads as one: after "close" in it the parser
+        # takes no further request, so the connection must not wait for one either.
+        persist = tokens | connection_tokens(proxy) if proxy else tokens
+        keep_alive = b"close" not in persist if http11 else b"keep-alive" in persist
         if self._eof:
             keep_alive = False
         ws: bytes | None = None

@@ -168,12 +168,15 @@ def try_request(cl: FastDownstream, data: bytes) -> bool:
     if end < 0 or end + 4 > lb._max_header_bytes or lb._stopping:
         return False
     # One split, no search for the line's end: "METHOD SP target SP HTTP/1.x CRLF" puts it
-    # right after the version, and a line that is anything else fails a check below (a
-    # target holding CR or LF is refused by llhttp before anything is done).
+    # right after the version, and a line that is anything else fails a check below. Not
+    # llhttp: it reads "GET /a CRLF" as an HTTP/0.9 line and what follows as headers, so a
+    # "target" holding line ends would carry header lines of the client's past every check.
     line = data.split(b" ", 2)
     if len(line) != 3:
         return False
     method, target, rest = line
+    if b"\n" in target or b"\r" in target:
+        return False  # the general path refuses it (http1.parse_request_line)
     version = rest[:10]
     http11 = version == b"HTTP/1.1\r\n"
     if method not in METHODS or target[:1] != b"/" or not (http11 or version == b"HTTP/1.0\r\n"):

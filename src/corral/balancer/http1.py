@@ -47,7 +47,9 @@ def parse_request_line(head: bytes) -> tuple[bytes, bytes, bool, int]:
     eol = head.find(b"\r\n")
     line = head[:eol]
     parts = line.split(b" ")
-    if len(parts) != 3:
+    if len(parts) != 3 or b"\n" in line or b"\r" in line:
+        # A bare LF (or CR) in it: llhttp reads it as a line end before the version, so the
+        # rest would reach the replica as a header line of the client's making.
         raise BadRequest("invalid request line")
     method, target, version = parts
     if version == b"HTTP/1.1":
