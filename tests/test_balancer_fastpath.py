@@ -789,6 +789,53 @@ def test_any_request_line_after_a_remembered_host_matches_the_general_path(
     _assert_fast_matches_general(pairs)
 
 
+# Targets that hide header lines: a path, a line end (or none), then "name:value" lines.
+_HIDDEN = st.builds(
+    lambda path, lines: path + b"".join(lines),
+    st.sampled_from([b"/", b"/a", b"/a?b=1", b"*"]),
+    st.lists(
+        st.builds(
+            bytes.__add__,
+            st.sampled_from([b"\r\n", b"\n", b"\r", b"", b"\t"]),
+            st.sampled_from(
+                [b"X-Forwarded-For:6.6.6.6", b"Transfer-Encoding:chunked", b"X:y", b"Host:evil"]
+            ),
+        ),
+        max_size=3,
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from([b"GET", b"POST", b"HEAD", b"get", b""]),
+    st.one_of(
+        _HIDDEN,
+        st.binary(max_size=24).map(
+            lambda b: bytes(_TARGET_BYTES[c % len(_TARGET_BYTES)] for c in b)
+        ),
+    ),
+    st.sampled_from([b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", b" HTTP/1.1\n"]),
+)
+def test_any_first_request_line_goes_up_as_one_line_on_either_path(
+    method: bytes, target: bytes, version: bytes
+) -> None:
+    """A connection's first request, whatever its line: the fast path does what the general
+    path does, and whatever reaches the replica starts with one request line, with no line
+    end before its version (else the rest would be header lines of the client's making)."""
+    request = method + b" " + target + version + b"Host: h\r\nX-Id: 1\r\n\r\n"
+    pairs = [(request, RESPONSES[0])]
+    _assert_fast_matches_general(pairs)
+    loop = asyncio.new_event_loop()
+    try:
+        (sent, _, _), *_ = _repeat(loop, pairs)[0]
+    finally:
+        loop.close()
+    if sent:
+        line = sent.split(b"\r\n", 1)[0]
+        assert b"\n" not in line and line.endswith((b" HTTP/1.1", b" HTTP/1.0")), sent
+
+
 _NAMES = [b"X-Id", b"Cookie", b"Host", b"hoSt", b"Connection", b"Content-Length"]
 _NAMES += [b"Transfer-Encoding", b"X-Forwarded-For", b"Bad Name", b"X\x01", b"", b"X-Id "]
 _NAMES += [b"X(1)", b"X@", b"X/Y", b"X=Y", b'X"', b"X\t", b"\xffX", b"TE", b"Upgrade", b"Hostx"]
