@@ -9,9 +9,12 @@ two balancer workers: they share no state, as worker processes do not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
@@ -699,6 +702,49 @@ def test_without_a_writable_table_routing_goes_on_alone(tmp_path: Path) -> None:
     policy = make_policy("prefix_affinity", affinity_file=str(missing))
     policy.update((1, 2), {})
     assert policy.select((1, 2), {}, view(chat(SYSTEMS[0], ["hello"]))) in (1, 2)
+
+
+def test_the_shared_files_are_allocated_whole(tmp_path: Path) -> None:
+    """Every block of a shared file is allocated before it is mapped, also one an older
+    version left sparse: a write to a mapped page the disk cannot hold would be a SIGBUS."""
+    from corral.balancer.shared_file import map_shared
+
+    path = tmp_path / "table.bin"
+    size = 1 << 20
+    with open(path, "wb") as f:
+        f.truncate(size)  # sparse: no block allocated
+    assert os.stat(path).st_blocks * 512 < size
+    mapped = map_shared(path, size, "table")
+    assert mapped is not None and len(mapped) == size
+    mapped.close()
+    assert os.stat(path).st_blocks * 512 >= size
+
+
+def test_a_full_disk_leaves_the_table_unshared_not_the_worker_dead(tmp_path: Path) -> None:
+    """On a full filesystem (a tmpfs of 64 KiB, filled) the table cannot be made: the policy
+    goes on alone, and the process that tried lives (a sparse file would have mapped, and its
+    first write ended the process with a SIGBUS)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        with contextlib.suppress(OSError), open(small / "filler", "wb") as f:
+            f.write(b"x" * (1 << 20))
+        code = (
+            "from corral.balancer.affinity import AffinityTable\n"
+            f"t = AffinityTable.open({str(small / 'affinity-svc.bin')!r})\n"
+            "print('unshared' if t is None else 'mapped')\n"
+            "if t is not None:\n"
+            "    for k in range(0, 1 << 16, 512): t.put(k, 3)\n"
+        )
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+        assert (run.returncode, run.stdout.strip()) == (0, b"unshared"), run
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
 
 
 @pytest.mark.parametrize("questions", [40, 400])

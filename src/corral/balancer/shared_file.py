@@ -4,6 +4,11 @@ The conversation table (:mod:`corral.balancer.affinity`) and the board of counts
 (:mod:`corral.balancer.load_board`) are both such files: created 0600 in the data plane's
 directory, zero-filled to their size (zero reads as "nothing here" in both), and mapped shared,
 so a write by one worker is seen by the others at once without a lock or a message.
+
+Every page is allocated before the file is mapped (``posix_fallocate``, not a sparse file from
+``ftruncate``): a write to a mapped page the filesystem cannot allocate (a full disk) is not an
+error but a SIGBUS, which would end the worker and every service it serves. A full disk is an
+OSError here instead, and the workers go on unshared.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ def map_shared(path: str | Path, size: int, what: str) -> mmap.mmap | None:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)  # zeros; racing workers agree on them
+            # Zeros (racing workers agree on them), every block allocated: also for a file an
+            # older version left sparse at its full size.
+            os.posix_fallocate(fd, 0, size)
             return mmap.mmap(fd, size)
         finally:
             os.close(fd)
