@@ -173,6 +173,58 @@ def test_a_held_request_gets_503_with_retry_after_at_its_bound() -> None:
     run(go())
 
 
+@pytest.mark.parametrize("policy", ["least_load", "prefix_affinity"])
+def test_a_replica_that_joins_takes_what_is_held(policy: str) -> None:
+    """Scaling up while requests are held (the moment it is done for): the held request
+    goes to the new replica at once, not at its bound."""
+
+    async def go() -> None:
+        async with fleet(2) as (one, two):
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
+            async with (
+                balancer({1: one.url}, routing=routing, policy=policy) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}"
+                busy = asyncio.create_task(http.get(url + "/hold"))
+                await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
+                held = asyncio.create_task(http.post(url + "/v1/completions", json={"prompt": "x"}))
+                await wait_until(lambda: lb.held() == 1, 10, "a request held")
+                lb.set_ready({1: one.url, 2: two.url})
+                answer = await asyncio.wait_for(held, 5)
+                assert answer.status == 200 and (await answer.json())["replica"] == 2
+                one.gate.set()
+                assert (await busy).status == 200
+
+    run(go())
+
+
+def test_a_balancer_stopping_answers_what_it_holds_at_once() -> None:
+    """Held requests never reached a replica: when the balancer stops they get a 503 with
+    Retry-After right away (a retry is safe), not an empty reply when the stop's grace ends."""
+
+    async def go() -> None:
+        async with fleet(1) as (one,), aiohttp.ClientSession() as http:
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
+            lb = LoadBalancer(name="llm", routing=routing)
+            await lb.start()
+            lb.set_ready({1: one.url})
+            url = f"http://{HOST}:{lb.port}"
+            busy = asyncio.create_task(http.get(url + "/hold"))
+            await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
+            held = asyncio.create_task(http.get(url + "/late"))
+            await wait_until(lambda: lb.held() == 1, 10, "a request held")
+            stopping = asyncio.create_task(lb.stop())
+            answer = await asyncio.wait_for(held, 2)  # the stop's grace is 5 s
+            assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+            assert "stopping" in (await answer.json())["error"]
+            one.gate.set()
+            await stopping
+            await busy
+
+    run(go())
+
+
 def test_the_limit_is_shared_between_balancer_workers() -> None:
     """Each worker sees only its own requests: a limit of 4 with 2 workers lets each send 2."""
 

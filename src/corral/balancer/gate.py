@@ -67,6 +67,7 @@ class Gate:
     _policy: Policy
     _streaming: dict[int, int]
     _stream_board: LoadBoard | None
+    _ready_event: asyncio.Event
 
     def _init_gate(
         self,
@@ -180,6 +181,15 @@ class Gate:
         self._held.append((now + self._hold_timeout, now + self._patience, home, ex))
         self._held_total += 1
 
+    def _readiness(self, any_ready: bool) -> None:
+        """The ready set changed (``any_ready``: it has a replica): what waits for one is
+        woken, and a replica that joined has room for what is held."""
+        if any_ready:
+            self._ready_event.set()
+            self._room_freed()
+        else:
+            self._ready_event.clear()
+
     def _room_freed(self) -> None:
         """A request to some replica ended: send held requests soon (not from inside the
         callback that ended it)."""
@@ -257,6 +267,21 @@ class Gate:
             )
         if self._homes:
             self._room_freed()  # a patience may have ended: it may go anywhere now
+
+    def _answer_held(self) -> None:
+        """The balancer stops: each held request (it reached no replica) gets 503 with
+        Retry-After at once, not the cut at the end of the stop's grace."""
+        held = self._held
+        while held:
+            _, _, home, ex = held.popleft()
+            self._unwait(home)
+            if not ex.done:
+                ex.respond_error(
+                    503,
+                    "the balancer is stopping before a replica had room for this request",
+                    "held_at_stop",
+                    extra=b"Retry-After: %d\r\n" % HELD_RETRY_AFTER,
+                )
 
     def held(self) -> int:
         """Requests waiting here now."""

@@ -233,18 +233,19 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
         The listener closes first, but only after the connections the kernel has already
         completed (its accept queue) are taken: closing a listener resets them, and with
         SO_REUSEPORT a client cannot know its connection landed on the one closing. Requests
-        on open connections are still served, each answer saying ``Connection: close``.
-        ``idle_grace``: how long an idle keep-alive connection is left open for its next
-        request (served, then closed by the client's own hand); closing it at once races a
-        request the client may be writing that instant, which then meets a reset. A worker
-        handing its port to a new one passes a grace; a service going away does not. After
-        the grace an idle keep-alive connection gets a lingering close (FIN, then what still
-        arrives is read and dropped); a new connection is left to send its first request.
-        Whatever is still open after STOP_GRACE_SECONDS is cut. Safe to call twice or before
-        start."""
+        on open connections are still served, each answer saying ``Connection: close``; held
+        ones (no replica had room) get a 503 with Retry-After at once. ``idle_grace``: how
+        long an idle keep-alive connection is left open for its next request (served, then
+        closed by the client's own hand); closing it at once races a request the client may
+        be writing that instant, which then meets a reset. A worker handing its port to a new
+        one passes a grace; a service going away does not. After the grace an idle keep-alive
+        connection gets a lingering close (FIN, then what still arrives is read and dropped);
+        a new connection is left to send its first request. Whatever is still open after
+        STOP_GRACE_SECONDS is cut. Safe to call twice or before start."""
         if self._stopping:
             return
         self._stopping = True
+        self._answer_held()
         server, self._server = self._server, None
         adopting: list[asyncio.Task[Any]] = []
         if server is not None:
@@ -401,10 +402,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
         if self._stream_board is not None:
             self._stream_board.arrange(self._ready_ids, self._streaming)
         self._policy.update(self._ready_ids, self._engines)
-        if ready:
-            self._ready_event.set()
-        else:
-            self._ready_event.clear()
+        self._readiness(bool(ready))
         known = set(self._in_flight) | set(self._served) | set(self._failed)
         for rid in known | set(self._quiet_until):
             self._forget_if_idle(rid)
