@@ -745,6 +745,36 @@ def test_a_placed_conversation_stays_up_to_one_request_past_the_bound(tmp_path: 
     assert policy.select(ready, loads(far), later) != home
 
 
+@pytest.mark.parametrize("letter", ["a", "\u4e2d"], ids=["ascii", "cjk"])
+def test_two_workers_send_a_documents_questions_to_one_replica_in_any_script(
+    tmp_path: Path, letter: str
+) -> None:
+    """Documents sharing a preamble, in ASCII or CJK: a document one worker placed gets all
+    its questions on that replica from both workers. (The anchor's length was counted in
+    characters and the blocks in UTF-8 bytes: a CJK preamble another document had left
+    elsewhere counted as this document's own, and the workers split its questions.)"""
+    from corral.balancer.routing import make_policy
+
+    ready = (1, 2, 3, 4)
+    table = str(tmp_path / "affinity.bin")
+    one, two = (make_policy("prefix_affinity", affinity_file=table) for _ in range(2))
+    for worker in (one, two):
+        worker.update(ready, {})
+
+    def ask(prompt: str) -> RequestView:
+        return view(json.dumps({"prompt": prompt}).encode(), b"/v1/completions")
+
+    preamble = letter * 500
+    other = two.select(ready, {}, ask(preamble + "C" * 1500 + " q"))
+    doc = preamble + "".join(chr(0x4E00 + i % 500) for i in range(1500))
+    busy = {rid: 5 if rid == other else 0 for rid in ready}  # not where the other went
+    home = one.select(ready, busy, ask(doc + " q0"))
+    assert home != other
+    for q in range(1, 6):
+        assert one.select(ready, {}, ask(doc + f" q{q}")) == home
+        assert two.select(ready, {}, ask(doc + f" q{q}")) == home
+
+
 def test_without_a_writable_table_routing_goes_on_alone(tmp_path: Path) -> None:
     from corral.balancer.affinity import AffinityTable
     from corral.balancer.routing import make_policy

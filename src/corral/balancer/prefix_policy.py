@@ -233,7 +233,9 @@ class PrefixAffinity:
         hashes = self.index.hashes(text)
         # A cached match no longer than the anchor may be another conversation's (a shared
         # system prompt): only one past it is this conversation's own.
-        own = len(anchor) // self.index.block_chars
+        # In blocks, which are of UTF-8 bytes: a CJK anchor spans three times its characters.
+        size = len(anchor) if anchor.isascii() else len(anchor.encode("utf-8", "surrogatepass"))
+        own = size // self.index.block_chars
         matched = self.index.match(hashes) if hashes else {}
         key = stable_key(anchor)
         table = self.table
