@@ -26,7 +26,13 @@ import httptools
 
 from corral.balancer import fast, fast_stream
 from corral.balancer.exchange import DL_HEAD, DL_LINGER, DL_NONE, Exchange
-from corral.balancer.headers import connection_tokens, forwarded, forwarded_host, scan_request
+from corral.balancer.headers import (
+    connection_tokens,
+    forwarded,
+    forwarded_host,
+    only_chunked,
+    scan_request,
+)
 from corral.balancer.http1 import (
     BadRequest,
     content_length,
@@ -308,7 +314,13 @@ class ClientConnection(asyncio.Protocol):
         expect = found.get(b"expect")
         ex.expect = expect is not None and expect[0].lower() == b"100-continue"
         length = found.get(b"content-length")
-        chunked = b"transfer-encoding" in found  # llhttp accepts only chunked as the last coding
+        coding = found.get(b"transfer-encoding")  # llhttp accepts chunked only as the last
+        if coding is not None and not only_chunked(coding):
+            # The chunks come off here and the header is dropped: the replica would get the
+            # body still gzip'd (say) with nothing saying so. As nginx answers it:
+            self._reject(501, "a transfer coding other than chunked is not supported")
+            return
+        chunked = coding is not None
         if chunked or length or upgrade:
             self._parser = None  # the parser saw no body: a fresh one for the next request
         self._run(ex, content_length(length[0]) if length else None, chunked, None)
@@ -381,6 +393,7 @@ class ClientConnection(asyncio.Protocol):
         self._spliced = conn
         self.deadline = 0.0
         pending, self._buf = self._buf, b""
+        self._set_paused(_PAUSE_PIPELINE, False)  # the tunnel reads on: its own flow control
         return pending
 
     def on_timeout(self) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "forwarded",
     "forwarded_host",
     "header_line",
+    "only_chunked",
     "scan_common_request",
     "scan_request",
     "scan_response",
@@ -222,6 +223,13 @@ def _drop_named(block: bytes, values: list[bytes], already: frozenset[bytes]) ->
     if not extra:
         return block
     return _scan(block, _named_pattern(extra))[0]
+
+
+def only_chunked(values: list[bytes]) -> bool:
+    """A Transfer-Encoding (its header lines' values) that is ``chunked`` alone, the one
+    coding the balancer carries (it takes the framing off and puts its own back)."""
+    codings = [c.strip().lower() for value in values for c in value.split(b",") if c.strip()]
+    return codings == [b"chunked"]
 
 
 def scan_request(block: bytes) -> tuple[bytes, Found]:

@@ -14,7 +14,7 @@ import weakref
 from typing import TYPE_CHECKING, Final
 
 from corral.balancer.failures import Failure, describe
-from corral.balancer.headers import Found, scan_response
+from corral.balancer.headers import Found, only_chunked, scan_response
 from corral.balancer.http1 import LAST_CHUNK, content_length
 from corral.balancer.speedups import StreamBatch
 
@@ -43,13 +43,6 @@ DL_NONE, DL_BODY, DL_FIRST_BYTE, DL_IDLE = range(4)
 # early answer.
 DL_HEAD: Final = -1
 DL_LINGER: Final = -2
-
-
-def _only_chunked(values: list[bytes]) -> bool:
-    """A Transfer-Encoding (its header lines' values) that is ``chunked`` alone, the one
-    coding the relay carries (its framing is taken off and put back)."""
-    codings = [c.strip().lower() for value in values for c in value.split(b",") if c.strip()]
-    return codings == [b"chunked"]
 
 
 class ResponseRelay:
@@ -109,7 +102,7 @@ class ResponseRelay:
         kept, found = self._scan_head(block)
         coding = found.get(b"transfer-encoding")
         bodiless = self.head_only or status in (204, 304)
-        if coding is not None and not bodiless and not _only_chunked(coding):
+        if coding is not None and not bodiless and not only_chunked(coding):
             # httptools takes the chunks off and nothing else, and the header is hop-by-hop:
             # relayed, the body would reach the client still gzip'd with nothing saying so.
             # As nginx does: the replica's answer is refused.

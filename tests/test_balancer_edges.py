@@ -1,0 +1,111 @@
+"""The balancer at the edges of HTTP/1.1 that reviews of it found: uploads in a transfer
+coding it cannot carry, a WebSocket client that sends before the 101, a replica refusing an
+upgrade, an upload held while every replica is full. Real sockets on 127.0.0.1: a replica
+that answers by a script on the raw connection, and raw clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvloop
+
+from corral.balancer import LoadBalancer
+
+HOST = "127.0.0.1"
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+WS = (
+    b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Key: k\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+def run(script: Script, body: Callable[[LoadBalancer], Awaitable[None]], **options: Any) -> None:
+    """``body`` against a balancer (on uvloop, as the workers run it) in front of one replica
+    that answers each connection by ``script``."""
+
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await script(reader, writer)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(serve, HOST, 0)
+        lb = LoadBalancer(name="svc", **options)
+        await lb.start()
+        try:
+            lb.set_ready({1: f"http://{HOST}:{server.sockets[0].getsockname()[1]}"})
+            await body(lb)
+        finally:
+            await lb.stop()
+            server.close()
+        assert not any(lb._in_flight.values()), lb._in_flight
+
+    uvloop.run(asyncio.wait_for(main(), 30))
+
+
+async def answer_of(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """A whole answer with a Content-Length: (its status line, its body)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return head.split(b"\r\n", 1)[0], await reader.readexactly(length)
+
+
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"gzip\r\nTransfer-Encoding: chunked"])
+def test_an_upload_in_a_transfer_coding_other_than_chunked_is_a_501(coding: bytes) -> None:
+    """The chunks come off at the balancer and the header is hop-by-hop: the replica would
+    get the body still gzip'd with nothing saying so. Refused, as nginx does, before any of
+    it reaches the replica."""
+    got: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.read(65536))
+
+    async def body(lb: LoadBalancer) -> None:
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        writer.write(
+            b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: " + coding + b"\r\n\r\n"
+            b"5\r\nhello\r\n0\r\n\r\n"
+        )
+        status, text = await asyncio.wait_for(answer_of(reader), 10)
+        assert status.endswith(b" 501 Not Implemented") and b"transfer coding" in text
+        writer.close()
+
+    run(script, body)
+    assert got == []
+
+
+def test_a_websocket_client_that_sends_before_the_101_is_not_stalled() -> None:
+    """Frames a client sends before the replica's 101 wait in the balancer (reading pauses
+    past a bound) and go once the tunnel opens; then reading resumes: every byte arrives."""
+    size = 600_000
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(0.5)
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n")
+        writer.write(b"Connection: Upgrade\r\n\r\n")
+        await reader.readexactly(size)
+        writer.write(b"GOT-ALL")
+        await writer.drain()
+        await reader.read()  # until the client leaves
+
+    async def body(lb: LoadBalancer) -> None:
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        writer.write(WS + b"x" * (size // 2))
+        await asyncio.sleep(0.1)
+        writer.write(b"y" * (size // 2))
+        await asyncio.wait_for(reader.readuntil(b"GOT-ALL"), 10)
+        writer.close()
+
+    run(script, body)
