@@ -109,3 +109,27 @@ def test_a_websocket_client_that_sends_before_the_101_is_not_stalled() -> None:
         writer.close()
 
     run(script, body)
+
+
+@pytest.mark.parametrize("status", [b"403 Forbidden", b"426 Upgrade Required", b"200 OK"])
+def test_a_replica_refusing_an_upgrade_is_heard_by_the_client(status: bytes) -> None:
+    """A replica that answers an upgrade with anything but 101 (an auth failure, say) has
+    its answer relayed, not turned into a 502 against its name; the connection then ends
+    (what the client sent next may be frames, not a request)."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 6\r\n\r\ndenied")
+        await writer.drain()
+        await reader.read()
+
+    async def body(lb: LoadBalancer) -> None:
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        writer.write(WS + b"\x81\x02hi")  # a frame sent before any answer
+        line, text = await asyncio.wait_for(answer_of(reader), 10)
+        assert line == b"HTTP/1.1 " + status and text == b"denied"
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # then closed
+        assert not lb._failed, lb._failed
+        writer.close()
+
+    run(script, body)

@@ -90,13 +90,17 @@ class ResponseRelay:
 
     def on_response_head(self, status: int, head: bytes, keep_alive: bool) -> bool:
         """Decide how the answer goes to the client (whole, streamed as is, re-chunked)."""
-        if status == 101 and self.upgrade is not None:
-            return False  # the connection reports the switch next (on_upgraded)
-        if self.upgrade is not None or status == 101:
-            what = "refused the WebSocket upgrade" if self.upgrade else "sent an unasked 101"
-            msg = f"{what} (HTTP {status})"
+        if status == 101:
+            if self.upgrade is not None:
+                return False  # the connection reports the switch next (on_upgraded)
+            msg = "sent an unasked 101"
             self.pending_failure = Failure(502, msg, "upstream_error", retryable=False)
             return True
+        if self.upgrade is not None:
+            # The replica refused the upgrade (401, 403, 426, ...): its answer is the client's
+            # to read, as nginx relays it. What the client sent after its request may be frames
+            # of the tunnel it expected, not a request: the connection ends with this answer.
+            self.close_client = True
         eol = head.find(b"\r\n")
         block = head[eol:-2]
         kept, found = self._scan_head(block)
