@@ -133,3 +133,53 @@ def test_a_replica_refusing_an_upgrade_is_heard_by_the_client(status: bytes) -> 
         writer.close()
 
     run(script, body)
+
+
+def test_an_upload_held_for_room_is_read_no_further_than_the_buffer() -> None:
+    """A large upload whose request waits in the balancer (every replica at its limit):
+    past ``max_buffered_body`` the balancer stops reading the client instead of keeping what
+    it sends (it was kept whole: 150 MiB in a few seconds), and once a replica has room the
+    whole body goes through."""
+    total = 64 << 20
+    gate = asyncio.Event()
+    received: list[int] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /slow"):
+                await gate.wait()
+            elif head.startswith(b"POST"):
+                await reader.readexactly(total)
+                received.append(total)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def body(lb: LoadBalancer) -> None:
+        busy_r, busy_w = await asyncio.open_connection(HOST, lb.port)
+        busy_w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        while not lb._in_flight.get(1):
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        writer.write(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % total)
+        block = b"x" * (1 << 20)
+
+        async def upload() -> None:
+            for _ in range(total // len(block)):
+                writer.write(block)
+                await writer.drain()
+
+        sending = asyncio.create_task(upload())
+        await asyncio.sleep(1.5)  # the client sends as fast as it may meanwhile
+        (held,) = [c.exchange for c in lb._clients if c.exchange and c.exchange.method == b"POST"]
+        kept = sum(map(len, held.body))
+        assert kept <= lb._max_buffered_body + (4 << 20), kept  # plus one read's worth
+        gate.set()
+        await asyncio.wait_for(sending, 20)
+        assert (await asyncio.wait_for(answer_of(reader), 20))[0].endswith(b"200 OK")
+        assert received == [total]
+        assert (await answer_of(busy_r))[0].endswith(b"200 OK")
+        writer.close()
+        busy_w.close()
+
+    run(script, body, routing={"max_in_flight_per_replica": 1, "hold_timeout": 30})

@@ -234,8 +234,12 @@ class Exchange(ResponseRelay):
 
     def _stream(self, pieces: list[bytes]) -> None:
         conn = self.streaming_to
-        if conn is None:  # not connected yet: held, and still replayable
+        if conn is None:  # not connected yet (or held for room): kept, and still replayable
             self.body.extend(pieces)
+            if self.body_size > self.lb._max_buffered_body:
+                # Past what it may keep: the client waits (reading paused, as for a replica
+                # that reads slowly) until a connection takes the body (_send resumes it).
+                self.client.pause_for_upstream(True)
             return
         data = self._framed(pieces)
         if data:
@@ -366,6 +370,7 @@ class Exchange(ResponseRelay):
             parts.append(self._framed(pieces))
             self.sent_body = bool(pieces)
             self.streaming_to = conn
+            self.client.pause_for_upstream(False)  # paused while it was kept (_stream)
         elif self.body_kind or self.had_length:
             parts.append(b"Content-Length: %d\r\n\r\n" % self.body_size)
             parts.extend(self.body)
