@@ -1108,6 +1108,8 @@ def test_the_llm_settings_are_checked_and_reach_the_route() -> None:
     for bad, field in (
         ("max_in_flight_per_replica: 0", "max_in_flight_per_replica"),
         ("session_header: 'a b'", "session_header"),
+        ("session_header: X-Forwarded-For", "the balancer drops or sets itself"),
+        ("session_header: host", "the balancer drops or sets itself"),
         ("balance_factor: 0.5", "balance_factor"),
         ("hold_patience_seconds: -1", "hold_patience_seconds"),
         ("engine_metrics_path: metrics", "engine_metrics_path"),
@@ -1115,6 +1117,16 @@ def test_the_llm_settings_are_checked_and_reach_the_route() -> None:
         with pytest.raises(SpecError) as caught:
             parse_spec(base + f"  load_balancer:\n    {bad}\n")
         assert field in str(caught.value), (bad, str(caught.value))
+
+
+def test_a_session_header_is_one_the_balancer_leaves_alone() -> None:
+    """The spec refuses as a session header exactly what the balancer drops or sets itself
+    before a policy reads the headers (the two lists are kept apart so that reading a spec
+    does not load the balancer)."""
+    from corral.balancer.headers import REQUEST_DROP
+    from corral.spec.service import BALANCER_OWNED_HEADERS
+
+    assert {name.encode() for name in BALANCER_OWNED_HEADERS} == REQUEST_DROP
 
 
 def test_a_new_document_goes_by_load_and_its_next_questions_follow_it() -> None:

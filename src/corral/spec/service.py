@@ -27,6 +27,17 @@ from corral.spec.values import (
     show,
 )
 
+# Request headers the balancer drops or replaces before a policy sees the rest (the set
+# corral.balancer.headers keeps as REQUEST_DROP; a test holds the two equal): a session
+# header among them would be missing, or the balancer's own value, on some requests.
+BALANCER_OWNED_HEADERS = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+        "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host", "expect",
+        "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "content-length",
+    }
+)  # fmt: skip
+
 
 class ReadinessProbe(Section):
     """How corral decides that a replica serves. Also written ``readiness_probe: /path``."""
@@ -325,6 +336,17 @@ class LoadBalancerSettings(Section):
     # the same replica, from every balancer worker.
     session_header: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
     session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+
+    @field_validator("session_header")
+    @classmethod
+    def _a_header_the_client_owns(cls, name: str | None) -> str | None:
+        if name is not None and name.lower() in BALANCER_OWNED_HEADERS:
+            raise ValueError(
+                f"{name!r} is a header the balancer drops or sets itself, so it cannot tell "
+                "sessions apart; name one the client sends (X-Session-ID, say)"
+            )
+        return name
+
     # Where each replica's engine publishes Prometheus metrics (vLLM, SGLang: /metrics): read
     # every second for its queue and KV-cache use. None: /metrics under prefix_affinity, else
     # not read.
