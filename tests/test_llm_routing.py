@@ -225,6 +225,44 @@ def test_a_balancer_stopping_answers_what_it_holds_at_once() -> None:
     run(go())
 
 
+def test_the_prompt_is_recorded_where_the_request_went_not_where_the_policy_chose() -> None:
+    """The policy's choice by load is full (two streams under way weigh little), so the
+    balancer sends the document's first question to the other replica: the index records it
+    there, and the next question goes straight there (it was recorded on the full one, and
+    the next question was held for a replica that never saw the document)."""
+
+    async def go() -> None:
+        async with fleet(2) as (one, two):
+            routing = {"max_in_flight_per_replica": 2, "hold_timeout": 10, "hold_patience": 5}
+            async with (
+                balancer({1: one.url}, routing=routing, policy="prefix_affinity") as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}"
+                streams = [asyncio.create_task(http.get(url + "/stream")) for _ in range(2)]
+                await wait_until(lambda: one.streams == 2, 10, "two streams under way")
+                lb.set_ready({1: one.url, 2: two.url})
+                busy = asyncio.create_task(http.get(url + "/hold"))
+                await wait_until(lambda: two.arrived == 1, 10, "the other replica busy")
+                document = "D" * 2000
+                for q in range(2):
+                    body = {"prompt": f"{document} question {q}"}
+                    answer = await asyncio.wait_for(
+                        http.post(url + "/v1/completions", json=body), 3
+                    )
+                    assert (await answer.json())["replica"] == 2
+                policy: Any = lb._policy
+                assert policy.index.size(1) == 0 and policy.index.size(2) > 0
+                assert lb.stats()["held_total"] == 0
+                one.gate.set()
+                two.gate.set()
+                await busy
+                for stream in streams:
+                    await (await stream).read()
+
+    run(go())
+
+
 def test_the_limit_is_shared_between_balancer_workers() -> None:
     """Each worker sees only its own requests: a limit of 4 with 2 workers lets each send 2."""
 

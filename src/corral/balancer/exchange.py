@@ -106,6 +106,7 @@ class Exchange(ResponseRelay):
     last: Failure | None = None
     rid: int | None = None
     picked: int | None = None  # the replica the fast path already picked
+    placing: object | None = None  # held for a replica: what its policy keeps if it goes
     # The fast path's pick found no replica with room: the request waits, and the policy is
     # not asked again (it counted the request once: share, index, table).
     must_wait = False

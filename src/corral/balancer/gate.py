@@ -88,6 +88,10 @@ class Gate:
         self._held: deque[Held] = deque()
         self._homes: Counter[int] = Counter()  # held requests waiting for each replica
         self._want: int | None = None  # the full home _pick chose, for the _hold that follows
+        self._want_record: object | None = None  # ... and what its policy keeps if it goes
+        # A policy that keeps what it sent where learns where each request really went
+        # (Policy.defer): its choice may be full, and the request go elsewhere or wait.
+        self._policy.defer = self._gated
         self._anywhere = False  # _pick for a request past its patience: any replica with room
         self._held_total = 0
         self._held_expired = 0
@@ -129,23 +133,30 @@ class Gate:
         candidates: Sequence[int] = ids if not tried else [r for r in ids if r not in tried]
         if not candidates:
             return None
+        policy = self._policy
         if not self._gated:
-            return self._policy.select(self._healthy(candidates), self._loads(candidates))
+            return policy.select(self._healthy(candidates), self._loads(candidates))
+        record = None
         if self._affine and not self._anywhere and request is not None:
             loads = self._loads(candidates)
             if self._homes:  # those waiting for a replica are its load too
                 loads = {rid: loads.get(rid, 0) + self._homes[rid] for rid in candidates}
-            rid = self._policy.select(self._healthy(candidates), loads, request)
+            rid = policy.select(self._healthy(candidates), loads, request)
+            record = policy.pending
             if self._in_flight.get(rid, 0) < self._limit:
+                policy.commit(rid, record)
                 return rid
-            if self._policy.preferred:
-                self._want = rid  # worth waiting for
+            if policy.preferred:
+                self._want, self._want_record = rid, record  # worth waiting for
                 return None
             # a choice by load, full: any replica with room serves it as well
         candidates = self._room(candidates)
         if not candidates:
             return None
-        return self._policy.select(self._healthy(candidates), self._loads(candidates), request)
+        rid = policy.select(self._healthy(candidates), self._loads(candidates), request)
+        # A policy asked about one candidate may not read the request: what it read above.
+        policy.commit(rid, policy.pending if policy.pending is not None else record)
+        return rid
 
     def _healthy(self, candidates: Sequence[int]) -> Sequence[int]:
         """Candidates minus recently unreachable ones (all of them if every one is)."""
@@ -176,6 +187,7 @@ class Gate:
     def _hold(self, ex: Pending) -> None:
         now = time.monotonic()
         home, self._want = self._want, None
+        ex.placing, self._want_record = self._want_record, None
         if home is not None:
             self._homes[home] += 1
         self._held.append((now + self._hold_timeout, now + self._patience, home, ex))
@@ -220,6 +232,7 @@ class Gate:
                         keep.append(entry)
                         continue
                     ex.picked = home
+                    self._policy.commit(home, ex.placing)
                 elif self._full_for_any(ex.tried):
                     keep.append(entry)
                     continue

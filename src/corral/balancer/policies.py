@@ -85,6 +85,12 @@ class Policy(Protocol):
     # its session lives there): worth a held request's wait (corral.balancer.gate). False for
     # a choice by load, which any replica with room serves as well.
     preferred: bool
+    # Set by the balancer for a policy that keeps what it sent where (prefix_affinity): the
+    # last ``select`` then leaves that record in ``pending`` instead of keeping it, and the
+    # balancer hands it to ``commit`` with the replica the request really went to (its
+    # choice may be full and the request go elsewhere, or wait first). False: kept at once.
+    defer: bool
+    pending: object | None
 
     def select(
         self,
@@ -98,6 +104,10 @@ class Policy(Protocol):
         ``weighs_streams``, one whose streamed answer has begun counts ``STREAM_WEIGHT``); a
         missing id means 0.
         """
+        ...
+
+    def commit(self, rid: int, record: object | None) -> None:
+        """The request ``select`` left ``record`` for (None: none) went to ``rid``."""
         ...
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
@@ -118,6 +128,11 @@ class _Blind:
     reads_request = False
     weighs_streams = True
     preferred = False
+    defer = False
+    pending: object | None = None
+
+    def commit(self, rid: int, record: object | None) -> None:
+        return None
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
         return None

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from corral.balancer.affinity import AffinityTable
 from corral.balancer.load_board import LoadBoard
@@ -129,6 +129,15 @@ def bound(
     return max(math.ceil(balance * mean), mean + slack)
 
 
+class _Record(NamedTuple):
+    """What a request's prompt leaves where it is sent: its key in the shared table (and the
+    replica the table named, if any), its blocks in the index."""
+
+    key: int
+    placed: int | None
+    hashes: list[int]
+
+
 class PrefixAffinity:
     """See the module docstring."""
 
@@ -176,6 +185,8 @@ class PrefixAffinity:
         self.index = PrefixIndex(block_chars=block_chars, max_blocks_per_replica=index_blocks)
         self._by_load = LeastLoad()
         self.preferred = False
+        self.defer = False  # the balancer sets it (corral.balancer.policies.Policy.defer)
+        self.pending: object | None = None  # a _Record, for commit
         self.recent = RecentShare()
         self._ready: frozenset[int] = frozenset()
         self._waiting: dict[int, float] = {}
@@ -209,9 +220,22 @@ class PrefixAffinity:
         request: RequestView | None = None,
     ) -> int:
         self.preferred = False  # until _choose says otherwise
+        self.pending = None
         chosen = self._select(candidates, in_flight, request)
-        self.recent.add(chosen)
+        if not self.defer:
+            self.commit(chosen, self.pending)
         return chosen
+
+    def commit(self, rid: int, record: object | None) -> None:
+        """A request went to ``rid``: counted in its share, and its prompt (``record``, left
+        by ``select``) recorded there: where the next request sharing it finds it."""
+        self.recent.add(rid)
+        self.pending = None
+        if type(record) is not _Record:
+            return
+        if self.table is not None and rid != record.placed:
+            self.table.put(record.key, rid)
+        self.index.insert(rid, record.hashes)
 
     def _select(
         self,
@@ -267,9 +291,7 @@ class PrefixAffinity:
             order = rendezvous_order(key, candidates)
             self.preferred = True  # for this prompt's cache, unless _choose falls back to load
             chosen = self._choose(order, in_flight, matched, own, sticky, slack, hot)
-        if table is not None and chosen != placed:
-            table.put(key, chosen)
-        self.index.insert(chosen, hashes)
+        self.pending = _Record(key, placed, hashes)  # kept by commit, where it really goes
         return chosen
 
     def _choose(
@@ -337,6 +359,19 @@ class SessionAffinity:
         self.cookie = cookie.encode() + b"=" if cookie else None
         self.balance = balance
         self.preferred = False
+        self.pending: object | None = None
+
+    @property
+    def defer(self) -> bool:
+        return bool(self.inner.defer)
+
+    @defer.setter
+    def defer(self, value: bool) -> None:
+        self.inner.defer = value  # what keeps records is the inner policy
+
+    def commit(self, rid: int, record: object | None) -> None:
+        if record is not _SESSION:  # a choice of the inner policy's: its record
+            self.inner.commit(rid, record)
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
         self.inner.update(ready, engines)
@@ -351,18 +386,17 @@ class SessionAffinity:
         request: RequestView | None = None,
     ) -> int:
         session = self._session(request.headers) if request is not None else None
-        if session is None or len(candidates) == 1:
-            chosen: int = self.inner.select(candidates, in_flight, request)
-            self.preferred = self.inner.preferred
-            return chosen
-        loads = {rid: float(in_flight.get(rid, 0)) for rid in candidates}
-        limit = bound(loads, candidates, self.balance)
-        for rid in rendezvous_order(stable_key(session), candidates):
-            if loads[rid] < limit:
-                self.preferred = True
-                return rid
-        chosen = self.inner.select(candidates, in_flight, request)
+        if session is not None and len(candidates) > 1:
+            loads = {rid: float(in_flight.get(rid, 0)) for rid in candidates}
+            limit = bound(loads, candidates, self.balance)
+            for rid in rendezvous_order(stable_key(session), candidates):
+                if loads[rid] < limit:
+                    self.preferred = True
+                    self.pending = _SESSION
+                    return rid
+        chosen: int = self.inner.select(candidates, in_flight, request)
         self.preferred = self.inner.preferred
+        self.pending = self.inner.pending
         return chosen
 
     def _session(self, headers: bytes) -> str | None:
@@ -381,6 +415,10 @@ class SessionAffinity:
 
     def __repr__(self) -> str:
         return f"SessionAffinity({self.inner!r})"
+
+
+# SessionAffinity's own choice: nothing of the inner policy's to record.
+_SESSION: Final = object()
 
 
 def _header_value(low: bytes, headers: bytes, name: bytes) -> str | None:

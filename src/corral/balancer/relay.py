@@ -124,24 +124,7 @@ class ResponseRelay:
         length = found.get(b"content-length")
         if length is not None:
             self.ttft_from = 0.0  # a whole answer, not a stream: no first token to time
-        extra = b""
-        if bodiless:
-            mode = _NONE
-        elif length is not None:
-            mode = _RAW
-            if self.idempotent and not self.streamed:
-                size = content_length(length[0])
-                if 0 < size <= BUFFER_RESPONSE_BYTES:
-                    mode = _WHOLE
-        else:
-            self.eof_ends = coding is None
-            if self.http11:
-                mode = _CHUNK
-                extra = _CHUNKED_LINE
-                self._follow_chunks(coding)
-            else:
-                mode = _RAW
-                self.close_client = True
+        mode, extra = self._body_mode(bodiless, length, coding)
         if self.lb._stopping:
             self.close_client = True  # the balancer drains: this connection ends after this
         if not self.keep_alive or self.close_client or self.body_open:
@@ -161,6 +144,26 @@ class ResponseRelay:
             if extra is _CHUNKED_LINE:
                 self._remember_stream(head, status, reply, keep_alive)
         return self.head_only
+
+    def _body_mode(
+        self, bodiless: bool, length: list[bytes] | None, coding: list[bytes] | None
+    ) -> tuple[int, bytes]:
+        """How the answer's body goes (whole, as is, re-chunked) and the header line that
+        says so to the client (``_CHUNKED_LINE`` itself for a re-chunked one)."""
+        if bodiless:
+            return _NONE, b""
+        if length is not None:
+            if self.idempotent and not self.streamed:
+                size = content_length(length[0])
+                if 0 < size <= BUFFER_RESPONSE_BYTES:
+                    return _WHOLE, b""
+            return _RAW, b""
+        self.eof_ends = coding is None
+        if self.http11:
+            self._follow_chunks(coding)
+            return _CHUNK, _CHUNKED_LINE
+        self.close_client = True
+        return _RAW, b""
 
     def _remember_stream(self, head: bytes, status: int, reply: bytes, keep_alive: bool) -> None:
         """A stream's head sent on as the fast path would send it (its framing followed, no

@@ -72,6 +72,7 @@ class Pending(Protocol):
     done: bool  # answered, or its client went away
     tried: list[int]  # replicas it was sent to
     picked: int | None  # the replica its next attempt goes to, if already chosen
+    placing: object | None  # held for a replica: what its policy keeps if it goes there
 
     def next_attempt(self) -> None:
         """Pick a replica not tried yet and send the request to it (or answer the failure)."""
