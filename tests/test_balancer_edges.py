@@ -7,6 +7,7 @@ that answers by a script on the raw connection, and raw clients.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -183,3 +184,40 @@ def test_an_upload_held_for_room_is_read_no_further_than_the_buffer() -> None:
         busy_w.close()
 
     run(script, body, routing={"max_in_flight_per_replica": 1, "hold_timeout": 30})
+
+
+def test_a_client_that_sends_and_does_not_read_has_no_answers_kept_for_it() -> None:
+    """Pipelined requests from a client that does not read: once its transport is over its
+    high-water mark the next request waits (it used to start, and with it the whole next
+    answer went into memory, a reviewer's 100 MiB one included); once the client
+    reads, every answer arrives, whole and in order."""
+    small, large, count = 200_000, 4_000_000, 20
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            size = large if head.startswith(b"GET /b") else small
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+            for _ in range(size // small):
+                writer.write(b"x" * small)
+                await writer.drain()
+
+    async def body(lb: LoadBalancer) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((HOST, lb.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(
+            b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n" * count + b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        await asyncio.sleep(1.0)  # not reading
+        (client,) = lb._clients
+        assert client.transport is not None
+        assert client.transport.get_write_buffer_size() < 2 * small, "answers kept for it"
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # now it reads
+        for size in [small] * count + [large]:
+            line, text = await asyncio.wait_for(answer_of(reader), 20)
+            assert line.endswith(b"200 OK") and len(text) == size
+        writer.close()
+
+    run(script, body)

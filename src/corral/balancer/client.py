@@ -85,6 +85,7 @@ class ClientConnection(asyncio.Protocol):
         "_closing",
         "_eof",
         "_paused",
+        "_write_paused",
         "deadline",
         "deadline_kind",
         "fast",
@@ -127,6 +128,9 @@ class ClientConnection(asyncio.Protocol):
         self._in_process = False
         self._eof = False
         self._paused = 0
+        # Its transport is over its high-water mark (pause_writing): no next request starts
+        # until it drains, else a client that sends and never reads has every answer kept here.
+        self._write_paused = False
         self._spliced: UpstreamConnection | None = None
         # The LiveChunks whose stream to this client the pump's thread relays (corral.balancer.
         # pump): taken back before this connection is closed, cut or timed out.
@@ -163,6 +167,7 @@ class ClientConnection(asyncio.Protocol):
                 self.exchange is None
                 and self.fast is None
                 and not self._buf
+                and not self._write_paused
                 and not self._closing
                 and not self._lingering
                 and self.fast_request(data)
@@ -208,16 +213,20 @@ class ClientConnection(asyncio.Protocol):
         self._spliced = None
 
     def pause_writing(self) -> None:
+        self._write_paused = True
         if self.fast is not None:
             self.materialize()
         if self.exchange is not None:
             self.exchange.on_client_paused(True)
 
     def resume_writing(self) -> None:
+        self._write_paused = False
         if self.fast is not None:
             self.materialize()
         if self.exchange is not None:
             self.exchange.on_client_paused(False)
+        elif self._buf and self.fast is None:
+            self._process()  # what waited for the client to read
 
     # ------------------------------------------------------------------ request heads
 
@@ -227,7 +236,7 @@ class ClientConnection(asyncio.Protocol):
         self._in_process = True
         try:
             while self.exchange is None and self.fast is None and self._buf and not self._closing:
-                if not self._next_request():
+                if self._write_paused or not self._next_request():
                     break
         finally:
             self._in_process = False
