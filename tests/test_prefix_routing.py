@@ -408,3 +408,28 @@ def test_what_orjson_refuses_the_standard_parser_reads() -> None:
             orjson.loads(body)
         got = read_prompt("/v1/completions", body)
         assert got is not None and got == _stdlib_prompt("/v1/completions", body, None)
+
+
+def test_the_rendering_stops_past_its_limit_and_keeps_turns_prefixes() -> None:
+    """With a limit, a body of many tiny parts renders no further than one part past it (so
+    a million one-token lists cost their parse, not a Python step each), and a later turn's
+    text still starts with the earlier turn's."""
+    limit = 200
+    ids = [[7]] * 100_000
+    got = read_prompt("/v1/completions", json.dumps({"prompt": ids}).encode(), None, limit)
+    assert got is not None and limit < len(got.text) <= limit + 8
+    assert (
+        got.text
+        == read_prompt("/v1/completions", _body({"prompt": ids[:60]})).text[: len(got.text)]
+    )
+    parts = [{"type": "image_url", "image_url": {"url": "x"}}] * 10_000
+    many = {"messages": [{"role": "user", "content": parts}]}
+    text = read_prompt(CHAT, _body(many), None, limit)
+    assert text is not None and len(text.text) < 2 * limit
+    turns = [{"role": "system", "content": "s" * 50}] + [
+        {"role": "user" if i % 2 else "assistant", "content": f"turn {i} " * 10} for i in range(40)
+    ]
+    earlier = read_prompt(CHAT, _body({"messages": turns[:10]}), None, limit)
+    later = read_prompt(CHAT, _body({"messages": turns}), None, limit)
+    assert earlier is not None and later is not None
+    assert later.text.startswith(earlier.text) or earlier.text.startswith(later.text)

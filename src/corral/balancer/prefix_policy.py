@@ -183,6 +183,8 @@ class PrefixAffinity:
         self.streams: Mapping[int, int] = {} if streams is None else streams
         self.stream_board = stream_board
         self.index = PrefixIndex(block_chars=block_chars, max_blocks_per_replica=index_blocks)
+        # What of a prompt is ever read: what is hashed, or the anchor if longer.
+        self._read_limit = max(self.index.max_request_blocks * block_chars, anchor_chars)
         self._by_load = LeastLoad()
         self.preferred = False
         self.defer = False  # the balancer sets it (corral.balancer.policies.Policy.defer)
@@ -249,7 +251,7 @@ class PrefixAffinity:
         if request is None or request.body is None or len(candidates) == 1:
             return self._weighed(candidates, in_flight)
         path = request.target.partition(b"?")[0].decode("latin-1")
-        prompt = read_prompt(path, request.body, self.prompt_field)
+        prompt = read_prompt(path, request.body, self.prompt_field, self._read_limit)
         if prompt is None:
             return self._weighed(candidates, in_flight)
         text = prompt.text
