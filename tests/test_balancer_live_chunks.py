@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from chunked import (
     HOST,
     STREAM_HEAD,
     Replica,
+    Script,
     read_answer,
     read_answer_body,
     replica_paused,
@@ -450,6 +452,19 @@ CUT_FIRST = {
 }
 
 
+@contextlib.asynccontextmanager
+async def balanced(script: Script) -> AsyncIterator[LoadBalancer]:
+    """A started balancer in front of one replica that answers by ``script``."""
+    async with Replica(script) as replica:
+        lb = LoadBalancer(name="svc")
+        await lb.start()
+        try:
+            lb.set_ready({1: f"http://{HOST}:{replica.port}"})
+            yield lb
+        finally:
+            await lb.stop()
+
+
 @pytest.mark.parametrize("build", ["compiled", "pure"])
 @pytest.mark.parametrize("cut", list(CUT_FIRST))
 def test_a_first_batch_cut_in_a_chunk_reaches_the_client_whole(build: str, cut: str) -> None:
@@ -461,18 +476,12 @@ def test_a_first_batch_cut_in_a_chunk_reaches_the_client_whole(build: str, cut: 
     want = _dechunked(b"".join(pieces))
 
     async def main() -> None:
-        async with Replica(written(pieces)) as replica:
-            lb = LoadBalancer(name="svc")
-            await lb.start()
-            try:
-                lb.set_ready({1: f"http://{HOST}:{replica.port}"})
-                reader, writer = await asyncio.open_connection(HOST, lb.port)
-                for _ in range(2):
-                    writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
-                    assert await asyncio.wait_for(read_answer(reader), 10) == want
-                writer.close()
-            finally:
-                await lb.stop()
+        async with balanced(written(pieces)) as lb:
+            reader, writer = await asyncio.open_connection(HOST, lb.port)
+            for _ in range(2):
+                writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
+                assert await asyncio.wait_for(read_answer(reader), 10) == want
+            writer.close()
 
     with contextlib.ExitStack() as stack:
         if build == "pure":
@@ -514,17 +523,11 @@ def test_a_transfer_coding_other_than_chunked_is_refused(coding: bytes, relayed:
         writer.write(b"HTTP/1.1 200 OK\r\n" + coding + b"\r\n" + frame(body) + b"0\r\n\r\n")
 
     async def main() -> None:
-        async with Replica(script) as replica:
-            lb = LoadBalancer(name="svc")
-            await lb.start()
-            try:
-                lb.set_ready({1: f"http://{HOST}:{replica.port}"})
-                reader, writer = await asyncio.open_connection(HOST, lb.port)
-                writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\nConnection: close\r\n\r\n")
-                answer = await asyncio.wait_for(reader.read(), 10)
-                writer.close()
-            finally:
-                await lb.stop()
+        async with balanced(script) as lb:
+            reader, writer = await asyncio.open_connection(HOST, lb.port)
+            writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\nConnection: close\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
         head, _, rest = answer.partition(b"\r\n\r\n")
         if relayed:
             assert head.startswith(b"HTTP/1.1 200") and _dechunked(rest) == body
@@ -550,20 +553,14 @@ def test_a_size_line_alone_is_not_the_first_token() -> None:
     seen: list[float] = []
 
     async def main() -> None:
-        async with Replica(script) as replica:
-            lb = LoadBalancer(name="svc")
+        async with balanced(script) as lb:
             observe = lb._observe_ttft
             lb._observe_ttft = lambda rid, s: (seen.append(s), observe(rid, s))  # type: ignore[method-assign]
-            await lb.start()
-            try:
-                lb.set_ready({1: f"http://{HOST}:{replica.port}"})
-                reader, writer = await asyncio.open_connection(HOST, lb.port)
-                for _ in range(2):
-                    writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
-                    assert await asyncio.wait_for(read_answer(reader), 10) == b"hello"
-                writer.close()
-            finally:
-                await lb.stop()
+            reader, writer = await asyncio.open_connection(HOST, lb.port)
+            for _ in range(2):
+                writer.write(b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n")
+                assert await asyncio.wait_for(read_answer(reader), 10) == b"hello"
+            writer.close()
 
     uvloop.run(asyncio.wait_for(main(), 30))
     assert len(seen) == 2 and min(seen) >= gap * 0.8, seen
