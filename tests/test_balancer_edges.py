@@ -221,3 +221,37 @@ def test_a_client_that_sends_and_does_not_read_has_no_answers_kept_for_it() -> N
         writer.close()
 
     run(script, body)
+
+
+def test_a_client_that_sends_and_does_not_read_is_read_no_further_than_a_bound() -> None:
+    """While its next request waits for it to read (the last answer done, its transport
+    full), what it goes on sending is read up to the bound on pipelined bytes, then not at
+    all (the kernel holds the rest)."""
+    from corral.balancer.client import PIPELINE_LIMIT
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n" + b"x" * 200_000)
+            await writer.drain()
+
+    async def body(lb: LoadBalancer) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((HOST, lb.port))
+        _, writer = await asyncio.open_connection(sock=sock)
+        request = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+        writer.write(request * 20)
+        (client,) = list(lb._clients)
+        for _ in range(500):  # an answer done, the next request waiting for the client
+            if client._write_paused and client.exchange is None and client.fast is None:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the client's transport never filled")
+        writer.write(request * (4 * PIPELINE_LIMIT // len(request)))  # far past the bound
+        await asyncio.sleep(0.5)
+        assert len(client._buf) <= PIPELINE_LIMIT + (256 << 10), len(client._buf)
+        writer.close()
+
+    run(script, body)

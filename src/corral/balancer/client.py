@@ -191,7 +191,9 @@ class ClientConnection(asyncio.Protocol):
         self._buf = self._buf + data if self._buf else data
         if self.exchange is None and self.fast is None:
             self._process()
-        elif len(self._buf) > PIPELINE_LIMIT:
+            if not self._write_paused:
+                return  # whatever is left is a head still coming (_next_request bounds it)
+        if len(self._buf) > PIPELINE_LIMIT:
             self._set_paused(_PAUSE_PIPELINE, True)
 
     def eof_received(self) -> bool | None:
