@@ -136,11 +136,25 @@ def test_a_replica_refusing_an_upgrade_is_heard_by_the_client(status: bytes) -> 
     run(script, body)
 
 
-def test_an_upload_held_for_room_is_read_no_further_than_the_buffer() -> None:
+async def read_chunked(reader: asyncio.StreamReader) -> int:
+    """The size of a chunked body's data, read to its end."""
+    size = 0
+    while True:
+        n = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+        if n == 0:
+            await reader.readuntil(b"\r\n")
+            return size
+        await reader.readexactly(n + 2)
+        size += n
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
+def test_an_upload_held_for_room_is_read_no_further_than_the_buffer(chunked: bool) -> None:
     """A large upload whose request waits in the balancer (every replica at its limit):
     past ``max_buffered_body`` the balancer stops reading the client instead of keeping what
-    it sends (it was kept whole: 150 MiB in a few seconds), and once a replica has room the
-    whole body goes through."""
+    it sends (it was kept whole: 150 MiB in a few seconds), its body's deadline off while it
+    waits (a chunked one was cut with a 408 at ``idle_timeout``), and once a replica has room
+    the whole body goes through."""
     total = 64 << 20
     gate = asyncio.Event()
     received: list[int] = []
@@ -151,8 +165,11 @@ def test_an_upload_held_for_room_is_read_no_further_than_the_buffer() -> None:
             if head.startswith(b"GET /slow"):
                 await gate.wait()
             elif head.startswith(b"POST"):
-                await reader.readexactly(total)
-                received.append(total)
+                if b"chunked" in head.lower():
+                    received.append(await read_chunked(reader))
+                else:
+                    await reader.readexactly(total)
+                    received.append(total)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
             await writer.drain()
 
@@ -162,13 +179,18 @@ def test_an_upload_held_for_room_is_read_no_further_than_the_buffer() -> None:
         while not lb._in_flight.get(1):
             await asyncio.sleep(0.01)
         reader, writer = await asyncio.open_connection(HOST, lb.port)
-        writer.write(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % total)
+        framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % total
+        writer.write(b"POST /up HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n\r\n")
         block = b"x" * (1 << 20)
+        if chunked:
+            block = b"%x\r\n%b\r\n" % (len(block), block)
 
         async def upload() -> None:
-            for _ in range(total // len(block)):
+            for _ in range(total >> 20):
                 writer.write(block)
                 await writer.drain()
+            if chunked:
+                writer.write(b"0\r\n\r\n")
 
         sending = asyncio.create_task(upload())
         await asyncio.sleep(1.5)  # the client sends as fast as it may meanwhile
@@ -183,7 +205,8 @@ def test_an_upload_held_for_room_is_read_no_further_than_the_buffer() -> None:
         writer.close()
         busy_w.close()
 
-    run(script, body, routing={"max_in_flight_per_replica": 1, "hold_timeout": 30})
+    routing = {"max_in_flight_per_replica": 1, "hold_timeout": 30}
+    run(script, body, routing=routing, idle_timeout=0.5, first_byte_timeout=30)
 
 
 def test_a_client_that_sends_and_does_not_read_has_no_answers_kept_for_it() -> None:

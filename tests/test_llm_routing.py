@@ -263,6 +263,35 @@ def test_the_prompt_is_recorded_where_the_request_went_not_where_the_policy_chos
     run(go())
 
 
+def test_a_request_that_would_wait_once_the_balancer_stops_is_answered_at_once() -> None:
+    """After stop() began (a worker handing its port over leaves kept-alive connections a
+    grace), a request that would be held gets its 503 with Retry-After at once: no room
+    will come to a balancer that stops."""
+
+    async def go() -> None:
+        async with fleet(1) as (one,), aiohttp.ClientSession() as http:
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
+            lb = LoadBalancer(name="llm", routing=routing)
+            await lb.start()
+            lb.set_ready({1: one.url})
+            reader, writer = await asyncio.open_connection(HOST, lb.port)
+            writer.write(b"GET /warm HTTP/1.1\r\nHost: x\r\n\r\n")  # a kept-alive connection
+            await reader.readuntil(b"}")
+            busy = asyncio.create_task(http.get(f"http://{HOST}:{lb.port}/hold"))
+            await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
+            stopping = asyncio.create_task(lb.stop(idle_grace=3))
+            await asyncio.sleep(0.1)
+            writer.write(b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 1)
+            assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer
+            one.gate.set()
+            await stopping
+            await busy
+            writer.close()
+
+    run(go())
+
+
 def test_the_limit_is_shared_between_balancer_workers() -> None:
     """Each worker sees only its own requests: a limit of 4 with 2 workers lets each send 2."""
 
@@ -1307,3 +1336,21 @@ def test_a_replica_killed_mid_stream_fails_its_streams_and_loses_its_conversatio
             if process.poll() is None:
                 process.terminate()
             process.wait(10)
+
+
+def test_the_shared_files_grow_sparse_where_the_filesystem_cannot_allocate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem without allocation ahead (some FUSE and network ones, or a C library
+    without its emulation: EOPNOTSUPP) gets the sparse file it had before, still shared."""
+    import errno
+
+    from corral.balancer.shared_file import map_shared
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    mapped = map_shared(tmp_path / "board.bin", 1 << 16, "board")
+    assert mapped is not None and len(mapped) == 1 << 16
+    mapped.close()

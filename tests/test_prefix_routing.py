@@ -433,3 +433,19 @@ def test_the_rendering_stops_past_its_limit_and_keeps_turns_prefixes() -> None:
     later = read_prompt(CHAT, _body({"messages": turns}), None, limit)
     assert earlier is not None and later is not None
     assert later.text.startswith(earlier.text) or earlier.text.startswith(later.text)
+
+
+def test_a_system_prompt_longer_than_the_limit_keeps_each_conversations_anchor() -> None:
+    """The rendering may stop past its limit, but not before the first user message: the
+    anchor (through it) tells conversations apart even under a system prompt longer than
+    all that is hashed (they all had the system prompt's anchor)."""
+    system = "You are a careful assistant. " * 2500  # ~72,000 characters
+    anchors = set()
+    for user in ("hello A", "hello B"):
+        doc = {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        }
+        got = read_prompt(CHAT, _body(doc), None, 65536)
+        assert got is not None and got.chat
+        anchors.add(got.text[: got.anchor_end])
+    assert len(anchors) == 2

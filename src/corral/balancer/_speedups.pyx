@@ -755,7 +755,8 @@ cdef bint _pump_batch(PumpCore *c, Flow *f, double *sent) noexcept nogil:
     if end == 0:
         return False
     w = send(f.down, c.buf, end, MSG_NOSIGNAL | MSG_DONTWAIT)
-    sent[0] = _now()
+    if w > 0:
+        sent[0] = _now()
     f.batches += 1
     if w == end:
         return False

@@ -2,11 +2,11 @@
 
 A request that arrives whole in one read and needs nothing unusual goes through the fast path
 (:mod:`corral.balancer.fast`, no per-request object); the rest as follows. It finds request
-heads in the byte stream (httptools validates each one; the head itself is
-sliced out whole, see :mod:`corral.balancer.http1`), enforces the header limits, and hands each
-request to an :class:`~corral.balancer.exchange.Exchange`, one at a time: bytes of a pipelined
-request that arrive while one is being answered wait (reading pauses past
-``PIPELINE_LIMIT``), so answers go out in order.
+heads in the byte stream (httptools validates each one; the head itself is sliced out whole,
+see :mod:`corral.balancer.http1`), enforces the header limits, and hands each request to an
+:class:`~corral.balancer.exchange.Exchange`, one at a time: bytes of a pipelined request that
+arrive while one is being answered, or while the client has not read the last answer, wait
+(reading pauses past ``PIPELINE_LIMIT``), so answers go out in order and none is kept for it.
 
 Deadlines are a float on the connection (``deadline``) that the balancer's ticker compares with
 the clock a few times a second: arming one per request costs an attribute store, not a timer
@@ -128,9 +128,7 @@ class ClientConnection(asyncio.Protocol):
         self._in_process = False
         self._eof = False
         self._paused = 0
-        # Its transport is over its high-water mark (pause_writing): no next request starts
-        # until it drains, else a client that sends and never reads has every answer kept here.
-        self._write_paused = False
+        self._write_paused = False  # over the high-water mark: no next request starts (above)
         self._spliced: UpstreamConnection | None = None
         # The LiveChunks whose stream to this client the pump's thread relays (corral.balancer.
         # pump): taken back before this connection is closed, cut or timed out.
@@ -227,7 +225,8 @@ class ClientConnection(asyncio.Protocol):
             self.materialize()
         if self.exchange is not None:
             self.exchange.on_client_paused(False)
-        elif self._buf and self.fast is None:
+        elif self._buf and self.fast is None and not self._closing:
+            self.set_deadline(DL_HEAD, self.lb._header_timeout)
             self._process()  # what waited for the client to read
 
     # ------------------------------------------------------------------ request heads
@@ -352,7 +351,7 @@ class ClientConnection(asyncio.Protocol):
         """Answer a request the parser or a limit rejected, and close."""
         lb = self.lb
         detail = " ".join(detail.split())[:200]  # one line, bounded
-        reason = "header_too_large" if status == 431 else "bad_request"
+        reason = {431: "header_too_large", 501: "not_implemented"}.get(status, "bad_request")
         lb._rejected(self.peer, status, reason, detail)
         if status == 431:
             message = (
@@ -360,7 +359,7 @@ class ClientConnection(asyncio.Protocol):
                 f"per line, {MAX_HEADERS} header fields)"
             )
         else:
-            message = f"malformed HTTP request: {detail}"
+            message = detail if status == 501 else f"malformed HTTP request: {detail}"
         self.write(error_response(status, message, lb._name, close=True, version=b"HTTP/1.0"))
         self._linger()
 
@@ -390,7 +389,8 @@ class ClientConnection(asyncio.Protocol):
                 self._close()
             return
         self.kept_alive = True
-        self.set_deadline(DL_HEAD, self.lb._header_timeout)
+        lb = self.lb  # a request waiting for it to read waits as long as a stream may go quiet
+        self.set_deadline(DL_HEAD, lb._idle_timeout if self._write_paused else lb._header_timeout)
         self._set_paused(_PAUSE_PIPELINE, False)
         if self._buf:
             self._process()

@@ -239,8 +239,10 @@ class Exchange(ResponseRelay):
             self.body.extend(pieces)
             if self.body_size > self.lb._max_buffered_body:
                 # Past what it may keep: the client waits (reading paused, as for a replica
-                # that reads slowly) until a connection takes the body (_send resumes it).
+                # that reads slowly) until a connection takes the body (_send resumes it),
+                # its body's deadline off meanwhile (the hold has its own bound).
                 self.client.pause_for_upstream(True)
+                self.client.set_deadline(DL_NONE, 0.0)
             return
         data = self._framed(pieces)
         if data:

@@ -68,6 +68,7 @@ class Gate:
     _streaming: dict[int, int]
     _stream_board: LoadBoard | None
     _ready_event: asyncio.Event
+    _stopping: bool
 
     def _init_gate(
         self,
@@ -128,7 +129,7 @@ class Gate:
         """Choose a ready replica not tried yet (with room, under a limit); None when there
         is none, or when the policy's choice is full and worth waiting for (``_full`` is
         then true). ``request`` goes to a policy that reads requests."""
-        self._want = None
+        self._want = self._want_record = None
         ids = self._ready_ids
         candidates: Sequence[int] = ids if not tried else [r for r in ids if r not in tried]
         if not candidates:
@@ -188,6 +189,11 @@ class Gate:
         now = time.monotonic()
         home, self._want = self._want, None
         ex.placing, self._want_record = self._want_record, None
+        if self._stopping:  # no room will come here: at once, as stop() answered the others
+            self._held.append((now, now, None, ex))
+            self._held_total += 1
+            self._answer_held()
+            return
         if home is not None:
             self._homes[home] += 1
         self._held.append((now + self._hold_timeout, now + self._patience, home, ex))

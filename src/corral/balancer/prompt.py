@@ -200,8 +200,8 @@ def _chat(messages: list[dict[str, Any]], tools: Any, limit: int | None) -> Prom
         length += len(piece)
         if anchor_end < 0 and message["role"] == "user":
             anchor_end = length
-        if limit is not None and length > limit:
-            break
+        if limit is not None and length > limit and anchor_end >= 0:
+            break  # past what is hashed, the anchor (to the first user message) whole
     return Prompt("".join(pieces), anchor_end if anchor_end >= 0 else length, chat=True)
 
 
