@@ -190,9 +190,8 @@ class Gate:
         home, self._want = self._want, None
         ex.placing, self._want_record = self._want_record, None
         if self._stopping:  # no room will come here: at once, as stop() answered the others
-            self._held.append((now, now, None, ex))
             self._held_total += 1
-            self._answer_held()
+            self._refuse_at_stop(ex)
             return
         if home is not None:
             self._homes[home] += 1
@@ -294,13 +293,16 @@ class Gate:
         while held:
             _, _, home, ex = held.popleft()
             self._unwait(home)
-            if not ex.done:
-                ex.respond_error(
-                    503,
-                    "the balancer is stopping before a replica had room for this request",
-                    "held_at_stop",
-                    extra=b"Retry-After: %d\r\n" % HELD_RETRY_AFTER,
-                )
+            self._refuse_at_stop(ex)
+
+    def _refuse_at_stop(self, ex: Pending) -> None:
+        if not ex.done:
+            ex.respond_error(
+                503,
+                "the balancer is stopping before a replica had room for this request",
+                "held_at_stop",
+                extra=b"Retry-After: %d\r\n" % HELD_RETRY_AFTER,
+            )
 
     def held(self) -> int:
         """Requests waiting here now."""
