@@ -209,6 +209,18 @@ def test_an_upload_held_for_room_is_read_no_further_than_the_buffer(chunked: boo
     run(script, body, routing=routing, idle_timeout=0.5, first_byte_timeout=30)
 
 
+async def slow_reader(
+    lb: LoadBalancer,
+) -> tuple[socket.socket, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client connection whose socket takes 4 KiB at a time: the balancer's transport to it
+    fills as soon as it does not read."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((HOST, lb.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    return sock, reader, writer
+
+
 def test_a_client_that_sends_and_does_not_read_has_no_answers_kept_for_it() -> None:
     """Pipelined requests from a client that does not read: once its transport is over its
     high-water mark the next request waits (it used to start, and with it the whole next
@@ -226,10 +238,7 @@ def test_a_client_that_sends_and_does_not_read_has_no_answers_kept_for_it() -> N
                 await writer.drain()
 
     async def body(lb: LoadBalancer) -> None:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect((HOST, lb.port))
-        reader, writer = await asyncio.open_connection(sock=sock)
+        sock, reader, writer = await slow_reader(lb)
         writer.write(
             b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n" * count + b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n"
         )
@@ -260,10 +269,7 @@ def test_a_client_that_sends_and_does_not_read_is_read_no_further_than_a_bound()
             await writer.drain()
 
     async def body(lb: LoadBalancer) -> None:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect((HOST, lb.port))
-        _, writer = await asyncio.open_connection(sock=sock)
+        _, _, writer = await slow_reader(lb)
         request = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
         writer.write(request * 20)
         (client,) = list(lb._clients)

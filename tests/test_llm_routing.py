@@ -199,16 +199,22 @@ def test_a_replica_that_joins_takes_what_is_held(policy: str) -> None:
     run(go())
 
 
+async def one_at_a_time(replica: Replica) -> LoadBalancer:
+    """A started balancer in front of ``replica`` that sends it one request at a time and
+    holds the others; stopped by the test itself."""
+    lb = LoadBalancer(name="llm", routing={"max_in_flight_per_replica": 1, "hold_timeout": 20})
+    await lb.start()
+    lb.set_ready({1: replica.url})
+    return lb
+
+
 def test_a_balancer_stopping_answers_what_it_holds_at_once() -> None:
     """Held requests never reached a replica: when the balancer stops they get a 503 with
     Retry-After right away (a retry is safe), not an empty reply when the stop's grace ends."""
 
     async def go() -> None:
         async with fleet(1) as (one,), aiohttp.ClientSession() as http:
-            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
-            lb = LoadBalancer(name="llm", routing=routing)
-            await lb.start()
-            lb.set_ready({1: one.url})
+            lb = await one_at_a_time(one)
             url = f"http://{HOST}:{lb.port}"
             busy = asyncio.create_task(http.get(url + "/hold"))
             await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
@@ -270,10 +276,7 @@ def test_a_request_that_would_wait_once_the_balancer_stops_is_answered_at_once()
 
     async def go() -> None:
         async with fleet(1) as (one,), aiohttp.ClientSession() as http:
-            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
-            lb = LoadBalancer(name="llm", routing=routing)
-            await lb.start()
-            lb.set_ready({1: one.url})
+            lb = await one_at_a_time(one)
             reader, writer = await asyncio.open_connection(HOST, lb.port)
             writer.write(b"GET /warm HTTP/1.1\r\nHost: x\r\n\r\n")  # a kept-alive connection
             await reader.readuntil(b"}")
