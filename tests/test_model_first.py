@@ -76,6 +76,7 @@ def test_validate_and_up_refuse_a_model_this_machine_cannot_run(
     spec = write_spec(tmp_path / "llama.yaml", LLAMA)
     checked = corral_home.run("validate", str(spec), check=False)
     assert checked.returncode == 1 and "cannot run here" in checked.stderr, checked.stderr
+    corral_home.start_daemon()  # a daemon that runs judges the spec for itself (admission)
     up = corral_home.run("up", str(spec), "-n", "llama", "-y", check=False)
     assert up.returncode != 0 and "cannot run here" in up.stdout + up.stderr, up
     assert corral_home.status() == []  # nothing was started, nothing kept
@@ -99,3 +100,138 @@ def test_the_simulator_serves_a_model_first_spec(corral_home: CorralHome, tmp_pa
     )
     with urllib.request.urlopen(request, timeout=30) as answer:
         assert json.loads(answer.read())["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_probe_given_only_its_delays_keeps_the_engines_health_path() -> None:
+    """LLM specs raise the probe's delay (an engine loads for minutes) and say nothing of its
+    path: the engines answer /health, and 404 on "/"."""
+    spec = parse_spec(LLAMA + "service:\n  readiness_probe:\n    initial_delay_seconds: 600\n")
+    assert spec.service.readiness_probe.path == "/health"
+    assert spec.service.readiness_probe.initial_delay_seconds == 600
+    # `key:` with no value is "the default": the model-first one.
+    blank = parse_spec(LLAMA + "service:\n  readiness_probe:\n  load_balancing_policy:\n")
+    assert blank.service.readiness_probe.path == "/health"
+    assert blank.service.load_balancing_policy == "prefix_affinity"
+    said = parse_spec(LLAMA + "service:\n  readiness_probe: {path: /v1/models}\n")
+    assert said.service.readiness_probe.path == "/v1/models"
+
+
+def test_a_model_first_spec_with_a_fixed_port_runs_several_replicas() -> None:
+    """The engine corral starts listens on $PORT: a port in the spec is not a `run` that
+    would bind one port for every replica (and there is no `run` to blame)."""
+    from corral.infra.local_rules import local_port_problem
+
+    for ports in (
+        "resources:\n  ports: 8000\nservice:\n  replicas: 2\n",
+        "service:\n  ports: 8000\n  replicas: 2\n",
+    ):
+        spec = parse_spec(f"model: {SIMULATOR}\n" + ports)
+        assert local_port_problem(spec) is None
+        assert "$PORT" in engine_command(spec)
+
+
+def test_up_without_a_daemon_refuses_the_model_before_starting_one(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """The daemon `up` would start runs in this shell's environment: its verdict is known
+    here, and a refused spec must not leave a daemon and its balancer workers behind."""
+    spec = write_spec(tmp_path / "llama.yaml", LLAMA)
+    up = corral_home.run("up", str(spec), "-n", "llama", "-y", check=False)
+    assert up.returncode == 1 and "cannot run here" in up.stderr, up
+    assert "no daemon was started" in up.stderr, up.stderr
+    daemon = corral_home.run("daemon", "status", check=False)
+    assert "no daemon running" in daemon.stdout + daemon.stderr, daemon
+
+
+def _snapshot(hub: Path, repo: str, revision: str, files: dict[str, str]) -> Path:
+    snapshot = hub / f"models--{repo.replace('/', '--')}" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+    return snapshot
+
+
+def _fake_engine(root: Path, package: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An importable package of that name: find_spec is all engine_command asks of it."""
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(root))
+
+
+def test_vllm_gets_the_snapshot_refs_main_names_whole_under_the_specs_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub = tmp_path / "hf" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    _fake_engine(tmp_path / "site", "vllm", monkeypatch)
+    repo = "org/chat"
+    current = _snapshot(hub, repo, "3f1c", {"config.json": "{}", "model.safetensors": "w"})
+    _snapshot(hub, repo, "a9e0", {"config.json": "{}"})  # an older revision: its config only
+    (hub / "models--org--chat" / "refs").mkdir()
+    (hub / "models--org--chat" / "refs" / "main").write_text("3f1c")
+    gpu = parse_spec(f"model: {repo}\nresources:\n  accelerators: L4:1\n")
+    run = engine_command(gpu)
+    assert f"--model {current} " in run, run
+    assert "--served-model-name org/chat" in run, run  # what clients send as "model"
+    (hub / "models--org--chat" / "refs" / "main").write_text("a9e0")
+    with pytest.raises(ModelUnavailable, match="has no weights"):
+        engine_command(gpu)
+
+
+def test_llama_cpp_never_takes_a_projector_nor_picks_among_quantizations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub = tmp_path / "hf" / "hub"
+    server = tmp_path / "bin" / "llama-server"
+    server.parent.mkdir()
+    server.write_text("#!/bin/sh\nexit 1\n")
+    server.chmod(server.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("PATH", str(server.parent) + os.pathsep + os.environ["PATH"])
+    vl = _snapshot(hub, "org/vl", "1", {"mmproj-vl-f16.gguf": "G", "vl-q4_k_m.gguf": "G"})
+    run = engine_command(parse_spec("model: org/vl\n"))
+    assert run.startswith(f"exec {server} -m {vl / 'vl-q4_k_m.gguf'} "), run
+    assert "--metrics" in run and "--alias org/vl" in run, run
+    _snapshot(hub, "org/quants", "1", {"q-f16.gguf": "G", "q-q4_k_m.gguf": "G"})
+    with pytest.raises(ModelUnavailable, match=r"holds 2 GGUF files .*q-f16\.gguf"):
+        engine_command(parse_spec("model: org/quants\n"))
+    split = _snapshot(hub, "org/big", "1", {f"big-0000{i}-of-00002.gguf": "G" for i in (1, 2)})
+    run = engine_command(parse_spec("model: org/big\n"))
+    assert f"-m {split / 'big-00001-of-00002.gguf'} " in run, run
+
+
+def test_a_relative_model_path_is_launched_as_the_absolute_path_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = tmp_path / "bin" / "llama-server"
+    server.parent.mkdir()
+    server.write_text("#!/bin/sh\nexit 1\n")
+    server.chmod(server.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny.gguf").write_text("G")
+    monkeypatch.setenv("PATH", str(server.parent) + os.pathsep + os.environ["PATH"])
+    monkeypatch.chdir(tmp_path)
+    run = engine_command(parse_spec("model: ./models/tiny.gguf\n"))
+    assert f"-m {tmp_path / 'models' / 'tiny.gguf'} " in run, run
+
+
+def test_an_engine_off_the_local_machine_listens_beyond_the_loopback() -> None:
+    """On Ray the balancer reaches a replica at its node's address, not 127.0.0.1."""
+    run = engine_command(parse_spec(f"model: {SIMULATOR}\ninfra: ray\n"))
+    assert "--host 0.0.0.0" in run, run
+    assert "--host 127.0.0.1" in engine_command(parse_spec(f"model: {SIMULATOR}\n"))
+
+
+def test_the_cache_is_found_where_the_hub_library_puts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from corral.model_engines import hf_cache
+
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hf_cache() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path / "old"))
+    assert hf_cache() == tmp_path / "old"

@@ -26,7 +26,7 @@ from corral.cli_common import (
 )
 from corral.cli_daemon import daemon
 from corral.cli_doctor import doctor
-from corral.cli_spec import check_deployable, load_or_exit, validate
+from corral.cli_spec import check_deployable, load_or_exit, refuse_model_before_starting, validate
 from corral.cli_status import matching, serviceless, status
 from corral.client import Client, ClientError
 from corral.envflags import given_values, values_options
@@ -99,6 +99,7 @@ def up(
     spec = load_or_exit(file, name, need_name=False)
     envs, secrets = given_values(env, env_file, secret)
     check_deployable(file, spec, envs, secrets)
+    refuse_model_before_starting(home_of(ctx), file, spec)
     try:
         client = _client(ctx, start=True)
     except KeyboardInterrupt:

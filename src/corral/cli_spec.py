@@ -41,6 +41,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
     from corral.spec import SpecError, load_spec
 
     spec = None
+    engine = None  # the command corral would start for a model-first spec, on this machine
     notes: list[str] = []
     used = None  # the inventory the resources were checked against (this shell's)
     try:
@@ -48,6 +49,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         issues = deploy_issues(spec)
         fit, notes, used = placement_here(spec)
         issues += fit + model_issues(spec)
+        engine = engine_here(spec)
     except SpecError as exc:
         issues = exc.issues
     source = str(file)
@@ -58,6 +60,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
             "warnings": (list(spec.warnings) if spec is not None else []) + notes,
             "errors": [issue.as_json() for issue in issues],
             "inventory": used,
+            "engine_command": engine,
         }
         click.echo(json.dumps(document, indent=2, default=str))
         if issues:
@@ -76,6 +79,8 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
     out.print(f"[green]{file}: valid[/green]")
     for key, value in spec.summary().items():
         out.print(f"  {key}: {json.dumps(value, default=str)}", soft_wrap=True)
+    if engine is not None:
+        out.print(f"  engine (on this machine): {engine}", soft_wrap=True, markup=False)
 
 
 def deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
@@ -103,6 +108,39 @@ def model_issues(spec: ServiceSpec) -> list[SpecIssue]:
     except ModelUnavailable as exc:
         return [SpecIssue("model", str(exc), spec.line_of("model"))]
     return []
+
+
+def refuse_model_before_starting(home: Path, file: Path, spec: ServiceSpec) -> None:
+    """`up` only: a model-first spec that no engine of this machine can run is refused before
+    a daemon is started for it. The daemon `up` would start runs this shell's Python in this
+    shell's environment, so this shell's verdict is the one it would give; a daemon that
+    already runs judges for itself (its environment may differ)."""
+    if not spec.model or spec.run:
+        return
+    from corral.client import ENV_API_URL, Client
+
+    if os.environ.get(ENV_API_URL) or Client(home).health():
+        return
+    issues = model_issues(spec)
+    if issues:
+        from corral.spec import SpecError
+
+        err.print(str(SpecError(issues, str(file))), soft_wrap=True, markup=False)
+        err.print("no daemon was started for it", soft_wrap=True, markup=False)
+        sys.exit(1)
+
+
+def engine_here(spec: ServiceSpec) -> str | None:
+    """``validate`` only: the command a model-first spec's replicas would run on this shell's
+    machine (the daemon picks on its own), or None (a `run:` spec, or none fits)."""
+    if not spec.model or spec.run:
+        return None
+    from corral.model_engines import ModelUnavailable, engine_command
+
+    try:
+        return engine_command(spec)
+    except ModelUnavailable:
+        return None  # model_issues says why
 
 
 def check_deployable(

@@ -12,16 +12,18 @@ Which engine, and why:
   model-first path runs on any machine (the demo, the tests).
 
 Weights are never fetched: a model must be a local path or already in the Hugging Face cache
-(``$HF_HOME/hub``, default ``~/.cache/huggingface/hub``). Where nothing fits, :func:`engine_command`
-raises :class:`ModelUnavailable` saying what is missing for each engine, so ``corral validate``
-and ``corral up`` refuse the spec before anything starts. The command is chosen where the replica
-runs (the daemon's machine); ``validate`` answers for the shell it runs in.
+(:func:`hf_cache`). Where nothing fits, :func:`engine_command` raises :class:`ModelUnavailable`
+saying what is missing for each engine, so ``corral validate`` and ``corral up`` refuse the spec
+before anything starts. The command is chosen on the daemon's machine (on Ray too: the nodes
+must have what it has); ``validate`` answers for the shell it runs in.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -38,55 +40,119 @@ class ModelUnavailable(ValueError):
 
 
 def hf_cache() -> Path:
-    home = os.environ.get("HF_HOME") or str(Path("~/.cache/huggingface").expanduser())
-    return Path(os.environ.get("HF_HUB_CACHE") or Path(home) / "hub")
+    """Where the Hugging Face Hub library keeps models, found as it finds it: HF_HUB_CACHE
+    (or its old name HUGGINGFACE_HUB_CACHE), else HF_HOME/hub, HF_HOME defaulting to
+    $XDG_CACHE_HOME/huggingface (~/.cache when XDG_CACHE_HOME is not set)."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    home = os.environ.get("HF_HOME") or str(Path(xdg) / "huggingface")
+    return Path(home).expanduser() / "hub"
 
 
 def local_weights(model: str) -> Path | None:
-    """Where the model's files are on this machine (a path given as the model, or the Hugging
-    Face cache's snapshot of ``ORG/NAME``), or None."""
+    """Where the model's files are on this machine (a path given as the model, made absolute,
+    or the Hugging Face cache's snapshot of ``ORG/NAME`` that ``refs/main`` names, as the Hub
+    library itself loads it offline), or None."""
     given = Path(model).expanduser()
     if given.exists():
-        return given
-    snapshots = hf_cache() / f"models--{model.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.iterdir()) if snapshots.is_dir() else []
+        return given.resolve()
+    repo = hf_cache() / f"models--{model.replace('/', '--')}"
+    snapshots = repo / "snapshots"
+    try:
+        main = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        main = ""
+    if main and (snapshots / main).is_dir():
+        return snapshots / main
+    # No refs/main (a revision fetched by hash alone): the newest snapshot.
+    found = (
+        sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    )
     return found[-1] if found else None
 
 
-def _gguf(weights: Path | None) -> Path | None:
-    if weights is None:
+# What vLLM and SGLang load a checkpoint from.
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def weights_problem(weights: Path) -> str | None:
+    """Why the checkpoint at ``weights`` cannot be served by vLLM or SGLang, or None: a
+    snapshot of which only the config (or some shards) was fetched is not a model."""
+    if weights.is_file():
         return None
-    if weights.is_file() and weights.suffix == ".gguf":
-        return weights
+    if not (weights / "config.json").is_file():
+        return f"{weights} has no config.json"
+    for index in weights.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            continue
+        absent = sorted(name for name in shards if not (weights / name).is_file())
+        if absent:
+            return f"{weights} lacks {len(absent)} of its {len(shards)} shards ({absent[0]}, ...)"
+        return None
+    if not any(any(weights.glob(pattern)) for pattern in _WEIGHTS):
+        return f"{weights} has no weights (no .safetensors or .bin file)"
+    return None
+
+
+def _gguf(weights: Path | None) -> list[Path]:
+    """The model GGUF files at ``weights`` (a vision model's projector, ``mmproj-*``, is not
+    one; a split model counts once, by its first part)."""
+    if weights is None:
+        return []
+    if weights.is_file():
+        return [weights] if weights.suffix == ".gguf" else []
     files = sorted(weights.rglob("*.gguf")) if weights.is_dir() else []
-    return files[0] if files else None
+    return [
+        f
+        for f in files
+        if not f.name.lower().startswith("mmproj")
+        and (re.search(r"-\d{5}-of-\d{5}\.gguf$", f.name) is None or "-00001-of-" in f.name)
+    ]
 
 
 def engine_command(spec: ServiceSpec) -> str:
     """The ``run`` of a model-first spec on this machine; ModelUnavailable when none fits."""
     model = spec.model or ""
     python = shlex.quote(sys.executable)
+    # Local replicas are reached on the loopback; on other infra the balancer reaches the
+    # replica's node by its address.
+    listen = _LISTEN if spec.infra == "local" else _LISTEN.replace("127.0.0.1", "0.0.0.0")
     if model == SIMULATOR:
-        return f"exec {python} -m corral.llmsim {_LISTEN} --model {SIMULATOR}"
+        return f"exec {python} -m corral.llmsim {listen} --model {SIMULATOR}"
     quoted = shlex.quote(model)
     weights = local_weights(model)
+    unusable = weights_problem(weights) if weights is not None else None
     gpu = bool(spec.resources.accelerators)
     missing: list[str] = []
-    for package, module, flag in (
-        ("vllm", "vllm.entrypoints.openai.api_server", "--model"),
-        ("sglang", "sglang.launch_server", "--model-path"),
+    # The name clients send as "model" is the spec's, not the snapshot's path; the engines'
+    # metrics are what the LLM policy and the autoscaler read (SGLang's are off by default).
+    for package, module, flag, extra in (
+        ("vllm", "vllm.entrypoints.openai.api_server", "--model", ""),
+        ("sglang", "sglang.launch_server", "--model-path", " --enable-metrics"),
     ):
         installed = importlib.util.find_spec(package) is not None
-        if gpu and installed and weights is not None:
-            return f"exec {python} -m {module} {flag} {shlex.quote(str(weights))} {_LISTEN}"
+        if gpu and installed and weights is not None and unusable is None:
+            return (
+                f"exec {python} -m {module} {flag} {shlex.quote(str(weights))} "
+                f"--served-model-name {quoted}{extra} {listen}"
+            )
         if not installed:
             missing.append(f"{package} is not installed for {sys.executable}")
     if not gpu:
         missing.append("vLLM and SGLang need a GPU: the spec asks none (resources.accelerators)")
+    elif unusable is not None:
+        missing.append(f"vLLM and SGLang need the whole checkpoint: {unusable}")
     server = shutil.which("llama-server")
-    gguf = _gguf(weights)
-    if server is not None and gguf is not None:
-        return f"exec {shlex.quote(server)} -m {shlex.quote(str(gguf))} {_LISTEN}"
+    ggufs = _gguf(weights)
+    if server is not None and len(ggufs) == 1:
+        return (
+            f"exec {shlex.quote(server)} -m {shlex.quote(str(ggufs[0]))} --alias {quoted} "
+            f"--metrics {listen}"
+        )
     if server is None:
         missing.append("llama.cpp's server (llama-server) is not on PATH")
     if weights is None:
@@ -94,8 +160,14 @@ def engine_command(spec: ServiceSpec) -> str:
             f"its weights are not on this machine (not a path, not in {hf_cache()}) and corral "
             "does not download them"
         )
-    elif gguf is None:
+    elif not ggufs:
         missing.append(f"llama-server needs a .gguf file; none under {weights}")
+    elif len(ggufs) > 1:
+        names = ", ".join(f.name for f in ggufs[:4]) + (", ..." if len(ggufs) > 4 else "")
+        missing.append(
+            f"{weights} holds {len(ggufs)} GGUF files ({names}): give the one to serve as "
+            "`model:` (its path)"
+        )
     raise ModelUnavailable(
         f"model {quoted} cannot run here: " + "; ".join(missing) + ". Give a `run:` command, "
         f"or `model: {SIMULATOR}` for corral's engine simulator (not a model)"

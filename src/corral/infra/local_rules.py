@@ -41,6 +41,8 @@ def local_port_problem(spec: ServiceSpec) -> str | None:
     most = policy.max_replicas + policy.num_overprovision
     if port is None or most <= 1 or _PORT_REF_RE.search(spec.run or ""):
         return None
+    if spec.model and not spec.run:
+        return None  # the engine corral starts listens on $PORT (corral.model_engines)
     return (
         f"the replicas serve on port {port} and this service may run up to {most} replicas on "
         f"this machine, but `run` never uses $PORT, so every replica would try to bind port "

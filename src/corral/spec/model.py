@@ -111,7 +111,14 @@ class ServiceSpec(Section):
         if not isinstance(service, dict):
             return data  # its own error says what is wrong with it
         defaults = {"readiness_probe": "/health", "load_balancing_policy": "prefix_affinity"}
-        return {**data, "service": {**defaults, **service}}
+        # `key:` with no value means "the default" (Section._null_means_not_given): here the
+        # model-first default. A probe given as a mapping without `path` (only its delays, as
+        # LLM specs write it) keeps the engines' /health too, not the generic "/".
+        given = {k: v for k, v in service.items() if v is not None}
+        probe = given.get("readiness_probe")
+        if isinstance(probe, dict) and probe.get("path") is None:
+            given["readiness_probe"] = {**probe, "path": defaults["readiness_probe"]}
+        return {**data, "service": {**defaults, **given}}
 
     @field_validator("workdir", mode="before")
     @classmethod
@@ -174,6 +181,7 @@ class ServiceSpec(Section):
         return {
             "name": self.name,
             "infra": self.infra,
+            "model": self.model,
             "run": self.run,
             "setup": self.setup,
             "workdir": self.workdir,
