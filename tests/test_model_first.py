@@ -235,3 +235,47 @@ def test_the_cache_is_found_where_the_hub_library_puts_it(
     assert hf_cache() == tmp_path / "xdg" / "huggingface" / "hub"
     monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path / "old"))
     assert hf_cache() == tmp_path / "old"
+
+
+def _problems(text: str) -> list[str]:
+    from corral.spec import SpecError
+
+    with pytest.raises(SpecError) as caught:
+        parse_spec(text)
+    return [
+        f"{issue.loc}: {issue.message}" + (f"; {issue.hint}" if issue.hint else "")
+        for issue in caught.value.issues
+    ]
+
+
+SIM_SCALED = f"model: {SIMULATOR}\nservice:\n"
+QUEUE = "  autoscaling:\n    metrics:\n      - type: queue_depth\n        target: 5\n"
+
+
+def test_the_service_level_sizing_errors_name_what_the_spec_says() -> None:
+    # Metrics without a most never scale anything (SkyServe's reading too): said, as a warning.
+    kept = parse_spec(SIM_SCALED + "  replicas: 1\n" + QUEUE)
+    assert not kept.service.replica_policy.autoscaling
+    assert any(w.startswith("service.autoscaling: has no effect") for w in kept.warnings)
+    # SkyServe's names of two metrics.
+    skyserve = parse_spec(
+        SIM_SCALED + "  max_replicas: 3\n  autoscaling:\n    metrics:\n"
+        "      - {type: kv_cache_utilization, target: 0.8}\n"
+        "      - {type: requests_per_second, target: 4}\n"
+    ).service.replica_policy
+    assert (skyserve.target_kv_cache_usage, skyserve.target_qps_per_replica) == (0.8, 4)
+    # The fields the spec has, not replica_policy's.
+    assert _problems(SIM_SCALED + "  replicas: 3\n  max_replicas: 2\n" + QUEUE) == [
+        "service.max_replicas: must be at least replicas (3), got 2"
+    ]
+    # One wrong metric is one problem: no second one blaming a replica_policy not written.
+    for metric, says in (
+        ("      - type: queue_depth\n", "service.autoscaling.metrics[0].target: is required"),
+        ("      - {type: queue_depth, targt: 5}\n", "did you mean 'target'?"),
+    ):
+        said = _problems(SIM_SCALED + "  max_replicas: 3\n  autoscaling:\n    metrics:\n" + metric)
+        assert not [p for p in said if "replica_policy" in p], said
+        assert any(says in p for p in said), said
+    assert _problems(SIM_SCALED + "  max_replicas: 3\n  autoscaling:\n    metrics: []\n") == [
+        "service.autoscaling.metrics: must have at least 1 item, got 0"
+    ]

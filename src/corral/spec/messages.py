@@ -18,6 +18,8 @@ from corral.spec.reader import command_block_hint
 from corral.spec.resources import Resources
 from corral.spec.section import Section
 from corral.spec.service import (
+    AutoscalingMetric,
+    AutoscalingSettings,
     LegacyHttps,
     LoadBalancerSettings,
     ReadinessProbe,
@@ -42,6 +44,8 @@ _SECTIONS: dict[tuple[str, ...], type[Section]] = {
     ("service", "tls"): TlsSettings,
     ("service", "https"): LegacyHttps,
     ("service", "load_balancer"): LoadBalancerSettings,
+    ("service", "autoscaling"): AutoscalingSettings,
+    ("service", "autoscaling", "metrics"): AutoscalingMetric,
 }
 _LEGACY_SECTIONS = {("service", "https")}
 
@@ -84,7 +88,8 @@ def _dotted(path: Sequence[str]) -> str:
 
 def _unknown_field_message(loc: tuple[int | str, ...]) -> str:
     key = str(loc[-1])
-    parent = tuple(str(p) for p in loc[:-1])
+    # A list's items share one model: metrics[0].targt is looked up as metrics.targt.
+    parent = tuple(str(p) for p in loc[:-1] if not isinstance(p, int))
     text = f"unknown field '{key if len(key) <= 60 else key[:57] + '...'}'"
     model = _SECTIONS.get(parent)
     if model is None:
@@ -150,6 +155,10 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
         if loc in (("run",), ("setup",)) and isinstance(got, dict):
             return f"{plain[kind]}, got {show(got)}; {command_block_hint(str(loc[0]))}"
         return f"{plain[kind]}, got {show(got)}"
+    if kind in ("too_short", "too_long") and isinstance(got, list | tuple):
+        bound = ctx.get("min_length" if kind == "too_short" else "max_length")
+        words = "at least" if kind == "too_short" else "at most"
+        return f"must have {words} {bound} item{'s' if bound != 1 else ''}, got {len(got)}"
     if kind == "invalid_key":
         return f"field names must be text, got {show(loc[-1])}"
     bounds = {

@@ -247,6 +247,13 @@ class AutoscalingMetric(Section):
     type: Literal["queue_depth", "qps", "kv_cache_usage", "tokens_per_second"]
     target: float = Field(gt=0)
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _skyserve_names(cls, value: Any) -> Any:
+        # SkyServe's own names for two of them (sky/serve/serve_spec_v2.py).
+        aliases = {"kv_cache_utilization": "kv_cache_usage", "requests_per_second": "qps"}
+        return aliases.get(value, value) if isinstance(value, str) else value
+
 
 # Each metric type's field in replica_policy.
 METRIC_FIELDS = {
@@ -400,16 +407,33 @@ class ServiceSection(Section):
             f"expected a path like /health, or a mapping with path:, got {show(value)}"
         )
 
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_fits_replicas(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None or "replicas" not in info.data:
+            return value  # not given, or replicas is wrong and says so itself
+        least = info.data["replicas"]
+        if value < (1 if least is None else least):
+            said = f"replicas ({least})" if least is not None else "replicas (1, its default)"
+            raise ValueError(f"must be at least {said}, got {value}")
+        return value
+
     @field_validator("replica_policy", mode="before")
     @classmethod
     def _one_sizing_form(cls, value: Any, info: ValidationInfo) -> Any:
         replicas = info.data.get("replicas")
         scaling: AutoscalingSettings | None = info.data.get("autoscaling")
         most = info.data.get("max_replicas")
+        if value is None and not {"max_replicas", "autoscaling"} <= info.data.keys():
+            # One of them is wrong and its own error says how: a second error here would
+            # blame a field the spec does not have.
+            count = 1 if replicas is None else replicas
+            return {"min_replicas": count, "max_replicas": count}
         if scaling is not None and value is None:
             targets = {METRIC_FIELDS[metric.type]: metric.target for metric in scaling.metrics}
             least = 1 if replicas is None else replicas
-            return {"min_replicas": least, "max_replicas": most or least, **targets}
+            most = least if most is None else most  # no room to scale: a warning says so
+            return {"min_replicas": least, "max_replicas": most, **targets}
         if most is not None or scaling is not None:
             raise ValueError(
                 "max_replicas and autoscaling at the service level go with replicas (the "
@@ -465,6 +489,13 @@ class ServiceSection(Section):
         paths = self._placement_set("service.")
         paths += self.replica_policy._placement_set("service.replica_policy.")
         notes = [f"{path}: {meaningless}" for path in paths]
+        if self.autoscaling is not None and self.max_replicas is None:
+            least = self.replica_policy.min_replicas
+            notes.append(
+                "service.autoscaling: has no effect without service.max_replicas: the service "
+                f"stays at replicas ({least}) and no metric scales it (as in SkyServe); set "
+                "max_replicas to the most replicas the metrics may ask for"
+            )
         if self.port is not None:
             notes.append("service.port: SkyServe's old name of service.ports; read as ports")
         if self.https is not None:
