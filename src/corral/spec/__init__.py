@@ -74,7 +74,6 @@ from corral.spec.service import (
     ReplicaPolicy,
     ServiceSection,
     TlsSettings,
-    qps_of_accelerator,
 )
 from corral.spec.values import (
     DEFAULT_DOWNSCALE_DELAY_SECONDS,
@@ -92,6 +91,7 @@ from corral.spec.values import (
     NAME_RULE,
     InfraName,
     LoadBalancingPolicy,
+    qps_of_accelerator,
 )
 
 __all__ = [

@@ -223,22 +223,6 @@ def _target_of(data: Mapping[str, Any]) -> str | None:
     return None
 
 
-def qps_of_accelerator(targets: Mapping[str, float], accelerator: str | None) -> float | None:
-    """The target QPS of a replica on ``accelerator`` (``A100``, as placement took it) by
-    SkyServe's matching: the key itself, else a key whose name before ``:`` is it (``A100:1``),
-    case ignored; None when no key names it."""
-    if accelerator is None:
-        return None
-    want = accelerator.strip().lower()
-    for key, qps in targets.items():
-        if key.strip().lower() == want:
-            return qps
-    for key, qps in targets.items():
-        if key.partition(":")[0].strip().lower() == want:
-            return qps
-    return None
-
-
 class AutoscalingMetric(Section):
     """One of SkyServe's ``service.autoscaling.metrics``: what to scale on, and the target
     per replica (``queue_depth``: requests in an engine, running and waiting; ``qps``:

@@ -7,6 +7,7 @@ the error translation in :mod:`corral.spec.messages` shows that sentence as is.
 import datetime
 import math
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator
@@ -186,3 +187,19 @@ EnvName = Annotated[str, AfterValidator(_check_env_name)]
 EnvValue = Annotated[str, BeforeValidator(_scalar_to_text)]
 HeaderName = Annotated[str, AfterValidator(_check_header_name)]
 HeaderValue = Annotated[str, BeforeValidator(_scalar_to_text), AfterValidator(_check_header_value)]
+
+
+def qps_of_accelerator(targets: Mapping[str, float], accelerator: str | None) -> float | None:
+    """The target QPS of a replica on ``accelerator`` (``A100``, as placement took it) by
+    SkyServe's matching: the key itself, else a key whose name before ``:`` is it (``A100:1``),
+    case ignored; None when no key names it."""
+    if accelerator is None:
+        return None
+    want = accelerator.strip().lower()
+    for key, qps in targets.items():
+        if key.strip().lower() == want:
+            return qps
+    for key, qps in targets.items():
+        if key.partition(":")[0].strip().lower() == want:
+            return qps
+    return None
