@@ -75,6 +75,24 @@ def test_the_target_follows_the_depth_with_skyserves_holds() -> None:
     assert scaler.decide(225.0, []).target == 2  # the dip at 190 reset the up-hold
 
 
+def test_a_noisy_queue_over_its_target_is_followed_as_skyserve_counts() -> None:
+    """SkyServe looks every 20 s: a sample that dips under the target one time in four (every
+    20 s, always at the same phase) restarts the count of that phase only, and the other three
+    move after int(300 / 20) looks in a row. Counting every 5 s sample as a look, one dip
+    restarted it all and the fleet never grew, at 1.4 times its target on average."""
+    p = policy(
+        "  replica_policy:\n    min_replicas: 2\n    max_replicas: 4\n"
+        "    target_queue_per_replica: 5\n"
+    )
+    scaler = QueueDepthAutoscaler(p)
+    moved = None
+    for i in range(240):  # 20 minutes, a decision every 5 s
+        scaler.observe(8 if i % 4 == 3 else 14)  # wants 2 one sample in four, else 3
+        if scaler.decide(i * 5.0, []).target == 3 and moved is None:
+            moved = i * 5.0
+    assert moved is not None and 280.0 <= moved <= 300.0, moved
+
+
 def test_from_zero_a_waiting_request_is_demand() -> None:
     p = policy(
         "  replica_policy:\n    min_replicas: 0\n    max_replicas: 2\n"
@@ -83,6 +101,26 @@ def test_from_zero_a_waiting_request_is_demand() -> None:
     scaler = QueueDepthAutoscaler(p)
     assert scaler.decide(100.0, []).target == 0
     assert scaler.decide(101.0, [100.5]).target == 1  # at once
+
+
+def test_a_light_steady_load_keeps_its_last_replica() -> None:
+    """min_replicas 0 on the queue: a request every 30 s that is done within a second is
+    seen by almost no sample, but it is load, as the request-rate autoscaler counts it: the
+    last replica stays while requests come, and goes after the downscale hold once they stop."""
+    p = policy(
+        "  replica_policy:\n    min_replicas: 0\n    max_replicas: 2\n"
+        "    target_queue_per_replica: 4\n    downscale_delay_seconds: 120\n"
+    )
+    scaler = QueueDepthAutoscaler(p)
+    arrivals = [7.0 + 30 * i for i in range(60)]  # 30 minutes, from 7 s
+    for step in range(2, 360):  # from the first request on
+        now = step * 5.0
+        scaler.observe(0)  # every request finished before the sample
+        got = scaler.decide(now, [t for t in arrivals if now - 60 < t <= now])
+        assert got.target == 1, (now, got.reason)
+    for step in range(360, 420):  # requests stopped at 1777 s
+        got = scaler.decide(step * 5.0, [t for t in arrivals if step * 5.0 - 60 < t <= step * 5.0])
+    assert got.target == 0, got.reason
 
 
 def test_depth_is_what_the_engines_hold_else_in_flight_plus_held() -> None:

@@ -116,6 +116,34 @@ def test_tokens_per_second_is_the_counters_growth() -> None:
     assert sglang["tokens_per_second"] == 77.0
 
 
+def test_an_engines_fractions_are_averaged_and_odd_samples_skipped() -> None:
+    """vLLM with two data-parallel ranks behind one API server publishes each rank's KV-cache
+    use: the replica is at their mean (summed, 0.5 and 0.7 read as 1.2, a replica and a half
+    of cache for one replica). A NaN or an infinity is no reading: summed, a NaN zeroed the
+    whole fleet's queue depth, and an infinity made every decision raise."""
+    text = (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 4\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} NaN\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 2\n'
+        "sglang:gen_throughput +Inf\n"
+    )
+    got = engines.parse(text)
+    assert got == {"kv_usage": pytest.approx(0.6), "running": 7.0, "waiting": 2.0}, got
+    p = policy(
+        "  replica_policy:\n    min_replicas: 1\n    max_replicas: 4\n"
+        "    target_tokens_per_second_per_replica: 100\n    target_queue_per_replica: 5\n"
+    )
+    scaler = EngineAutoscaler(p)
+    signals = engines.with_rate(engines.parse("sglang:gen_throughput +Inf\n"), None, 1.0)
+    scaler.sample(
+        {"replicas": {"1": {"ready": True, "in_flight": 9}}, "engines": {"1": signals}}, lambda: []
+    )
+    assert scaler.decide(0.0, []).raw_target == 2  # the in-flight count, the throughput unknown
+
+
 def test_the_simulator_reports_kv_use_and_tokens_that_the_worker_turns_into_a_rate() -> None:
     async def go() -> None:
         config = EngineConfig(cache_blocks=64, step_base_ms=20)
@@ -185,3 +213,24 @@ def test_a_service_scales_out_when_its_engines_kv_caches_fill(
     assert grown["target"] == 2
     for thread in threads:
         thread.join(120)
+
+
+def test_a_spec_update_to_another_kind_of_autoscaler_keeps_the_target() -> None:
+    """A request-rate autoscaled fleet at 4 whose update adds a queue target (or drops it)
+    gets a new autoscaler of another kind: it goes on from 4, not from min_replicas (which cut
+    the fleet to 1 at once, then held 280 s before growing back)."""
+    base = (
+        "  replica_policy:\n    min_replicas: 1\n    max_replicas: 4\n"
+        "    target_qps_per_replica: 1\n"
+    )
+    qps = policy(base + "    upscale_delay_seconds: 20\n")
+    times = [40.0 + i * 0.25 for i in range(240)]  # 4 requests/s over the last minute
+    first = make_scaler(qps, decision_interval=5.0, qps_window=60.0)
+    assert first.decide(100.0, times).target == 4
+    engine = policy(base + "    target_queue_per_replica: 5\n")
+    second = make_scaler(engine, decision_interval=5.0, qps_window=60.0, previous=first)
+    assert isinstance(second, EngineAutoscaler)
+    second.observe(depth=20)
+    assert second.decide(105.0, times).target == 4
+    third = make_scaler(policy(base), decision_interval=5.0, qps_window=60.0, previous=second)
+    assert third.decide(110.0, times).target == 4

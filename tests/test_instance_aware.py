@@ -163,11 +163,49 @@ def test_the_autoscaler_sums_capacity_by_accelerator() -> None:
     # 30 serves 14: H100 + A100 = 15 > 14, so 2 (largest first)
     assert s.decide(30.0, times(14, 30.0)).raw_target == 2
     assert s.decide(50.0, times(14, 50.0)).target == 4  # the downscale hold is 40 s
-    assert s.decide(71.0, times(9, 71.0)).target == 1  # H100 alone serves 9; held since 30
+    # H100 alone serves 9, but SkyServe's looks 20 s apart saw 2 at 40 and 60 (the samples at
+    # 30 and 50 stand until the next): no SkyServe at 4 has its third look below before 80.
+    assert s.decide(71.0, times(9, 71.0)).target == 4
+    assert s.decide(80.0, times(9, 80.0)).target == 1
     # a replica whose accelerator is unknown counts as the smallest target (5)
     s.observe_fleet([("READY", None), ("STARTING", "H100"), ("FAILED", "H100")])
     assert s.decide(101.0, times(20, 101.0)).raw_target == 2 + 1  # 15 served, 5 over
     assert fits(s, s.policy) and not fits(s, parse_spec("run: x\n").service.replica_policy)
+
+
+def test_replicas_that_serve_nothing_do_not_raise_the_target_and_no_load_asks_for_none() -> None:
+    """15 QPS on one READY H100 (10) asks for 2. The second waits PENDING for a GPU (or a
+    replica is NOT_READY): it adds no capacity, so it must not count as one more replica on
+    top of the excess, or each upscale hold asks for one more, up to max_replicas. And a
+    minute without requests asks for no replica, so min_replicas: 0 is reached."""
+    s = scaler()
+    fleet = [("READY", "H100")]
+    target = 1
+    for step in range(40):  # 200 s, upscale holds of 20 s
+        s.observe_fleet(fleet)
+        target = s.decide(step * 5.0, times(15, step * 5.0)).target
+        fleet += [("PENDING", None)] * (target - len(fleet))
+    assert target == 2, fleet
+    s.observe_fleet([("READY", "H100"), ("NOT_READY", "A100")])
+    assert s.decide(205.0, times(15, 205.0)).raw_target == 2
+    idle = scaler(least=0)
+    idle.observe_fleet([("READY", "H100")])
+    assert idle.decide(0.0, []).raw_target == 0
+
+
+def test_a_replica_still_loading_that_the_rate_needs_is_not_scaled_away() -> None:
+    """15 QPS: the READY H100 serves 10, the STARTING one (an LLM loads for minutes) is what
+    serves the rest. Under the fleet's capacity (20), counting the READY replicas alone asked
+    for 1, and after the 40 s downscale hold the loading replica was taken away (then asked
+    for again: a replica that loads for longer than the hold never serves)."""
+    s = scaler()
+    s.observe_fleet([("READY", "H100")])
+    assert s.decide(0.0, times(15, 0.0)).raw_target == 2
+    assert s.decide(20.0, times(15, 20.0)).target == 2
+    s.observe_fleet([("READY", "H100"), ("STARTING", "H100")])
+    for step in range(5, 60):
+        got = s.decide(step * 5.0, times(15, step * 5.0))
+        assert (got.raw_target, got.target) == (2, 2), (step * 5.0, got.reason)
 
 
 def test_from_zero_the_largest_target_sizes_the_fleet() -> None:

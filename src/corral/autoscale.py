@@ -63,7 +63,12 @@ Fixed and request-rate policies share one implementation, whose behaviour follow
 rather than the class: a spec update that turns autoscaling on or off goes through
 :meth:`Autoscaler.reset_policy` on the object the controller already holds, and keeps the current
 target (clipped into the new bounds) instead of jumping back to ``min_replicas``. The two classes
-exist so a service's autoscaler says at creation what kind of policy it was built for.
+exist so a service's autoscaler says at creation what kind of policy it was built for. An
+update to another kind (the engines' signals, corral.autoscale_queue) starts the new autoscaler
+at the old one's target too (:meth:`_PolicyAutoscaler.start_at`).
+
+Size: one algorithm, SkyServe's counting at every phase, told in full above; its code is the
+rest, and a split would leave each half's rules in the other's docstring.
 """
 
 import bisect
@@ -214,6 +219,18 @@ class _PolicyAutoscaler:
     def qps_window(self) -> float:
         """Seconds of requests the QPS is averaged over (once that much has been watched)."""
         return self._window
+
+    @property
+    def held_target(self) -> int:
+        """The hysteresis target, without ``num_overprovision``."""
+        return self._target
+
+    def start_at(self, target: int) -> None:
+        """Go on from ``target`` (clipped into the policy's bounds) instead of
+        ``min_replicas``: the target of the autoscaler this one replaces, when a new spec
+        version asks for another kind."""
+        self._target = _clip(target, self._policy)
+        self._forget()
 
     @property
     def decision_interval(self) -> float:

@@ -17,16 +17,25 @@ how loaded an LLM fleet is. Its engines know, and report it (``corral.dataplane.
 
 :class:`InstanceAwareAutoscaler` is SkyServe's for ``target_qps_per_replica: {H100: 10, A100:
 5}``: the fleet's capacity is the sum of its live replicas' targets by their accelerator
-(READY, STARTING, PROVISIONING, as SkyServe counts); request rate at or over it asks for the
-live replicas plus ``ceil(excess / the largest target)``; under it, the fewest READY replicas,
-largest targets first, whose sum exceeds the rate. A replica whose accelerator no key names
-counts as the smallest target. From zero, ``ceil(rate / the largest target)``.
+(READY, STARTING, PROVISIONING, as SkyServe counts); request rate at or over it asks for those
+replicas plus ``ceil(excess / the largest target)`` (not every live one, as SkyServe: a
+replica PENDING for a GPU or NOT_READY adds nothing to the capacity, so counting it raised the
+target by the excess again at every upscale hold, up to ``max_replicas``); under it, the fewest
+READY replicas, largest targets first, whose sum exceeds the rate (then the STARTING and
+PROVISIONING ones, where the READY ones do not serve it); no request in the window
+asks for none (SkyServe's loop asks for one READY replica even then, so ``min_replicas: 0``
+was never reached). A replica whose accelerator no key names counts as the smallest target.
+From zero, ``ceil(rate / the largest target)``.
 
 Both sample their signal at each decision and keep the request-rate autoscaler's rules as
-SkyServe counts them (:func:`corral.autoscale.hold_seconds`): a higher target is followed once
-it has lasted the upscale hold, a lower one once it has lasted the downscale hold, at once from
-zero (a request waiting for the first replica counts), and ``num_overprovision`` is added last.
-Pure: the controller passes the engines' stats, the fleet and the clock.
+SkyServe counts them: SkyServe looks every 20 s and moves at the ``int(delay / 20)``-th look in
+a row on one side of its target (:mod:`corral.autoscale_phases`). A sample holds until the next
+one, and corral runs those looks at every phase of SkyServe's clock at once, following each
+move some phase makes past its target, as the request-rate autoscaler does: a look every 5 s
+(every sample) would need four times the looks in a row SkyServe needs, and on a signal as
+noisy as an engine's queue a single sample under the target would restart the count. At once
+from zero (a request waiting for the first replica counts), and ``num_overprovision`` is added
+last. Pure: the controller passes the engines' stats, the fleet and the clock.
 """
 
 from __future__ import annotations
@@ -40,9 +49,12 @@ from corral.autoscale import (
     DEFAULT_ZERO_DECISION_INTERVAL,
     Autoscaler,
     Decision,
+    FixedAutoscaler,
+    RequestRateAutoscaler,
     hold_seconds,
     make_autoscaler,
 )
+from corral.autoscale_phases import PhaseFamily, threshold
 from corral.spec import ReplicaPolicy, qps_of_accelerator
 
 __all__ = [
@@ -58,11 +70,11 @@ __all__ = [
 
 # A replica's status and accelerator (None: not placed on a known GPU), as the controller sees.
 Fleet = Sequence[tuple[str, str | None]]
-# Statuses whose replicas count toward the fleet's capacity (SkyServe's), and live ones.
+# Statuses whose replicas count toward the fleet's capacity (SkyServe's).
 CAPACITY = frozenset({"READY", "STARTING", "PROVISIONING"})
-LIVE = CAPACITY | {"PENDING", "NOT_READY"}
 WINDOW = 60.0  # the request rate is over the last minute, as SkyServe's (CORRAL_QPS_WINDOW)
 _SLACK = 1e-9  # float noise must not ask for one replica more
+_LOOK_SLACK = 1e-6  # a look due at the instant of a decision is run by that decision
 
 
 def _ceil(value: float) -> int:
@@ -86,6 +98,10 @@ class SampledAutoscaler:
         self._zero_interval = zero_decision_interval
         self._target = policy.min_replicas
         self._since: tuple[int, float] | None = None  # (direction, since when) of the raw target
+        # SkyServe's counters at every phase of its 20 s clock (made at the first decision),
+        # and the previous sample, which stands for the raw target until the next one.
+        self._phases: PhaseFamily | None = None
+        self._last: tuple[float, int | None] | None = None
 
     @property
     def policy(self) -> ReplicaPolicy:
@@ -94,6 +110,16 @@ class SampledAutoscaler:
     @property
     def decision_interval(self) -> float:
         return self._zero_interval if self._target == 0 else self._interval
+
+    @property
+    def held_target(self) -> int:
+        """The hysteresis target, without ``num_overprovision``."""
+        return self._target
+
+    def start_at(self, target: int) -> None:
+        """Go on from ``target`` (clipped into the bounds) instead of ``min_replicas``."""
+        self._target = max(self._policy.min_replicas, min(self._policy.max_replicas, target))
+        self._since = None
 
     def lookback(self, now: float) -> float:
         return self._window
@@ -105,6 +131,10 @@ class SampledAutoscaler:
         self._policy = policy
         self._target = max(policy.min_replicas, min(policy.max_replicas, self._target))
         self._since = None
+        # The raw target may mean something else now: every phase restarts from the target.
+        if self._phases is not None:
+            self._phases.reset(self._target)
+        self._last = None
 
     def _wanted(self, qps: float) -> tuple[int, str]:
         """The replicas the load asks for (before clipping) and what it is, in words."""
@@ -116,9 +146,12 @@ class SampledAutoscaler:
         qps = len(recent) / self._window
         wanted, load = self._wanted(qps)
         raw = max(policy.min_replicas, min(policy.max_replicas, wanted))
-        if self._target == 0 and recent:
-            # At zero no engine holds anything: a request waiting for the first replica is
-            # the demand (as with the request-rate autoscaler, which leaves zero at once).
+        if recent:
+            # A request in the window is demand for a replica, whatever the engines hold at
+            # this instant: at zero, the request waiting for the first one (as with the
+            # request-rate autoscaler, which leaves zero at once); above it, a light load whose
+            # requests are all done by the sample (a depth of 0 at most samples) must not
+            # take the last replica away, and the next request into a cold start.
             raw = max(raw, min(1, policy.max_replicas))
         reason = self._move(now, raw, load)
         final = self._target + policy.num_overprovision if self._target else 0
@@ -126,20 +159,39 @@ class SampledAutoscaler:
 
     def _move(self, now: float, raw: int, load: str) -> str:
         policy = self._policy
+        if self._phases is None:
+            self._phases = PhaseFamily(self._target, now)
+        phases, last = self._phases, self._last
+        self._last = (now, raw)
+        if self._target == 0 and raw > 0:
+            self._target, self._since = raw, None
+            phases.reset(raw)
+            phases.skip(now + _LOOK_SLACK)
+            return f"{load}: up from zero to {raw} at once"
+        up = threshold(policy.upscale_delay_seconds)
+        down = threshold(policy.downscale_delay_seconds)
+        raws = [(now, raw)] if last is None else [last, (now, raw)]
+        moved = None
+        for move in phases.advance(now + _LOOK_SLACK, raws, up, down):
+            if (move.after - move.before) * (move.after - self._target) > 0:
+                self._target, moved = move.after, move
+        if moved is not None:
+            held = now - self._since[1] if self._since is not None else 0.0
+            self._since = None
+            if raw != self._target:
+                self._since = (1 if raw > self._target else -1, now)
+            return (
+                f"{load}: {self._target} replica(s), held {held:.0f}s (SkyServe's looks "
+                f"20s apart: the one at {moved.at:.1f}s moved from {moved.before})"
+            )
         if raw == self._target:
             self._since = None
             return f"{load}: {raw} replica(s)"
         direction = 1 if raw > self._target else -1
-        if self._target == 0:
-            self._target, self._since = raw, None
-            return f"{load}: up from zero to {raw} at once"
         if self._since is None or self._since[0] != direction:
             self._since = (direction, now)
         delay = policy.upscale_delay_seconds if direction > 0 else policy.downscale_delay_seconds
         held = now - self._since[1]
-        if held >= hold_seconds(delay):
-            self._target, self._since = raw, None
-            return f"{load}: {raw} replica(s), held {held:.0f}s"
         way = "up" if direction > 0 else "down"
         return (
             f"{load}: want {raw} replica(s); staying at {self._target} until the scale-{way} "
@@ -213,16 +265,23 @@ class InstanceAwareAutoscaler(SampledAutoscaler):
     def _wanted(self, qps: float) -> tuple[int, str]:
         targets = self._policy.target_qps_per_accelerator or {"": 1.0}
         best = max(targets.values())
-        live = [accel for status, accel in self._fleet if status in LIVE]
-        capacity = sum(self._qps_of(a) for status, a in self._fleet if status in CAPACITY)
+        serving = [self._qps_of(a) for status, a in self._fleet if status in CAPACITY]
+        capacity = sum(serving)
         load = f"QPS {qps:.3g} against {capacity:g} the fleet serves"
-        if capacity <= 0:
+        if capacity <= 0 or qps <= 0:
             return _ceil(qps / best), load
         if qps >= capacity:
-            return len(live) + _ceil((qps - capacity) / best), load
+            return len(serving) + _ceil((qps - capacity) / best), load
         ready = sorted((self._qps_of(a) for s, a in self._fleet if s == "READY"), reverse=True)
+        # Then those on their way (STARTING, PROVISIONING), when the READY ones do not serve
+        # the rate: counting the READY ones alone asked to scale away the replica about to
+        # serve the excess, and one that loads for longer than the downscale hold never did.
+        coming = sorted(
+            (self._qps_of(a) for s, a in self._fleet if s in CAPACITY and s != "READY"),
+            reverse=True,
+        )
         count, total = 0, 0.0
-        for each in ready or [best]:
+        for each in ready + coming or [best]:
             count, total = count + 1, total + each
             if total > qps:
                 break
@@ -239,17 +298,32 @@ def fits(scaler: Autoscaler, policy: ReplicaPolicy) -> bool:
 
 
 def make_scaler(
-    policy: ReplicaPolicy, *, decision_interval: float, qps_window: float
+    policy: ReplicaPolicy,
+    *,
+    decision_interval: float,
+    qps_window: float,
+    previous: Autoscaler | None = None,
 ) -> Autoscaler:
     """The autoscaler a policy asks for: instance-aware, on the engines, or on request rate
-    (:func:`corral.autoscale.make_autoscaler`)."""
+    (:func:`corral.autoscale.make_autoscaler`). With ``previous`` (the autoscaler of the
+    version before, of another kind), it goes on from that one's target, clipped into the new
+    bounds, as :meth:`reset_policy` does for one of the same kind: a spec update that adds or
+    removes an engine target must not cut a loaded fleet to ``min_replicas`` at once."""
+    scaler: Autoscaler
     if policy.target_qps_per_accelerator:
-        return InstanceAwareAutoscaler(
+        scaler = InstanceAwareAutoscaler(
             policy, decision_interval=decision_interval, qps_window=qps_window
         )
-    if policy.engine_targets:
-        return EngineAutoscaler(policy, decision_interval=decision_interval, qps_window=qps_window)
-    return make_autoscaler(policy, decision_interval=decision_interval, qps_window=qps_window)
+    elif policy.engine_targets:
+        scaler = EngineAutoscaler(
+            policy, decision_interval=decision_interval, qps_window=qps_window
+        )
+    else:
+        scaler = make_autoscaler(policy, decision_interval=decision_interval, qps_window=qps_window)
+    kinds = (SampledAutoscaler, RequestRateAutoscaler, FixedAutoscaler)
+    if isinstance(previous, kinds) and isinstance(scaler, kinds):
+        scaler.start_at(previous.held_target)
+    return scaler
 
 
 def engine_load(stats: Mapping[str, Any] | None) -> tuple[float, float, float]:

@@ -337,8 +337,10 @@ class ServiceController:
                 policy,
                 decision_interval=self.svc.deps.decision_interval,
                 qps_window=self.svc.deps.qps_window,
+                previous=self._autoscaler,
             )
             self._policy_version = version
+            self._next_decision = 0.0
         elif self._policy_version != version:
             self._autoscaler.reset_policy(policy)
             self._policy_version = version

@@ -9,7 +9,10 @@ and reports them to the daemon for ``status``, ``/metrics`` and the autoscaler.
 
 A small reader of the text format instead of prometheus_client's parser: the worker stays
 lean (it is on every service's path), and only a dozen names matter here, each summed over its
-label sets (several engines may share a port).
+label sets (several engines may share a port: vLLM's data-parallel ranks each publish theirs,
+``engine="0"``, ``engine="1"``), except the fractions of an engine (KV-cache use, cache hit
+rate), which are averaged over them: two ranks at 0.5 are one replica at 0.5, not at 1.0. A
+sample that is not a finite number (``NaN``, ``+Inf``) says nothing of the load and is skipped.
 
 Read over asyncio's streams, not aiohttp's client: the worker process never imports aiohttp
 (0.1 s and about 10 MB of memory for one GET a second). What the reading needs of HTTP/1.1 is
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import ssl
 import time
 import weakref
@@ -49,11 +53,14 @@ SIGNALS: Final = {
     "gen_throughput": ("sglang:gen_throughput",),
 }
 _WANTED: Final = frozenset(name for names in SIGNALS.values() for name in names)
+# The signals that are a fraction of one engine: averaged over their label sets, not summed.
+_MEANS: Final = frozenset({"kv_usage", "cache_hit_rate"})
 
 
 def parse(text: str) -> dict[str, float]:
     """The signals found in Prometheus text, by the keys of SIGNALS."""
     sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -66,12 +73,15 @@ def parse(text: str) -> dict[str, float]:
             continue
         value = line[line.rfind("}") + 1 :] if brace >= 0 else line[space:]
         with contextlib.suppress(ValueError, IndexError):
-            sums[name] = sums.get(name, 0.0) + float(value.split()[0])
+            number = float(value.split()[0])
+            if math.isfinite(number):
+                sums[name] = sums.get(name, 0.0) + number
+                counts[name] = counts.get(name, 0) + 1
     out: dict[str, float] = {}
     for key, names in SIGNALS.items():
         for name in names:
             if name in sums:
-                out[key] = sums[name]
+                out[key] = sums[name] / counts[name] if key in _MEANS else sums[name]
                 break
     return out
 
