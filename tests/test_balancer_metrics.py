@@ -302,3 +302,25 @@ def test_qps_from_request_timestamps() -> None:
     assert lb.qps(15.0) == pytest.approx(2 / 15)
     assert lb.request_timestamps(30.0) == [now - 20.0, now - 10.0, now - 1.0]
     assert len(lb.request_timestamps(1000.0)) == 6
+
+
+def test_ttft_is_exposed_per_replica_too() -> None:
+    """docs/llm.md: TTFT per service and per replica in /metrics (the slow replica is found
+    in Prometheus, not only in `status --json`)."""
+    ttft = [0] * (len(LATENCY_BUCKETS) + 1)
+    ttft[LATENCY_BUCKETS.index(0.05)] = 2
+    slow = [0] * (len(LATENCY_BUCKETS) + 1)
+    slow[LATENCY_BUCKETS.index(2.5)] = 1
+    one = _fake_stats(
+        "svc",
+        replicas={
+            "1": {"ready": True, "ttft": {"buckets": ttft, "sum": 0.08, "count": 2}},
+            "2": {"ready": True, "ttft": {"buckets": slow, "sum": 2.0, "count": 1}},
+        },
+    )
+    text = render({"svc": merge_stats([one])}).decode()
+    name = "corral_lb_replica_ttft_seconds"
+    assert sample(text, f"{name}_count", service="svc", replica="1") == 2
+    assert sample(text, f"{name}_count", service="svc", replica="2") == 1
+    assert sample(text, f"{name}_bucket", service="svc", replica="2", le="1.0") == 0
+    assert sample(text, f"{name}_bucket", service="svc", replica="2", le="2.5") == 1

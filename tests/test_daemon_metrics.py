@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from conftest import EXAMPLES, CorralHome, http, wait_for, write_spec
@@ -32,3 +33,28 @@ def test_metrics_count_requests_per_service(corral_home: CorralHome, tmp_path: P
     assert 'corral_lb_request_seconds_count{service="m"} 7.0' in text
     replica = svc["replicas"][0]["id"]
     assert f'corral_lb_in_flight{{replica="{replica}",service="m"}} 0.0' in text
+
+
+def test_replica_label_is_the_id_status_shows(corral_home: CorralHome, tmp_path: Path) -> None:
+    """With two services the internal keys and the ids within each service differ: the
+    ``replica`` label must be the id `corral status` shows (and `down --replica-id` takes)."""
+    home = corral_home
+    for name, count in (("a", 2), ("b", 1)):
+        path = write_spec(
+            tmp_path / f"{name}.yaml",
+            f"name: {name}\nworkdir: {EXAMPLES}\nrun: exec python3 app.py\n"
+            "service:\n  readiness_probe: {path: /health, period_seconds: 0.2}\n"
+            f"  replicas: {count}\n",
+        )
+        home.run("up", str(path))
+        home.wait_replicas(name, count)
+    shown = home.wait_replicas("b", 1)["replicas"][0]
+    assert shown["id"] == 1 and shown["uid"] != 1  # what makes the two differ
+
+    def scraped() -> str | None:
+        text = home.api("GET", "/metrics").body.decode()
+        return text if 'service="b"' in text else None
+
+    text = wait_for(scraped, 10, "service b in /metrics")
+    labels = re.findall(r'corral_lb_in_flight\{replica="(\d+)",service="b"\}', text)
+    assert labels == ["1"], labels

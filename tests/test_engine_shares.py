@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -190,3 +190,35 @@ def test_a_file_caught_mid_write_is_not_used(tmp_path: Path) -> None:
             assert [s.scrapes for s in fleet] == [2, 1]
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_a_service_with_no_ready_replica_keeps_no_engine_readings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its last replica gone (replaced, scaled to zero, not ready), a service's engines said
+    nothing since: the readings of the replica that left are not reported on (`status` showed
+    its queue, running requests and tokens per second for as long as none was ready)."""
+    from corral.dataplane.worker import Worker, _Service
+
+    class Balancer:
+        load: Any = "never given"
+
+        def set_engine_load(self, load: Any) -> None:
+            self.load = load
+
+    async def scenario() -> None:
+        worker = Worker(tmp_path, 0)
+        lb = Balancer()
+        last = {1: {"waiting": 3.0, "running": 4.0, "tokens_per_second": 850.0}}
+        svc = _Service(key="k", lb=cast(Any, lb), ready={}, engine_path="/metrics", engines=last)
+        worker.services["chat"] = svc
+        monkeypatch.setattr(engines, "INTERVAL", 0.001)
+        loop = asyncio.create_task(worker._engines_loop())
+        await asyncio.sleep(0.1)
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        assert svc.engines == {}
+        assert lb.load == {}
+
+    asyncio.run(scenario())

@@ -173,6 +173,34 @@ def test_a_held_request_gets_503_with_retry_after_at_its_bound() -> None:
     run(go())
 
 
+def test_ttft_counts_the_time_a_request_was_held_in_the_balancer() -> None:
+    """TTFT is what the client waits for its first token: a stream held behind a full replica
+    waited that long too (it was timed from its sending to the replica, so `status` said
+    TTFT 100 ms while clients waited seconds in the hold)."""
+
+    async def go() -> None:
+        async with fleet(1) as (one,):
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
+            async with (
+                balancer({1: one.url}, routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}/stream"
+                first = await http.get(url)
+                await first.content.readany()  # its first event came: under way
+                second = asyncio.create_task(http.get(url))
+                await wait_until(lambda: lb.held() == 1, 10, "the second stream held")
+                await asyncio.sleep(0.6)
+                one.gate.set()
+                await first.read()
+                await (await second).read()
+                ttft = lb.stats()["ttft"]
+                assert ttft["count"] == 2
+                assert ttft["sum"] >= 0.6, ttft  # the second's client waited 0.6 s at least
+
+    run(go())
+
+
 @pytest.mark.parametrize("policy", ["least_load", "prefix_affinity"])
 def test_a_replica_that_joins_takes_what_is_held(policy: str) -> None:
     """Scaling up while requests are held (the moment it is done for): the held request
@@ -1357,3 +1385,23 @@ def test_the_shared_files_grow_sparse_where_the_filesystem_cannot_allocate(
     mapped = map_shared(tmp_path / "board.bin", 1 << 16, "board")
     assert mapped is not None and len(mapped) == 1 << 16
     mapped.close()
+
+
+def test_ttft_quantiles_are_interpolated_not_the_buckets_upper_bound() -> None:
+    """36 streams whose clients waited 4-12 s (measured): TTFT p50 read "10000 ms" and p99
+    "30000 ms", the upper bounds of their buckets. Interpolated as histogram_quantile does, the
+    figures land inside the buckets, where the streams were."""
+    from corral.balancer.metrics import LATENCY_BUCKETS
+
+    buckets = [0] * (len(LATENCY_BUCKETS) + 1)
+    buckets[LATENCY_BUCKETS.index(5.0)] = 12  # (2.5, 5]
+    buckets[LATENCY_BUCKETS.index(10.0)] = 20  # (5, 10]
+    buckets[LATENCY_BUCKETS.index(30.0)] = 4  # (10, 30]
+    llm = service_llm({"ttft": {"buckets": buckets, "sum": 230.0, "count": 36}})
+    assert llm is not None
+    assert llm["ttft_p50_seconds"] == 5.0 + 5.0 * (18 - 12) / 20  # 6.5 s, not 10
+    assert 10.0 < llm["ttft_p99_seconds"] < 30.0
+    one = [0] * (len(LATENCY_BUCKETS) + 1)
+    one[LATENCY_BUCKETS.index(0.1)] = 1  # a single stream of (50, 100] ms
+    figures = replica_llm({"ttft": {"buckets": one, "sum": 0.06, "count": 1}}, None)
+    assert 0.05 < figures["ttft_p50_seconds"] <= 0.1

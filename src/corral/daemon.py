@@ -58,6 +58,7 @@ from corral.spec import (
     validate_name,
 )
 from corral.state import EventRow, ServiceRow, Store, VersionRow
+from corral.views import keyed_by_replica_id
 
 log = logging.getLogger("corral.daemon")
 
@@ -414,8 +415,10 @@ class Daemon:
     def metrics(self) -> bytes:
         """Prometheus text: every service's balancer (requests, errors, latency, in-flight
         per replica, retries) summed over the balancer workers' latest reports, and the
-        machine's devices (corral_gpu_held / corral_gpu_free)."""
-        body = render(self.balancer_stats())
+        machine's devices (corral_gpu_held / corral_gpu_free). A series' ``replica`` label is
+        the replica's id within its service (what `status`, logs, events and `down
+        --replica-id` say), not the internal key the balancers count by."""
+        body = render(keyed_by_replica_id(self.balancer_stats(), self.store.replicas()))
         if self.deps.capacity is not None:
             body += self.deps.capacity.metrics()
         return body

@@ -15,17 +15,24 @@ from corral.balancer.metrics import LATENCY_BUCKETS
 
 
 def quantile(histogram: Mapping[str, Any] | None, q: float) -> float | None:
-    """The upper bound of the bucket holding quantile ``q`` of a per-bucket histogram (the
-    largest finite bound for the overflow bucket); None when it counted nothing."""
+    """Quantile ``q`` of a per-bucket histogram, interpolated inside the bucket that holds it
+    as Prometheus' ``histogram_quantile`` does (from 0 in the first bucket; the largest finite
+    bound for the overflow bucket); None when it counted nothing. The upper bound of the bucket
+    alone overstated TTFT up to 2.5x (a p50 of 5.1 s read "10000 ms")."""
     counts = list((histogram or {}).get("buckets") or ())
     total = sum(counts)
     if not total:
         return None
-    seen = 0
+    rank = q * total
+    below = 0
     for i, n in enumerate(counts):
-        seen += n
-        if seen >= q * total:
-            return LATENCY_BUCKETS[min(i, len(LATENCY_BUCKETS) - 1)]
+        if n > 0 and below + n >= rank:
+            if i >= len(LATENCY_BUCKETS):
+                return LATENCY_BUCKETS[-1]
+            low = 0.0 if i == 0 else LATENCY_BUCKETS[i - 1]
+            high = LATENCY_BUCKETS[i]
+            return round(float(low + (high - low) * (rank - below) / n), 6)
+        below += n
     return LATENCY_BUCKETS[-1]
 
 

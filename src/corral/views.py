@@ -162,3 +162,23 @@ def replica_view(
 
 def _initial_delay(spec: ServiceSpec) -> float:
     return float(spec.service.readiness_probe.initial_delay_seconds)
+
+
+def keyed_by_replica_id(
+    stats: dict[str, dict[str, Any]], rows: list[ReplicaRow]
+) -> dict[str, dict[str, Any]]:
+    """The balancers' ``stats`` with each service's replicas and engines keyed by the replica's
+    id within its service (what `status`, logs, events and `down --replica-id` say), not by the
+    key unique to the home that the balancers count by. A key with no row left keeps its own."""
+    ids: dict[str, dict[str, str]] = {}
+    for row in rows:
+        ids.setdefault(row.service, {})[str(row.id)] = str(row.seq or row.id)
+    out = {}
+    for name, st in stats.items():
+        mine = ids.get(name, {})
+        out[name] = {
+            **st,
+            "replicas": {mine.get(k, k): v for k, v in (st.get("replicas") or {}).items()},
+            "engines": {mine.get(k, k): v for k, v in (st.get("engines") or {}).items()},
+        }
+    return out

@@ -380,7 +380,9 @@ class Exchange(ResponseRelay):
         else:
             parts.append(b"\r\n")
         conn.write(b"".join(parts))
-        self.ttft_from = time.monotonic()
+        # Timed from the request's arrival, as its client waits: the time it was held in the
+        # balancer (every replica at max_in_flight_per_replica) is part of its TTFT.
+        self.ttft_from = self.t0
         if self.body_open:
             self.client.set_deadline(DL_BODY, self.lb._idle_timeout)
         else:

@@ -67,7 +67,7 @@ class ResponseRelay:
     done: bool
     status: int
     mode: int
-    ttft_from: float  # when the request went out, until its first streamed bytes came
+    ttft_from: float  # when the request arrived (once sent), until its first streamed bytes
     stream_counted: bool  # its first streamed bytes went out: the balancer counts a stream
     reply_head: bytes
     out: list[bytes]

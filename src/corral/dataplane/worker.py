@@ -353,15 +353,22 @@ class Worker:
         each engine read by one of the home's workers for all (corral.dataplane.engine_shares)."""
         while True:
             await asyncio.sleep(engines.INTERVAL)
-            for name, svc in list(self.services.items()):
-                if svc.engine_path and svc.ready:
-                    share = engine_shares.Share.of(self.home, name, self.slot, self.fleet)
-                    read = engine_shares.refresh(
-                        svc.lb, svc.ready, svc.engine_path, svc.engines, share
-                    )
-                    svc.engines = await read
-                    if name not in self.services:  # it went meanwhile: so do its readings
-                        engine_shares.forget(share)
+            await self._read_engines()
+
+    async def _read_engines(self) -> None:
+        """One turn of :meth:`_engines_loop`. A service with no ready replica (all replaced,
+        scaled to zero) or no metrics path any more keeps no readings: what its last engines
+        said must not stand in `status` and ``/metrics`` for replicas that are gone."""
+        for name, svc in list(self.services.items()):
+            if svc.engine_path and svc.ready:
+                share = engine_shares.Share.of(self.home, name, self.slot, self.fleet)
+                read = engine_shares.refresh(svc.lb, svc.ready, svc.engine_path, svc.engines, share)
+                svc.engines = await read
+                if name not in self.services:  # it went meanwhile: so do its readings
+                    engine_shares.forget(share)
+            elif svc.engines:
+                svc.engines = {}
+                engines.give(svc.lb, {})
 
     # -- bringing a crashed daemon back -------------------------------------------------------
 
