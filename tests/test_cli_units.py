@@ -216,3 +216,8 @@ def test_status_shows_the_llm_figures_and_leaves_out_what_the_engine_does_not_re
         " 212 tokens/s"
     ]
     assert cliview.llm_lines({"name": "web", "replicas": [{"id": 1}]}, verbose=True) == []
+    # An engine that reports its waiting requests and not its running ones: no "0 running".
+    service["llm"] = {"streams": 0, "queue": 3.0, "running": None}
+    assert cliview.llm_lines(service, verbose=False) == [
+        "chat: TTFT p50 - p99 - over 0 streams; 3 waiting"
+    ]

@@ -66,6 +66,24 @@ def test_figures_between_two_readings_and_after_a_counter_reset() -> None:
     assert reset.qps == 0 and reset.error_rate is None and reset.p99 is None
 
 
+def test_an_llm_services_ttft_and_hit_rate_are_over_the_interval() -> None:
+    """What the charts show is what happened between two readings, not since the start: a
+    slow past does not hide fast streams now, and the hit rate is of this interval's lookups."""
+    slow = [0] * (len(LATENCY_BUCKETS) + 1)
+    slow[LATENCY_BUCKETS.index(5.0)] = 50  # 50 streams of 2.5-5 s before
+    fast = list(slow)
+    fast[LATENCY_BUCKETS.index(0.05)] = 10  # then 10 of 25-50 ms
+    engines = {"1": {"prefix_hits": 100.0, "prefix_queries": 1000.0}}
+    old = Reading.of(100.0, {"ttft": {"buckets": slow}, "engines": engines})
+    engines = {"1": {"prefix_hits": 190.0, "prefix_queries": 1100.0}}
+    new = Reading.of(105.0, {"ttft": {"buckets": fast}, "engines": engines})
+    got = figures(old, new)
+    assert got.ttft_p99 is not None and 0.025 <= got.ttft_p99 <= 0.05
+    assert got.hit_rate == pytest.approx(0.9)  # 90 of the last 100, not 190 of 1100
+    quiet = figures(new, Reading.of(110.0, {"ttft": {"buckets": fast}, "engines": engines}))
+    assert quiet.ttft_p50 is None and quiet.hit_rate is None
+
+
 def test_live_window_uses_the_reading_that_old() -> None:
     readings = Readings()
     for second in range(20):

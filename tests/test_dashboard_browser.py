@@ -144,7 +144,7 @@ def follow_the_service(
     new_ids = [int(x) for x in ready.evaluate_all("rows => rows.map(r => r.dataset.replica)")]
     assert victim["id"] not in new_ids
     assert page.evaluate("window.sameDocument") is True, "the page was reloaded"
-    expect(page.locator(".chart")).to_have_count(3)
+    expect(page.locator(".chart:visible")).to_have_count(3)  # no LLM charts for a web app
     page.screenshot(path=str(out / "service.png"), full_page=True)
 
     # One replica's output, followed live.
@@ -263,6 +263,7 @@ def test_service_page_resources_ranges_hover_logs_and_replacing_a_replica(
             "(60 s window, as of its last decision)"
         )
         expect(page.locator("section.llm")).to_be_hidden()  # not an LLM service
+        expect(page.locator(".llm-charts")).to_be_hidden()
         expect(page.locator("thead .c-ttft")).to_be_hidden()
         charts_and_hover(page, shots(tmp_path))
         logs_of_the_service(page, home)
@@ -309,7 +310,7 @@ def charts_and_hover(page: Any, out: Path) -> None:
     expect(tip).to_be_visible()
     expect(tip.locator("time")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$"))
     expect(tip).to_contain_text(re.compile(r"QPS \d"))
-    page.locator(".charts").screenshot(path=str(out / "hover.png"))
+    page.locator(".charts").first.screenshot(path=str(out / "hover.png"))
     page.mouse.move(0, 0)
     expect(tip).to_be_hidden()
 
@@ -345,14 +346,18 @@ def test_an_llm_service_shows_its_engine_figures(
     home.run("up", str(write_spec(tmp_path / "chat.yaml", text)))
     svc = home.wait_replicas("chat", 1)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    for stream in (True, True, False):
-        request = urllib.request.Request(
-            svc["endpoint"] + "/v1/chat/completions",
-            data=json.dumps({**body, "stream": stream}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            answer.read()
+
+    def ask() -> None:
+        for stream in (True, True, False):
+            request = urllib.request.Request(
+                svc["endpoint"] + "/v1/chat/completions",
+                data=json.dumps({**body, "stream": stream}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                answer.read()
+
+    ask()
     page, errors = open_page(browser)
     page.goto(home.run("dashboard").stdout.strip())
     page.goto(home.api_url + "/ui/services/chat")
@@ -373,5 +378,17 @@ def test_an_llm_service_shows_its_engine_figures(
     else:
         expect(tps).to_be_hidden()
         expect(row.locator(".c-tps")).to_be_hidden()
+    # A chart per signal; a chart point's TTFT and hit rate are over its 5 s (differences of
+    # the counters), so these streams come after the page began reading them.
+    ask()
+    charts = page.locator(".llm-charts .chart")
+    expect(charts).to_have_count(4)
+    expect(page.locator(".llm-charts")).to_be_visible()
+    ttft = charts.filter(has_text="Time to first token").locator("svg")
+    expect(ttft).to_have_attribute("aria-label", re.compile(r"now: p50 [\d.]+ ms"), timeout=WAIT_MS)
+    hits = charts.filter(has_text="Prefix-cache hit rate").locator("svg")
+    expect(hits).to_have_attribute("aria-label", re.compile(r"now: hit rate [\d.]+%"))
+    queue = charts.filter(has_text="Queue").locator("svg")
+    expect(queue).to_have_attribute("aria-label", re.compile(r"now: waiting 0, running 0, held 0"))
     page.screenshot(path=str(shots(tmp_path) / "llm.png"), full_page=True)
     assert errors == []

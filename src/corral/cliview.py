@@ -217,8 +217,13 @@ def _llm_text(figures: dict[str, Any], queue_key: str) -> str:
     parts = [f"TTFT p50 {p50} p99 {p99} over {figures.get('streams', 0)} streams"]
     if figures.get("streaming"):
         parts[0] += f", {figures['streaming']} under way"
-    if figures.get(queue_key) is not None:
-        parts.append(f"{figures[queue_key]:g} waiting, {figures.get('running') or 0:g} running")
+    queue = [
+        f"{figures[key]:g} {word}"
+        for key, word in ((queue_key, "waiting"), ("running", "running"))
+        if figures.get(key) is not None
+    ]
+    if queue:
+        parts.append(", ".join(queue))
     if figures.get("kv_cache_usage") is not None:
         parts.append(f"KV cache {float(figures['kv_cache_usage']):.0%} used")
     if figures.get("tokens_per_second") is not None:

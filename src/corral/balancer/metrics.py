@@ -199,6 +199,29 @@ _ENGINE_GAUGES: Final = {
 }
 
 
+def quantile(q: float, buckets: Sequence[int]) -> float | None:
+    """The ``q`` quantile (0..1) of a latency histogram, in seconds, or None with no data.
+
+    As Prometheus' ``histogram_quantile`` does: find the bucket holding the rank and
+    interpolate linearly inside it (from 0 for the first bucket). A rank in the +Inf bucket
+    answers the largest finite bound: the histogram knows nothing above it.
+    """
+    total = sum(buckets)
+    if total <= 0:
+        return None
+    rank = q * total
+    below = 0
+    for i, n in enumerate(buckets):
+        if n > 0 and below + n >= rank:
+            if i >= len(LATENCY_BUCKETS):
+                return float(LATENCY_BUCKETS[-1])
+            low = 0.0 if i == 0 else LATENCY_BUCKETS[i - 1]
+            high = LATENCY_BUCKETS[i]
+            return low + (high - low) * (rank - below) / n
+        below += n
+    return float(LATENCY_BUCKETS[-1])
+
+
 def _lb_families() -> tuple[
     CounterMetricFamily,
     CounterMetricFamily,

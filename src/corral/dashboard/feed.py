@@ -138,6 +138,9 @@ class Feed:
     def _add_point(self, name: str, now: float, service: dict[str, Any]) -> None:
         figures = self.readings.since(name, SAMPLE_SECONDS)
         ready = sum(1 for r in service["replicas"] if r["status"] == "READY")
+        llm = service.get("llm") or {}
+        # SGLang reports its hit rate itself (no counters to take a difference of).
+        hit_rate = figures.hit_rate if figures else None
         self.history.add(
             name,
             Point(
@@ -148,6 +151,13 @@ class Feed:
                 error_rate=figures.error_rate if figures else None,
                 ready=ready,
                 target=service.get("target"),
+                ttft_p50=figures.ttft_p50 if figures else None,
+                ttft_p99=figures.ttft_p99 if figures else None,
+                hit_rate=hit_rate if hit_rate is not None else llm.get("prefix_hit_rate"),
+                waiting=llm.get("queue"),
+                running=llm.get("running"),
+                held=llm.get("held"),
+                tps=llm.get("tokens_per_second"),
             ),
         )
         self._last_point[name] = now

@@ -8,7 +8,8 @@ readings of those counters divided by the time between them, so this module keep
   from which the dashboard's "now" figures are taken over the last :data:`LIVE_WINDOW` seconds;
 * a bounded history of one point per :data:`SAMPLE_SECONDS` per service (:class:`History`), the
   charts' data: :data:`KEEP_SECONDS` (six hours) of it, so at most :data:`POINTS` points each
-  (slotted tuples of seven numbers: about 0.5 MB per service when full).
+  (slotted objects of fourteen numbers, seven of them None but for an LLM service: 1.1 MB per
+  service when full, 1.7 MB for an LLM service, measured with tracemalloc).
 
 Why memory and not SQLite: six hours of 5-second points is 4320 small tuples per service,
 written every 5 s; persisting them would add a write per service every 5 s to the state file
@@ -21,11 +22,11 @@ counts as zero (that interval shows less traffic than there was, never negative 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
-from corral.balancer.metrics import LATENCY_BUCKETS
+from corral.balancer.metrics import quantile
 
 SAMPLE_SECONDS: Final = 5.0
 KEEP_SECONDS: Final = 6 * 3600.0
@@ -42,53 +43,55 @@ class Reading:
     answered: int  # every answer, by any status: corral_lb_requests_total summed over codes
     server_errors: int  # answers with a 5xx status (the balancer's own 502/503/504 included)
     buckets: tuple[int, ...]  # latency, per bucket (not cumulative), last one +Inf
+    ttft: tuple[int, ...] = ()  # time to first token of streamed answers, the same way
+    hits: float = 0.0  # the engines' prefix-cache hits, summed (vLLM's counters)
+    queries: float = 0.0  # and the prompt tokens they looked up
 
     @classmethod
     def of(cls, t: float, stats: Mapping[str, Any] | None) -> Reading:
-        codes = (stats or {}).get("codes") or {}
+        stats = stats or {}
+        codes = stats.get("codes") or {}
         answered = server_errors = 0
         for code, n in codes.items():
             answered += int(n)
             if str(code).startswith("5"):
                 server_errors += int(n)
-        raw = ((stats or {}).get("latency") or {}).get("buckets") or ()
-        buckets = tuple(int(n) for n in raw)
-        return cls(t, answered, server_errors, buckets)
+        hits = queries = 0.0
+        for signals in (stats.get("engines") or {}).values():
+            hits += float(signals.get("prefix_hits") or 0.0)
+            queries += float(signals.get("prefix_queries") or 0.0)
+        latency, ttft = _buckets(stats, "latency"), _buckets(stats, "ttft")
+        return cls(t, answered, server_errors, latency, ttft, hits, queries)
 
 
-def quantile(q: float, buckets: Sequence[int]) -> float | None:
-    """The ``q`` quantile (0..1) of a latency histogram, in seconds, or None with no data.
+def _buckets(stats: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in (stats.get(key) or {}).get("buckets") or ())
 
-    As Prometheus' ``histogram_quantile`` does: find the bucket holding the rank and
-    interpolate linearly inside it (from 0 for the first bucket). A rank in the +Inf bucket
-    answers the largest finite bound: the histogram knows nothing above it.
-    """
-    total = sum(buckets)
-    if total <= 0:
-        return None
-    rank = q * total
-    below = 0
-    for i, n in enumerate(buckets):
-        if n > 0 and below + n >= rank:
-            if i >= len(LATENCY_BUCKETS):
-                return float(LATENCY_BUCKETS[-1])
-            low = 0.0 if i == 0 else LATENCY_BUCKETS[i - 1]
-            high = LATENCY_BUCKETS[i]
-            return low + (high - low) * (rank - below) / n
-        below += n
-    return float(LATENCY_BUCKETS[-1])
+
+def _growth(old: tuple[int, ...], new: tuple[int, ...]) -> list[int]:
+    """Per-bucket counts between two readings (a bucket that went down, a restarted worker's,
+    grew by none)."""
+    width = max(len(old), len(new))
+    then = (*old, *([0] * (width - len(old))))
+    now = (*new, *([0] * (width - len(new))))
+    return [max(0, b - a) for a, b in zip(then, now, strict=True)]
 
 
 @dataclass(frozen=True)
 class Figures:
     """Traffic over an interval: answers per second, latency quantiles (seconds, None when
-    nothing was answered), the share of 5xx answers, and the counters' totals at its end."""
+    nothing was answered), the share of 5xx answers, and the counters' totals at its end; for
+    an LLM service also the time to first token of the answers streamed in it and the engines'
+    prefix-cache hit rate over it (None when none was streamed or looked up)."""
 
     qps: float
     p50: float | None
     p99: float | None
     error_rate: float | None
     answered_total: int
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    hit_rate: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,16 +104,19 @@ def figures(old: Reading | None, new: Reading) -> Figures:
     seconds = new.t - old.t
     answered = max(0, new.answered - old.answered)
     errors = max(0, new.server_errors - old.server_errors)
-    width = max(len(old.buckets), len(new.buckets))
-    then = (*old.buckets, *([0] * (width - len(old.buckets))))
-    now = (*new.buckets, *([0] * (width - len(new.buckets))))
-    delta = [max(0, b - a) for a, b in zip(then, now, strict=True)]
+    delta = _growth(old.buckets, new.buckets)
+    ttft = _growth(old.ttft, new.ttft)
+    queries = new.queries - old.queries
+    hits = new.hits - old.hits
     return Figures(
         qps=answered / seconds,
         p50=quantile(0.5, delta),
         p99=quantile(0.99, delta),
         error_rate=errors / answered if answered else None,
         answered_total=new.answered,
+        ttft_p50=quantile(0.5, ttft),
+        ttft_p99=quantile(0.99, ttft),
+        hit_rate=round(hits / queries, 4) if queries > 0 and hits >= 0 else None,
     )
 
 
@@ -151,7 +157,9 @@ class Readings:
 @dataclass(frozen=True, slots=True)
 class Point:
     """One chart point: figures over the :data:`SAMPLE_SECONDS` before ``t``, and the
-    replica counts then."""
+    replica counts then; for an LLM service (else None) the time to first token and the
+    prefix-cache hit rate over those seconds, and the engines' queue (waiting, running), the
+    requests held in the balancer and the tokens per second at ``t``."""
 
     t: float
     qps: float
@@ -160,6 +168,13 @@ class Point:
     error_rate: float | None
     ready: int
     target: int | None
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    hit_rate: float | None = None
+    waiting: float | None = None
+    running: float | None = None
+    held: int | None = None
+    tps: float | None = None
 
 
 class History:

@@ -78,6 +78,15 @@ export class ServiceView {
       new Chart("Replicas", (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1)), 1),
     ];
     this.chartBox = h("div", { class: "charts" }, ...this.charts.map((c) => c.el));
+    // An LLM service's signals over time (shown with its "Engines (LLM)" figures): time to
+    // first token and hit rate over each 5 s, the queue and tokens/s at each sample.
+    this.llmCharts = [
+      new Chart("Time to first token", (v) => fmt.ms(v)),
+      new Chart("Queue", (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1)), 1),
+      new Chart("Tokens per second", (v) => fmt.qps(v)),
+      new Chart("Prefix-cache hit rate", (v) => fmt.pct(v), 1),
+    ];
+    this.llmChartBox = h("div", { class: "charts llm-charts", hidden: true }, ...this.llmCharts.map((c) => c.el));
     this.events = h("ol", { class: "events" });
     this.actions = this.makeActions();
     this.logs = this.makeLogs();
@@ -86,7 +95,7 @@ export class ServiceView {
       this.failure, dl, this.llm, this.rollout, this.actions,
       h("h2", { text: "Replicas" }), this.replicas.el,
       h("div", { class: "title-row" }, h("h2", { id: "charts-title", text: "Traffic" }), this.rangeButtons),
-      this.chartBox,
+      this.chartBox, this.llmChartBox,
       h("h2", { text: "Events" }), this.events,
       this.logs);
     this.loadHistory();
@@ -317,10 +326,24 @@ export class ServiceView {
     replicas.draw([
       { label: "ready", cls: "s1", step: true, points: pts.map((p) => [p.t, p.ready]) },
       { label: "target", cls: "s3", step: true, points: pts.map((p) => [p.t, p.target]) }], t0, now);
+    if (this.llmChartBox.hidden) return;
+    const [ttft, queue, tokens, hits] = this.llmCharts;
+    const at = (key) => pts.map((p) => [p.t, p[key] ?? null]);
+    ttft.draw([{ label: "p50", cls: "s1", points: at("ttft_p50") }, { label: "p99", cls: "s2", points: at("ttft_p99") }], t0, now);
+    queue.draw([
+      { label: "waiting", cls: "s1", points: at("waiting") },
+      { label: "running", cls: "s2", points: at("running") },
+      { label: "held", cls: "s3", points: at("held") }], t0, now);
+    tokens.draw([{ label: "tokens/s", cls: "s1", points: at("tps") }], t0, now);
+    hits.draw([{ label: "hit rate", cls: "s1", points: at("hit_rate") }], t0, now);
   }
 
   showLlm(llm, replicas) {
     this.llm.hidden = !llm;
+    if (this.llmChartBox.hidden !== !llm) {
+      this.llmChartBox.hidden = !llm;
+      if (llm) this.drawCharts(this.now);
+    }
     if (!llm) return;
     // Tokens/s: the service's own figure, else its replicas' summed; unknown: not shown.
     const rates = replicas.map((r) => r.llm && r.llm.tokens_per_second).filter((v) => typeof v === "number");
