@@ -76,6 +76,10 @@ def test_validate_and_up_refuse_a_model_this_machine_cannot_run(
     spec = write_spec(tmp_path / "llama.yaml", LLAMA)
     checked = corral_home.run("validate", str(spec), check=False)
     assert checked.returncode == 1 and "cannot run here" in checked.stderr, checked.stderr
+    assert "model: meta-llama/Llama-3.1-8B-Instruct cannot run here" in checked.stderr
+    setup = write_spec(tmp_path / "setup.yaml", LLAMA + "setup: pip install vllm\n")
+    said = corral_home.run("validate", str(setup), check=False).stderr
+    assert "`setup:` is not run before this check" in said, said
     corral_home.start_daemon()  # a daemon that runs judges the spec for itself (admission)
     up = corral_home.run("up", str(spec), "-n", "llama", "-y", check=False)
     assert up.returncode != 0 and "cannot run here" in up.stdout + up.stderr, up

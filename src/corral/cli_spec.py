@@ -39,6 +39,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
     No name is needed (`up` makes one up). Relative paths are taken from the current
     directory, as `up` takes them."""
     from corral.spec import SpecError, load_spec
+    from corral.spec.messages import sorted_issues
 
     spec = None
     engine = None  # the command corral would start for a model-first spec, on this machine
@@ -48,7 +49,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         spec = load_spec(file, name=name, require_service=True)
         issues = deploy_issues(spec)
         fit, notes, used = placement_here(spec)
-        issues += fit + model_issues(spec)
+        issues = sorted_issues(issues + fit + model_issues(spec))
         engine = engine_here(spec)
     except SpecError as exc:
         issues = exc.issues
@@ -106,7 +107,8 @@ def model_issues(spec: ServiceSpec) -> list[SpecIssue]:
     try:
         engine_command(spec)
     except ModelUnavailable as exc:
-        return [SpecIssue("model", str(exc), spec.line_of("model"))]
+        # Under the field's name: "model: ORG/NAME cannot run here", not "model: model ...".
+        return [SpecIssue("model", str(exc).removeprefix("model "), spec.line_of("model"))]
     return []
 
 

@@ -168,6 +168,11 @@ def engine_command(spec: ServiceSpec) -> str:
             f"{weights} holds {len(ggufs)} GGUF files ({names}): give the one to serve as "
             "`model:` (its path)"
         )
+    if spec.setup:
+        missing.append(
+            "`setup:` is not run before this check: install the engine for the daemon's Python "
+            "and fetch the weights before `up`"
+        )
     raise ModelUnavailable(
         f"model {quoted} cannot run here: " + "; ".join(missing) + ". Give a `run:` command, "
         f"or `model: {SIMULATOR}` for corral's engine simulator (not a model)"
