@@ -283,3 +283,25 @@ def test_the_service_level_sizing_errors_name_what_the_spec_says() -> None:
     assert _problems(SIM_SCALED + "  max_replicas: 3\n  autoscaling:\n    metrics: []\n") == [
         "service.autoscaling.metrics: must have at least 1 item, got 0"
     ]
+
+
+def test_skyserve_v2s_other_spellings_are_read() -> None:
+    """SkyServe v2 (sky/serve/serve_spec_v2.py) writes the model as `{id: ...}`, may give
+    max_replicas and the delays inside `autoscaling`, with its own delays' defaults there."""
+    spec = parse_spec(
+        f"model: {{id: {SIMULATOR}}}\nservice:\n  autoscaling:\n    max_replicas: 3\n"
+        "    upscale_delay: 30\n    metrics:\n      - {type: queue_depth, target: 5}\n"
+    )
+    policy = spec.service.replica_policy
+    assert spec.model == SIMULATOR and policy.max_replicas == 3 and policy.autoscaling
+    assert (policy.upscale_delay_seconds, policy.downscale_delay_seconds) == (30, 300)
+    assert not [w for w in spec.warnings if "has no effect" in w]
+    said = _problems(
+        SIM_SCALED + "  replicas: 2\n  autoscaling:\n    max_replicas: 1\n" + QUEUE[15:]
+    )
+    assert said == [
+        "service.replica_policy: autoscaling.max_replicas must be at least replicas (2), got 1"
+    ], said
+    engine = _problems(f"model: {SIMULATOR}\nengine: vllm\n")
+    assert engine and "write its command as `run:`" in engine[0], engine
+    assert any("expected the model's id" in p for p in _problems("model: {name: x}\n"))

@@ -114,6 +114,24 @@ def _gguf(weights: Path | None) -> list[Path]:
     ]
 
 
+def _weights_missing(weights: Path | None, ggufs: list[Path]) -> list[str]:
+    """What llama-server lacks of the model's files (nothing when it has one GGUF file)."""
+    if weights is None:
+        return [
+            f"its weights are not on this machine (not a path, not in {hf_cache()}) and corral "
+            "does not download them"
+        ]
+    if not ggufs:
+        return [f"llama-server needs a .gguf file; none under {weights}"]
+    if len(ggufs) > 1:
+        names = ", ".join(f.name for f in ggufs[:4]) + (", ..." if len(ggufs) > 4 else "")
+        return [
+            f"{weights} holds {len(ggufs)} GGUF files ({names}): give the one to serve as "
+            "`model:` (its path)"
+        ]
+    return []
+
+
 def engine_command(spec: ServiceSpec) -> str:
     """The ``run`` of a model-first spec on this machine; ModelUnavailable when none fits."""
     model = spec.model or ""
@@ -155,19 +173,7 @@ def engine_command(spec: ServiceSpec) -> str:
         )
     if server is None:
         missing.append("llama.cpp's server (llama-server) is not on PATH")
-    if weights is None:
-        missing.append(
-            f"its weights are not on this machine (not a path, not in {hf_cache()}) and corral "
-            "does not download them"
-        )
-    elif not ggufs:
-        missing.append(f"llama-server needs a .gguf file; none under {weights}")
-    elif len(ggufs) > 1:
-        names = ", ".join(f.name for f in ggufs[:4]) + (", ..." if len(ggufs) > 4 else "")
-        missing.append(
-            f"{weights} holds {len(ggufs)} GGUF files ({names}): give the one to serve as "
-            "`model:` (its path)"
-        )
+    missing += _weights_missing(weights, ggufs)
     if spec.setup:
         missing.append(
             "`setup:` is not run before this check: install the engine for the daemon's Python "

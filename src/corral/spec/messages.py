@@ -12,14 +12,13 @@ from typing import Any
 
 from pydantic import AliasChoices
 
+from corral.spec.autoscaling import AutoscalingMetric, AutoscalingSettings
 from corral.spec.errors import SpecIssue
 from corral.spec.model import ServiceSpec
 from corral.spec.reader import command_block_hint
 from corral.spec.resources import Resources
 from corral.spec.section import Section
 from corral.spec.service import (
-    AutoscalingMetric,
-    AutoscalingSettings,
     LegacyHttps,
     LoadBalancerSettings,
     ReadinessProbe,
@@ -58,6 +57,16 @@ _UNSUPPORTED = {
     "autoscaling": (
         "autoscaling is set under service: service.autoscaling.metrics, or "
         "service.replica_policy (min_replicas, max_replicas, target_qps_per_replica)"
+    ),
+    "engine": (
+        "corral picks the engine of a model-first spec itself (vLLM or SGLang on a GPU, "
+        "llama.cpp's server on CPUs: docs/llm.md); to choose one, or to give it flags, write "
+        "its command as `run:`"
+    ),
+    "engine_args": (
+        "a model-first spec's engine runs with its defaults; to give it flags, write its "
+        "command as `run:` (e.g. `python -m vllm.entrypoints.openai.api_server --model M "
+        "--port $PORT --max-model-len 4096`)"
     ),
     "pool": "SkyPilot worker pools are not supported; size a service with replicas",
     "workers": "SkyPilot worker pools are not supported; size a service with replicas",

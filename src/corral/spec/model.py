@@ -14,7 +14,7 @@ from pydantic import (
 from corral.spec.resources import Resources
 from corral.spec.section import Section
 from corral.spec.service import ServiceSection
-from corral.spec.values import EnvName, EnvValue, InfraName, format_range, name_problem
+from corral.spec.values import EnvName, EnvValue, InfraName, format_range, name_problem, show
 
 
 class ServiceSpec(Section):
@@ -97,6 +97,16 @@ class ServiceSpec(Section):
                 "e.g. `python3 -m http.server $PORT` (or `model:` for an LLM corral starts)"
             )
         return value or None
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_id(cls, value: Any) -> Any:
+        # SkyServe v2 also writes the model as a mapping of its id alone: `model: {id: ORG/NAME}`.
+        if isinstance(value, dict) and set(value) == {"id"}:
+            return value["id"]
+        if isinstance(value, dict):
+            raise ValueError(f"expected the model's id as text, or {{id: ...}}; got {show(value)}")
+        return value
 
     @model_validator(mode="before")
     @classmethod

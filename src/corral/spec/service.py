@@ -2,10 +2,11 @@
 
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import AliasChoices, Field, ValidationInfo, field_validator, model_validator
 
+from corral.spec.autoscaling import METRIC_FIELDS, AutoscalingSettings
 from corral.spec.section import Section
 from corral.spec.values import (
     DEFAULT_DOWNSCALE_DELAY_SECONDS,
@@ -223,47 +224,6 @@ def _target_of(data: Mapping[str, Any]) -> str | None:
     return None
 
 
-class AutoscalingMetric(Section):
-    """One of SkyServe's ``service.autoscaling.metrics``: what to scale on, and the target
-    per replica (``queue_depth``: requests in an engine, running and waiting; ``qps``:
-    requests per second)."""
-
-    type: Literal["queue_depth", "qps", "kv_cache_usage", "tokens_per_second"]
-    target: float = Field(gt=0)
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _skyserve_names(cls, value: Any) -> Any:
-        # SkyServe's own names for two of them (sky/serve/serve_spec_v2.py).
-        aliases = {"kv_cache_utilization": "kv_cache_usage", "requests_per_second": "qps"}
-        return aliases.get(value, value) if isinstance(value, str) else value
-
-
-# Each metric type's field in replica_policy.
-METRIC_FIELDS = {
-    "queue_depth": "target_queue_per_replica",
-    "qps": "target_qps_per_replica",
-    "kv_cache_usage": "target_kv_cache_usage",
-    "tokens_per_second": "target_tokens_per_second_per_replica",
-}
-
-
-class AutoscalingSettings(Section):
-    """SkyServe's ``service.autoscaling:`` (its model-first specs): the metrics to follow; the
-    replica count is the most any of them asks for."""
-
-    metrics: list[AutoscalingMetric] = Field(min_length=1, max_length=len(METRIC_FIELDS))
-
-    @field_validator("metrics")
-    @classmethod
-    def _each_type_once(cls, value: list[AutoscalingMetric]) -> list[AutoscalingMetric]:
-        kinds = [metric.type for metric in value]
-        twice = sorted({kind for kind in kinds if kinds.count(kind) > 1})
-        if twice:
-            raise ValueError(f"names {', '.join(twice)} more than once: give each type once")
-        return value
-
-
 class TlsSettings(Section):
     """Key and certificate with which the load balancer serves HTTPS."""
 
@@ -416,8 +376,18 @@ class ServiceSection(Section):
         if scaling is not None and value is None:
             targets = {METRIC_FIELDS[metric.type]: metric.target for metric in scaling.metrics}
             least = 1 if replicas is None else replicas
+            if most is None and scaling.max_replicas is not None:
+                most = scaling.max_replicas
+                if most < least:
+                    raise ValueError(
+                        f"autoscaling.max_replicas must be at least replicas ({least}), got {most}"
+                    )
             most = least if most is None else most  # no room to scale: a warning says so
-            return {"min_replicas": least, "max_replicas": most, **targets}
+            delays = {
+                "upscale_delay_seconds": scaling.upscale_delay,
+                "downscale_delay_seconds": scaling.downscale_delay,
+            }
+            return {"min_replicas": least, "max_replicas": most, **targets, **delays}
         if most is not None or scaling is not None:
             raise ValueError(
                 "max_replicas and autoscaling at the service level go with replicas (the "
@@ -473,7 +443,11 @@ class ServiceSection(Section):
         paths = self._placement_set("service.")
         paths += self.replica_policy._placement_set("service.replica_policy.")
         notes = [f"{path}: {meaningless}" for path in paths]
-        if self.autoscaling is not None and self.max_replicas is None:
+        if (
+            self.autoscaling is not None
+            and self.max_replicas is None
+            and self.autoscaling.max_replicas is None
+        ):
             least = self.replica_policy.min_replicas
             notes.append(
                 "service.autoscaling: has no effect without service.max_replicas: the service "
