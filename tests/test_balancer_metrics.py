@@ -19,7 +19,7 @@ import pytest
 from test_balancer import HOST, Replica, cluster, run
 
 from corral.balancer import CONTENT_TYPE_LATEST, LoadBalancer, merge_stats, render
-from corral.balancer.metrics import ERROR_REASONS, LATENCY_BUCKETS
+from corral.balancer.metrics import ERROR_REASONS, LATENCY_BUCKETS, counters_only
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
@@ -324,3 +324,17 @@ def test_ttft_is_exposed_per_replica_too() -> None:
     assert sample(text, f"{name}_count", service="svc", replica="2") == 1
     assert sample(text, f"{name}_bucket", service="svc", replica="2", le="1.0") == 0
     assert sample(text, f"{name}_bucket", service="svc", replica="2", le="2.5") == 1
+
+
+def test_what_a_gone_balancer_leaves_is_its_counters_not_its_gauges() -> None:
+    """A worker that ended counted requests (kept in the sums) but has none in flight any
+    more: its gauges must not stay in the service's figures forever."""
+    gone = merge_stats([])
+    gone.update(requests=40, retries=3, in_flight=5, streaming=2, held=4, held_total=9)
+    gone["codes"] = {"200": 40}
+    gone["replicas"] = {"7": {"in_flight": 5, "served": 40}}
+    kept = counters_only(gone)
+    assert (kept["requests"], kept["retries"], kept["held_total"], kept["codes"]) == (
+        40, 3, 9, {"200": 40},
+    )  # fmt: skip
+    assert (kept["in_flight"], kept["streaming"], kept["held"], kept["replicas"]) == (0, 0, 0, {})

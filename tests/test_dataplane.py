@@ -207,26 +207,57 @@ def test_a_crashed_daemon_is_brought_back_and_replaces_a_dead_replica(
     assert answers(url)
 
 
+def requests_total(home: CorralHome, service: str) -> float:
+    """corral_lb_requests_total of ``service`` in the daemon's /metrics, summed over codes."""
+    text = http(
+        home.api_url + "/metrics", headers={"Authorization": f"Bearer {home.token}"}
+    ).body.decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("corral_lb_requests_total{") and f'service="{service}"' in line
+    )
+
+
 def test_metrics_come_from_the_workers(corral_home: CorralHome, tmp_path: Path) -> None:
     url = up(corral_home, tmp_path, "counted", 1)
     for _ in range(7):
         assert answers(url)
-
-    def counted() -> bool:
-        text = http(
-            corral_home.api_url + "/metrics",
-            headers={"Authorization": f"Bearer {corral_home.token}"},
-        ).body.decode()
-        lines = [
-            line
-            for line in text.splitlines()
-            if line.startswith("corral_lb_requests_total{") and 'service="counted"' in line
-        ]
-        return sum(float(line.rsplit(" ", 1)[1]) for line in lines) >= 7
-
-    wait_for(counted, 10, "the requests to show in /metrics")
+    wait_for(lambda: requests_total(corral_home, "counted") >= 7, 10, "the requests in /metrics")
     svc = get_json(corral_home.api_url + "/v1/health")
     assert svc["ok"]
+
+
+def test_service_counters_do_not_go_down_when_workers_are_replaced(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A counter that goes down part of the way reads to Prometheus as a reset (and rate()
+    as a spike): what the replaced workers counted stays in the service's totals."""
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "2"
+    url = up(corral_home, tmp_path, "kept", 1)
+    for _ in range(20):
+        assert answers(url)
+    wait_for(lambda: requests_total(corral_home, "kept") >= 20, 10, "the requests in /metrics")
+    old = corral_home.worker_pids()
+    corral_home.run("daemon", "restart-workers")
+    wait_for(lambda: not any(pid_alive(pid) for pid in old), 15, "the old workers to exit")
+    assert requests_total(corral_home, "kept") >= 20
+    first = corral_home.worker_pids()[0]
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: finished(first), 10, "the worker to finish")
+    for _ in range(3):
+        assert answers(url)
+    wait_for(lambda: requests_total(corral_home, "kept") >= 23, 10, "the new requests counted")
+    # A balancer setting changed: each worker starts a new balancer and retires the old one.
+    changed = spec_text("kept", 1).replace(
+        "service:\n", "service:\n  load_balancing_policy: round_robin\n"
+    )
+    corral_home.run("update", "kept", str(write_spec(tmp_path / "kept2.yaml", changed)), "-y")
+    wait_for(lambda: corral_home.service("kept")["version"] == 2, 30, "the update to land")
+    for _ in range(2):
+        assert answers(url)
+    # Without the retired balancers' counts the total would stay near the new ones' (2).
+    wait_for(lambda: requests_total(corral_home, "kept") >= 25, 10, "the update's requests")
 
 
 def test_restart_workers_replaces_every_worker_under_load(

@@ -187,6 +187,21 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# The parts of stats() that only grow (the rest are gauges: what is under way now).
+_GAUGES: Final = ("in_flight", "streaming", "held")
+
+
+def counters_only(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """The service-wide counters of ``stats`` with its gauges at 0 and no replicas: what a
+    balancer that is gone (retired by a route change, its worker ended) leaves to be carried
+    into its successors' sums, so ``corral_lb_requests_total`` and the other service counters
+    never go down part of the way, which Prometheus would read as a reset (and ``rate()`` as
+    a spike). Per-replica counts start again with the balancer that counts them."""
+    out = merge_stats([stats])
+    out.update(dict.fromkeys(_GAUGES, 0), ready=[], replicas={})
+    return out
+
+
 # The engine signals (corral.dataplane.engines) published as gauges, with what each is.
 _ENGINE_GAUGES: Final = {
     "waiting": "requests queued in the engine",

@@ -14,9 +14,10 @@ readings of those counters divided by the time between them, so this module keep
 Why memory and not SQLite: six hours of 5-second points is 4320 small tuples per service,
 written every 5 s; persisting them would add a write per service every 5 s to the state file
 that the control plane depends on, for charts nobody may open. The price: a daemon restart
-starts its history empty (an open tab keeps what it drew and goes on from there). A worker
-that restarts starts its counters at 0, so a reading may go down: a difference below zero
-counts as zero (that interval shows less traffic than there was, never negative traffic).
+starts its history empty (an open tab keeps what it drew and goes on from there), and its
+counters at 0; a worker that ended leaves what it last reported in them
+(:mod:`corral.dataplane.carried`). A reading may still go down (a daemon restart): a
+difference below zero counts as zero (less traffic than there was, never negative traffic).
 """
 
 from __future__ import annotations

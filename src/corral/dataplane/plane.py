@@ -29,6 +29,7 @@ from typing import Any, Final
 import psutil
 
 from corral.balancer.metrics import merge_stats
+from corral.dataplane.carried import Carried
 from corral.dataplane.listeners import remove_shared
 from corral.dataplane.processes import (
     WORKER_STOP_TIMEOUT,
@@ -93,6 +94,7 @@ class DataPlane:
         self.respawn = respawn
         self._env = dict(env if env is not None else os.environ)
         self.routes: dict[str, ServiceRoute] = {}
+        self._carried = Carried()  # the counters of workers that are gone
         self.slots = SlotBook(store)
         self.ports = PortWatch()
         self._conns: dict[int, _Conn] = {}  # by pid
@@ -131,8 +133,7 @@ class DataPlane:
         self._schedule_notify()  # drains wait for this (ServiceRoute.wait_drained)
 
     async def stop(self, *, workers: bool = False) -> None:
-        """Stop talking to the workers; with ``workers``, stop them too (they finish in-flight
-        requests first). Without it they keep serving their last table."""
+        """Leave the workers serving their last table, or with ``workers`` stop them too."""
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -303,6 +304,7 @@ class DataPlane:
         finally:
             if conn is not None and self._conns.get(conn.pid) is conn:
                 del self._conns[conn.pid]
+                self._carried.gone(conn.reports, self.routes)  # its counts stay in the sums
                 await self._notify()
             writer.close()
             if task is not None:
@@ -402,6 +404,7 @@ class DataPlane:
             return 0
         self._times.pop(name, None)
         self._bind_errors.pop(name, None)
+        self._carried.drop(name)
         remove_shared(self.home, name)  # a later service of that name starts afresh
         return self.changed()
 
@@ -467,8 +470,8 @@ class DataPlane:
         return recent_times(self._times.get(name), window)
 
     def stats(self, only: str | None = None) -> dict[str, dict[str, Any]]:
-        """Every service's counters (or ``only`` that one's), summed over the connected
-        workers, with what its replicas' engines said last (to any worker)."""
+        """Every service's counters (or ``only`` that one's), summed over its workers, those
+        gone included (dataplane.carried), with what its engines said last (to any worker)."""
         per: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
         engines: dict[str, dict[str, Any]] = defaultdict(dict)
         for conn in self._conns.values():
@@ -479,7 +482,7 @@ class DataPlane:
                     per[name].append(report["stats"])
                 engines[name].update(report.get("engines") or {})
         return {
-            name: {**merge_stats(stats), "engines": engines[name]}
+            name: {**merge_stats([*stats, *self._carried.of(name)]), "engines": engines[name]}
             for name, stats in per.items()
             if name in self.routes
         }

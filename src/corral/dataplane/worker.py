@@ -51,6 +51,7 @@ from typing import IO, Any, Final
 from corral.balancer import LoadBalancer, speedups
 from corral.balancer.metrics import merge_stats
 from corral.dataplane import engine_shares, engines
+from corral.dataplane.carried import Carried
 from corral.dataplane.daemon_restart import start_daemon
 from corral.dataplane.listeners import make_balancer
 from corral.dataplane.locks import claim_respawn, daemon_holds_lock, take_slot
@@ -112,6 +113,7 @@ class Worker:
         self._slot_lock = slot_lock
         self.services: dict[str, _Service] = {}
         self.retiring: list[tuple[str, LoadBalancer]] = []
+        self.carried = Carried()  # the counters of balancers a route change retired
         self.errors: dict[str, str] = {}
         # Routes whose listener could not be set up (port taken, TLS files unreadable): tried
         # again every BIND_RETRY seconds, so a port freed later is taken without a daemon.
@@ -295,6 +297,10 @@ class Worker:
             finally:
                 self.retiring.remove(entry)
                 self._cursor.pop(id(lb), None)
+                if name in self.services:  # a route change: its successor goes on counting
+                    self.carried.add(name, lb.stats())
+                elif not any(n == name for n, _ in self.retiring):
+                    self.carried.drop(name)  # the service was taken down
 
         task = asyncio.create_task(retire())
         self._tasks.add(task)
@@ -339,7 +345,9 @@ class Worker:
                     times.extend(got)
             times.sort()
             services[name] = {
-                "stats": merge_stats([lb.stats() for lb in lbs]) if lbs else None,
+                "stats": merge_stats([*(lb.stats() for lb in lbs), *self.carried.of(name)])
+                if lbs
+                else None,
                 "times": bucket_times(times),
                 "port": svc.lb.port if svc is not None else None,
                 "inodes": svc.lb.listener_inodes() if svc is not None else [],
