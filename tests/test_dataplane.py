@@ -10,10 +10,14 @@ a dead replica is passed over; `corral daemon stop --all` stops traffic for real
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +304,38 @@ def test_one_daemon_is_brought_back_however_many_workers_see_the_crash(
         running = [p.pid for p in corral_home.home_processes() if "daemon" in " ".join(p.cmdline())]
         assert not running and corral_home.daemon_info() is None, f"a second daemon: {running}"
         time.sleep(0.1)
+
+
+def test_a_stream_under_way_outlives_a_route_change(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """An update that changes a balancer setting retires each worker's balancer: a stream
+    under way through it finishes (up to drain_timeout_seconds, as on a leaving replica),
+    not cut at the 5 s a stopping balancer gives its other connections."""
+    run = f"exec {sys.executable} -m corral.llmsim --host 127.0.0.1 --port $PORT --step-base-ms 250"
+    text = spec_text("long", 1, run=run)
+    corral_home.run("up", str(write_spec(tmp_path / "long.yaml", text)), timeout=90)
+    svc = corral_home.wait_replicas("long", 1)
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 32, "stream": True})
+    done: dict[str, Any] = {}
+
+    def stream() -> None:
+        request = urllib.request.Request(
+            str(svc["endpoint"]) + "/v1/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                done["body"] = answer.read()
+        except OSError as exc:
+            done["error"] = exc
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    changed = text.replace("service:\n", "service:\n  load_balancing_policy: round_robin\n")
+    corral_home.run("update", "long", str(write_spec(tmp_path / "long2.yaml", changed)), "-y")
+    reader.join(60)
+    assert not reader.is_alive()
+    assert "error" not in done, done
+    assert done["body"].rstrip().endswith(b"data: [DONE]"), done["body"][-200:]

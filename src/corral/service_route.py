@@ -43,6 +43,8 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
             "max_header_bytes": lb.max_header_bytes,
             "header_timeout": lb.header_timeout_seconds,
             "max_connections": lb.max_connections,
+            # A balancer retired by a route change lets its requests under way finish as long.
+            "drain_timeout": lb.drain_timeout_seconds,
             **llm_settings(spec),
         },
     )

@@ -103,6 +103,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
         on_drained: Callable[[int], None] | None = None,
         max_connections: int | None = None,
         routing: Mapping[str, Any] | None = None,
+        drain_timeout: float = 0.0,
     ) -> None:
         """Configure; nothing binds until :meth:`start`. See :mod:`corral.balancer.settings`."""
         first_byte, idle = check_settings(
@@ -133,11 +134,10 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
         self._idle_timeout = idle
         self._no_replica_wait = no_replica_wait
         self._max_buffered_body = max_buffered_body
-        self._max_body = max_body_bytes
-        self._max_header_bytes = max_header_bytes
+        self._max_body, self._max_header_bytes = max_body_bytes, max_header_bytes
         self._head_limit = head_limit(max_header_bytes)
         self._header_timeout = header_timeout
-        self._reuse_port, self._on_drained = reuse_port, on_drained
+        self._reuse_port, self._on_drained, self._drain = reuse_port, on_drained, drain_timeout
         self._tick_interval = tick_interval(header_timeout, first_byte, idle)
         self._init_state()
         self._init_counters()
@@ -241,7 +241,8 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
         one passes a grace; a service going away does not. After the grace an idle keep-alive
         connection gets a lingering close (FIN, then what still arrives is read and dropped);
         a new connection is left to send its first request. Whatever is still open after
-        STOP_GRACE_SECONDS is cut. Safe to call twice or before start."""
+        STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a stream under way gets what a
+        leaving replica gets), is cut. Safe to call twice or before start."""
         if self._stopping:
             return
         self._stopping = True
@@ -255,7 +256,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
         if adopting:
             await asyncio.wait(adopting, timeout=self.STOP_GRACE_SECONDS)
         idle_until = start + idle_grace
-        deadline = start + self.STOP_GRACE_SECONDS
+        deadline = start + max(self.STOP_GRACE_SECONDS, self._drain)
         lingering = False
         while self._clients:
             now = time.monotonic()
