@@ -167,6 +167,9 @@ def test_a_held_request_gets_503_with_retry_after_at_its_bound() -> None:
                 assert answer.headers["Retry-After"] == "1"
                 assert "in flight" in (await answer.json())["error"]
                 assert lb.stats()["held_expired"] == 1
+                text = render({"llm": lb.stats()}).decode()  # and for Prometheus, as counters
+                assert 'corral_lb_held_requests_total{service="llm"} 1.0' in text, text
+                assert 'corral_lb_held_expired_total{service="llm"} 1.0' in text, text
                 one.gate.set()
                 assert (await busy).status == 200
 
