@@ -132,3 +132,14 @@ def test_the_checker_sees_long_functions_and_unexplained_modules(tmp_path: Path)
     assert not _states_size_reason(tree)
     assert _states_size_reason(ast.parse('"""Doc.\n\nSize: kept whole for speed.\n"""'))
     assert not _states_size_reason(ast.parse('"""Doc.\n\nSize:\n"""'))
+
+
+def test_no_patch_leftovers_in_the_package() -> None:
+    """A `patch` run leaves `*.orig` / `*.rej` copies beside the files it changed: stale
+    second copies of modules that no check above reads (they are not `*.py`)."""
+    leftovers = [
+        str(path.relative_to(PACKAGE))
+        for pattern in ("*.orig", "*.rej")
+        for path in PACKAGE.rglob(pattern)
+    ]
+    assert leftovers == []
