@@ -299,9 +299,25 @@ def test_skyserve_v2s_other_spellings_are_read() -> None:
     said = _problems(
         SIM_SCALED + "  replicas: 2\n  autoscaling:\n    max_replicas: 1\n" + QUEUE[15:]
     )
-    assert said == [
-        "service.replica_policy: autoscaling.max_replicas must be at least replicas (2), got 1"
-    ], said
+    assert said == ["service.autoscaling: max_replicas must be at least replicas (2), got 1"], said
     engine = _problems(f"model: {SIMULATOR}\nengine: vllm\n")
     assert engine and "write its command as `run:`" in engine[0], engine
     assert any("expected the model's id" in p for p in _problems("model: {name: x}\n"))
+
+
+def test_a_whole_safetensors_checkpoint_beside_the_bin_index_is_whole(tmp_path: Path) -> None:
+    """Repositories hold both formats' indexes, and a download (vLLM's own: *.json and
+    *.safetensors) only one format's shards: the checkpoint is whole, whatever order the
+    directory lists the two indexes in; a shard missing from both is still refused."""
+    from corral.model_engines import weights_problem
+
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    bins = ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]
+    (tmp_path / "config.json").write_text("{}")
+    for name, files in (("pytorch_model.bin", bins), ("model.safetensors", shards)):
+        index = {"weight_map": {"a": files[0], "b": files[1]}}
+        (tmp_path / f"{name}.index.json").write_text(json.dumps(index))
+    (tmp_path / shards[0]).write_bytes(b"w")
+    assert "lacks" in (weights_problem(tmp_path) or "")
+    (tmp_path / shards[1]).write_bytes(b"w")
+    assert weights_problem(tmp_path) is None

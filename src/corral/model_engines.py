@@ -84,15 +84,23 @@ def weights_problem(weights: Path) -> str | None:
         return None
     if not (weights / "config.json").is_file():
         return f"{weights} has no config.json"
-    for index in weights.glob("*.index.json"):
+    # A repository often holds the index of both formats (model.safetensors.index.json and
+    # pytorch_model.bin.index.json) and a download only one's shards (vLLM's own fetches
+    # *.json and *.safetensors): whole if any index has all its shards.
+    lacking: str | None = None
+    for index in sorted(weights.glob("*.index.json")):
         try:
             shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
         except (OSError, ValueError, AttributeError):
             continue
         absent = sorted(name for name in shards if not (weights / name).is_file())
-        if absent:
-            return f"{weights} lacks {len(absent)} of its {len(shards)} shards ({absent[0]}, ...)"
-        return None
+        if not absent:
+            return None
+        if lacking is None:
+            first = absent[0]
+            lacking = f"{weights} lacks {len(absent)} of its {len(shards)} shards ({first}, ...)"
+    if lacking is not None:
+        return lacking
     if not any(any(weights.glob(pattern)) for pattern in _WEIGHTS):
         return f"{weights} has no weights (no .safetensors or .bin file)"
     return None

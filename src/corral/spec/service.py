@@ -362,6 +362,24 @@ class ServiceSection(Section):
             raise ValueError(f"must be at least {said}, got {value}")
         return value
 
+    @field_validator("autoscaling")
+    @classmethod
+    def _its_max_fits_replicas(
+        cls, value: AutoscalingSettings | None, info: ValidationInfo
+    ) -> AutoscalingSettings | None:
+        # SkyServe v2's autoscaling.max_replicas, where service.max_replicas does not win:
+        # said under the field the spec has (replica_policy is not in it).
+        if value is None or value.max_replicas is None or info.data.get("max_replicas") is not None:
+            return value
+        if "replicas" not in info.data or "max_replicas" not in info.data:
+            return value  # one of them is wrong and says so itself
+        least = 1 if info.data["replicas"] is None else info.data["replicas"]
+        if value.max_replicas < least:
+            raise ValueError(
+                f"max_replicas must be at least replicas ({least}), got {value.max_replicas}"
+            )
+        return value
+
     @field_validator("replica_policy", mode="before")
     @classmethod
     def _one_sizing_form(cls, value: Any, info: ValidationInfo) -> Any:
@@ -376,12 +394,8 @@ class ServiceSection(Section):
         if scaling is not None and value is None:
             targets = {METRIC_FIELDS[metric.type]: metric.target for metric in scaling.metrics}
             least = 1 if replicas is None else replicas
-            if most is None and scaling.max_replicas is not None:
-                most = scaling.max_replicas
-                if most < least:
-                    raise ValueError(
-                        f"autoscaling.max_replicas must be at least replicas ({least}), got {most}"
-                    )
+            if most is None:
+                most = scaling.max_replicas  # at least replicas: _its_max_fits_replicas
             most = least if most is None else most  # no room to scale: a warning says so
             delays = {
                 "upscale_delay_seconds": scaling.upscale_delay,
