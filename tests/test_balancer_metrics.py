@@ -337,4 +337,36 @@ def test_what_a_gone_balancer_leaves_is_its_counters_not_its_gauges() -> None:
     assert (kept["requests"], kept["retries"], kept["held_total"], kept["codes"]) == (
         40, 3, 9, {"200": 40},
     )  # fmt: skip
-    assert (kept["in_flight"], kept["streaming"], kept["held"], kept["replicas"]) == (0, 0, 0, {})
+    assert (kept["in_flight"], kept["streaming"], kept["held"]) == (0, 0, 0)
+    assert kept["replicas"]["7"]["in_flight"] == 0 and not kept["replicas"]["7"]["ready"]
+    assert kept["replicas"]["7"]["served"] == 40  # a counter: kept
+
+
+def test_a_replicas_ttft_series_does_not_go_down_when_its_balancer_is_replaced() -> None:
+    """corral_lb_replica_ttft_seconds is a histogram (counters): a route change that retires
+    a balancer must not take the replica's part of it away (Prometheus reads a reset)."""
+    old, new = merge_stats([]), merge_stats([])
+    for stats, n in ((old, 5), (new, 1)):
+        ttft = {"buckets": [n] + [0] * len(LATENCY_BUCKETS), "sum": 0.01 * n, "count": n}
+        stats["ttft"] = dict(ttft)
+        stats["replicas"] = {"1": {"ready": True, "in_flight": 1, "ttft": dict(ttft)}}
+    text = render({"svc": merge_stats([new, counters_only(old)])}).decode()
+    assert sample(text, "corral_lb_ttft_seconds_count", service="svc") == 6
+    name = "corral_lb_replica_ttft_seconds_count"
+    assert sample(text, name, service="svc", replica="1") == 6
+    assert sample(text, "corral_lb_in_flight", service="svc", replica="1") == 1
+
+
+def test_a_carried_replica_the_live_balancers_forgot_is_not_brought_back() -> None:
+    """The live balancer drops a replica's counts once it left and drained: what was carried
+    of it must not bring its series back."""
+    from corral.dataplane.carried import Carried
+
+    gone = merge_stats([])
+    gone["replicas"] = {"1": {"served": 4}, "2": {"served": 3}}
+    live = merge_stats([])
+    live["replicas"] = {"2": {"ready": True, "served": 1}}
+    carried = Carried()
+    carried.add("svc", gone)
+    summed = carried.summed("svc", [live])
+    assert list(summed["replicas"]) == ["2"] and summed["replicas"]["2"]["served"] == 4

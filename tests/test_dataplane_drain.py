@@ -115,3 +115,53 @@ def test_a_service_taken_down_leaves_none_of_its_shared_files(tmp_path: Path) ->
     asyncio.run(scenario())
     assert [path for path in files if path.exists()] == []
     assert other.exists()  # another service's is left alone
+
+
+def test_a_worker_that_reconnects_is_not_counted_twice(tmp_path: Path) -> None:
+    """A worker whose channel dropped (a send that timed out) reconnects, alive, and reports
+    its counters from where they were: what the daemon carried of it when the channel dropped
+    (dataplane.carried) must not be added on top."""
+    import threading
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    replica = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=replica.serve_forever, daemon=True).start()
+
+    def total(plane: DataPlane) -> int:
+        return sum((plane.stats().get("svc") or {}).get("codes", {}).values())
+
+    async def scenario() -> None:
+        async with plane_of(tmp_path / "home", 1) as plane:
+            plane.open()
+            port = free_port()
+            route = plane.route("svc", Route(port=port))
+            route.set_ready({1: f"http://127.0.0.1:{replica.server_port}"})
+            await connected(plane, 1)
+            assert await route.wait_drained(2, 30)  # the worker applied a table
+            url = f"http://127.0.0.1:{port}/"
+            for _ in range(10):
+                await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+            assert await plane.wait_until(lambda: total(plane) == 10, 10), plane.stats()
+            pid = connected_pids(plane)[0]
+            plane._conns[pid].writer.close()  # the channel drops; the worker lives on
+            assert await plane.wait_until(lambda: pid not in plane._conns, 10)
+            assert await plane.wait_until(lambda: pid in connected_pids(plane), 10)
+            assert await plane.wait_until(lambda: bool(plane._conns[pid].reports), 10)
+            await asyncio.sleep(0.6)  # a few more reports
+            assert total(plane) == 10, plane.stats()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        replica.shutdown()

@@ -195,13 +195,16 @@ _GAUGES: Final = ("in_flight", "streaming", "held")
 
 
 def counters_only(stats: Mapping[str, Any]) -> dict[str, Any]:
-    """The service-wide counters of ``stats`` with its gauges at 0 and no replicas: what a
-    balancer that is gone (retired by a route change, its worker ended) leaves to be carried
-    into its successors' sums, so ``corral_lb_requests_total`` and the other service counters
-    never go down part of the way, which Prometheus would read as a reset (and ``rate()`` as
-    a spike). Per-replica counts start again with the balancer that counts them."""
+    """The counters of ``stats`` with its gauges at 0: what a balancer that is gone (retired
+    by a route change, its worker ended) leaves to be carried into its successors' sums, so
+    ``corral_lb_requests_total``, the other service counters and each replica's
+    ``corral_lb_replica_ttft_seconds`` never go down part of the way, which Prometheus would
+    read as a reset (and ``rate()`` as a spike). A replica keeps its counts (served, failed,
+    time to first token), not its requests in flight nor its readiness."""
     out = merge_stats([stats])
-    out.update(dict.fromkeys(_GAUGES, 0), ready=[], replicas={})
+    out.update(dict.fromkeys(_GAUGES, 0), ready=[])
+    for rep in out["replicas"].values():
+        rep.update(dict.fromkeys(_GAUGES, 0), ready=False)
     return out
 
 

@@ -28,7 +28,6 @@ from typing import Any, Final
 
 import psutil
 
-from corral.balancer.metrics import merge_stats
 from corral.dataplane.carried import Carried
 from corral.dataplane.listeners import remove_shared
 from corral.dataplane.processes import (
@@ -74,6 +73,7 @@ class _Conn:
     heard: float = field(default_factory=time.monotonic)  # its last report
     accelerated: str = "unknown"  # its fast path's build, as its hello said (daemon status)
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    created: float = 0.0  # its process's start time (with pid: which process it is)
 
 
 class DataPlane:
@@ -304,7 +304,8 @@ class DataPlane:
         finally:
             if conn is not None and self._conns.get(conn.pid) is conn:
                 del self._conns[conn.pid]
-                self._carried.gone(conn.reports, self.routes)  # its counts stay in the sums
+                # Its counts stay in the sums (until this same process reports again).
+                self._carried.gone(conn.reports, self.routes, (conn.pid, conn.created))
                 await self._notify()
             writer.close()
             if task is not None:
@@ -330,6 +331,7 @@ class DataPlane:
             self.slots.set(slot, pid, created)
         conn = self._conns[pid] = _Conn(slot, pid, writer, int(hello.get("seq") or 0))
         conn.accelerated = str(hello.get("accelerated") or "unknown")  # older workers: none
+        conn.created = created
         return conn
 
     def _respawn(self) -> dict[str, Any] | None:
@@ -354,6 +356,10 @@ class DataPlane:
             for bucket, count in report.get("times") or ():
                 times[int(bucket)] = times.get(int(bucket), 0) + int(count)
             self._note_bind(str(name), conn.slot, report.get("error"))
+        if not conn.reports:
+            # A worker that reconnected, alive, counts on from where it was: what was carried
+            # of it is in this report (taken back only now, so the sums never dip meanwhile).
+            self._carried.back((conn.pid, conn.created))
         conn.reports = reports
         self._schedule_notify()
 
@@ -472,20 +478,8 @@ class DataPlane:
     def stats(self, only: str | None = None) -> dict[str, dict[str, Any]]:
         """Every service's counters (or ``only`` that one's), summed over its workers, those
         gone included (dataplane.carried), with what its engines said last (to any worker)."""
-        per: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-        engines: dict[str, dict[str, Any]] = defaultdict(dict)
-        for conn in self._conns.values():
-            for name, report in conn.reports.items():
-                if only is not None and name != only:
-                    continue
-                if report.get("stats"):
-                    per[name].append(report["stats"])
-                engines[name].update(report.get("engines") or {})
-        return {
-            name: {**merge_stats([*stats, *self._carried.of(name)]), "engines": engines[name]}
-            for name, stats in per.items()
-            if name in self.routes
-        }
+        reports = [conn.reports for conn in self._conns.values()]
+        return self._carried.gathered(reports, self.routes, only)
 
     def bind_errors(self, name: str) -> list[str]:
         """Why the service's endpoint is not (only) served by its workers: ports they could

@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from corral.balancer import LoadBalancer, speedups
-from corral.balancer.metrics import merge_stats
 from corral.dataplane import engine_shares, engines
 from corral.dataplane.carried import Carried
 from corral.dataplane.daemon_restart import start_daemon
@@ -345,9 +344,7 @@ class Worker:
                     times.extend(got)
             times.sort()
             services[name] = {
-                "stats": merge_stats([*(lb.stats() for lb in lbs), *self.carried.of(name)])
-                if lbs
-                else None,
+                "stats": self.carried.summed(name, [lb.stats() for lb in lbs]) if lbs else None,
                 "times": bucket_times(times),
                 "port": svc.lb.port if svc is not None else None,
                 "inodes": svc.lb.listener_inodes() if svc is not None else [],
