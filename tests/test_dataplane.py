@@ -306,16 +306,14 @@ def test_one_daemon_is_brought_back_however_many_workers_see_the_crash(
         time.sleep(0.1)
 
 
-def test_a_stream_under_way_outlives_a_route_change(
-    corral_home: CorralHome, tmp_path: Path
-) -> None:
-    """An update that changes a balancer setting retires each worker's balancer: a stream
-    under way through it finishes (up to drain_timeout_seconds, as on a leaving replica),
-    not cut at the 5 s a stopping balancer gives its other connections."""
-    run = f"exec {sys.executable} -m corral.llmsim --host 127.0.0.1 --port $PORT --step-base-ms 250"
-    text = spec_text("long", 1, run=run)
-    corral_home.run("up", str(write_spec(tmp_path / "long.yaml", text)), timeout=90)
-    svc = corral_home.wait_replicas("long", 1)
+def long_stream(home: CorralHome, tmp_path: Path, name: str, step_ms: int) -> tuple[str, Any]:
+    """A service of one engine simulator whose 32-token answers take ``step_ms`` a token, and a
+    thread streaming one answer through it (its outcome in the dict it returns)."""
+    engine = f"{sys.executable} -m corral.llmsim --host 127.0.0.1 --port $PORT"
+    run = f"exec {engine} --step-base-ms {step_ms}"
+    text = spec_text(name, 1, run=run)
+    home.run("up", str(write_spec(tmp_path / f"{name}.yaml", text)), timeout=90)
+    svc = home.wait_replicas(name, 1)
     body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 32, "stream": True})
     done: dict[str, Any] = {}
 
@@ -326,16 +324,43 @@ def test_a_stream_under_way_outlives_a_route_change(
             headers={"Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=60) as answer:
+            with urllib.request.urlopen(request, timeout=90) as answer:
                 done["body"] = answer.read()
         except OSError as exc:
             done["error"] = exc
 
     reader = threading.Thread(target=stream)
     reader.start()
-    changed = text.replace("service:\n", "service:\n  load_balancing_policy: round_robin\n")
-    corral_home.run("update", "long", str(write_spec(tmp_path / "long2.yaml", changed)), "-y")
-    reader.join(60)
-    assert not reader.is_alive()
+    done["thread"] = reader
+    return text, done
+
+
+def finished_whole(done: dict[str, Any]) -> None:
+    done["thread"].join(90)
+    assert not done["thread"].is_alive()
     assert "error" not in done, done
     assert done["body"].rstrip().endswith(b"data: [DONE]"), done["body"][-200:]
+
+
+def test_a_stream_under_way_outlives_a_route_change(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """An update that changes a balancer setting retires each worker's balancer: a stream
+    under way through it finishes (up to drain_timeout_seconds, as on a leaving replica),
+    not cut at the 5 s a stopping balancer gives its other connections."""
+    text, done = long_stream(corral_home, tmp_path, "long", 250)  # 8 s
+    changed = text.replace("service:\n", "service:\n  load_balancing_policy: round_robin\n")
+    corral_home.run("update", "long", str(write_spec(tmp_path / "long2.yaml", changed)), "-y")
+    finished_whole(done)
+
+
+def test_a_stream_under_way_outlives_restart_workers(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """An upgrade's restart-workers: the old worker finishes a stream longer than the 10 s it
+    was given before (the services' drain_timeout_seconds, 30 s here)."""
+    _, done = long_stream(corral_home, tmp_path, "longer", 400)  # 13 s
+    old = corral_home.worker_pids()
+    corral_home.run("daemon", "restart-workers", timeout=200)
+    assert set(corral_home.worker_pids()).isdisjoint(old)
+    finished_whole(done)

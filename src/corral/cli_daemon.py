@@ -180,7 +180,8 @@ def daemon_restart_workers(ctx: click.Context) -> None:
     """Replace each balancer worker by a new process (new one first, so every port keeps a
     listener): after upgrading corral, this moves traffic to the new code."""
     client = client_of(ctx, start=True)
-    client.timeout = 120.0  # one slot at a time, each up to 15 s
+    # One slot at a time, each up to 15 s to take over and 61 s for the old one's streams.
+    client.timeout = 600.0
     answer = client.request("POST", "/v1/daemon/restart-workers")
     for item in answer.get("restarted", []):
         out.print(f"worker {item['slot']}: pid {item['old_pid']} -> {item['new_pid']}")

@@ -60,6 +60,7 @@ DEFAULT_WORKERS: Final = min(os.cpu_count() or 1, 4)
 CHECK_INTERVAL: Final = 0.25
 # restart-workers: how long an old worker gets to drain after its successor took over.
 OLD_WORKER_GRACE: Final = WORKER_STOP_TIMEOUT
+MAX_OLD_WORKER_GRACE: Final = 60.0  # restart-workers waits for each slot in turn
 
 
 @dataclass
@@ -267,9 +268,14 @@ class DataPlane:
             if proc is not None:
                 # One worker per slot: the old one is gone before the next slot is touched.
                 # SIGTERM asks what "exit" asks (drain, then go); past the bound, SIGKILL.
-                await asyncio.to_thread(terminate_all, [proc], OLD_WORKER_GRACE)
+                await asyncio.to_thread(terminate_all, [proc], self._old_worker_grace())
             done.append({"slot": slot, "old_pid": old.pid, "new_pid": new})
         return done
+
+    def _old_worker_grace(self) -> float:
+        """A replaced worker's time for its requests under way: the longest drain_timeout."""
+        drains = [float(r.route.config.get("drain_timeout") or 0) for r in self.routes.values()]
+        return max(OLD_WORKER_GRACE, min(max(drains, default=0.0), MAX_OLD_WORKER_GRACE) + 1.0)
 
     # -- the channel --------------------------------------------------------------------------
 
