@@ -182,12 +182,9 @@ def test_ttft_counts_the_time_a_request_was_held_in_the_balancer() -> None:
     TTFT 100 ms while clients waited seconds in the hold)."""
 
     async def go() -> None:
-        async with fleet(1) as (one,):
-            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
-            async with (
-                balancer({1: one.url}, routing=routing) as lb,
-                aiohttp.ClientSession() as http,
-            ):
+        async with fleet(1) as (one,), aiohttp.ClientSession() as http:
+            lb = await one_at_a_time(one)
+            try:
                 url = f"http://{HOST}:{lb.port}/stream"
                 first = await http.get(url)
                 await first.content.readany()  # its first event came: under way
@@ -200,6 +197,8 @@ def test_ttft_counts_the_time_a_request_was_held_in_the_balancer() -> None:
                 ttft = lb.stats()["ttft"]
                 assert ttft["count"] == 2
                 assert ttft["sum"] >= 0.6, ttft  # the second's client waited 0.6 s at least
+            finally:
+                await lb.stop()
 
     run(go())
 

@@ -49,8 +49,8 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         spec = load_spec(file, name=name, require_service=True)
         issues = deploy_issues(spec)
         fit, notes, used = placement_here(spec)
-        issues = sorted_issues(issues + fit + model_issues(spec))
-        engine = engine_here(spec)
+        unrunnable, engine = model_check(spec)
+        issues = sorted_issues(issues + fit + unrunnable)
     except SpecError as exc:
         issues = exc.issues
     source = str(file)
@@ -96,20 +96,20 @@ def deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
     return issues
 
 
-def model_issues(spec: ServiceSpec) -> list[SpecIssue]:
-    """``validate`` only: a model-first spec this shell's machine has no engine or weights
-    for (the daemon judges `up` on its own machine, before anything starts)."""
+def model_check(spec: ServiceSpec) -> tuple[list[SpecIssue], str | None]:
+    """A model-first spec on this shell's machine: why it cannot run here, or the command its
+    replicas would run (the daemon picks on its own machine). Nothing for a `run:` spec."""
     if not spec.model or spec.run:
-        return []
+        return [], None
     from corral.model_engines import ModelUnavailable, engine_command
     from corral.spec import SpecIssue
 
     try:
-        engine_command(spec)
+        return [], engine_command(spec)
     except ModelUnavailable as exc:
         # Under the field's name: "model: ORG/NAME cannot run here", not "model: model ...".
-        return [SpecIssue("model", str(exc).removeprefix("model "), spec.line_of("model"))]
-    return []
+        issue = SpecIssue("model", str(exc).removeprefix("model "), spec.line_of("model"))
+        return [issue], None
 
 
 def refuse_model_before_starting(home: Path, file: Path, spec: ServiceSpec) -> None:
@@ -123,26 +123,13 @@ def refuse_model_before_starting(home: Path, file: Path, spec: ServiceSpec) -> N
 
     if os.environ.get(ENV_API_URL) or Client(home).health():
         return
-    issues = model_issues(spec)
+    issues, _ = model_check(spec)
     if issues:
         from corral.spec import SpecError
 
         err.print(str(SpecError(issues, str(file))), soft_wrap=True, markup=False)
         err.print("no daemon was started for it", soft_wrap=True, markup=False)
         sys.exit(1)
-
-
-def engine_here(spec: ServiceSpec) -> str | None:
-    """``validate`` only: the command a model-first spec's replicas would run on this shell's
-    machine (the daemon picks on its own), or None (a `run:` spec, or none fits)."""
-    if not spec.model or spec.run:
-        return None
-    from corral.model_engines import ModelUnavailable, engine_command
-
-    try:
-        return engine_command(spec)
-    except ModelUnavailable:
-        return None  # model_issues says why
 
 
 def check_deployable(
