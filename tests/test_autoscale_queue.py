@@ -123,27 +123,34 @@ def test_a_light_steady_load_keeps_its_last_replica() -> None:
     assert got.target == 0, got.reason
 
 
-def test_depth_is_what_the_engines_hold_else_in_flight_plus_held() -> None:
+def test_depth_is_what_waits_in_the_engines_else_in_flight_plus_held() -> None:
+    """SkyServe v2's queue_depth is the engines' waiting requests: those an engine runs are
+    its batch at work, and counting them would scale out a fleet that keeps up."""
     stats = {
         "held": 2,
         "replicas": {
             "1": {"ready": True, "in_flight": 9},
             "2": {"ready": True, "in_flight": 3},
             "3": {"ready": False, "in_flight": 1},
+            "4": {"ready": True, "in_flight": 8},
         },
-        "engines": {"1": {"waiting": 4.0, "running": 8.0}},
+        "engines": {"1": {"waiting": 4.0, "running": 8.0}, "4": {"running": 8.0}},
     }
-    assert queue_depth(stats) == 2 + 12 + 3
+    assert queue_depth(stats) == 2 + 4 + 3
     assert queue_depth(None) == 0
+    busy = {"replicas": {"1": {"ready": True}}, "engines": {"1": {"running": 200.0, "waiting": 0}}}
+    assert queue_depth(busy) == 0
 
 
 def test_a_service_scales_out_when_its_engines_fill(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:
-    """Two replicas at most, 2 requests per replica wanted: 6 long generations at once fill the
-    first engine, and a second replica is launched and becomes READY."""
+    """Two replicas at most, 2 waiting requests per replica wanted: 6 long generations at once
+    on an engine that runs 2 leave 4 in its queue, and a second replica is launched and becomes
+    READY."""
     corral_home.env["CORRAL_DECISION_INTERVAL"] = "0.5"
-    run = f"exec {sys.executable} -m corral.llmsim --host 127.0.0.1 --port $PORT --speed 0.5"
+    sim = f"{sys.executable} -m corral.llmsim --speed 0.5 --max-batch 2"
+    run = f"exec {sim} --host 127.0.0.1 --port $PORT"
     text = spec_text("grow", 1, run=run).replace(
         "  replicas: 1\n",
         "  replica_policy:\n    min_replicas: 1\n    max_replicas: 2\n"
@@ -164,7 +171,7 @@ def test_a_service_scales_out_when_its_engines_fill(
         thread.start()
     grown = corral_home.wait_replicas("grow", 2, timeout=90, exact=False)
     events = corral_home.api("GET", "/v1/services/grow/events").json()["events"]
-    assert any("request(s) in the engines" in str(e) for e in events), events
+    assert any("request(s) waiting in engines" in str(e) for e in events), events
     assert grown["target"] == 2
     for thread in threads:
         thread.join(120)

@@ -101,7 +101,7 @@ def test_the_signals_are_summed_over_ready_replicas() -> None:
             "3": {"running": 9.0, "kv_usage": 0.9, "tokens_per_second": 99.0},
         },
     }
-    assert engine_load(stats) == (1 + 5 + 1, 0.75, 40.0)
+    assert engine_load(stats) == (1 + 2, 0.75, 40.0)  # held, and replica 1's waiting
     assert engine_load(None) == (0.0, 0.0, 0.0)
 
 

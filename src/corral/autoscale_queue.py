@@ -3,9 +3,12 @@
 One LLM request can cost a hundred times another, so requests per second say little about
 how loaded an LLM fleet is. Its engines know, and report it (``corral.dataplane.engines``):
 
-* ``queue_depth`` (``replica_policy.target_queue_per_replica``): every request the service's
-  engines hold, running and waiting (the balancer's in-flight count where a replica publishes
-  none), plus the requests held in the balancer waiting for room: ``ceil(depth / target)``;
+* ``queue_depth`` (``replica_policy.target_queue_per_replica``): the requests waiting for a
+  slot, in the engines' queues (their ``waiting`` gauges; the balancer's in-flight count where a
+  replica publishes none) and held in the balancer: ``ceil(depth / target)``. As SkyServe v2
+  reads it (``sum(vllm:num_requests_waiting) / target``): requests an engine is running are its
+  batch at work, not a queue, and a vLLM engine runs hundreds at once, so counting them would
+  scale a fleet that keeps up (SkyServe's ``target: 5`` would want a replica per 5 streams);
 * ``kv_cache_usage`` (``target_kv_cache_usage``, 0..1): the KV-cache use the engines report,
   summed over the ready replicas (replicas' worth of cache in use): ``ceil(sum / target)``,
   so two replicas at 0.95 with a target of 0.8 want three;
@@ -209,8 +212,8 @@ class EngineAutoscaler(SampledAutoscaler):
         self._tokens = 0.0
 
     def observe(self, depth: float, kv_usage: float = 0.0, tokens_per_second: float = 0.0) -> None:
-        """The requests the engines and balancer hold, the KV-cache use summed over the ready
-        replicas, and the tokens per second they generate, now."""
+        """The requests waiting in the engines and balancer, the KV-cache use summed over the
+        ready replicas, and the tokens per second they generate, now."""
         self._depth = max(0.0, float(depth))
         self._kv = max(0.0, float(kv_usage))
         self._tokens = max(0.0, float(tokens_per_second))
@@ -221,7 +224,7 @@ class EngineAutoscaler(SampledAutoscaler):
     def _wanted(self, qps: float) -> tuple[int, str]:
         p = self._policy
         signals = (
-            (p.target_queue_per_replica, self._depth, "request(s) in the engines and balancer"),
+            (p.target_queue_per_replica, self._depth, "request(s) waiting in engines and balancer"),
             (p.target_kv_cache_usage, self._kv, "replicas' worth of KV cache in use"),
             (p.target_tokens_per_second_per_replica, self._tokens, "tokens/s generated"),
             (p.target_qps_per_replica, qps, "requests/s"),
@@ -342,9 +345,10 @@ def engine_load(stats: Mapping[str, Any] | None) -> tuple[float, float, float]:
 
 
 def queue_depth(stats: Mapping[str, Any] | None) -> float:
-    """The requests a service's engines and balancer hold, from the balancer's merged stats
-    (corral.dataplane.plane): running plus waiting as each engine reports them, the balancer's
-    in-flight count for a replica that reports nothing, plus the requests held in the balancer."""
+    """The requests waiting for a slot, from the balancer's merged stats
+    (corral.dataplane.plane): in each ready engine's queue as it reports it (not those it
+    runs), the balancer's in-flight count for a replica that reports neither, plus the requests
+    held in the balancer."""
     stats = stats or {}
     engines: Mapping[str, Mapping[str, Any]] = stats.get("engines") or {}
     depth = float(stats.get("held") or 0)
@@ -353,7 +357,7 @@ def queue_depth(stats: Mapping[str, Any] | None) -> float:
             continue
         signals = engines.get(str(rid))
         if signals and ("waiting" in signals or "running" in signals):
-            depth += float(signals.get("waiting", 0.0)) + float(signals.get("running", 0.0))
+            depth += float(signals.get("waiting", 0.0))
         else:
             depth += float(replica.get("in_flight") or 0)
     return depth

@@ -12,8 +12,8 @@ from corral.spec.values import MAX_REPLICAS, MAX_SECONDS
 
 class AutoscalingMetric(Section):
     """One of SkyServe's ``service.autoscaling.metrics``: what to scale on, and the target
-    per replica (``queue_depth``: requests in an engine, running and waiting; ``qps``:
-    requests per second)."""
+    per replica (``queue_depth``: requests waiting in an engine's queue, as SkyServe
+    v2 reads it; ``qps``: requests per second)."""
 
     type: Literal["queue_depth", "qps", "kv_cache_usage", "tokens_per_second"]
     target: float = Field(gt=0)

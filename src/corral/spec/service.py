@@ -112,7 +112,7 @@ class ReplicaPolicy(Section):
     min_replicas: int = Field(ge=0, le=MAX_REPLICAS)
     # Declared before max_replicas: max_replicas' check needs them (TARGETS). The queue is
     # corral's name for SkyServe's `autoscaling.metrics: [{type: queue_depth, target: N}]`:
-    # the requests an LLM engine should hold (running and waiting) per replica; the KV-cache
+    # the requests waiting in an LLM engine's queue per replica (not those it runs); the KV-cache
     # use (0..1) and generated tokens per second are the engines' other signals (docs/llm.md).
     target_qps_per_replica: float | None = Field(default=None, gt=0)
     # SkyServe's `target_qps_per_replica: {H100: 10, A100: 5}` (with the policy
