@@ -3,6 +3,7 @@ exactly what this machine lacks before anything starts (docs/llm.md)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -12,6 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import CorralHome, write_spec
 
+from corral.admission import check_spec
+from corral.deploy import run_command
+from corral.errors import Unrunnable
 from corral.model_engines import SIMULATOR, ModelUnavailable, engine_command
 from corral.spec import parse_spec
 
@@ -219,6 +223,30 @@ def test_a_relative_model_path_is_launched_as_the_absolute_path_checked(
     monkeypatch.chdir(tmp_path)
     run = engine_command(parse_spec("model: ./models/tiny.gguf\n"))
     assert f"-m {tmp_path / 'models' / 'tiny.gguf'} " in run, run
+
+
+def test_a_relative_model_path_is_taken_from_where_corral_was_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a relative workdir: from the directory the CLI sent (base_dir), not the daemon's
+    own directory, both when the daemon admits the spec and when it launches a replica."""
+    server = tmp_path / "bin" / "llama-server"
+    server.parent.mkdir()
+    server.write_text("#!/bin/sh\nexit 1\n")
+    server.chmod(server.stat().st_mode | stat.S_IEXEC)
+    project = tmp_path / "project"
+    (project / "models").mkdir(parents=True)
+    (project / "models" / "tiny.gguf").write_text("G")
+    monkeypatch.setenv("PATH", str(server.parent) + os.pathsep + os.environ["PATH"])
+    monkeypatch.chdir(tmp_path)  # the daemon's directory: no models/ here
+    text = "name: tiny\nmodel: ./models/tiny.gguf\n"
+    admit = functools.partial(check_spec, source=None, name=None, infras={"local": None})
+    with pytest.raises(Unrunnable, match="cannot run here"):
+        admit(text, capacity=None)
+    spec = admit(text, capacity=None, base_dir=str(project))
+    run = run_command(spec, str(project))
+    assert f"-m {project / 'models' / 'tiny.gguf'} " in run, run
+    assert "exit 78" in run_command(spec)  # from the daemon's directory, nothing to run
 
 
 def test_an_engine_off_the_local_machine_listens_beyond_the_loopback() -> None:

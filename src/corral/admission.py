@@ -34,6 +34,7 @@ def check_spec(
     name: str | None,
     infras: Mapping[str, Infra],
     capacity: Capacity | None,
+    base_dir: str | None = None,
 ) -> ServiceSpec:
     """The spec as this daemon will run it. Takes up to a second on the largest spec the
     parser accepts: call it off the event loop."""
@@ -50,7 +51,7 @@ def check_spec(
         )
     if spec.model and not spec.run:
         try:
-            engine_command(spec)  # an engine and weights this machine has, or why not
+            engine_command(spec, base_dir)  # an engine and weights this machine has, or why not
         except ModelUnavailable as exc:
             raise Unrunnable(str(exc)) from None
     if spec.infra == "local":

@@ -105,7 +105,7 @@ def model_check(spec: ServiceSpec) -> tuple[list[SpecIssue], str | None]:
     from corral.spec import SpecIssue
 
     try:
-        return [], engine_command(spec)
+        return [], engine_command(spec, os.getcwd())
     except ModelUnavailable as exc:
         # Under the field's name: "model: ORG/NAME cannot run here", not "model: model ...".
         issue = SpecIssue("model", str(exc).removeprefix("model "), spec.line_of("model"))

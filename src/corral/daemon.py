@@ -129,7 +129,7 @@ class Daemon:
         secrets: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         envs, secrets = envs or {}, secrets or {}
-        spec = await self._check_off_loop(spec_text, source=source, name=name)
+        spec = await self._check_off_loop(spec_text, source=source, name=name, base_dir=base_dir)
         assert spec.name is not None
         admission.check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
         svc_name = spec.name
@@ -183,7 +183,7 @@ class Daemon:
         controller = self.controller(name)
         self._live_row(name)
         spec_text, source, base_dir = self._resolved(name, request)
-        spec = await self._check_off_loop(spec_text, source=source, name=name)
+        spec = await self._check_off_loop(spec_text, source=source, name=name, base_dir=base_dir)
         envs, secrets = request.envs, request.secrets
         if request.from_version is None:
             admission.check_inputs(
@@ -343,7 +343,7 @@ class Daemon:
             versionfiles.collect_garbage(self.home)
 
     async def _check_off_loop(
-        self, spec_text: str, *, source: str | None, name: str | None
+        self, spec_text: str, *, source: str | None, name: str | None, base_dir: str | None
     ) -> ServiceSpec:
         """:func:`corral.admission.check_spec` on a thread: the largest spec the parser accepts
         takes up to a second to read, and the event loop it would block also carries every
@@ -355,6 +355,7 @@ class Daemon:
             name=name,
             infras=self.deps.infras,
             capacity=self.deps.capacity,
+            base_dir=base_dir,
         )
 
     def controller(self, name: str) -> ServiceController:

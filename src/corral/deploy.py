@@ -133,14 +133,15 @@ def launch_inputs(
     return workdir, {**spec.envs, **envs, **secrets}
 
 
-def run_command(spec: ServiceSpec) -> str:
+def run_command(spec: ServiceSpec, base_dir: str | None = None) -> str:
     """What a replica runs: the spec's ``run``, or for a model-first spec the engine this
-    machine has for it (corral.model_engines). Admission refuses a model nothing here can run,
+    machine has for it (corral.model_engines; a relative model path taken from ``base_dir``,
+    the directory the spec was sent from). Admission refuses a model nothing here can run,
     so the fallback (a replica that fails at once with the reason in its log) only meets a
     machine that lost its engine since."""
     if spec.run:
         return spec.run
     try:
-        return engine_command(spec)
+        return engine_command(spec, base_dir)
     except ModelUnavailable as exc:
         return f"echo {shlex.quote(str(exc))} >&2; exit 78"

@@ -51,11 +51,12 @@ def hf_cache() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def local_weights(model: str) -> Path | None:
+def local_weights(model: str, base_dir: str | None = None) -> Path | None:
     """Where the model's files are on this machine (a path given as the model, made absolute,
-    or the Hugging Face cache's snapshot of ``ORG/NAME`` that ``refs/main`` names, as the Hub
-    library itself loads it offline), or None."""
-    given = Path(model).expanduser()
+    a relative one taken from ``base_dir``: the directory corral was run in, as a relative
+    ``workdir`` is; or the Hugging Face cache's snapshot of ``ORG/NAME`` that ``refs/main``
+    names, as the Hub library itself loads it offline), or None."""
+    given = Path(base_dir or ".", Path(model).expanduser())
     if given.exists():
         return given.resolve()
     repo = hf_cache() / f"models--{model.replace('/', '--')}"
@@ -140,8 +141,10 @@ def _weights_missing(weights: Path | None, ggufs: list[Path]) -> list[str]:
     return []
 
 
-def engine_command(spec: ServiceSpec) -> str:
-    """The ``run`` of a model-first spec on this machine; ModelUnavailable when none fits."""
+def engine_command(spec: ServiceSpec, base_dir: str | None = None) -> str:
+    """The ``run`` of a model-first spec on this machine; ModelUnavailable when none fits.
+    ``base_dir``: what a relative model path is relative to (the process's directory when
+    None)."""
     model = spec.model or ""
     python = shlex.quote(sys.executable)
     # Local replicas are reached on the loopback; on other infra the balancer reaches the
@@ -150,7 +153,7 @@ def engine_command(spec: ServiceSpec) -> str:
     if model == SIMULATOR:
         return f"exec {python} -m corral.llmsim {listen} --model {SIMULATOR}"
     quoted = shlex.quote(model)
-    weights = local_weights(model)
+    weights = local_weights(model, base_dir)
     unusable = weights_problem(weights) if weights is not None else None
     gpu = bool(spec.resources.accelerators)
     missing: list[str] = []
