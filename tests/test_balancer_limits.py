@@ -199,6 +199,37 @@ def test_a_client_of_an_idle_balancer_has_its_deadlines_kept() -> None:
     run(main())
 
 
+def test_the_ticker_sleeps_until_the_nearest_deadline() -> None:
+    """A client whose deadline is far (a keep-alive connection between requests: the header
+    timeout) costs the worker a tick a second, not ten (corral.balancer.ticker); a client with
+    a near deadline still has it fired at the short tick."""
+
+    async def main() -> None:
+        async with (
+            cluster(1, first_byte_timeout=1.0, idle_timeout=10) as (lb, _, _),
+            aiohttp.ClientSession() as s,
+        ):
+            async with s.get(lb.url + "/") as resp:  # its connection stays, its deadline far
+                assert resp.status == 200
+                await resp.read()
+            calls: list[float] = []
+            tick = lb._tick
+
+            def counted() -> None:
+                calls.append(time.monotonic())
+                tick()
+
+            lb._tick = counted  # type: ignore[method-assign]
+            await asyncio.sleep(2.5)
+            assert 1 <= len(calls) <= 4, calls  # at 0.1 s it was 25
+            start = time.monotonic()
+            async with s.get(lb.url + "/delay?s=3") as resp:  # a first byte due in 1 s
+                assert resp.status == 504
+            assert 0.9 < time.monotonic() - start < 1.6
+
+    run(main())
+
+
 def test_idle_timer_is_not_left_running_on_pooled_connections() -> None:
     async def main() -> None:
         # idle != first byte, so every response switches aiohttp's read timer; a timer left

@@ -20,8 +20,8 @@ Design points:
 * Three timeouts instead of one total: ``connect_timeout`` (a dead host), ``first_byte_timeout``
   (a replica that accepted the request but never answers) and ``idle_timeout`` (silence between
   two chunks of a response). A token stream that keeps sending is never cut however long it
-  runs. All deadlines are checked by one ticker per balancer (a few wake-ups a second) instead
-  of a timer per request.
+  runs. All deadlines are checked by one ticker per balancer (:mod:`corral.balancer.ticker`,
+  asleep until the nearest one) instead of a timer per request.
 * Limits (``max_header_bytes``, ``max_body_bytes``) and malformed HTTP are answered with a JSON
   4xx and one rate-limited log line, never a traceback: garbage sent to the port (a port
   scanner, TLS to the plain port) must not fill the log or reach a replica.
@@ -57,8 +57,9 @@ from corral.balancer.settings import (
     DEFAULT_HEADER_TIMEOUT,
     check_settings,
     head_limit,
-    tick_interval,
+    ticks,
 )
+from corral.balancer.ticker import Ticker
 from corral.balancer.upstream import Target, target_of
 
 __all__ = ["DEFAULT_HEADER_TIMEOUT", "LoadBalancer"]
@@ -70,7 +71,7 @@ _refused = refused
 _describe = describe
 
 
-class LoadBalancer(BalancerSlots, Counters, Gate):
+class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
     """Reverse proxy for one service; see the module docstring for the design."""
 
     # How long a replica that could not be connected to is passed over (unless all are).
@@ -79,7 +80,6 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
     RETRY_AFTER_SECONDS: Final = 1
     # stop() lets in-flight requests finish for up to this long before cutting them.
     STOP_GRACE_SECONDS: Final = 5.0
-    IDLE_TICK: Final = 1.0  # the ticker's period with no client connected (the pool's own)
 
     def __init__(
         self,
@@ -138,7 +138,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
         self._head_limit = head_limit(max_header_bytes)
         self._header_timeout = header_timeout
         self._reuse_port, self._on_drained, self._drain = reuse_port, on_drained, drain_timeout
-        self._tick_interval = tick_interval(header_timeout, first_byte, idle)
+        self._tick_interval, self._tick_cap = ticks(header_timeout, first_byte, idle)
         self._init_state()
         self._init_counters()
 
@@ -334,41 +334,6 @@ class LoadBalancer(BalancerSlots, Counters, Gate):
         elif ":" in host:
             host = f"[{host}]"
         return f"{self._scheme}://{host}:{self._port}"
-
-    def _tick(self) -> None:
-        """Fire passed deadlines; once a second, close expired pooled connections and drop
-        request times older than the horizon. With no client (no deadline) it ticks once a
-        second, as a wake-up costs 0.1-0.3 ms of CPU on these VMs, until one comes."""
-        now = time.monotonic()
-        try:
-            for client in list(self._clients):
-                deadline = client.deadline
-                if deadline and deadline <= now:
-                    client.on_timeout()
-            if self._held:
-                self._expire_held(now)
-            if now >= self._next_expire:
-                self._next_expire = now + 1.0
-                self._pool.expire(now)
-                stamps = self._timestamps
-                horizon = now - self.TIMESTAMP_HORIZON
-                while stamps and stamps[0] < horizon:  # each timestamp leaves once
-                    stamps.popleft()
-        except Exception:
-            logger.exception("balancer %s: error in the deadline ticker", self._name)
-        finally:
-            if not self._stopped:
-                self._tick_idle = not self._clients
-                delay = self.IDLE_TICK if self._tick_idle else self._tick_interval
-                self._tick_handle = asyncio.get_running_loop().call_later(delay, self._tick)
-
-    def _tick_soon(self) -> None:
-        """A client connected while the ticker idled: back to the short tick."""
-        if self._tick_handle is not None and not self._stopped:
-            self._tick_handle.cancel()
-            self._tick_idle = False
-            loop = asyncio.get_running_loop()
-            self._tick_handle = loop.call_later(self._tick_interval, self._tick)
 
     def _upstream_ssl(self) -> ssl.SSLContext:
         if self._client_ssl is None:

@@ -92,6 +92,11 @@ def head_limit(max_header_bytes: int) -> int:
     return max(64 * 1024, 2 * max_header_bytes)
 
 
-def tick_interval(header_timeout: float, first_byte: float, idle: float) -> float:
-    """How often deadlines are checked: a fraction of the shortest timeout."""
-    return max(0.01, min(0.1, header_timeout / 4, first_byte / 4, idle / 4))
+def ticks(header_timeout: float, first_byte: float, idle: float) -> tuple[float, float]:
+    """How late a deadline may fire (a fraction of the shortest timeout), and the longest the
+    ticker may sleep while clients are connected: a second, or the shortest timeout, so a
+    deadline set after a tick (now plus a timeout; a closing client's linger is 2 s) is never
+    earlier than the next tick. Between those, the ticker sleeps until the nearest deadline
+    (:meth:`corral.balancer.proxy.LoadBalancer._tick`)."""
+    timeouts = min(header_timeout, first_byte, idle)
+    return max(0.01, min(0.1, timeouts / 4)), min(1.0, timeouts)
