@@ -35,7 +35,9 @@ What runs (everything on 127.0.0.1, every run bounded in time and requests):
   default and tuned, ``consistent_hash`` on ``X-Session-ID``). The two Rust routers are pip
   wheels installed into this script's Python environment (the project's .venv) when missing:
   benchmark-only, small, and deliberately not dependencies in pyproject.toml. Nothing is
-  downloaded but from PyPI (and Debian's mirror for nginx).
+  downloaded but from PyPI (and Debian's mirror for nginx). ``--compare NAME=SRC`` runs each
+  corral row picked again from another tree's ``src`` (PYTHONPATH; its compiled module built
+  there), as ``ROW [NAME]``: a change against the code before it, in one run.
 * Workloads, each client request on a NEW connection (as many clients do), streaming:
   ``chat``: conversations over 5 shared ~600-token system prompts (``--system-prompts``),
   Poisson conversation starts, several turns each (turn N+1 = turn N's messages + the answer +
@@ -97,7 +99,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +311,8 @@ class RouterSpec:
     workers: int = 1
     # Not in the default run (its ~15 min budget): named with --routers, or --routers all.
     optional: bool = False
+    # A corral row run from another tree's ``src`` (--compare), as PYTHONPATH.
+    src: str | None = None
 
 
 def default_specs() -> list[RouterSpec]:
@@ -433,11 +437,12 @@ def start_router(
         base += ["--load-file", str(tmp / f"{slug}.load")]
         base += ["--engine-share", str(tmp / f"{slug}.engines")]
         reuse = ["--reuse-port"] if spec.workers > 1 else []
-        first = popen([*base, *reuse], stdout=subprocess.PIPE, stderr=out, text=True)
+        env = None if spec.src is None else {**os.environ, "PYTHONPATH": spec.src}
+        first = popen([*base, *reuse], stdout=subprocess.PIPE, stderr=out, text=True, env=env)
         port = int(read_line(first, "PORT ", 30))
         for slot in range(1, spec.workers):
             argv = [*base, *reuse, "--port", str(port), "--slot", str(slot)]
-            more = popen(argv, stdout=subprocess.PIPE, stderr=out, text=True)
+            more = popen(argv, stdout=subprocess.PIPE, stderr=out, text=True, env=env)
             read_line(more, "PORT ", 30)
     elif spec.kind in ("sglang", "vllm"):
         port = free_port()
@@ -933,6 +938,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="every engine serves the model name clients ask for (no affinity column): to"
         " check that naming the engines apart changes no router's choices",
     )
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="run each corral row picked also from another tree's src (its compiled module"
+        " built there), as a row named 'ROW [NAME]': a change measured in one run",
+    )
     p.add_argument("--seed", default="llm-routing")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p
@@ -958,6 +971,11 @@ def main() -> int:
     elif args.routers != "all":
         wanted = [w.strip() for w in args.routers.split(",") if w.strip()]
         specs = [s for s in specs if any(w in s.name for w in wanted)]
+    for item in args.compare:
+        label, _, src = item.partition("=")
+        specs += [
+            replace(s, name=f"{s.name} [{label}]", src=src) for s in specs if s.kind == "corral"
+        ]
     usable = []
     for spec in specs:
         if spec.kind == "sglang" and not have["sglang-router"]:
