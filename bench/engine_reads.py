@@ -14,11 +14,13 @@ What runs (127.0.0.1 only, bounded in time): 4 ``corral.llmsim`` engines; for ea
 as a balancer worker does) with ``--engine-share`` (``split``) or without (``each``). After a
 warm-up, the engines' and the routers' CPU (every thread's, from ``/proc/PID/task/*/schedstat``)
 over ``--duration`` seconds. ``--compare NAME=SRC`` adds rows of another tree's routers (its
-``corral`` through PYTHONPATH; the engines stay this tree's), reading split.
+``corral`` through PYTHONPATH; the engines stay this tree's), reading split. ``--clients N``
+keeps N client connections open on the routers' port, idle (as an LLM client between turns,
+or one waiting for its first token): what a router spends on its clients' deadlines.
 Rounds interleave the rows, in an order that rotates.
 
 Run: ``.venv/bin/python bench/engine_reads.py [--workers 1,2,4] [--duration 20] [--rounds 2]
-[--compare before=/tmp/before/src]``.
+[--clients 0] [--compare before=/tmp/before/src]``.
 Prints a table (median over rounds, CPU ms per second) and writes
 ``bench/results/engine_reads.json``.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -108,6 +111,7 @@ def one_run(
     duration: float,
     tmp: Path,
     src: str | None = None,
+    clients: int = 0,
 ) -> dict[str, float]:
     base = [sys.executable, str(HERE / "_llm_lb.py"), "--policy", "prefix_affinity"]
     base += [a for url in urls for a in ("--replica", url)]
@@ -116,18 +120,22 @@ def one_run(
         base += ["--engine-share", str(tmp / f"engines-{workers}-{time.monotonic_ns()}")]
     routers: list[subprocess.Popen[str]] = []
     env = None if src is None else {**os.environ, "PYTHONPATH": src}
+    held: list[socket.socket] = []
     try:
         first, port = start(base, env)
         routers.append(first)
         for slot in range(1, workers):
             more, _ = start([*base, "--port", str(port), "--slot", str(slot)], env)
             routers.append(more)
+        held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(clients)]
         time.sleep(WARMUP)
         watched = [psutil.Process(p.pid) for p in routers]
         e0, r0, t0 = cpu(engines), cpu(watched), time.monotonic()
         time.sleep(duration)
         e1, r1, t1 = cpu(engines), cpu(watched), time.monotonic()
     finally:
+        for sock in held:
+            sock.close()
         stop(routers)
     span = t1 - t0
     return {"engines_ms_per_s": (e1 - e0) / span * 1e3, "routers_ms_per_s": (r1 - r0) / span * 1e3}
@@ -145,6 +153,9 @@ def main() -> None:
         metavar="NAME=SRC",
         help="also run the routers of the tree at SRC (its corral through PYTHONPATH), split",
     )
+    parser.add_argument(
+        "--clients", type=int, default=0, help="idle client connections held open meanwhile"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
@@ -160,7 +171,9 @@ def main() -> None:
                 order = rows[r % len(rows) :] + rows[: r % len(rows)]
                 for w, mode in order:
                     reading, src = ("split", trees[mode]) if mode in trees else (mode, None)
-                    got = one_run(urls, engines, w, reading, args.duration, Path(tmp), src)
+                    got = one_run(
+                        urls, engines, w, reading, args.duration, Path(tmp), src, args.clients
+                    )
                     runs[f"{w} {mode}"].append(got)
                     print(
                         f"[{time.strftime('%H:%M:%S')}] round {r + 1} {w} workers, {mode}: "
@@ -172,8 +185,8 @@ def main() -> None:
         stop([p for p, _ in spawned])
     table: list[dict[str, Any]] = []
     print(
-        f"\n{ENGINES} idle engines, CPU ms per second (median of {args.rounds} round(s) of "
-        f"{args.duration:g} s)"
+        f"\n{ENGINES} idle engines, {args.clients} idle client(s), CPU ms per second (median of "
+        f"{args.rounds} round(s) of {args.duration:g} s)"
     )
     print("| workers | reading | engines' CPU | routers' CPU | engines vs each | routers vs each |")
     print("|---|---|---|---|---|---|")
@@ -199,7 +212,14 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
-            {"engines": ENGINES, "duration": args.duration, "rounds": args.rounds, "rows": table},
+            {
+                "command": " ".join(["python", *sys.argv]),
+                "engines": ENGINES,
+                "duration": args.duration,
+                "rounds": args.rounds,
+                "clients": args.clients,
+                "rows": table,
+            },
             indent=2,
         )
     )
