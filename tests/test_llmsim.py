@@ -435,6 +435,34 @@ def test_bad_input_is_a_400_with_a_json_error() -> None:
     run(scenario())
 
 
+def test_a_deeply_nested_body_or_a_lone_surrogate_is_never_a_500() -> None:
+    """Two bodies a client can send that json.loads does not refuse with a ValueError: one
+    nested past the parser's recursion limit (RecursionError: was aiohttp's bare 500) is a 400
+    with the JSON error; a prompt holding a lone surrogate, which JSON allows as an escape and
+    the balancer hashes as its bytes, is served (``str.encode`` refused it: a 500)."""
+
+    async def scenario() -> None:
+        async with SimServer(FAST) as sim, aiohttp.ClientSession() as session:
+            deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+            for path, raw in [("/v1/chat/completions", deep), ("/v1/completions", b"[" * 50_000)]:
+                async with session.post(sim.url + path, data=raw) as response:
+                    assert response.status == 400, (path, response.status, await response.text())
+                    assert isinstance((await response.json())["error"]["message"], str)
+            lone = [
+                ("/v1/completions", b'{"prompt": "a \\ud800 b", "max_tokens": 2}'),
+                ("/v1/completions", b'{"prompt": ["\\udfff"], "max_tokens": 2, "stream": true}'),
+                ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+                ("/generate", b'{"text": "\\ud83d", "sampling_params": {"max_new_tokens": 2}}'),
+            ]
+            for path, raw in lone:
+                async with session.post(sim.url + path, data=raw) as response:
+                    assert response.status == 200, (path, response.status, await response.text())
+            status, _ = await post(session, sim.url + "/v1/completions", {"prompt": "fine"})
+            assert status == 200
+
+    run(scenario())
+
+
 def test_metrics_use_vllm_names_and_the_model_label() -> None:
     async def scenario() -> None:
         async with SimServer(FAST, model="sim-x") as sim, aiohttp.ClientSession() as session:

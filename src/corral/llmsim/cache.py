@@ -27,8 +27,9 @@ class Rejected(ValueError):
 
 
 def encode_text(text: str) -> bytes:
-    """A text as its tokens' bytes; padded so that a token never spans two blocks."""
-    data = text.encode()
+    """A text as its tokens' bytes; padded so that a token never spans two blocks. A lone
+    surrogate (valid JSON, ``"\\ud800"``) is kept as its bytes, as the balancer hashes it."""
+    data = text.encode("utf-8", "surrogatepass")
     return data + b"\0" * (-len(data) % TOKEN_BYTES)
 
 

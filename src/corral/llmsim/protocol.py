@@ -30,6 +30,8 @@ def json_body(raw: bytes) -> Json:
         body = json.loads(raw)
     except ValueError:  # also a body that is not UTF-8
         raise Rejected("the body is not valid JSON") from None
+    except RecursionError:  # nested deeper than the parser's recursion limit
+        raise Rejected("the body is nested too deeply") from None
     if not isinstance(body, dict):
         raise Rejected("the body must be a JSON object")
     return body
