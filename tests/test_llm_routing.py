@@ -690,6 +690,65 @@ def test_a_request_on_the_fast_path_is_on_the_board_while_in_flight(tmp_path: Pa
     run(go())
 
 
+def test_the_limit_counts_every_workers_requests_where_they_share_them(tmp_path: Path) -> None:
+    """Two workers share ``max_in_flight_per_replica: 4`` (2 each by their own counts), but
+    connections reach the workers unevenly: with the board they share, the limit is every
+    worker's requests to the replica. A worker with 2 in flight while the other has none sends
+    a third (it was held, and turned away with a 503 at the hold's bound, the fleet half
+    empty), and one with 1 in flight while the other has 3 holds the next (4 in all)."""
+    from corral.balancer.load_board import LoadBoard, board_path
+
+    path = board_path(tmp_path, "llm")
+
+    async def go() -> None:
+        async with fleet(1) as replicas:
+            replica = replicas[0]
+            routing = {
+                "load_file": str(path),
+                "slot": 0,
+                "workers": 2,
+                "max_in_flight_per_replica": 4,
+                "hold_timeout": 20,
+            }
+            async with (
+                balancer({1: replica.url}, policy="prefix_affinity", routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                other = LoadBoard.open(path, 1, 2)
+                assert other is not None
+                other.arrange((1,), {})
+                url = f"http://{HOST}:{lb.port}/hold"
+
+                def send(i: int) -> asyncio.Task[aiohttp.ClientResponse]:
+                    return asyncio.create_task(http.post(url, json={"prompt": f"p{i}"}))
+
+                async def held_while(arrived: int) -> None:
+                    await wait_until(lambda: lb.held() == 1, 10, "a request held")
+                    await asyncio.sleep(0.3)
+                    assert replica.arrived == arrived and lb.held() == 1
+
+                other.publish(1, 3)  # the other worker has 3 in flight
+                sent = [send(0)]
+                await wait_until(lambda: replica.arrived == 1, 10, "the first sent")
+                sent.append(send(1))  # 1 here + 3 there: the whole limit, under this share
+                await held_while(1)
+                other.publish(1, 0)  # the other worker's requests ended
+                await wait_until(lambda: replica.arrived == 2, 10, "the second sent")
+                sent.append(send(2))  # past this worker's share, the fleet under the limit
+                await wait_until(lambda: replica.arrived == 3, 10, "the third sent")
+                assert lb.held() == 0
+                other.publish(1, 1)  # 3 here + 1 there
+                sent.append(send(3))
+                await held_while(3)
+                other.publish(1, 0)
+                await wait_until(lambda: replica.arrived == 4, 10, "the fourth sent")
+                replica.gate.set()
+                assert [(await t).status for t in sent] == [200] * 4
+                other.close()
+
+    run(go())
+
+
 async def _first_event(http: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
     """A stream opened through the balancer, once its first event has reached the client."""
     stream = await http.get(url + "/stream")

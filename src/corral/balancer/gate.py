@@ -67,6 +67,7 @@ class Gate:
     _policy: Policy
     _streaming: dict[int, int]
     _stream_board: LoadBoard | None
+    _board: LoadBoard | None
     _ready_event: asyncio.Event
     _stopping: bool
 
@@ -79,6 +80,11 @@ class Gate:
     ) -> None:
         # This worker's share of the limit: each balancer worker counts only its own requests.
         self._limit = math.ceil(max_in_flight / max(1, workers)) if max_in_flight else 0
+        # ... but where the workers share their counts (the load board), the whole limit
+        # against every worker's requests: connections reach the workers unevenly, and a
+        # share alone held (and turned away at the hold's bound) requests the fleet had room
+        # for, while letting a replica past the limit once in a while (3 workers, N = 8).
+        self._fleet_limit = max_in_flight or 0
         self._hold_timeout = hold_timeout
         # Whether a request must be looked at before a replica is picked: a policy reads it,
         # or a limit may hold it. Plain HTTP under a load policy tests this one flag.
@@ -144,7 +150,7 @@ class Gate:
                 loads = {rid: loads.get(rid, 0) + self._homes[rid] for rid in candidates}
             rid = policy.select(self._healthy(candidates), loads, request)
             record = policy.pending
-            if self._in_flight.get(rid, 0) < self._limit:
+            if not self._at_limit(rid):
                 policy.commit(rid, record)
                 return rid
             if policy.preferred:
@@ -175,8 +181,21 @@ class Gate:
         limit = self._limit
         if not limit:
             return candidates
+        board = self._board
+        if board is not None:
+            totals = board.totals(candidates, self._in_flight)
+            fleet = self._fleet_limit
+            return [rid for rid in candidates if totals[rid] < fleet]
         get = self._in_flight.get
         return [rid for rid in candidates if get(rid, 0) < limit]
+
+    def _at_limit(self, rid: int) -> bool:
+        """``rid`` takes no request from this worker now: every worker's requests to it
+        reach the limit (where they share their counts), else this worker's reach its share."""
+        board = self._board
+        if board is None:
+            return self._in_flight.get(rid, 0) >= self._limit
+        return board.totals((rid,), self._in_flight)[rid] >= self._fleet_limit
 
     def _full(self, tried: Sequence[int]) -> bool:
         """The request must wait: its home is full (``_pick`` said so), or every untried
@@ -233,7 +252,7 @@ class Gate:
             _, until, home, ex = entry
             if not ex.done:
                 if home is not None and now < until and home in ids:
-                    if self._in_flight.get(home, 0) >= self._limit:
+                    if self._at_limit(home):
                         keep.append(entry)
                         continue
                     ex.picked = home
@@ -276,15 +295,20 @@ class Gate:
             if ex.done:
                 continue
             self._held_expired += 1
+            if self._board is not None:
+                full = f"{self._fleet_limit} request(s) in flight"
+            else:
+                full = f"{self._limit} request(s) in flight from this balancer worker"
             ex.respond_error(
                 503,
-                f"every replica had {self._limit} request(s) in flight from this balancer "
-                f"worker for {self._hold_timeout:g}s",
+                f"every replica had {full} for {self._hold_timeout:g}s",
                 "held_too_long",
                 extra=b"Retry-After: %d\r\n" % HELD_RETRY_AFTER,
             )
-        if self._homes:
-            self._room_freed()  # a patience may have ended: it may go anywhere now
+        if self._homes or (held and self._board is not None):
+            # a patience may have ended: it may go anywhere now; or another worker's request
+            # ended, which frees room this worker is not told of
+            self._room_freed()
 
     def _answer_held(self) -> None:
         """The balancer stops: each held request (it reached no replica) gets 503 with
