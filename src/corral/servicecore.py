@@ -333,7 +333,10 @@ class ServiceCore:
             self.mark_failed(r, FailureKind.PREEMPTED, "replica's host went away")
             return
         code = infra.exit_code(handle)
-        said = f"code {code}" if code is not None else "exit code unknown: no daemon was watching"
+        # Only the process's parent learns its exit code: the daemon that launched it, not one
+        # that adopted it after a restart.
+        unknown = "exit code unknown: an earlier daemon started it"
+        said = f"code {code}" if code is not None else unknown
         if code in HOPELESS_EXIT_CODES:  # the shell's own line says it: `pyhton3: not found`
             said += f": {last_line(self.replica_log(r.seq))}"
         self.mark_failed(
