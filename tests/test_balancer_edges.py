@@ -86,6 +86,82 @@ def test_an_upload_in_a_transfer_coding_other_than_chunked_is_a_501(coding: byte
     assert got == []
 
 
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /a HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        b"GET /a HTTP/1.1\r\nHost: a\r\nX-Id: 1\r\nhost: b\r\n\r\n",
+        b"GET /a HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
+        b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nHost: b\r\n\r\nhi",
+    ],
+    ids=["plain", "other-header", "http10-same", "with-body"],
+)
+def test_a_request_with_two_host_lines_is_a_400(request_bytes: bytes) -> None:
+    """RFC 9112 section 3.2: a server MUST answer 400 to a request with more than one Host
+    line. Passed on, the replica would hear of one Host (X-Forwarded-Host: the first) while
+    a proxy in front of the balancer may have acted on the other. Refused before anything
+    reaches a replica, on a fresh connection and after a remembered request alike."""
+    got: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            got.append(head)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def body(lb: LoadBalancer) -> None:
+        for first in (b"", b"GET /a HTTP/1.1\r\nHost: a\r\n\r\n"):
+            reader, writer = await asyncio.open_connection(HOST, lb.port)
+            if first:  # the fast path remembers this one (its lead, its Host line)
+                writer.write(first)
+                assert (await asyncio.wait_for(answer_of(reader), 10))[1] == b"ok"
+            writer.write(request_bytes)
+            status, text = await asyncio.wait_for(answer_of(reader), 10)
+            assert b" 400 " in status and b"Host" in text, (status, text)
+            writer.close()
+
+    run(script, body)
+    assert all(head.startswith(b"GET /a HTTP/1.1\r\n") for head in got), got
+    assert len(got) == 1  # only the remembered request of the second connection
+
+
+@pytest.mark.parametrize(
+    ("target", "forwarded_host"),
+    [
+        (b"http://other.example:8080/abs?x=1", b"other.example:8080"),
+        (b"http://evil/", b"evil"),
+        (b"http://user@h.example/p", b"h.example"),
+        (b"http://[::1]:81/v6", b"[::1]:81"),
+        (b"/origin", b"a"),  # origin-form: the Host line, as before
+    ],
+)
+def test_an_absolute_form_target_names_the_forwarded_host(
+    target: bytes, forwarded_host: bytes
+) -> None:
+    """RFC 9112 section 3.2.2: with an absolute-form target the Host header is ignored and
+    the target's authority used instead. The replica gets the path alone, so what the client
+    named is what X-Forwarded-Host must say, not the Host line it was told to ignore."""
+    got: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async def body(lb: LoadBalancer) -> None:
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        writer.write(b"GET %b HTTP/1.1\r\nHost: a\r\n\r\n" % target)
+        status, text = await asyncio.wait_for(answer_of(reader), 10)
+        assert b" 200 " in status and text == b"ok"
+        writer.close()
+
+    run(script, body)
+    [head] = got
+    assert head.startswith(b"GET /")
+    lines = [line for line in head.split(b"\r\n") if line.startswith(b"X-Forwarded-Host:")]
+    assert lines == [b"X-Forwarded-Host: " + forwarded_host], head
+
+
 def test_a_websocket_client_that_sends_before_the_101_is_not_stalled() -> None:
     """Frames a client sends before the replica's 101 wait in the balancer (reading pauses
     past a bound) and go once the tunnel opens; then reading resumes: every byte arrives."""

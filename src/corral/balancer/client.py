@@ -8,11 +8,10 @@ see :mod:`corral.balancer.http1`), enforces the header limits, and hands each re
 arrive while one is being answered, or while the client has not read the last answer, wait
 (reading pauses past ``PIPELINE_LIMIT``), so answers go out in order and none is kept for it.
 
-Deadlines are a float on the connection (``deadline``) that the balancer's ticker compares with
-the clock a few times a second: arming one per request costs an attribute store, not a timer
-handle. The deadline means, in turn: the head of the next request (``header_timeout``: a
-slowloris client or an idle keep-alive connection is closed), the request body, the replica's
-first byte and its silence mid-response (set by the exchange), and a lingering close.
+Deadlines are a float on the connection (``deadline``) that :mod:`corral.balancer.ticker`
+checks: arming one costs an attribute store, not a timer. It is, in turn: the next request's
+head (``header_timeout``: a slowloris or idle keep-alive client is closed), the body, the
+replica's first byte and its silence mid-response (set by the exchange), a lingering close.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from corral.balancer.http1 import (
     error_response,
     origin_form,
     parse_request_line,
+    request_host,
 )
 
 if TYPE_CHECKING:
@@ -48,8 +48,7 @@ if TYPE_CHECKING:
     from corral.balancer.upstream import UpstreamConnection
 
     class Listener(Balancer, Protocol):
-        """The balancer as its client connections see it: a :class:`Balancer` that keeps
-        the set of them open (which roles.py, below this module, cannot name)."""
+        """The balancer as its clients see it: it keeps the set of them (roles.py can't)."""
 
         _clients: set[ClientConnection]
         _tick_idle: bool
@@ -65,8 +64,7 @@ logger = logging.getLogger("corral.balancer")
 MAX_HEADERS: Final = 128
 # Bytes of pipelined requests held while one is answered before reading pauses.
 PIPELINE_LIMIT: Final = 256 * 1024
-# After an early answer (413, 400 ...) the rest of what the client sends is read and dropped for
-# at most this long before closing, so the client reads the answer instead of a reset.
+# After an early answer (413, 400 ...) what the client still sends is dropped this long.
 LINGER_SECONDS: Final = 2.0
 
 _PAUSE_UPSTREAM: Final = 1
@@ -76,8 +74,7 @@ _PAUSE_PIPELINE: Final = 2
 class ClientConnection(asyncio.Protocol):
     """One client connection; see the module docstring."""
 
-    # Slots: what the compiled fast path (corral.balancer.speedups) reads and writes at fixed
-    # offsets, as fast as the interpreter's own slot access; everything else is in __dict__.
+    # Slots: what the compiled fast path (corral.balancer.speedups) uses at fixed offsets.
     __slots__ = (
         "__dict__",
         "__weakref__",
@@ -117,8 +114,7 @@ class ClientConnection(asyncio.Protocol):
         self.lead: fast.Lead | None = None  # and for its request line and Host line
         self.deadline = 0.0
         self.deadline_kind = DL_HEAD
-        # Back to waiting after an answer: an idle keep-alive connection, which a stopping
-        # balancer may close; a new one has a request on the way and is left to send it.
+        # Back to waiting after an answer: a stopping balancer may close it (not a new one).
         self.kept_alive = False
         self._buf = b""
         self._fed = 0  # bytes of _buf already given to the parser
@@ -318,8 +314,12 @@ class ClientConnection(asyncio.Protocol):
             )
         else:
             xff_line = self.xff_line
-        host = found.get(b"host")
-        fwd = forwarded(kept, xff_line, lb._proto_line, forwarded_host(host[0] if host else None))
+        try:
+            fhost = forwarded_host(request_host(target, found.get(b"host")))
+        except BadRequest as exc:
+            self._reject(400, str(exc))
+            return
+        fwd = forwarded(kept, xff_line, lb._proto_line, fhost)
         ex = Exchange(lb, self, method, origin_form(target), http11, keep_alive, fwd, ws)
         expect = found.get(b"expect")
         ex.expect = expect is not None and expect[0].lower() == b"100-continue"

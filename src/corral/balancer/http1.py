@@ -78,6 +78,33 @@ def origin_form(target: bytes) -> bytes:
     return path + b"?" + url.query if url.query else path
 
 
+def request_host(target: bytes, hosts: list[bytes] | None) -> bytes | None:
+    """The host a request names, for X-Forwarded-Host: an absolute-form target's (RFC 9112
+    section 3.2.2: the Host line is then ignored), else its Host line's. BadRequest for more
+    than one Host line (section 3.2: the replica would hear of one while a proxy in front of
+    the balancer may have routed, cached or authorized by the other)."""
+    if hosts is not None and len(hosts) > 1:
+        raise BadRequest("more than one Host header")
+    return target_authority(target) or (hosts[0] if hosts else None)
+
+
+def target_authority(target: bytes) -> bytes | None:
+    """The host (and port) an absolute-form target names, as a Host value; None for any
+    other form or an unparsable one."""
+    if target[:1] == b"/" or target == b"*":
+        return None
+    try:
+        url = httptools.parse_url(target)
+    except httptools.HttpParserInvalidURLError:
+        return None
+    host = url.host
+    if not host:
+        return None
+    if b":" in host:
+        host = b"[%b]" % host  # an IPv6 literal, bracketed again as in a Host value
+    return host if url.port is None else b"%b:%d" % (host, url.port)
+
+
 def content_length(value: bytes) -> int:
     """A Content-Length value llhttp accepted, as a number. ``int()`` alone is not enough: the
     grammar is 1*DIGIT, so llhttp reads a zero-padded ``000...02`` as 2 however long it is,
