@@ -1466,3 +1466,90 @@ def test_ttft_quantiles_are_interpolated_not_the_buckets_upper_bound() -> None:
     one[LATENCY_BUCKETS.index(0.1)] = 1  # a single stream of (50, 100] ms
     figures = replica_llm({"ttft": {"buckets": one, "sum": 0.06, "count": 1}}, None)
     assert 0.05 < figures["ttft_p50_seconds"] <= 0.1
+
+
+def test_held_requests_go_out_when_an_update_changes_the_balancer(tmp_path: Path) -> None:
+    """An update of a balancer setting (here the limit itself, 1 -> 8) gives the service a new
+    balancer in each worker and retires the old one: what the old one held (every replica at
+    its limit) goes to a replica, not a 503 for a request no replica had seen."""
+    from test_balancer import closed_port
+
+    from corral.dataplane.worker import Worker
+
+    async def go() -> None:
+        async with fleet(1) as (one,):
+            worker = Worker(tmp_path, 0)
+            port = closed_port()
+
+            def route(limit: int) -> dict[str, Any]:
+                routing = {"max_in_flight_per_replica": limit, "hold_timeout": 20}
+                ready = {"1": {"url": one.url, "version": 1}}
+                return {"port": port, "host": HOST, "config": {"routing": routing}, "ready": ready}
+
+            await worker._apply({"llm": route(1)})
+            lb = worker.services["llm"].lb
+            url = f"http://{HOST}:{port}"
+            try:
+                async with aiohttp.ClientSession() as http:
+                    busy = asyncio.create_task(http.get(url + "/hold"))
+                    await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
+                    late = asyncio.create_task(http.get(url + "/late"))
+                    await wait_until(lambda: lb.held() == 1, 10, "the second request held")
+                    await worker._apply({"llm": route(8)})  # the update: a new balancer
+                    assert worker.services["llm"].lb is not lb
+                    answer = await asyncio.wait_for(late, 10)
+                    assert answer.status == 200, await answer.text()
+                    assert (await answer.json())["replica"] == 1
+                    one.gate.set()
+                    assert (await busy).status == 200
+            finally:
+                one.gate.set()
+                await worker._apply({})
+                while worker.retiring:
+                    await asyncio.sleep(0.05)
+
+    run(go())
+
+
+def test_a_request_waiting_for_a_first_replica_is_served_across_an_update(
+    tmp_path: Path,
+) -> None:
+    """At zero replicas (min_replicas: 0) a request waits for the first one; an update of a
+    balancer setting meanwhile (here the policy) retires the balancer it waits in. It is
+    served when the replica comes, not cut when the retired balancer gives up."""
+    from test_balancer import closed_port
+
+    from corral.dataplane.worker import Worker
+
+    async def go() -> None:
+        async with fleet(1) as (one,):
+            worker = Worker(tmp_path, 0)
+            port = closed_port()
+
+            def route(policy: str, ready: dict[str, Any]) -> dict[str, Any]:
+                config = {"policy": policy, "no_replica_wait": 20.0, "drain_timeout": 0.5}
+                return {"port": port, "host": HOST, "config": config, "ready": ready}
+
+            await worker._apply({"llm": route("least_load", {})})
+            lb = worker.services["llm"].lb
+            try:
+                async with aiohttp.ClientSession() as http:
+                    chat = {"messages": [{"role": "user", "content": "hi"}]}  # POST: no retry
+                    url = f"http://{HOST}:{port}/cold"
+                    waiting = asyncio.create_task(http.post(url, json=chat))
+                    await wait_until(lambda: lb.stats()["requests"] >= 1, 10, "the request in")
+                    await worker._apply({"llm": route("round_robin", {})})  # the update
+                    assert worker.services["llm"].lb is not lb
+                    # Past the retired balancer's drain and stop grace: a cold start is long.
+                    await asyncio.sleep(LoadBalancer.STOP_GRACE_SECONDS + 0.5)
+                    first = {"1": {"url": one.url, "version": 2}}
+                    await worker._apply({"llm": route("round_robin", first)})  # READY
+                    answer = await asyncio.wait_for(waiting, 10)
+                    assert answer.status == 200
+                    assert (await answer.json())["replica"] == 1
+            finally:
+                await worker._apply({})
+                while worker.retiring:
+                    await asyncio.sleep(0.05)
+
+    run(go())

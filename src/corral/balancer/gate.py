@@ -102,6 +102,7 @@ class Gate:
         self._anywhere = False  # _pick for a request past its patience: any replica with room
         self._held_total = 0
         self._held_expired = 0
+        self._handed_over = False  # stopped for a successor: held requests go out (stop)
         self._wake_scheduled = False
         self._weighs = self._policy.weighs_streams
 
@@ -210,7 +211,10 @@ class Gate:
         ex.placing, self._want_record = self._want_record, None
         if self._stopping:  # no room will come here: at once, as stop() answered the others
             self._held_total += 1
-            self._refuse_at_stop(ex)
+            if self._handed_over:  # a successor serves the service: no limit here any more
+                ex.next_attempt()
+            else:
+                self._refuse_at_stop(ex)
             return
         if home is not None:
             self._homes[home] += 1
@@ -318,6 +322,21 @@ class Gate:
             _, _, home, ex = held.popleft()
             self._unwait(home)
             self._refuse_at_stop(ex)
+
+    def _release_held(self) -> None:
+        """The balancer stops because a route change gave the service a successor (an update
+        of a balancer setting: the limit, the policy, a timeout): what is held goes out now,
+        past the limit, rather than a 503 for a request no replica has seen. The successor
+        counts only its own requests, so the limit is over by at most what was held, once."""
+        self._handed_over = True
+        self._limit = 0
+        self._affine = False
+        waiting = list(self._held)
+        self._held.clear()
+        for _, _, home, ex in waiting:
+            self._unwait(home)
+            if not ex.done:
+                ex.next_attempt()
 
     def _refuse_at_stop(self, ex: Pending) -> None:
         if not ex.done:

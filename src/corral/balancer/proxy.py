@@ -227,7 +227,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         logger.info("balancer %s listening on %s (policy %s)", self._name, self.url, self._policy)
         return self._port
 
-    async def stop(self, idle_grace: float = 0.0) -> None:
+    async def stop(self, idle_grace: float = 0.0, hand_over: bool = False) -> None:
         """Stop accepting, answer what is already on the way, then close every connection.
 
         The listener closes first, but only after the connections the kernel has already
@@ -238,15 +238,17 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         long an idle keep-alive connection is left open for its next request (served, then
         closed by the client's own hand); closing it at once races a request the client may
         be writing that instant, which then meets a reset. A worker handing its port to a new
-        one passes a grace; a service going away does not. After the grace an idle keep-alive
-        connection gets a lingering close (FIN, then what still arrives is read and dropped);
-        a new connection is left to send its first request. Whatever is still open after
-        STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a stream under way gets what a
-        leaving replica gets), is cut. Safe to call twice or before start."""
+        one passes a grace; a service going away does not. ``hand_over`` (a route change gave
+        the service a new balancer): held requests go out at once, past the limit. After the
+        grace an idle keep-alive connection gets a lingering close (FIN, then what still
+        arrives is read and dropped); a new connection is left to send its first request.
+        Whatever is still open after STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a
+        stream under way gets what a leaving replica gets), is cut. Safe to call twice or
+        before start."""
         if self._stopping:
             return
         self._stopping = True
-        self._answer_held()
+        (self._release_held if hand_over else self._answer_held)()
         server, self._server = self._server, None
         adopting: list[asyncio.Task[Any]] = []
         if server is not None:
@@ -256,7 +258,8 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         if adopting:
             await asyncio.wait(adopting, timeout=self.STOP_GRACE_SECONDS)
         idle_until = start + idle_grace
-        deadline = start + max(self.STOP_GRACE_SECONDS, self._drain)
+        waits = self._no_replica_wait if hand_over else 0.0  # a request held for a first one
+        deadline = start + max(self.STOP_GRACE_SECONDS, self._drain, waits)
         lingering = False
         while self._clients:
             now = time.monotonic()

@@ -276,15 +276,18 @@ class Worker:
             old = svc
             svc = self.services[name] = _Service(key=key, lb=lb, ready=ready)
             if old is not None:
-                self._retire(name, old.lb)
+                self._retire(name, old.lb, hand_over=True)
         if route.ready is not None:
             svc.ready = dict(route.ready)
             svc.lb.set_weights(route.weights)
         svc.lb.set_ready(svc.ready)
+        for retired_name, retired in self.retiring:  # a request it holds for a first replica
+            if retired_name == name:
+                retired.set_ready(svc.ready)
         path = route.config.get("engine_metrics_path")
         svc.engine_path = str(path) if path else None
 
-    def _retire(self, name: str, lb: LoadBalancer) -> None:
+    def _retire(self, name: str, lb: LoadBalancer, hand_over: bool = False) -> None:
         """Stop a listener in the background; its in-flight requests finish (and stay counted
         in the reports, so drains wait for them)."""
         entry = (name, lb)
@@ -292,7 +295,7 @@ class Worker:
 
         async def retire() -> None:
             try:
-                await lb.stop()
+                await lb.stop(hand_over=hand_over)
             finally:
                 self.retiring.remove(entry)
                 self._cursor.pop(id(lb), None)
