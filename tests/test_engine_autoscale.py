@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from conftest import CorralHome, spec_text, write_spec
 
+from corral.autoscale import past
 from corral.autoscale_queue import EngineAutoscaler, engine_load, fits, make_scaler
 from corral.balancer import LoadBalancer
 from corral.dataplane import engines
@@ -234,3 +235,20 @@ def test_a_spec_update_to_another_kind_of_autoscaler_keeps_the_target() -> None:
     assert second.decide(105.0, times).target == 4
     third = make_scaler(policy(base), decision_interval=5.0, qps_window=60.0, previous=second)
     assert third.decide(110.0, times).target == 4
+
+
+def test_a_reason_says_when_the_hold_has_passed_but_no_look_moved_yet() -> None:
+    """The hold is the earliest a move can come; the move comes at a look of SkyServe's 20 s
+    clock. A reason that said "until the hold of 0s is over (12s so far)" read as a hold
+    ignored."""
+    p = policy(
+        "  replica_policy:\n    min_replicas: 1\n    max_replicas: 4\n"
+        "    target_queue_per_replica: 2\n    upscale_delay_seconds: 60\n"
+    )
+    scaler = EngineAutoscaler(p)
+    scaler.observe(depth=6)
+    first = scaler.decide(0.0, [])
+    assert first.target == 1, first.reason
+    assert first.reason.endswith("for 0s of the 40s hold of the 60s upscale delay: holding 1")
+    assert past(39.0, 60) == "" and past(5.0, 20) != ""
+    assert "the hold has passed" in past(40.0, 60)

@@ -92,6 +92,7 @@ __all__ = [
     "RequestRateAutoscaler",
     "hold_seconds",
     "make_autoscaler",
+    "past",
 ]
 
 DEFAULT_DECISION_INTERVAL = 5.0
@@ -154,6 +155,15 @@ def hold_seconds(delay: float) -> float:
     """
     periods = int(delay / SKYSERVE_DECISION_INTERVAL)
     return SKYSERVE_DECISION_INTERVAL * max(0, periods - 1)
+
+
+def past(held: float, delay: float) -> str:
+    """What a reason adds once a change has lasted the hold without a move yet: the hold is
+    the earliest a move can come, and it comes at a look of SkyServe's 20 s clock (a reason
+    that said "until the hold of 0s is over (12s so far)" read as a hold ignored)."""
+    if held < hold_seconds(delay):
+        return ""
+    return "; the hold has passed: the target moves at a look of SkyServe's 20s clock that sees it"
 
 
 def _positive(name: str, value: float) -> float:
@@ -364,7 +374,9 @@ class _PolicyAutoscaler:
         of = f"{_fmt_seconds(hold_seconds(delay))} hold of the {_fmt_seconds(delay)} {kind} delay"
         why = f"{want} ({sign} current {current})"
         if moved is None:
-            return f"{why} for {_fmt_seconds(held)} of the {of}: holding {current}"
+            return (
+                f"{why} for {_fmt_seconds(held)} of the {of}: holding {current}{past(held, delay)}"
+            )
         if moved.before != current or (raw - current) * side <= 0:
             return (
                 f"{why}: scaling {verb} to {moved.after}, as SkyServe does from {moved.before} "

@@ -56,6 +56,7 @@ from corral.autoscale import (
     RequestRateAutoscaler,
     hold_seconds,
     make_autoscaler,
+    past,
 )
 from corral.autoscale_phases import PhaseFamily, threshold
 from corral.spec import ReplicaPolicy, qps_of_accelerator
@@ -195,10 +196,10 @@ class SampledAutoscaler:
             self._since = (direction, now)
         delay = policy.upscale_delay_seconds if direction > 0 else policy.downscale_delay_seconds
         held = now - self._since[1]
-        way = "up" if direction > 0 else "down"
+        kind = "upscale" if direction > 0 else "downscale"
         return (
-            f"{load}: want {raw} replica(s); staying at {self._target} until the scale-{way} "
-            f"hold of {hold_seconds(delay):.0f}s is over ({held:.0f}s so far)"
+            f"{load}: want {raw} replica(s) for {held:.0f}s of the {hold_seconds(delay):.0f}s "
+            f"hold of the {delay:g}s {kind} delay: holding {self._target}{past(held, delay)}"
         )
 
 
