@@ -267,7 +267,8 @@ def test_service_counters_do_not_go_down_when_workers_are_replaced(
 def test_restart_workers_replaces_every_worker_under_load(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:
-    """The upgrade path: each worker replaced by a new process, the new one first."""
+    """The upgrade path: each worker replaced by a new process, the new one first. Every
+    request is counted: an old worker reports what it counted last, its drain included."""
     url = up(corral_home, tmp_path, "upgrade", 2)
     old = corral_home.worker_pids()
     load = PacedLoad(url, rate=100.0, duration=6.0, post_every=3)
@@ -281,6 +282,9 @@ def test_restart_workers_replaces_every_worker_under_load(
     assert len(new) == len(old) and set(new).isdisjoint(old), (old, new, result.stdout)
     wait_for(lambda: not any(pid_alive(pid) for pid in old), 15, "the old workers to exit")
     assert outcome.failed == 0, (outcome.summary(), outcome.errors, outcome.examples)
+    counted = lambda: requests_total(corral_home, "upgrade")  # noqa: E731
+    wait_for(lambda: counted() >= outcome.sent, 10, f"{outcome.sent} requests counted")
+    assert counted() == outcome.sent
 
 
 def test_one_daemon_is_brought_back_however_many_workers_see_the_crash(

@@ -14,8 +14,8 @@ What it does, and why each part is here rather than in the daemon:
 * With no daemon it keeps serving its last table: replicas that refuse connections are passed
   over by the engine (a refusal does not use up an attempt), and it reconnects every
   ``RECONNECT_INTERVAL`` until a daemon answers.
-* Reports every ``REPORT_INTERVAL`` (and at once when a replica that left the ready set has
-  drained) what the control plane needs: request times, in-flight counts, counters, bind errors.
+* Reports every ``REPORT_INTERVAL`` (at once when a replica that left the ready set has drained,
+  and last as it stops) request times, in-flight counts, counters and bind errors.
 * Brings a crashed daemon back: when no daemon holds the home's lock for ``RESPAWN_AFTER``
   seconds (plus a stagger per slot, so two workers rarely race; the daemon's lock settles any
   race) and the last daemon did not stop on purpose (``daemon.stopped``), it starts the command
@@ -25,10 +25,9 @@ What it does, and why each part is here rather than in the daemon:
   state file is gone, it stops listening and exits; with no daemon connected it first ends
   the home's replicas, as no daemon ever will. It never starts a daemon for a home that is
   gone. A worker with no route and no daemon for ``IDLE_EXIT`` seconds exits too.
-* Holds its slot: ``dataplane/slot-N.lock`` (flock) is held for its life, so a second worker
-  for the same slot finds it taken and exits at once. A successor started by
-  ``restart-workers`` (``--successor``) serves beside its predecessor until the daemon has told
-  the old one to exit, and takes the lock when the old one releases it.
+* Holds its slot (``dataplane/slot-N.lock``, flock) for its life: a second worker for it exits
+  at once, but a successor started by ``restart-workers`` (``--successor``) serves beside its
+  predecessor until that one is told to exit, and takes the lock when it is released.
 """
 
 from __future__ import annotations
@@ -143,9 +142,8 @@ class Worker:
         log.info("balancer worker %d (pid %d) started", self.slot, os.getpid())
         await self.stop.wait()
         log.info("balancer worker %d stopping", self.slot)
-        for task in tasks:
+        for task in tasks[1:]:  # the channel stays for the last report
             task.cancel()
-        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.gather(
@@ -156,6 +154,8 @@ class Worker:
             *(lb.stop() for _, lb in self.retiring),
             return_exceptions=True,
         )
+        await self._report()  # what it counted since the last (the drain too): none is lost
+        tasks[0].cancel()
 
     # -- the channel --------------------------------------------------------------------------
 
@@ -205,7 +205,7 @@ class Worker:
             respawn = message.get("respawn")
             self.respawn = respawn if isinstance(respawn, Mapping) else None
             self._history = bool(message.get("history"))
-        elif kind == "table":
+        elif kind == "table" and not self.stop.is_set():  # no new listener while it stops
             services = message.get("services")
             self.fleet = int(message.get("workers") or 1)
             if isinstance(services, Mapping):
