@@ -217,7 +217,12 @@ export class ServiceView {
   down() {
     this.run(`Take ${this.name} down?`, `Every replica of ${this.name} is drained and stopped, its endpoint closes and the service is forgotten. This cannot be undone from here.`,
       "Take down", `/ui/api/services/${this.name}/down`, {},
-      () => `${this.name} is shutting down.`);
+      () => {
+        // Its replicas' usage is not read again: once it is gone the read is a 404, and the
+        // stream that says it is gone can come after a read has gone out.
+        clearInterval(this.usageTimer);
+        return `${this.name} is shutting down.`;
+      });
   }
 
   update(state) {
