@@ -11,9 +11,8 @@ What it does, and why each part is here rather than in the daemon:
   ready set is applied in place (the very next request sees it); one that changes the listener's
   settings (policy, timeouts, TLS) starts a new listener on the same port first, then retires
   the old one, which finishes its in-flight requests: no moment without a listener.
-* With no daemon it keeps serving its last table: replicas that refuse connections are passed
-  over by the engine (a refusal does not use up an attempt), and it reconnects every
-  ``RECONNECT_INTERVAL`` until a daemon answers.
+* With no daemon it keeps serving its last table (a replica that refuses connections is passed
+  over: a refusal uses up no attempt), and reconnects every ``RECONNECT_INTERVAL``.
 * Reports every ``REPORT_INTERVAL`` (at once when a replica that left the ready set has drained,
   and last as it stops) request times, in-flight counts, counters and bind errors.
 * Brings a crashed daemon back: when no daemon holds the home's lock for ``RESPAWN_AFTER``
@@ -142,20 +141,20 @@ class Worker:
         log.info("balancer worker %d (pid %d) started", self.slot, os.getpid())
         await self.stop.wait()
         log.info("balancer worker %d stopping", self.slot)
-        for task in tasks[1:]:  # the channel stays for the last report
+        for task in tasks[2:]:  # the channel and the reports go on through the drain
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.gather(
-            # Keep-alive clients get a moment to send their next request here (answered with
-            # Connection: close) rather than meet a close: after a restart-workers or an
-            # upgrade, a new worker already serves these ports.
+            # Keep-alive clients may send one more request here (Connection: close), not meet
+            # a close: after a restart-workers or an upgrade, a new worker serves these ports.
             *(svc.lb.stop(idle_grace=IDLE_GRACE) for svc in self.services.values()),
             *(lb.stop() for _, lb in self.retiring),
             return_exceptions=True,
         )
         await self._report()  # what it counted since the last (the drain too): none is lost
-        tasks[0].cancel()
+        for task in tasks[:2]:
+            task.cancel()
 
     # -- the channel --------------------------------------------------------------------------
 
@@ -205,11 +204,12 @@ class Worker:
             respawn = message.get("respawn")
             self.respawn = respawn if isinstance(respawn, Mapping) else None
             self._history = bool(message.get("history"))
-        elif kind == "table" and not self.stop.is_set():  # no new listener while it stops
+        elif kind == "table":
             services = message.get("services")
             self.fleet = int(message.get("workers") or 1)
             if isinstance(services, Mapping):
-                await self._apply(services)
+                if not self.stop.is_set():  # stopping, its listeners are closed: none opens
+                    await self._apply(services)
                 self.seq = int(message.get("seq") or 0)
             await self._report()
         elif kind == "exit":
