@@ -97,6 +97,6 @@ def ticks(header_timeout: float, first_byte: float, idle: float) -> tuple[float,
     ticker may sleep while clients are connected: a second, or the shortest timeout, so a
     deadline set after a tick (now plus a timeout; a closing client's linger is 2 s) is never
     earlier than the next tick. Between those, the ticker sleeps until the nearest deadline
-    (:meth:`corral.balancer.proxy.LoadBalancer._tick`)."""
+    (:meth:`corral.balancer.ticker.Ticker._tick`)."""
     timeouts = min(header_timeout, first_byte, idle)
     return max(0.01, min(0.1, timeouts / 4)), min(1.0, timeouts)

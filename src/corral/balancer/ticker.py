@@ -12,7 +12,10 @@ until the nearest deadline, but never less than ``_tick_interval`` (how late a d
 fire: a quarter of the shortest timeout, 0.1 s at most) and never more than ``_tick_cap``
 (a second, or the shortest timeout if less). That cap is what keeps a deadline set after a
 tick from being missed: every deadline is set to now plus one of the timeouts (or a closing
-client's 2 s linger), so it is never earlier than the next tick. Requests held in the
+client's 2 s linger), so it is never earlier than the next tick. The one exception: a stream
+the pump hands back to the loop is given its idle deadline from its last batch, which may
+then fire up to ``_tick_cap`` late (a second, against an idle timeout of tens of seconds).
+Requests held in the
 balancer keep the short tick (their hold expires there), and with no client at all it ticks
 once a second for the pool's housekeeping until one connects (:meth:`Ticker._tick_soon`).
 
