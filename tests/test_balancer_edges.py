@@ -93,14 +93,30 @@ def test_an_upload_in_a_transfer_coding_other_than_chunked_is_a_501(coding: byte
         b"GET /a HTTP/1.1\r\nHost: a\r\nX-Id: 1\r\nhost: b\r\n\r\n",
         b"GET /a HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
         b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nHost: b\r\n\r\nhi",
+        b"GET /a HTTP/1.1\r\n\r\n",
+        b"GET /a HTTP/1.1\r\nX-Id: 1\r\n\r\n",
+        b"GET /a HTTP/1.1\r\nConnection: keep-alive\r\nX-Forwarded-For: 10.0.0.1\r\n\r\n",
+        b"POST /a HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi",
+        b"GET http://a/abs HTTP/1.1\r\n\r\n",
     ],
-    ids=["plain", "other-header", "http10-same", "with-body"],
+    ids=[
+        "plain",
+        "other-header",
+        "http10-same",
+        "with-body",
+        "no-host",
+        "no-host-other-header",
+        "no-host-scanned",
+        "no-host-with-body",
+        "no-host-absolute",
+    ],
 )
-def test_a_request_with_two_host_lines_is_a_400(request_bytes: bytes) -> None:
+def test_a_request_with_two_host_lines_or_none_is_a_400(request_bytes: bytes) -> None:
     """RFC 9112 section 3.2: a server MUST answer 400 to a request with more than one Host
-    line. Passed on, the replica would hear of one Host (X-Forwarded-Host: the first) while
-    a proxy in front of the balancer may have acted on the other. Refused before anything
-    reaches a replica, on a fresh connection and after a remembered request alike."""
+    line, and to an HTTP/1.1 request with none (nginx does both). Passed on, the replica would
+    hear of one Host (X-Forwarded-Host: the first) while a proxy in front of the balancer may
+    have acted on the other, or of none while the client named nothing. Refused before
+    anything reaches a replica, on a fresh connection and after a remembered request alike."""
     got: list[bytes] = []
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -123,6 +139,31 @@ def test_a_request_with_two_host_lines_is_a_400(request_bytes: bytes) -> None:
     run(script, body)
     assert all(head.startswith(b"GET /a HTTP/1.1\r\n") for head in got), got
     assert len(got) == 1  # only the remembered request of the second connection
+
+
+def test_an_http10_request_without_host_is_passed_on() -> None:
+    """HTTP/1.0 has no Host requirement: such a request reaches a replica, with no
+    X-Forwarded-Host, on a fresh connection and after a remembered request."""
+    got: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            got.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def body(lb: LoadBalancer) -> None:
+        for first in (b"", b"GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"):
+            reader, writer = await asyncio.open_connection(HOST, lb.port)
+            if first:
+                writer.write(first)
+                assert (await asyncio.wait_for(answer_of(reader), 10))[1] == b"ok"
+            writer.write(b"GET /b HTTP/1.0\r\n\r\n")
+            assert (await asyncio.wait_for(answer_of(reader), 10))[1] == b"ok"
+            writer.close()
+
+    run(script, body)
+    assert [head.split(b" ", 2)[1] for head in got] == [b"/b", b"/a", b"/b"], got
+    assert not any(b"x-forwarded-host" in head.lower() for head in got), got
 
 
 @pytest.mark.parametrize(

@@ -110,7 +110,8 @@ REQUESTS = [
     b"GET /ka HTTP/1.0\r\nConnection: Keep-Alive\r\nHost: h\r\n\r\n",
     b"GET /close HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
     b"GET /xff HTTP/1.1\r\nX-Forwarded-For: 1.1.1.1, 2.2.2.2\r\nHost: h\r\n\r\n",
-    b"GET /xff2 HTTP/1.1\r\nX-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 3.3.3.3\r\n\r\n",
+    b"GET /xff2 HTTP/1.1\r\nX-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 3.3.3.3\r\nHost: h\r\n"
+    b"\r\n",
     b"GET /proto HTTP/1.1\r\nHost: h\r\nX-Forwarded-Proto: https\r\nX-Forwarded-Host: evil\r\n\r\n",
     b"GET /named HTTP/1.1\r\nHost: h\r\nConnection: keep-alive, X-Secret\r\nX-Secret: 1\r\n\r\n",
     b"GET /te HTTP/1.1\r\nHost: h\r\nTE: trailers\r\nProxy-Authorization: x\r\n\r\n",

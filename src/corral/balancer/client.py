@@ -315,7 +315,7 @@ class ClientConnection(asyncio.Protocol):
         else:
             xff_line = self.xff_line
         try:
-            fhost = forwarded_host(request_host(target, found.get(b"host")))
+            fhost = forwarded_host(request_host(target, found.get(b"host"), http11))
         except BadRequest as exc:
             self._reject(400, str(exc))
             return

@@ -222,6 +222,8 @@ def try_request(cl: FastDownstream, data: bytes) -> bool:
             conn_line = None if token is None else header_line(block, low, _CONNECTION)
             length_name = _LENGTH_NAME if length < 0 else block[(i := low.find(_LENGTH)) : i + 17]
             lead = (data[: eol + 2], method, target, host_line, conn_line, length_name, fhost)
+    if http11 and not fhost:
+        return False  # no Host line: the general path answers 400 (RFC 9112 section 3.2)
     head_end = end + 4
     if length < 0:
         body = None

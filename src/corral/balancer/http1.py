@@ -78,13 +78,16 @@ def origin_form(target: bytes) -> bytes:
     return path + b"?" + url.query if url.query else path
 
 
-def request_host(target: bytes, hosts: list[bytes] | None) -> bytes | None:
+def request_host(target: bytes, hosts: list[bytes] | None, http11: bool) -> bytes | None:
     """The host a request names, for X-Forwarded-Host: an absolute-form target's (RFC 9112
     section 3.2.2: the Host line is then ignored), else its Host line's. BadRequest for more
     than one Host line (section 3.2: the replica would hear of one while a proxy in front of
-    the balancer may have routed, cached or authorized by the other)."""
+    the balancer may have routed, cached or authorized by the other), and for an HTTP/1.1
+    request with none (section 3.2 again; nginx answers it so too)."""
     if hosts is not None and len(hosts) > 1:
         raise BadRequest("more than one Host header")
+    if hosts is None and http11:
+        raise BadRequest("an HTTP/1.1 request without a Host header")
     return target_authority(target) or (hosts[0] if hosts else None)
 
 
