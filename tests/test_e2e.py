@@ -282,11 +282,13 @@ def test_down_during_launch(corral_home: CorralHome, tmp_path: Path) -> None:
 
 
 def test_down_of_a_service_whose_controller_failed(corral_home: CorralHome, tmp_path: Path) -> None:
-    """A controller that cannot start (here: TLS files that do not exist) fails the service,
+    """A controller that cannot start (here: TLS files that are not PEM) fails the service,
     and `corral down` still removes it instead of waiting forever."""
     spec = app_spec(tmp_path, "nocert", 1)
+    (tmp_path / "bad.key").write_text("not a key\n")
+    (tmp_path / "bad.crt").write_text("not a certificate\n")
     text = spec.read_text() + (
-        f"  tls:\n    keyfile: {tmp_path}/missing.key\n    certfile: {tmp_path}/missing.crt\n"
+        f"  tls:\n    keyfile: {tmp_path}/bad.key\n    certfile: {tmp_path}/bad.crt\n"
     )
     spec.write_text(text)
     result = corral_home.run("up", str(spec), check=False)

@@ -181,6 +181,11 @@ def example_workdirs(root: Path) -> None:
         for line in spec.read_text().splitlines():
             if line.startswith("workdir:"):
                 (root / line.split(":", 1)[1].strip()).mkdir(parents=True, exist_ok=True)
+            # TLS files (SkyPilot's https example has them made with openssl beforehand).
+            key, _, value = line.strip().partition(": ")
+            if key in ("key", "cert", "keyfile", "certfile") and value.endswith(".pem"):
+                (root / value).parent.mkdir(parents=True, exist_ok=True)
+                (root / value).write_text("PEM")
 
 
 def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
@@ -254,6 +259,32 @@ def test_file_mounts_on_local_are_copied_in_or_refused(tmp_path: Path) -> None:
     assert "relative destination" in (issues["file_mounts./data"].hint or "")
     assert "only a local path" in issues["file_mounts.bucket"].message
     assert "does not exist" in issues["file_mounts.gone"].message
+
+
+def test_tls_files_that_are_not_there_are_refused_before_the_service_exists(
+    tmp_path: Path,
+) -> None:
+    """A missing TLS key or certificate is an error at validate/up/update, naming the field;
+    it used to pass, and fail the service as CONTROLLER_FAILED with a bare FileNotFoundError."""
+    make(tmp_path, {"tls/key.pem": "k", "tls/cert.pem": "c"})
+    text = "run: x\nservice:\n  replicas: 1\n  tls:\n    keyfile: {}\n    certfile: {}\n"
+    assert path_issues(parse_spec(text.format("tls/key.pem", "tls/cert.pem")), tmp_path) == []
+    spec = parse_spec(text.format("tls/nokey.pem", "tls"))
+    issues = {i.loc: i for i in path_issues(spec, tmp_path)}
+    assert set(issues) == {"service.tls.keyfile", "service.tls.certfile"}
+    assert "tls/nokey.pem does not exist" in issues["service.tls.keyfile"].message
+    assert "is not a file" in issues["service.tls.certfile"].message
+    assert issues["service.tls.keyfile"].line == 2
+    with pytest.raises(SpecError) as refusal:  # what the daemon and `corral up` apply
+        check(spec, source="svc.yaml", base_dir=str(tmp_path), envs={}, secrets={})
+    assert {i.loc for i in refusal.value.issues} == set(issues)
+    (tmp_path / "svc.yaml").write_text(text.format(tmp_path / "gone.pem", tmp_path / "tls"))
+    result = CliRunner().invoke(
+        main, ["--home", str(tmp_path / "home"), "validate", "--json", str(tmp_path / "svc.yaml")]
+    )
+    assert result.exit_code == 1
+    fields = {e["field"] for e in json.loads(result.stdout)["errors"]}
+    assert fields == {"service.tls.keyfile", "service.tls.certfile"}
 
 
 def test_launch_inputs_come_from_the_version_files(tmp_path: Path) -> None:

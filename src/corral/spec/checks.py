@@ -73,10 +73,11 @@ REDACTED = "'<redacted>'"
 
 
 def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[SpecIssue]:
-    """The spec's ``workdir`` when it does not exist, a relative one taken from ``base_dir``
-    (the directory corral was called from, as SkyPilot does). What a backend makes of
-    ``file_mounts`` is its own rule (for local: :mod:`corral.infra.local_rules`)."""
-    issues = []
+    """The spec's ``workdir`` when it does not exist, and its ``service.tls`` files when they
+    cannot be read, relative ones taken from ``base_dir`` (the directory corral was called
+    from, as SkyPilot does). What a backend makes of ``file_mounts`` is its own rule (for
+    local: :mod:`corral.infra.local_rules`)."""
+    issues = tls_issues(spec, base_dir)
     if spec.workdir:
         where = Path(base_dir, Path(spec.workdir).expanduser())
         if not where.is_dir():
@@ -91,6 +92,34 @@ def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spe
                     "absolute path",
                 )
             )
+    return issues
+
+
+def tls_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[SpecIssue]:
+    """``service.tls.keyfile``/``certfile`` that are not readable files. The balancer loads
+    them only once the service exists, so a missing one would fail the whole service
+    (CONTROLLER_FAILED, a bare FileNotFoundError) instead of being refused here."""
+    tls = spec.service.tls
+    if tls is None:
+        return []
+    issues = []
+    for field, value in (("keyfile", tls.keyfile), ("certfile", tls.certfile)):
+        where = Path(base_dir, Path(value).expanduser())
+        if where.is_file() and os.access(where, os.R_OK):
+            continue
+        if where.is_file():
+            what = "cannot be read"
+        else:
+            what = "is not a file" if where.exists() else "does not exist"
+        issues.append(
+            SpecIssue(
+                f"service.tls.{field}",
+                f"{where} {what} (a relative path is taken from the directory corral is run "
+                f"in, {base_dir}, as in SkyPilot)",
+                spec.line_of("service"),
+                "give the PEM file's path (absolute, or relative to where you run corral)",
+            )
+        )
     return issues
 
 
