@@ -345,6 +345,31 @@ def test_an_update_of_the_service_section_moves_the_traffic_to_its_version(
     assert {r["pid"] for r in after["replicas"]} == {r["pid"] for r in before["replicas"]}
 
 
+def test_a_spec_kept_in_its_workdir_keeps_the_replicas_on_a_service_section_update(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """The spec file lies in the workdir it names (as examples/demo.yaml does): editing its
+    service section changes a file of the copy, and that alone must not relaunch every
+    replica. Another file of the workdir changed still does."""
+    make_app(tmp_path, "v1")
+    spec = tmp_path / "app" / "svc.yaml"
+    write_spec(spec, probe_timeout_spec(2, replicas=2))
+    corral_home.run("up", str(spec), "-n", "inwd", cwd=tmp_path)
+    before = corral_home.wait_replicas("inwd", 2)
+    write_spec(spec, probe_timeout_spec(3, replicas=2))
+    corral_home.run("update", "inwd", str(spec), cwd=tmp_path, timeout=60)
+    after = corral_home.service("inwd")
+    assert after is not None and after["version"] == 2
+    assert {r["version"] for r in after["replicas"]} == {2}, after
+    assert {r["pid"] for r in after["replicas"]} == {r["pid"] for r in before["replicas"]}
+    (tmp_path / "app" / "notes.txt").write_text("a file the app may read\n")
+    write_spec(spec, probe_timeout_spec(4, replicas=2))
+    corral_home.run("update", "inwd", str(spec), cwd=tmp_path, timeout=60)
+    moved = [r for r in corral_home.wait_replicas("inwd", 2)["replicas"] if r["status"] == "READY"]
+    assert {r["version"] for r in moved} == {3}, moved
+    assert not {r["pid"] for r in moved} & {r["pid"] for r in before["replicas"]}
+
+
 def test_a_failed_update_after_one_that_kept_the_replicas_names_the_version_serving(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:

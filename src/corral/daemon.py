@@ -144,7 +144,7 @@ class Daemon:
             if svc_name in self.controllers or self.store.service(svc_name) is not None:
                 raise ServiceExists(f"service {svc_name!r} already exists")
             # The version's files exist before its row does: a replica never finds them missing.
-            await self._prepare(svc_name, 1, spec, base_dir, envs, secrets)
+            await self._prepare(svc_name, 1, spec, base_dir, envs, secrets, source)
             try:
                 self.store.create_service(
                     svc_name,
@@ -202,7 +202,7 @@ class Daemon:
         if request.from_version is not None:
             await self._reuse_files(name, request.from_version, next_version)
         else:
-            await self._prepare(name, next_version, spec, base_dir, envs, secrets)
+            await self._prepare(name, next_version, spec, base_dir, envs, secrets, source)
         # Off the loop, as every parse: the largest spec takes up to a second to read.
         stored_text = await asyncio.to_thread(redact_secrets, spec_text)
         stored_spec = await asyncio.to_thread(
@@ -269,6 +269,7 @@ class Daemon:
         base_dir: str | None,
         envs: Mapping[str, str],
         secrets: Mapping[str, str],
+        source: str | None,
     ) -> None:
         try:
             files = await asyncio.to_thread(
@@ -280,6 +281,7 @@ class Daemon:
                 base_dir=base_dir,
                 envs=envs,
                 secrets=secrets,
+                source=source,
             )
         except OSError as exc:
             # The home's disk full or read-only is the daemon's trouble (retry later); anything

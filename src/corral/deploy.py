@@ -101,19 +101,33 @@ def prepare(
     base_dir: str | None,
     envs: Mapping[str, str],
     secrets: Mapping[str, str],
+    source: str | None = None,
 ) -> VersionFiles:
     """Make version ``version``'s directory (blocking: run it off the event loop). The
-    secrets stored are the spec's own values and the given ones (the given win)."""
+    secrets stored are the spec's own values and the given ones (the given win); ``source``,
+    the spec file's path, is left out of the fingerprint when it lies in the workdir."""
     mounts = local_mounts(spec, base_dir or "/") if spec.infra == "local" else {}
+    workdir = workdir_of(spec, base_dir)
     return prepare_version(
         home,
         name,
         version,
-        workdir=workdir_of(spec, base_dir),
+        workdir=workdir,
         envs=dict(envs),
         secrets={**spec.secrets, **secrets},
         mounts=mounts,
+        spec_file=_inside(Path(base_dir or "/", source), workdir) if source else None,
     )
+
+
+def _inside(file: Path, workdir: Path | None) -> str | None:
+    """``file``'s path relative to ``workdir`` when it lies there (as the copy names it)."""
+    if workdir is None:
+        return None
+    try:
+        return file.resolve().relative_to(workdir.resolve()).as_posix()
+    except (OSError, ValueError):
+        return None
 
 
 def launch_inputs(

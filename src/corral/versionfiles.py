@@ -260,9 +260,15 @@ def prepare_version(
     envs: Mapping[str, str],
     secrets: Mapping[str, str],
     mounts: Mapping[str, Path] | None = None,
+    spec_file: str | None = None,
 ) -> VersionFiles:
     """Make version ``version``'s directory: a copy of ``workdir`` (if any) with ``mounts``
     (a relative destination -> a local file or directory) copied into it, and its values.
+
+    ``spec_file``: where the spec itself lies in ``workdir`` (relative, ``/``-separated), if
+    it does. It is copied, but left out of the fingerprint: an update that edits only the
+    `service:` section of a spec kept in its workdir changes that file, and must still keep the
+    running replicas (``corral.daemon``'s same-replicas rule) instead of relaunching them all.
 
     Built beside the final place and renamed into it, so the directory is whole or absent; a
     leftover of an earlier attempt at the same version (a daemon killed before it stored the
@@ -284,7 +290,8 @@ def prepare_version(
                 )
         _write_values(temp, envs, secrets)
         values = json.dumps([sorted(envs.items()), sorted(secrets.items())])
-        digest = hashlib.sha256("\n".join([values, *manifest]).encode("utf-8", "surrogateescape"))
+        kept = [m for m in manifest if spec_file is None or not m.startswith(f"f {spec_file} ")]
+        digest = hashlib.sha256("\n".join([values, *kept]).encode("utf-8", "surrogateescape"))
         (temp / FINGERPRINT_FILE).write_text(digest.hexdigest(), encoding="utf-8")
         if final.exists():
             shutil.rmtree(final)
