@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from corral import capture, plan
+from corral import capture, fallback, plan
 from corral.autoscale import Autoscaler, Decision
 from corral.autoscale_queue import SampledAutoscaler, fits, make_scaler
 from corral.dataplane.plane import ServiceRoute
@@ -382,17 +382,21 @@ class ServiceController:
         # where backoff counts from): the rest of the step plans over the rows as they are.
         rows = self.svc.store.replicas(self.svc.name)
         vrow = self.svc.store.version(self.svc.name, svc.current_version)
+        ready = vrow is None or vrow.first_ready_at is not None
+        versions = self.svc.store.versions(self.svc.name)
         facts = plan.Facts(
             rows=rows,
             version=svc.current_version,
             mode=vrow.mode if vrow is not None else UpdateMode.ROLLING,
             min_replicas=spec.service.replica_policy.min_replicas,
-            version_ready=vrow is None or vrow.first_ready_at is not None,
+            version_ready=ready,
             target=self._decide(svc.current_version, spec).target,
             failure=svc.failure,
             worth=self.svc.worth(spec),
+            fallback=fallback.fallback_version(versions, svc.current_version, ready, rows),
         )
-        self.executor.apply(plan.toward_target(facts, now), rows)
+        actions = plan.toward_target(facts, now)
+        self.executor.apply([*actions, *fallback.keep_serving(facts, now)], rows)
         return False
 
     def updated(self) -> None:

@@ -47,8 +47,8 @@ class Executor:
                 case plan.Launch(rid):
                     row = by_id[rid]
                     self._launch(row, self.svc.spec(row.version))
-                case plan.Add(count, target):
-                    self._add(count, target)
+                case plan.Add(count, target, version):
+                    self._add(count, target, version)
                 case plan.Fail(reason):
                     self.svc.store.update_service(self.svc.name, failure=reason)
                     rt, held = self.svc.rt, self.svc.held_version  # who serves: the ready set
@@ -154,15 +154,14 @@ class Executor:
         finally:
             self.svc.rt.resuming.discard(replica_id)
 
-    def _add(self, count: int, target: int) -> None:
+    def _add(self, count: int, target: int, version: int | None) -> None:
         svc = self.svc.store.service(self.svc.name)
         if svc is None:
             return
-        spec = self.svc.spec(svc.current_version)
+        version = version or svc.current_version  # an older one only while it serves alone
+        spec = self.svc.spec(version)
         for _ in range(count):
-            row = self.svc.store.add_replica(
-                self.svc.name, svc.current_version, spec.infra, f"target {target}"
-            )
+            row = self.svc.store.add_replica(self.svc.name, version, spec.infra, f"target {target}")
             self._launch(row, spec)
 
     def _launch(self, r: ReplicaRow, spec: ServiceSpec) -> None:

@@ -106,6 +106,7 @@ class Facts:
     # Replica id -> its target QPS in a mixed fleet (instance_aware_least_load): a scale-down
     # takes the ones serving least first, as SkyServe's; empty otherwise.
     worth: Mapping[int, float] = field(default_factory=dict)
+    fallback: int | None = None  # gave up, and this older version serves: kept (corral.fallback)
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -113,8 +114,7 @@ class Facts:
 
 @dataclass(frozen=True)
 class Resume:
-    """Finish a launch or teardown whose outcome no job will record (a write was refused, or
-    the daemon restarted)."""
+    """Finish a launch or teardown no job will record (a write refused, a daemon restart)."""
 
     replica_id: int
 
@@ -144,10 +144,11 @@ class Launch:
 
 @dataclass(frozen=True)
 class Add:
-    """New replicas of the current version, launched at once."""
+    """New replicas of ``version`` (None: the current one), launched at once."""
 
     count: int
     target: int
+    version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -225,8 +226,7 @@ class Adopt:
 
 @dataclass(frozen=True)
 class Unknown:
-    """Nobody could say whether it runs: kept as it is (out of the ready set with
-    ``not_ready``), asked again later; never failed or relaunched on that."""
+    """Nobody could say whether it runs: kept, asked again later, never failed on that."""
 
     replica_id: int
     not_ready: bool
@@ -234,8 +234,7 @@ class Unknown:
 
 @dataclass(frozen=True)
 class Gone:
-    """Its backend says it is gone: judged as any gone replica (FAILED if the app exited,
-    PREEMPTED if its host went away)."""
+    """Its backend says it is gone: judged as any gone replica (FAILED, or PREEMPTED)."""
 
     replica_id: int
     liveness: Liveness
@@ -370,7 +369,8 @@ def replace_old_versions(facts: Facts) -> list[Action]:
     why = f"rolling update to version {version}"
     old_ready = [r for r in old if replica_status(r) is ReplicaStatus.READY]
     keep = max(0, target - ready_new)
-    actions += [Retire(r.id, why) for r in old if r not in old_ready]
+    keep_all = [r for r in old if r.version == facts.fallback]  # serves: its own successors
+    actions += [Retire(r.id, why) for r in old if r not in old_ready + keep_all]
     victims = scale_down_victims(old_ready, len(old_ready) - keep, current_version=version)
     actions += [Retire(r.id, why) for r in victims]
     return [*actions, MakeRoom(version, target, ready_new), Hold(None)]
