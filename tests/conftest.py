@@ -48,6 +48,8 @@ T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
+# SkyServe's own example specs (the project's shared data, beside the checkout), when present.
+SKYSERVE_EXAMPLES = REPO.parent / "shared" / "data" / "skyserve-examples"
 APPS = Path(__file__).resolve().parent / "apps"
 
 # Deadlines (seconds). Generous for a loaded 2-core machine; a healthy run is far below them.
@@ -701,3 +703,17 @@ def corral_home(tmp_path: Path) -> Iterator[CorralHome]:
     problems = home.teardown()
     if problems:
         pytest.fail("teardown of " + str(path) + ":\n" + "\n".join(problems), pytrace=False)
+
+
+def skyserve_example_files(root: Path) -> None:
+    """What SkyServe's examples expect beside them, made under ``root`` as in a SkyPilot
+    checkout (they are run from its root): the directories their relative workdirs name, and
+    the TLS files of the https example (made with openssl beforehand there)."""
+    for spec in SKYSERVE_EXAMPLES.glob("*.yaml"):
+        for line in spec.read_text().splitlines():
+            if line.startswith("workdir:"):
+                (root / line.split(":", 1)[1].strip()).mkdir(parents=True, exist_ok=True)
+            key, _, value = line.strip().partition(": ")
+            if key in ("key", "cert", "keyfile", "certfile") and value.endswith(".pem"):
+                (root / value).parent.mkdir(parents=True, exist_ok=True)
+                (root / value).write_text("PEM")

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
+from conftest import SKYSERVE_EXAMPLES, skyserve_example_files
 
 from corral.cli import main
 from corral.infra.inventory import Inventory
@@ -25,18 +26,10 @@ from corral.infra.placement import Claim, Holder, ask_of, never_fits, place
 from corral.spec import SpecError, load_spec
 from corral.spec.resources import Resources
 
-EXAMPLES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "skyserve-examples"
+EXAMPLES = SKYSERVE_EXAMPLES
 GiB = 1024**3
 PLACED = ("cpus", "memory", "accelerators", "cpu_pinning")
 SMALL = Inventory((), 2, 8 * GiB, cpu_ids=(0, 1), source="test: 2 cores")
-
-
-def example_workdirs(root: Path) -> None:
-    """The directories the examples' relative workdirs name, as in a SkyPilot checkout."""
-    for spec in EXAMPLES.glob("*.yaml"):
-        for line in spec.read_text().splitlines():
-            if line.startswith("workdir:"):
-                (root / line.split(":", 1)[1].strip()).mkdir(parents=True, exist_ok=True)
 
 
 def asked(path: Path) -> tuple[dict[str, Any], int]:
@@ -75,7 +68,7 @@ def test_every_example_runs_its_replica_count_or_is_refused_with_the_reason(
 ) -> None:
     if not EXAMPLES.is_dir():
         pytest.skip(f"shared examples not found at {EXAMPLES}")
-    example_workdirs(tmp_path)
+    skyserve_example_files(tmp_path)
     monkeypatch.chdir(tmp_path)
     inventory = tmp_path / "small.yaml"
     inventory.write_text("gpus: []\ncpus: 2\nmemory: 8\n")

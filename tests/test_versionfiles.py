@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from conftest import SKYSERVE_EXAMPLES, skyserve_example_files
 
 from corral.cli import main
 from corral.deploy import check, launch_inputs, prepare
@@ -35,7 +36,7 @@ from corral.versionfiles import (
     version_dir,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "skyserve-examples"
+EXAMPLES = SKYSERVE_EXAMPLES
 
 
 def tree(root: Path) -> list[str]:
@@ -174,20 +175,6 @@ def test_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         read_env_file(env_file)
 
 
-def example_workdirs(root: Path) -> None:
-    """The directories the examples' relative workdirs name, as in a SkyPilot checkout (the
-    examples are run from its root)."""
-    for spec in EXAMPLES.glob("*.yaml"):
-        for line in spec.read_text().splitlines():
-            if line.startswith("workdir:"):
-                (root / line.split(":", 1)[1].strip()).mkdir(parents=True, exist_ok=True)
-            # TLS files (SkyPilot's https example has them made with openssl beforehand).
-            key, _, value = line.strip().partition(": ")
-            if key in ("key", "cert", "keyfile", "certfile") and value.endswith(".pem"):
-                (root / value).parent.mkdir(parents=True, exist_ok=True)
-                (root / value).write_text("PEM")
-
-
 def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,7 +183,7 @@ def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
     take minutes on a loaded machine); test_versions_e2e runs validate as a subprocess."""
     if not EXAMPLES.is_dir():
         pytest.skip(f"shared examples not found at {EXAMPLES}")
-    example_workdirs(tmp_path)
+    skyserve_example_files(tmp_path)
     monkeypatch.chdir(tmp_path)
     # A GPU server these specs were written for (validate checks the asks against the machine
     # it runs on, docs/gpus.md): this test is about the specs, not this machine's devices.
