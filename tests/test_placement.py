@@ -476,3 +476,21 @@ def test_a_claim_survives_a_restart_and_is_never_given_twice(tmp_path: Path) -> 
         f"needs 1x L4; the machine has 2 L4, both held by s replicas {first.id} and {second.id}"
     )
     store.close()
+
+
+def test_a_fixed_port_is_held_by_one_replica_at_a_time() -> None:
+    """A `run` that binds its port itself (corral.infra.local_rules.claim_resources adds it)
+    claims it like a device: a second replica on it waits, naming the holder, and a claim
+    stored before ports were claimed holds none."""
+    ask = ask_of({"fixed_port": 8080, "cpus": 1})
+    assert ask.ports == (8080,) and not ask_of({"fixed_port": 8080}).empty
+    first = place(ask, MACHINE, [holder("other", 7, ports=(9090,))])
+    assert isinstance(first, Claim) and first.ports == (8080,)
+    assert Claim.from_json(first.to_json()) == first
+    assert Claim.from_json({"cpus": 1}).ports == ()
+    second = place(ask, MACHINE, [Holder("web", 3, first, 1)])
+    assert isinstance(second, NoFit)
+    assert second.reason == (
+        "binds port 8080 itself (its `run` ignores $PORT), which web replica 1 holds: one "
+        "process at a time can bind it"
+    )

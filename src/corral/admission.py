@@ -14,7 +14,7 @@ from corral import deploy
 from corral.capacity import Capacity, fit_problem
 from corral.errors import BadSpec, InvalidRequest, NoRoom, Unrunnable
 from corral.infra.base import Infra
-from corral.infra.local_rules import local_port_problem
+from corral.infra.local_rules import claim_resources, local_port_problem
 from corral.model_engines import ModelUnavailable, engine_command
 from corral.spec import ServiceSpec, SpecError, parse_spec
 
@@ -92,7 +92,7 @@ def check_update_room(name: str, mode: str, spec: ServiceSpec, capacity: Capacit
     if spec.infra != "local" or capacity is None:
         return
     needed = max(1, spec.service.replica_policy.min_replicas)
-    resources = spec.resources.model_dump(exclude_none=True)
+    resources = claim_resources(spec)
     if mode == "blue_green":
         problem = capacity.room_beside(resources, needed)
         if problem:

@@ -447,8 +447,8 @@ def _in_turn(
 
 
 def _blockers(claim: Claim, others: Sequence[Holder]) -> list[Holder]:
-    """The holders that keep ``claim`` from being used: a device shared beyond its whole, or a
-    pinned CPU held twice (only a handed-over claim overlaps a live one)."""
+    """The holders that keep ``claim`` from being used: a device shared beyond its whole, a
+    pinned CPU or a fixed port held twice (only a handed-over claim overlaps a live one)."""
     used: dict[str, float] = {}
     for h in others:
         for address, share in h.claim.gpus.items():
@@ -460,6 +460,7 @@ def _blockers(claim: Claim, others: Sequence[Holder]) -> list[Holder]:
             a in h.claim.gpus and used[a] + share > 1.0 + _EPS for a, share in claim.gpus.items()
         )
         or set(h.claim.cpu_ids) & set(claim.cpu_ids)
+        or set(h.claim.ports) & set(claim.ports)
     ]
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from corral import deploy, plan
 from corral.capacity import Grant
 from corral.infra.base import Infra, LaunchRequest, ReplicaHandle, scratch_root
+from corral.infra.local_rules import claim_resources
 from corral.jobs import Job, JobState
 from corral.replicas import TEARING_DOWN, LaunchState, TeardownState, failure_status
 from corral.servicecore import ServiceCore, handle_from_row, handle_to_json
@@ -220,7 +221,7 @@ class Executor:
         if granted is None:
             if capacity is None or r.infra != "local":
                 return Grant()
-            granted = capacity.grant(r.id, spec.resources.model_dump(exclude_none=True))
+            granted = capacity.grant(r.id, claim_resources(spec))
         if isinstance(granted, Grant):
             return granted
         self.svc.note_wait(r, granted)
@@ -233,14 +234,14 @@ class Executor:
         if capacity is None:
             return
         picked = capacity.make_room(
-            rows, version, target, ready_new, self.svc.spec(version).resources.model_dump()
+            rows, version, target, ready_new, claim_resources(self.svc.spec(version))
         )
         if picked is not None:
             old, new = picked
             self.retire(
                 old,
                 f"rolling update to version {version}: no spare capacity, replacing one "
-                f"at a time (its devices go to replica {new.id})",
+                f"at a time (what it holds goes to replica {new.id})",
             )
 
     def _run_launch(self, infra: Infra, request: LaunchRequest) -> ReplicaHandle:

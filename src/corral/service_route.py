@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.dataplane.protocol import Route
+from corral.infra.local_rules import fixed_port
 from corral.spec import ServiceSpec
 
 
@@ -34,8 +35,11 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
         tls_key=path(tls.keyfile) if tls is not None else None,
         config={
             "policy": spec.service.load_balancing_policy,
-            # At zero replicas a request waits for the first one instead of a 503.
-            "no_replica_wait": 60.0 if spec.service.replica_policy.min_replicas == 0 else 0.0,
+            # At zero replicas a request waits for the first one instead of a 503; so it does
+            # for a replica on a fixed port, which its successor can only replace in turn.
+            "no_replica_wait": 60.0
+            if spec.service.replica_policy.min_replicas == 0 or fixed_port(spec) is not None
+            else 0.0,
             "connect_timeout": lb.connect_timeout_seconds,
             "first_byte_timeout": lb.first_byte_timeout_seconds or lb.stream_timeout_seconds,
             "idle_timeout": lb.stream_timeout_seconds,

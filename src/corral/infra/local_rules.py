@@ -20,7 +20,13 @@ from corral.spec.locate import key_text
 if TYPE_CHECKING:
     from corral.spec import ServiceSpec
 
-__all__ = ["local_mount_issues", "local_mounts", "local_port_problem"]
+__all__ = [
+    "claim_resources",
+    "fixed_port",
+    "local_mount_issues",
+    "local_mounts",
+    "local_port_problem",
+]
 
 # $PORT or ${PORT...}: anything that hands the assigned port to the command.
 _PORT_REF_RE = re.compile(r"\$\{?PORT(?![A-Za-z0-9_])")
@@ -34,15 +40,11 @@ def local_port_problem(spec: ServiceSpec) -> str | None:
     only later as a crash loop. A ``run`` that mentions ``$PORT`` is taken as using it. Only the
     local infra is checked: other infra give each replica its own host or pod.
     """
-    if spec.infra != "local":
-        return None
-    port = spec.replica_port()
+    port = fixed_port(spec)
     policy = spec.service.replica_policy
     most = policy.max_replicas + policy.num_overprovision
-    if port is None or most <= 1 or _PORT_REF_RE.search(spec.run or ""):
+    if port is None or most <= 1:
         return None
-    if spec.model and not spec.run:
-        return None  # the engine corral starts listens on $PORT (corral.model_engines)
     return (
         f"the replicas serve on port {port} and this service may run up to {most} replicas on "
         f"this machine, but `run` never uses $PORT, so every replica would try to bind port "
@@ -50,6 +52,29 @@ def local_port_problem(spec: ServiceSpec) -> str | None:
         "(e.g. `--port $PORT`). If the program already reads the PORT environment variable, "
         "say so in run (e.g. `PORT=$PORT python3 server.py`)."
     )
+
+
+def fixed_port(spec: ServiceSpec) -> int | None:
+    """The port a local replica's ``run`` binds itself (it never uses ``$PORT``), or None.
+    One process at a time can bind it, so it is claimed like a device
+    (:func:`claim_resources`): a rolling update retires the old replica before its successor
+    starts, and a blue-green one, which needs both at once, is refused."""
+    port = spec.replica_port()
+    if spec.infra != "local" or port is None or _PORT_REF_RE.search(spec.run or ""):
+        return None
+    if spec.model and not spec.run:
+        return None  # the engine corral starts listens on $PORT (corral.model_engines)
+    return port
+
+
+def claim_resources(spec: ServiceSpec) -> dict[str, object]:
+    """What a local replica of ``spec`` claims of the machine (:mod:`corral.capacity`): its
+    ``resources``, and its fixed port when ``run`` binds one."""
+    resources: dict[str, object] = spec.resources.model_dump(exclude_none=True)
+    port = fixed_port(spec)
+    if port is not None:
+        resources["fixed_port"] = port
+    return resources
 
 
 def local_mounts(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> dict[str, Path]:

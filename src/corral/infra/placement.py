@@ -88,10 +88,11 @@ class Ask:
     cpus: float = 0.0
     memory: int = 0
     exclusive: bool = False  # cpus are reserved (resources.cpu_pinning: exclusive), not shared
+    ports: tuple[int, ...] = ()  # bound by the replica itself (a fixed port): one holder each
 
     @property
     def empty(self) -> bool:
-        return not self.options and not self.cpus and not self.memory
+        return not self.options and not self.cpus and not self.memory and not self.ports
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Claim:
     cpu_ids: tuple[int, ...] = ()
     option: str | None = None  # the option that was taken, as the spec wrote it
     exclusive: bool = False  # ``cpus`` reserved; otherwise cpus and memory are only asked
+    ports: tuple[int, ...] = ()  # fixed ports it binds, no other replica's meanwhile
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -113,6 +115,7 @@ class Claim:
             "cpu_ids": list(self.cpu_ids),
             "option": self.option,
             "exclusive": self.exclusive,
+            "ports": list(self.ports),
         }
 
     @classmethod
@@ -126,6 +129,7 @@ class Claim:
             option=data.get("option"),
             # A claim stored before the flag existed was exclusive when it was pinned.
             exclusive=bool(data.get("exclusive", bool(cpu_ids))),
+            ports=tuple(int(p) for p in data.get("ports") or ()),
         )
 
 
@@ -177,7 +181,9 @@ def ask_of(resources: Mapping[str, Any]) -> Ask:
             memory = parse_memory(str(resources["memory"]))
         except ValueError as exc:
             raise AskError("resources.memory", str(exc).partition(": ")[2]) from None
-    return Ask(tuple(options), cpus, memory, _exclusive(resources.get("cpu_pinning"), cpus))
+    exclusive = _exclusive(resources.get("cpu_pinning"), cpus)
+    port = resources.get("fixed_port")  # corral.infra.local_rules.claim_resources adds it
+    return Ask(tuple(options), cpus, memory, exclusive, (int(port),) if port else ())
 
 
 def _exclusive(pinning: Any, cpus: float) -> bool:
@@ -259,8 +265,17 @@ def _choose(option: Option, gpus: Sequence[Gpu], used: Mapping[str, float]) -> d
 def place(ask: Ask, inventory: Inventory, holders: Sequence[Holder]) -> Claim | NoFit:
     """What ``ask`` gets now, next to ``holders``, or why it must wait (naming who holds what).
 
-    Only GPUs and exclusive CPUs can make it wait: shared ``cpus`` and ``memory`` are recorded
-    (shown in status) but hold nothing back (module docstring)."""
+    Only GPUs, exclusive CPUs and a fixed port can make it wait: shared ``cpus`` and
+    ``memory`` are recorded (shown in status) but hold nothing back (module docstring)."""
+    bound = [h for h in holders if set(h.claim.ports) & set(ask.ports)]
+    if bound:
+        ports = ", ".join(
+            str(p) for p in sorted(set(ask.ports) & {p for h in bound for p in h.claim.ports})
+        )
+        return NoFit(
+            f"binds port {ports} itself (its `run` ignores $PORT), which {_replicas(bound)} "
+            "holds: one process at a time can bind it"
+        )
     reserved = [h for h in holders if h.claim.exclusive and h.claim.cpus]
     cpus_used = sum(h.claim.cpus for h in reserved)
     if ask.exclusive and cpus_used + ask.cpus > inventory.cpus + _EPS:
@@ -289,6 +304,7 @@ def place(ask: Ask, inventory: Inventory, holders: Sequence[Holder]) -> Claim | 
         cpu_ids=_pin(ask.cpus, inventory, reserved) if ask.exclusive else (),
         option=f"{taken.model}:{taken.count:g}" if taken else None,
         exclusive=ask.exclusive,
+        ports=ask.ports,
     )
 
 
