@@ -689,6 +689,33 @@ def test_sweep_removes_unrecorded_actors_only(harness: Harness, cluster: LocalRa
     serving(kept.endpoint + "/")
 
 
+def test_sweep_spares_an_unrecorded_actor_with_its_app(
+    harness: Harness, cluster: LocalRayCluster
+) -> None:
+    """A replica the state file does not know (forgotten by `down --purge` while the cluster
+    did not answer, or a state file restored from an older backup) is spared, with its app:
+    its actor's name carries the id users see (5), its processes the internal key (row 1).
+    The sweep once judged and kept keys by the name, so it reported the actor spared and
+    killed its app, leaving a live actor that nothing follows."""
+    item = harness.launch(run=f"sleep 300 & {APP}", display_id=5)
+    handle = item.wait()
+    serving(handle.endpoint + "/")
+    app = harness.keyed_of(handle)
+    assert len(app) >= 2, app  # the app and its background sleep
+    restarted = ray_infra.RayInfra(cluster.address)
+    report = restarted.sweep(harness.marker, [], recorded=set())
+    assert any(line.startswith("spared Ray actor") for line in report), report
+    assert not [line for line in report if "process on Ray node" in line], report
+    assert all(pid_alive(p) for p in app), report
+    serving(handle.endpoint + "/")
+    # The state file knows its key (a row without a handle): not spared, removed.
+    report = restarted.sweep(harness.marker, [], recorded={handle.data["key"]})
+    assert any(handle.data["actor_name"] in line for line in report), report
+    harness.assert_gone(handle)
+    for pid in app:
+        wait_for(lambda p=pid: not pid_alive(p), 10, f"swept pid {pid} to be gone")
+
+
 def test_concurrent_checks_are_cheap(harness: Harness) -> None:
     """check() answers from the pump: ~1 call/s per replica costs no round trip."""
     handle = harness.launch().wait()

@@ -517,3 +517,27 @@ def test_api_answers_while_the_cluster_is_still_connecting(
         still = _waiting_reason(corral_home, "later")
         assert still is not None and f"Ray cluster at {address}" in still, still
         corral_home.run("down", "--all", "--timeout", "30", timeout=60)
+
+
+def test_a_deleted_home_takes_its_ray_replicas_along(ray_home: RayHome, tmp_path: Path) -> None:
+    """A home deleted while its daemon runs: the daemon ends every replica of it before it
+    exits (docs/architecture.md, "Owned by a home"), its Ray actors and their apps too. Nothing
+    else ever could: no balancer worker, no later daemon and no `corral doctor` sees a
+    cluster's actors, and the daemon forgets the home's registration on the way out."""
+    home = ray_home.home
+    home.run("up", str(ray_spec(tmp_path, "orphaned", 2)))
+    home.wait_replicas("orphaned", 2, timeout=60)
+    marker = home.marker
+    assert marker is not None
+    daemon = home.daemon_pid()
+    ray_home.handles("orphaned")  # the actors' and apps' pids, checked below
+    assert len(ray_home.actors()) == 2
+
+    shutil.rmtree(home.path)
+    wait_for(lambda: not pid_alive(daemon), 30, "the daemon of the deleted home to exit")
+    left = ray_home.cluster.named_actors(f"corral-{marker}-")
+    assert not left, f"actors of the deleted home left on the cluster: {left}"
+    wait_for(
+        lambda: not [p for p in ray_home.pids if pid_alive(p)], 15, "its actors and apps to end"
+    )
+    assert not (Path(tempfile.gettempdir()) / f"corral-{marker}").exists()

@@ -43,7 +43,7 @@ from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
 from corral.infra._ray_link import RayLink, ray_installed
-from corral.infra.base import Infra, ReplicaHandle
+from corral.infra.base import EndsHome, Infra, ReplicaHandle
 from corral.infra.inventory import Inventory, InventoryError, load_inventory
 from corral.infra.local import LocalInfra, replica_key
 from corral.infra.local_scan import end_home
@@ -433,6 +433,19 @@ async def _serve_api(
     )
 
 
+def _end_home_elsewhere(infras: Mapping[str, Infra], home_marker: str) -> list[str]:
+    """A gone home's replicas that no local scan reaches (a Ray cluster's detached actors):
+    this daemon is the last one that can find them."""
+    lines: list[str] = []
+    for infra in infras.values():
+        if isinstance(infra, EndsHome):
+            try:
+                lines.extend(infra.end_home(home_marker, 5.0))
+            except Exception as exc:
+                lines.append(f"ending its replicas on {infra.name} failed: {exc!r}")
+    return lines
+
+
 async def _shut_down(
     daemon: Daemon, runner: web.AppRunner, chores: list[asyncio.Task[None]]
 ) -> None:
@@ -460,6 +473,8 @@ async def _shut_down(
     if lost:
         # Nothing will ever adopt them: ended as a teardown ends them.
         for line in await asyncio.to_thread(end_home, deps.home_marker, 5.0):
+            log.warning("home gone: %s", line)
+        for line in await asyncio.to_thread(_end_home_elsewhere, deps.infras, deps.home_marker):
             log.warning("home gone: %s", line)
         ownership.unregister(deps.home_marker)
     else:

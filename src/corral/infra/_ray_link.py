@@ -35,7 +35,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from corral import jobs
-from corral.infra.base import Infra, LaunchRequest, Liveness, ReplicaHandle
+from corral.infra.base import EndsHome, Infra, LaunchRequest, Liveness, ReplicaHandle
 
 if TYPE_CHECKING:
     from corral.infra.ray import RayInfra
@@ -217,6 +217,13 @@ class RayLink:
         """Nothing before the connection: the sweep then runs in ``on_connected``."""
         infra = self.connected()
         return [] if infra is None else infra.sweep(home_marker, known, recorded)
+
+    def end_home(self, home_marker: str, grace: float) -> list[str]:
+        """The home is gone: its actors removed once connected (nothing else can find them)."""
+        infra = self.connected()
+        if not isinstance(infra, EndsHome):
+            return [f"could not remove this home's Ray actors: {self.not_ready()}"]
+        return infra.end_home(home_marker, grace)
 
 
 def _connected_ray(address: str) -> RayInfra:

@@ -176,8 +176,11 @@ class _Pump:
                     return
                 data: bytes = answer["data"]
                 if data:
-                    with open(entry.log_path, "ab") as out:
-                        out.write(data)
+                    try:
+                        with open(entry.log_path, "ab") as out:
+                            out.write(data)
+                    except OSError:
+                        return  # the log cannot take it (gone, full): never stop a teardown
                     entry.offset += len(data)
                 entry.code = answer["code"]
             if len(data) < _READ_CHUNK:

@@ -137,3 +137,15 @@ class Connecting(Protocol):
         """True while its first connection attempt is under way (bounded by the backend):
         a restarted daemon adopts its rows after it, so they are judged on a real answer."""
         ...
+
+
+@runtime_checkable
+class EndsHome(Protocol):
+    """Optional part of a backend whose replicas run where the local process table cannot
+    reach them (a Ray cluster's actors): what the daemon of a home that was deleted calls, since
+    no daemon, worker or ``corral doctor`` will ever find them again."""
+
+    def end_home(self, home_marker: str, grace: float) -> list[str]:
+        """Stop every replica of ``home_marker`` this backend knows, whatever any record says
+        (TERM, KILL after ``grace`` s); one line per thing stopped, or left."""
+        ...

@@ -640,7 +640,6 @@ class RayInfra:
         With ``recorded``, an actor whose replica the state file does not know is spared and
         reported (not provably a leftover). Processes on the nodes are still judged by the
         known keys alone (the node-side reaper does not get the recorded ones)."""
-        prefix = f"corral-{home_marker}-"
         known_names: set[str] = set()
         known_keys: set[str] = set()
         for handle in known:
@@ -655,32 +654,65 @@ class RayInfra:
         with self._inflight_lock:
             known_names |= self._inflight
         known_names |= self._pump.names()
-        listed = _bounded(
-            "list_named_actors", self.call_timeout, ray.util.list_named_actors, all_namespaces=True
-        )
         report: list[str] = []
-        for item in listed:
-            name = item["name"]
-            if item["namespace"] != self.namespace or not name.startswith(prefix):
-                continue
+        for name in self._home_actors(home_marker):
             if name in known_names:
                 continue
-            if recorded is not None and _key_of(name, home_marker) not in recorded:
+            if recorded is not None and (own := self._actor_key(name, home_marker)) not in recorded:
                 report.append(f"spared Ray actor {name}: no replica of the state file is its own")
-                known_names.add(name)  # its processes are spared too
+                known_names.add(name)
+                known_keys.add(own)  # its processes are spared too: they carry its key
                 continue
-            actor = self._lookup(name)
-            if actor is None:
-                continue
-            try:
-                self._stop_actor(name, actor, self.abort_grace)
-                report.append(f"Ray actor {name} (namespace {self.namespace})")
-            except Exception as exc:
-                report.append(f"Ray actor {name}: could not remove it: {exc!r}")
+            report.extend(self._remove(name, self.abort_grace))
         # Keys of live actors are spared too: their children carry them.
         keys = sorted(known_keys | {_key_of(n, home_marker) for n in known_names})
         report.extend(self._reap_everywhere(home_marker, keys))
         return report
+
+    def end_home(self, home_marker: str, grace: float) -> list[str]:
+        """The home is gone (its daemon saw it deleted): every actor of it removed and every
+        process of it on the nodes stopped, sparing none (unlike :meth:`sweep`: no daemon will
+        ever adopt them, and ``corral doctor`` cannot see a cluster). One line per thing."""
+        report: list[str] = []
+        for name in self._home_actors(home_marker):
+            self._pump.forget(name)  # its log was in the home: nothing more is written there
+            report.extend(self._remove(name, grace))
+        report.extend(self._reap_everywhere(home_marker, []))
+        return report
+
+    def _home_actors(self, home_marker: str) -> list[str]:
+        """The names of the live named actors of this corral home in our namespace."""
+        prefix = f"corral-{home_marker}-"
+        listed = _bounded(
+            "list_named_actors", self.call_timeout, ray.util.list_named_actors, all_namespaces=True
+        )
+        return [
+            str(item["name"])
+            for item in listed
+            if item["namespace"] == self.namespace and str(item["name"]).startswith(prefix)
+        ]
+
+    def _remove(self, name: str, grace: float) -> list[str]:
+        """Stop the actor called ``name`` and its app; a line saying so (none: already gone)."""
+        actor = self._lookup(name)
+        if actor is None:
+            return []
+        try:
+            self._stop_actor(name, actor, grace)
+        except Exception as exc:
+            return [f"Ray actor {name}: could not remove it: {exc!r}"]
+        return [f"Ray actor {name} (namespace {self.namespace})"]
+
+    def _actor_key(self, name: str, home_marker: str) -> str:
+        """The replica key of a live actor of this home. Not from its name, which carries the
+        id users see, but from the node-local directory it serves, named (as the key is) by the
+        internal id; from the name only when the actor does not answer."""
+        actor = self._lookup(name)
+        served = self._dir_of(actor) if actor is not None else None
+        service, _, replica = (served or "").rpartition("-")
+        if service and replica.isdigit():
+            return replica_key(home_marker, service, int(replica))
+        return _key_of(name, home_marker)
 
     def _reap_everywhere(self, home_marker: str, keep: list[str]) -> list[str]:
         """Run the stray reaper on every live node at once; one line per process it stopped
