@@ -161,3 +161,65 @@ def test_doctor_ends_only_orphans(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_doctor_sees_and_ends_ray_replicas_of_a_deleted_home(
+    corral_home: CorralHome, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that a Ray actor on this machine runs carries the Ray backend's marker
+    (``CORRAL_RAY_HOME_MARKER``), not the local one: doctor listed none of them, so the
+    replicas of a home deleted after `corral daemon stop --all` kept their memory and ports
+    unnamed (doctor said "0 orphan process(es)"). It lists them now, and ends them when
+    their home is gone; one of a home it cannot tell (a daemon of another machine may use
+    this node) is listed and left alone."""
+    monkeypatch.setenv("CORRAL_RUNTIME_DIR", corral_home.env["CORRAL_RUNTIME_DIR"])
+    doomed_id = "d00medray0123456"
+    _register_doomed_home(tmp_path, doomed_id, os.getpid(), 1.0)
+
+    def on_ray(home_id: str, shown: str, key: str) -> subprocess.Popen[bytes]:
+        return _sleep(
+            {
+                **corral_home.env,
+                "CORRAL_RAY_HOME_MARKER": home_id,
+                "CORRAL_SERVICE": "svc",
+                "CORRAL_REPLICA_ID": shown,
+                "CORRAL_REPLICA_KEY": f"{home_id}/svc/{key}",
+            }
+        )
+
+    orphan = on_ray(doomed_id, "3", "9")
+    elsewhere = on_ray("e15ewhere0123456", "1", "1")
+    try:
+
+        def sees_both() -> dict[str, Any] | None:
+            report = _doctor(corral_home)
+            return report if _of(report, doomed_id) and _of(report, "e15ewhere0123456") else None
+
+        report = wait_for(sees_both, 15, "doctor to see the Ray replicas")
+        assert [
+            (p["kind"], p["pid"], p["exists"], p["replica"]) for p in _of(report, doomed_id)
+        ] == [("replica", orphan.pid, False, "svc/3 (ray)")]
+        text = corral_home.run("doctor").stdout
+        assert "1 orphan process(es) of 1 deleted home(s)" in text, text
+
+        result = corral_home.run("doctor", "--end-orphans", "-y")
+        assert f"Ray replica svc/3 pid {orphan.pid}" in result.stdout, result.stdout
+        wait_for(lambda: orphan.poll() is not None, 10, "the orphan Ray replica to be ended")
+        # `--include-unknown`, through the function and for this test's unknown home only
+        # (as test_doctor_ends_only_orphans does: the CLI would reach other tests' homes).
+        from corral import cli_doctor
+
+        procs, homes = cli_doctor.scan()
+        cli_doctor.end_orphan_homes(
+            [p for p in procs if p.home_id == "e15ewhere0123456"],
+            {k: h for k, h in homes.items() if k == "e15ewhere0123456"},
+            include_unknown=True,
+        )
+        assert elsewhere.poll() is None, "a Ray replica of a home of unknown state was ended"
+        assert doomed_id not in ownership.registrations()
+    finally:
+        for proc in (orphan, elsewhere):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 REPLICA_GRACE = 5.0
 PROCESS_GRACE = 10.0
 DAEMON, WORKER, REPLICA = "daemon", "worker", "replica"
+# What a replica's detail ends with when a Ray actor on this machine runs it (its environment
+# carries the Ray backend's marker, not the local one's).
+ON_RAY = " (ray)"
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ def _daemons(regs: dict[str, Registration]) -> list[Found]:
 def _classify(proc: psutil.Process, info: dict[str, Any]) -> Found | None:
     """A balancer worker (by its command line) or a replica (by the home marker in its
     environment), or None."""
+    from corral.infra._ray_actor import ENV_HOME_MARKER as RAY_HOME_MARKER
     from corral.infra.local_ident import ENV_HOME_MARKER, ENV_REPLICA_KEY
     from corral.infra.local_scan import environ
     from corral.ownership import worker_home_id
@@ -109,14 +113,19 @@ def _classify(proc: psutil.Process, info: dict[str, Any]) -> Found | None:
     if worker is not None:
         return Found(WORKER, proc.pid, worker[0], str(worker[1]), created, proc)
     env = environ(proc)
-    if env is None or not env.get(ENV_HOME_MARKER):
+    if env is None:
+        return None
+    marker = env.get(ENV_HOME_MARKER) or env.get(RAY_HOME_MARKER)
+    if not marker:
         return None
     service, replica = env.get("CORRAL_SERVICE"), env.get("CORRAL_REPLICA_ID")
     if service and replica:
         detail = f"{service}/{replica}"
     else:  # the key is "<home id>/<service>/<id>"
         detail = env.get(ENV_REPLICA_KEY, "").partition("/")[2]
-    return Found(REPLICA, proc.pid, env[ENV_HOME_MARKER], detail, created, proc)
+    if not env.get(ENV_HOME_MARKER):
+        detail += ON_RAY
+    return Found(REPLICA, proc.pid, marker, detail, created, proc)
 
 
 def _scan_table() -> list[Found]:
@@ -262,6 +271,14 @@ def end_home(home_id: str, procs: list[Found]) -> tuple[list[str], list[str]]:
             ended.append(f"ended {what}")
     for line in local_scan.end_home(home_id, grace=REPLICA_GRACE):
         (failed if line.startswith("could not") else ended).append(line)
+    on_ray = [p for p in procs if p.kind == REPLICA and p.detail.endswith(ON_RAY)]
+    left = {p.pid for p in terminate_all([p.proc for p in on_ray], REPLICA_GRACE) if running(p)}
+    for item in on_ray:
+        what = f"Ray replica {item.detail.removesuffix(ON_RAY)} pid {item.pid} of home id {home_id}"
+        if item.pid in left:
+            failed.append(f"could not end {what}: alive after SIGKILL")
+        else:  # its actor is the cluster's to remove: this command has no Ray connection
+            ended.append(f"ended {what} (its Ray actor corral-{home_id}-... stays on the cluster)")
     return ended, failed
 
 
@@ -279,7 +296,13 @@ def end_orphan_homes(
     for home in homes.values():
         if home.exists is True or (home.exists is None and not include_unknown):
             continue
-        mine = [p for p in procs if p.home_id == home.home_id]
+        # A Ray replica on this machine may be of a home of another machine (a daemon there
+        # uses this node): unknown here is no reason to end it.
+        mine = [
+            p
+            for p in procs
+            if p.home_id == home.home_id and (home.deleted or not p.detail.endswith(ON_RAY))
+        ]
         done, bad = end_home(home.home_id, mine) if mine else ([], [])
         ended += done
         failed += bad
