@@ -48,11 +48,14 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     response = web.StreamResponse(headers=TEXT)
     request[STREAMING] = True
     await response.prepare(request)
-    if follow:
-        await _follow(response, daemon, path, offset, name, replica_id)
-    else:
-        await _send_from(response, path, offset)
-    await response.write_eof()
+    try:
+        if follow:
+            await _follow(response, daemon, path, offset, name, replica_id)
+        else:
+            await _send_from(response, path, offset)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the reader left (Ctrl-C on `corral logs`): nothing to answer, nothing to log
     return response
 
 
@@ -71,34 +74,80 @@ async def _follow(
     replica_id: int | None,
 ) -> None:
     reached = 0  # where this follower got to by reading (0: nowhere yet)
-    last = b""  # the last byte sent
+    seen = await asyncio.to_thread(_bytes_before, path, position)  # the last bytes sent
     mark = await asyncio.to_thread(logfiles.rotation_mark, path)
     while True:
         # Decided before reading: what the writer wrote before it finished is still sent.
         try:
-            done = daemon.log_finished(name, replica_id)
+            # A stopping daemon ends its followers too: the API waits for every answer before
+            # it stops, so one follower would otherwise hold the whole stop up (and stream on).
+            done = daemon.stop_requested.is_set() or daemon.log_finished(name, replica_id)
         except StateError:
             done = False  # the state file is busy: keep following, ask again next time
         chunk = await asyncio.to_thread(_read_from, path, position)
         rotated, mark = await asyncio.to_thread(_rotated, path, mark, reached)
         if rotated:
             # The log was emptied (corral.logfiles moved it to .1) and its writer goes on at
-            # 0: so does the follower. A chunk read across that may belong to either
-            # generation, so it is dropped (it is in .1 if it was old). A line cut short by
-            # that is ended, so the next one starts on a line of its own.
-            if last not in (b"", b"\n"):
+            # 0: so does the follower, after the rest of the old content, which is in .1 (a
+            # chunk read across the rotation may belong to either generation: dropped, and
+            # read again from .1 if it was old). A line still cut short is ended, so the next
+            # one starts on a line of its own.
+            seen = await _send_rest_of_backup(response, path, position, seen)
+            if seen[-1:] not in (b"", b"\n"):
                 await response.write(b"\n")
-                last = b"\n"
             position = reached = 0
+            seen = b""
             continue
         if chunk:
             position += len(chunk)
-            reached, last = position, chunk[-1:]
+            reached, seen = position, (seen + chunk[-_SEEN:])[-_SEEN:]
             await response.write(chunk)
             continue
         if done:
             return
         await asyncio.sleep(0.2)
+
+
+# How many of the last bytes sent a follower keeps, to recognize its generation in ``.1``.
+_SEEN = 256
+
+
+async def _send_rest_of_backup(
+    response: web.StreamResponse, path: Path, position: int, seen: bytes
+) -> bytes:
+    """After a rotation, send what the follower had not read of the log's old content, now
+    ``.1`` from ``position`` on; returns the last bytes sent (``seen`` if none). Only when
+    ``.1`` holds, just before ``position``, the bytes the follower sent last: another
+    rotation since, or a log emptied some other way, leaves an unrelated ``.1``."""
+    backup = logfiles.backup_of(path)
+    if not seen or await asyncio.to_thread(_bytes_before, backup, position) != seen:
+        return seen
+    end = await asyncio.to_thread(_size, backup)  # a .1 replaced meanwhile is not read on
+    while position < end and (chunk := await asyncio.to_thread(_read_from, backup, position)):
+        chunk = chunk[: end - position]
+        position += len(chunk)
+        seen = (seen + chunk[-_SEEN:])[-_SEEN:]
+        await response.write(chunk)
+    return seen
+
+
+def _bytes_before(path: Path, position: int) -> bytes:
+    """The (up to) _SEEN bytes of ``path`` before ``position``; b"" when it has fewer."""
+    start = max(0, position - _SEEN)
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(position - start)
+    except OSError:
+        return b""
+    return data if len(data) == position - start else b""
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 async def _balancer_log(
@@ -111,19 +160,22 @@ async def _balancer_log(
     await response.prepare(request)
     positions: dict[Any, int] = {}
     first = True
-    while True:
-        lines, positions = await asyncio.to_thread(
-            loglines.balancer_lines, daemon.home, name, positions
-        )
-        if first and tail is not None:
-            lines = lines[-tail:] if tail else []
-        first = False
-        if lines:
-            await response.write(b"".join(lines))
-        if not follow or not daemon.has_service(name):
-            break
-        await asyncio.sleep(0.5)
-    await response.write_eof()
+    try:
+        while True:
+            lines, positions = await asyncio.to_thread(
+                loglines.balancer_lines, daemon.home, name, positions
+            )
+            if first and tail is not None:
+                lines = lines[-tail:] if tail else []
+            first = False
+            if lines:
+                await response.write(b"".join(lines))
+            if not follow or not daemon.has_service(name) or daemon.stop_requested.is_set():
+                break
+            await asyncio.sleep(0.5)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the reader left
     return response
 
 

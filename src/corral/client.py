@@ -203,6 +203,11 @@ class Client:
                 yield chunk
         except OSError as exc:
             raise _unreachable(exc, ep) from None
+        except http.client.HTTPException as exc:  # the answer cut short: IncompleteRead, ...
+            raise ClientError(
+                f"the corral daemon at {ep.url} ended the answer midway ({exc!r}); "
+                "if it stopped, `corral daemon start` brings it back"
+            ) from None
         finally:
             conn.close()
 

@@ -1,0 +1,175 @@
+"""``GET /v1/services/{name}/logs`` followed (corral.api_logs): when a follower ends.
+
+`daemon stop` with followers runs a real daemon. A reader that leaves runs the route in a real
+aiohttp server over a stand-in daemon that has only what the route reads (``controller``,
+``log_path``, ``log_finished``, ``has_service``, ``stop_requested``, ``home``), to count the
+errors logged in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from conftest import CorralHome, pid_alive, spec_text, wait_for, write_spec
+
+from corral import api_logs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeDaemon:
+    def __init__(self, home: Path, log: Path) -> None:
+        self.home = home
+        self.log = log
+        self.stop_requested = asyncio.Event()
+
+    def controller(self, name: str) -> None:
+        return None
+
+    def log_path(self, name: str, kind: str, replica: int | None) -> Path:
+        return self.log
+
+    def log_finished(self, name: str, replica: int | None) -> bool:
+        return False  # the replica still runs
+
+    def has_service(self, name: str) -> bool:
+        return True
+
+
+class Served:
+    """The route in an aiohttp runner as the daemon's API runs it (no handler cancellation:
+    a test server cancels a handler whose client left, which the daemon's runner does not)."""
+
+    def __init__(self, runner: web.AppRunner, port: int) -> None:
+        self.runner = runner
+        self.host = "127.0.0.1"
+        self.port = port
+
+    def url(self, path: str) -> str:
+        return f"http://{self.host}:{self.port}{path}"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def _serve(daemon: FakeDaemon) -> Served:
+    async def logs(request: web.Request) -> web.StreamResponse:
+        return await api_logs.logs(request, daemon)  # type: ignore[arg-type]
+
+    app = web.Application()
+    app.router.add_get("/v1/services/{name}/logs", logs)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return Served(runner, port)
+
+
+def test_daemon_stop_ends_the_followers_of_logs_at_once(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`corral daemon stop` must not wait for (nor keep feeding) `corral logs` followers: the
+    API's shutdown waits for every answer in progress, so a follower that never ended held the
+    whole stop up for aiohttp's shutdown timeout, twice (two minutes), while `status` said no
+    daemon ran and `daemon start` failed. A real daemon, a replica's log and the balancer's
+    followed; each follower ends with a message, not a traceback."""
+    corral_home.run("up", str(write_spec(tmp_path / "svc.yaml", spec_text("tailed", 1))))
+    daemon = corral_home.daemon_pid()
+    followers = [
+        corral_home.popen("logs", "tailed", "1"),
+        corral_home.popen("logs", "tailed", "--load-balancer"),
+    ]
+    for follower in followers:  # following now: a replica's first line, or still running
+        assert follower.stdout is not None
+    wait_for(lambda: all(f.poll() is None for f in followers), 5, "the followers to run")
+    corral_home.run("daemon", "stop", timeout=60)
+    wait_for(lambda: not pid_alive(daemon), 30, "the daemon to exit after `daemon stop`")
+    for follower in followers:
+        follower.wait(30)
+        assert follower.stdout is not None
+        said = follower.stdout.read().decode()
+        assert "Traceback" not in said, said
+
+
+def test_a_reader_that_leaves_is_not_an_error_in_the_daemon_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl-C on `corral logs` is how a follower normally ends: the daemon's log must not get
+    an ERROR with a traceback each time."""
+    log = tmp_path / "replica_1.log"
+    log.write_text("x" * 100 + "\n")
+    daemon = FakeDaemon(tmp_path, log)
+
+    async def main() -> None:
+        server = await _serve(daemon)
+        try:
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection(server.host, server.port)
+                writer.write(
+                    b"GET /v1/services/web/logs?follow=true&replica=1 HTTP/1.1\r\nHost: x\r\n\r\n"
+                )
+                await reader.readuntil(b"x\n")
+                writer.close()  # the reader leaves
+                with log.open("a") as f:  # the replica writes on
+                    for _ in range(50):
+                        f.write("more\n")
+                        f.flush()
+                        await asyncio.sleep(0.02)
+        finally:
+            await server.close()
+
+    with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+        asyncio.run(main())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_an_answer_cut_short_is_a_client_error_not_a_traceback(tmp_path: Path) -> None:
+    """A stream the daemon drops midway (it stopped) ends `corral logs` with a message."""
+    import socket
+    import threading
+
+    from corral.client import Client, ClientError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: text/plain\r\n\r\n6\r\nline1\n\r\n"
+        )
+        conn.close()  # midway: no last chunk
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = Client(tmp_path)
+    client._connection = lambda _t: _plain_connection(port)  # type: ignore[method-assign]
+    got: list[bytes] = []
+    with pytest.raises(ClientError, match="midway"):
+        for chunk in client.stream("/v1/services/web/logs", {"follow": "true"}):
+            got.append(chunk)
+    assert b"".join(got) == b"line1\n"
+    thread.join(5)
+    listener.close()
+
+
+def _plain_connection(port: int) -> tuple[Any, str, Any]:
+    import http.client
+
+    class Ep:
+        url = f"http://127.0.0.1:{port}"
+        remote = False
+        ca = None
+
+    return http.client.HTTPConnection("127.0.0.1", port, timeout=10), "token", Ep()
