@@ -33,8 +33,10 @@ Policies a user of this module relies on:
 * Logging: :func:`install` re-points existing ``logging.StreamHandler``\\ s that hold the original
   stdout/stderr at the router (handlers created before install would otherwise bypass it).
 * Subprocesses write to file descriptors, not to ``sys.stdout``: use :func:`spawn` or :func:`run`,
-  which hand the child the route's own file descriptor (flushing first, so order is kept) or, for
-  destinations without one, pipe the child's output and pump it into the route. A library passing
+  which hand the child a duplicate of the route's descriptor (flushing first, so order is kept;
+  taken under the route's lock, so a route ending meanwhile cannot hand the child a descriptor
+  closed, or reused for another job's log) or, for destinations without one, pipe the child's
+  output and pump it into the route. A library passing
   ``stdout=sys.stdout`` to ``subprocess`` gets the route's descriptor from ``fileno()`` (or the
   fallback's when the route has none, or the process's own when neither has), so it does not
   crash.
@@ -817,6 +819,61 @@ def _pump(pipe: IO[bytes], write_bytes: Callable[[bytes], object]) -> None:
         pipe.close()
 
 
+def _child_fd(t: _Target) -> int | None:
+    """A descriptor of its own onto ``t``'s file for a child (the caller closes it), or None
+    when ``t`` has none, has ended, or stays busy past the lock timeout.
+
+    Duplicated under the route's lock, after what was written before is flushed and while the
+    route is still open: a route that ends meanwhile (a job returning while a helper thread it
+    started spawns a child) closes only its own descriptor, so the child neither gets a closed
+    one (EBADF) nor a number already reused for another job's log.
+    """
+    if not t.acquire(True, _LOCK_TIMEOUT):
+        return None
+    try:
+        stream = t.stream
+        if t.ended or stream is None:
+            return None
+        try:
+            stream.flush()
+        except Exception as exc:
+            t.report(exc)
+        return os.dup(stream.fileno())
+    except Exception:
+        return None
+    finally:
+        t.release()
+
+
+def _child_streams(dups: list[int]) -> tuple[list[int], list[tuple[int, _Router]]]:
+    """The child's stdout and stderr for :func:`spawn`, and which of them need a pump. The
+    descriptors duplicated for it are appended to ``dups`` (closed by the caller once the child
+    has started)."""
+    fds: list[int] = []
+    pumps_for: list[tuple[int, _Router]] = []
+    targets: list[_Target] = []
+    for index, router in enumerate((_stdout, _stderr)):
+        t = router._route()
+        fd = _child_fd(t)
+        if fd is None and t.ended:  # the route ended since it was looked up
+            t = router._fallback
+            fd = _child_fd(t)
+        targets.append(t)
+        if index == 1 and targets[0] is t:
+            # Both streams go to one destination: the child's stderr joins its stdout (one
+            # descriptor, or one pipe, keeps their lines in order).
+            if fd is not None:
+                os.close(fd)
+            fds.append(subprocess.STDOUT)
+        elif fd is not None:
+            dups.append(fd)
+            fds.append(fd)
+        else:
+            fds.append(subprocess.PIPE)
+            pumps_for.append((index, router))
+    return fds, pumps_for
+
+
 def spawn(
     args: str | Sequence[str],
     *,
@@ -829,38 +886,28 @@ def spawn(
 ) -> RoutedProcess:
     """Start a child whose output goes to the current route, in order with Python output.
 
-    A route backed by a file hands its descriptor to the child (flushed first, so earlier prints
-    come first, and the child's output survives even if this process dies). A route without a
-    descriptor gets the child's output through a pipe and a pump thread.
+    A route backed by a file hands the child a descriptor of its own onto that file (flushed
+    first, so earlier prints come first, and the child's output survives even if this process
+    dies, or the route ends while the child starts). A route without a descriptor gets the
+    child's output through a pipe and a pump thread.
     """
-    fds: list[int | None] = []
-    pumps_for: list[tuple[int, _Router]] = []
-    targets = [router._route() for router in (_stdout, _stderr)]
-    for index, (router, t) in enumerate(zip((_stdout, _stderr), targets, strict=True)):
-        try:
-            fd = t.fileno()
-        except Exception:
-            fd = None
-        if fd is not None:
-            t.flush()
-            fds.append(fd)
-        elif index == 1 and targets[0] is t:
-            # Both streams go to one destination: one pipe keeps their lines in order.
-            fds.append(subprocess.STDOUT)
-        else:
-            fds.append(subprocess.PIPE)
-            pumps_for.append((index, router))
-    popen = subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=None if env is None else dict(env),
-        shell=shell,
-        start_new_session=start_new_session,
-        stdin=stdin,
-        stdout=fds[0],
-        stderr=fds[1],
-        preexec_fn=preexec_fn,
-    )
+    dups: list[int] = []
+    try:
+        fds, pumps_for = _child_streams(dups)
+        popen = subprocess.Popen(
+            args,
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            shell=shell,
+            start_new_session=start_new_session,
+            stdin=stdin,
+            stdout=fds[0],
+            stderr=fds[1],
+            preexec_fn=preexec_fn,
+        )
+    finally:
+        for fd in dups:
+            os.close(fd)
     pumps: list[threading.Thread] = []
     for index, router in pumps_for:
         pipe = popen.stdout if index == 0 else popen.stderr
