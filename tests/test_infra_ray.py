@@ -735,3 +735,19 @@ def test_concurrent_checks_are_cheap(harness: Harness) -> None:
         t.join(30)
     results.sort()
     assert results[len(results) // 2] < 0.005, f"median check {results[len(results) // 2]:.4f}s"
+
+
+def test_a_bounded_call_prints_into_its_callers_log(tmp_path: Path) -> None:
+    """A Ray call from a launch or teardown job runs on a helper thread (so a silent cluster
+    costs a timeout, not a hung job): what it prints or logs belongs to that job's log, not to
+    the daemon's."""
+    from corral.infra import _ray_calls
+
+    pool = jobs.JobPool(max_workers=1)
+    try:
+        log = tmp_path / "launch.log"
+        job = pool.submit(_ray_calls._bounded, "probe", 10.0, print, "said on the helper", log=log)
+        assert job.wait(10)
+    finally:
+        assert pool.shutdown(timeout=10)
+    assert "said on the helper" in log.read_text()

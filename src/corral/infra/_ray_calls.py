@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import ray
 import ray.exceptions
 
+from corral import capture
 from corral.infra import _ray_actor
 
 T = TypeVar("T")
@@ -86,7 +87,8 @@ def _bounded(what: str, timeout: float, fn: Callable[..., T], *args: Any, **kwar
                     _overdue -= 1
             _hanging.release()
 
-    threading.Thread(target=run, name=f"corral-ray-{what}", daemon=True).start()
+    # In its caller's route: what Ray prints during a launch or teardown goes to that log.
+    capture.Thread(target=run, name=f"corral-ray-{what}", daemon=True).start()
     if not done.wait(timeout):
         with _overdue_lock:
             if not done.is_set():
