@@ -31,6 +31,7 @@ from conftest import (
 )
 
 from corral.dataplane.slots import FROZEN_AFTER
+from corral.infra.base import scratch_root
 from corral.ownership import worker_home_id
 
 HOMES = 20
@@ -303,3 +304,31 @@ def test_one_look_finds_each_services_foreign_listener() -> None:
         found = foreign_listeners(routes, {os.fstat(ours.fileno()).st_ino})
         want = {"taken": [("127.0.0.1", os.fstat(theirs.fileno()).st_ino)]}
     assert found == want, found
+
+
+def test_a_home_leaves_no_scratch_directory_behind(corral_home: CorralHome, tmp_path: Path) -> None:
+    """Replicas work in $TMPDIR/corral-<uid>/<home id>/ (outside the home, which a confined
+    replica cannot see). A home whose services went and whose daemon stopped leaves nothing
+    there, nor one deleted while its daemon ran; a daemon stopped with a service still up
+    leaves its directory for the next daemon's replicas."""
+    kept = new_home(tmp_path, corral_home, "kept")
+    up(kept, "svc")
+    marker = kept.marker
+    assert marker is not None
+    scratch = scratch_root(marker)
+    assert scratch.is_dir()
+    kept.run("daemon", "stop")
+    assert scratch.is_dir()  # the service runs on: its replica's directory is in use
+    kept.run("down", "svc", "-y")
+    kept.run("daemon", "stop", "--all")
+    assert not scratch.exists()
+
+    deleted = new_home(tmp_path, corral_home, "deleted")
+    up(deleted, "svc")
+    marker = deleted.marker
+    assert marker is not None
+    daemon = deleted.daemon_pid()
+    assert scratch_root(marker).is_dir()
+    delete(deleted.path)
+    wait_for(lambda: not pid_alive(daemon), GONE_WITHIN, "the deleted home's daemon to exit")
+    assert not scratch_root(marker).exists()

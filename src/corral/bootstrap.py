@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import ssl
 import sys
@@ -43,7 +44,7 @@ from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
 from corral.infra._ray_link import RayLink, ray_installed
-from corral.infra.base import EndsHome, Infra, ReplicaHandle
+from corral.infra.base import EndsHome, Infra, ReplicaHandle, scratch_root
 from corral.infra.inventory import Inventory, InventoryError, load_inventory
 from corral.infra.local import LocalInfra, replica_key
 from corral.infra.local_scan import end_home
@@ -446,6 +447,18 @@ def _end_home_elsewhere(infras: Mapping[str, Infra], home_marker: str) -> list[s
     return lines
 
 
+def _leave_scratch(home_marker: str, lost: bool) -> None:
+    """The home's scratch directory (outside the home, :func:`scratch_root`): removed with
+    what is in it when the home is gone, and when empty (no service left) otherwise. One was
+    left per home, thousands of them on a machine that runs the tests."""
+    root = scratch_root(home_marker)
+    if lost:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            root.rmdir()
+
+
 async def _shut_down(
     daemon: Daemon, runner: web.AppRunner, chores: list[asyncio.Task[None]]
 ) -> None:
@@ -482,5 +495,6 @@ async def _shut_down(
     local = deps.infras.get("local")
     if isinstance(local, LocalInfra):
         local.release(deps.home_marker)
+    await asyncio.to_thread(_leave_scratch, deps.home_marker, lost)
     await asyncio.to_thread(deps.pool.shutdown, timeout=15.0)
     deps.store.close()
