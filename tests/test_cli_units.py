@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sqlite3
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import aiohttp
 
 from corral import cliview
 from corral.home import home_problem
-from corral.loglines import balancer_lines, names_service, tail_offset
+from corral.loglines import balancer_lines, balancer_tail, names_service, tail_offset
 from corral.probe import probe
 from corral.state import _MIGRATIONS, Store, _split
 
@@ -156,6 +157,53 @@ def test_balancer_lines_of_one_service(tmp_path: Path) -> None:
     more, _ = balancer_lines(tmp_path, "web", positions)
     assert len(more) == 1 and b"replica 3" in more[0]
     assert not names_service(b"x corral.balancer: balancer web-2 listening", "web")
+
+
+def test_balancer_tail_reads_a_big_log_from_its_end(tmp_path: Path) -> None:
+    """`corral logs NAME --load-balancer --tail N` on worker logs of many services: the last N
+    lines of one, the same as reading the logs whole (lines long enough to cross the read
+    blocks, an unfinished last line left for the follower), read from the end: the memory it
+    takes is the tail's (a whole 400 MB log once took the daemon from 66 to 909 MB)."""
+    logs = tmp_path / "dataplane"
+    logs.mkdir()
+    for worker in range(2):
+        lines = [
+            b"2026-01-01 00:%02d:%02d,%03d INFO worker-%d corral.balancer: balancer %b %d %b\n"
+            % (
+                i // 60000 % 60,
+                i // 1000 % 60,
+                i % 1000,
+                worker,
+                b"web" if i % 7 else b"api",
+                i,
+                b"x" * (i % 3 * 40_000),
+            )
+            for i in range(worker, 3000, 2)
+        ]
+        (logs / f"worker-{worker}.log").write_bytes(
+            b"".join(lines) + b"2026-01-01 01:00:00,000 bal"
+        )
+    whole, positions = balancer_lines(tmp_path, "api", {})
+    assert len(whole) > 400
+    for count in (0, 1, 5, 200, 10_000):
+        tail, after = balancer_tail(tmp_path, "api", count)
+        assert tail == (whole[-count:] if count else []), count
+        assert after == positions  # the follower goes on where the whole read would
+    with open(logs / "worker-1.log", "ab") as f:
+        f.write(b"ancer api done\n")
+    more, _ = balancer_lines(tmp_path, "api", after)
+    assert more == [b"2026-01-01 01:00:00,000 balancer api done\n"]
+    # 40 MB of other services' lines: the tail holds a few blocks, not the log.
+    with open(logs / "worker-0.log", "ab") as f:
+        f.write(b"2026-01-01 02:00:00,000 INFO balancer web %b\n" % (b"y" * 200) * 160_000)
+    tracemalloc.start()
+    try:
+        tail, _ = balancer_tail(tmp_path, "api", 3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert tail == (whole + more)[-3:]
+    assert peak < 8 << 20, peak
 
 
 def test_home_problems(tmp_path: Path) -> None:

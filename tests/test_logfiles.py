@@ -317,3 +317,27 @@ def test_flooding_replica_log_is_capped_and_followable(
     texts = {m.group(2) for m in whole}
     assert f"rotated {BURSTS}" in texts and "FLOOD DONE" in texts, sorted(texts)[:10]
     home.run("down", "chatter", timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_the_daemons_and_the_workers_logs_are_capped_too(corral_home: CorralHome) -> None:
+    """`daemon.log` and the balancer workers' logs grow with the home's events for as long as
+    it lives (the workers across daemons); they had no cap. Grown past it, each is moved to
+    `.1` and emptied like a replica's log, within a check period (10 s)."""
+    home = corral_home
+    cap = 64 * 1024
+    home.env["CORRAL_LOG_MAX_BYTES"] = str(cap)
+    home.start_daemon()
+    logs = [home.path / "daemon.log", home.path / "dataplane" / "worker-0.log"]
+    wait_for(lambda: all(p.exists() for p in logs), 30, "the daemon's and a worker's logs")
+    for path in logs:  # weeks of events, at once
+        with open(path, "ab") as f:
+            f.write(b"an old line of the log\n" * 4000)
+
+    def capped() -> bool:
+        backups = [backup_of(p) for p in logs]
+        return all(b.exists() and b.stat().st_size > cap for b in backups) and all(
+            p.stat().st_size < cap for p in logs
+        )
+
+    wait_for(capped, 40, "both logs rotated", interval=0.5)

@@ -162,11 +162,14 @@ async def _balancer_log(
     first = True
     try:
         while True:
-            lines, positions = await asyncio.to_thread(
-                loglines.balancer_lines, daemon.home, name, positions
-            )
-            if first and tail is not None:
-                lines = lines[-tail:] if tail else []
+            if first and tail is not None:  # read from the end: a worker's log may be huge
+                lines, positions = await asyncio.to_thread(
+                    loglines.balancer_tail, daemon.home, name, tail
+                )
+            else:
+                lines, positions = await asyncio.to_thread(
+                    loglines.balancer_lines, daemon.home, name, positions
+                )
             first = False
             if lines:
                 await response.write(b"".join(lines))

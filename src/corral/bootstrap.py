@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import ssl
 import sys
@@ -44,12 +43,13 @@ from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
 from corral.infra._ray_link import RayLink, ray_installed
-from corral.infra.base import EndsHome, Infra, ReplicaHandle, scratch_root
+from corral.infra.base import EndsHome, Infra, ReplicaHandle, leave_scratch
 from corral.infra.inventory import Inventory, InventoryError, load_inventory
 from corral.infra.local import LocalInfra, replica_key
 from corral.infra.local_scan import end_home
 from corral.jobs import JobPool
 from corral.limits import raise_open_files, undumpable
+from corral.logcap import cap_home_logs
 from corral.state import StateError, Store
 
 # DaemonError is re-exported: the CLI and the tests catch it from here.
@@ -247,6 +247,7 @@ async def serve(
             asyncio.create_task(
                 ownership.watch(watch, lambda why: _home_gone(daemon, why)), name="corral-home"
             ),
+            asyncio.create_task(cap_home_logs(home, deps.log_max_bytes), name="corral-logcap"),
         ]
         dataplane.open()  # the re-adopted ready sets go to the workers in one table
         runner = make_runner(daemon, token)
@@ -447,18 +448,6 @@ def _end_home_elsewhere(infras: Mapping[str, Infra], home_marker: str) -> list[s
     return lines
 
 
-def _leave_scratch(home_marker: str, lost: bool) -> None:
-    """The home's scratch directory (outside the home, :func:`scratch_root`): removed with
-    what is in it when the home is gone, and when empty (no service left) otherwise. One was
-    left per home, thousands of them on a machine that runs the tests."""
-    root = scratch_root(home_marker)
-    if lost:
-        shutil.rmtree(root, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            root.rmdir()
-
-
 async def _shut_down(
     daemon: Daemon, runner: web.AppRunner, chores: list[asyncio.Task[None]]
 ) -> None:
@@ -479,7 +468,7 @@ async def _shut_down(
         with contextlib.suppress(FileNotFoundError):
             (home / "daemon.json").unlink()
     await runner.cleanup()
-    for chore in chores:  # the backup loop, the home's watch
+    for chore in chores:  # the backup loop, the home's watch, the log cap
         chore.cancel()
     await daemon.stop_controllers()
     await deps.dataplane.stop(workers=daemon.stop_workers)
@@ -495,6 +484,6 @@ async def _shut_down(
     local = deps.infras.get("local")
     if isinstance(local, LocalInfra):
         local.release(deps.home_marker)
-    await asyncio.to_thread(_leave_scratch, deps.home_marker, lost)
+    await asyncio.to_thread(leave_scratch, deps.home_marker, lost)
     await asyncio.to_thread(deps.pool.shutdown, timeout=15.0)
     deps.store.close()

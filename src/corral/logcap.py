@@ -1,12 +1,14 @@
 """A service's logs: named by the replicas' ids within the service, and kept under their size
-cap while it runs (see corral.logfiles)."""
+cap while it runs (see corral.logfiles); the home's own logs under the same cap."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from corral import logfiles
+from corral.loglines import worker_logs
 from corral.replicas import TeardownState
 from corral.servicecore import ServiceCore
 from corral.state import StateError
@@ -15,6 +17,9 @@ log = logging.getLogger("corral.controller")
 
 # How often replica logs are checked against ControllerDeps.log_max_bytes.
 LOG_CAP_PERIOD = 2.0
+# How often the daemon's and the balancer workers' logs are: they grow with the home's traffic
+# and events, not with an app's output.
+HOME_LOG_CAP_PERIOD = 10.0
 
 
 def prepare_logs(svc: ServiceCore) -> None:
@@ -71,3 +76,33 @@ async def cap_logs(svc: ServiceCore) -> None:
             else:
                 what = f"{item.path.name} over {cap} bytes: {item.kept} bytes moved"
                 log.info("service %s: %s to %s", svc.name, what, item.backup.name)
+
+
+async def cap_home_logs(home: Path, cap: int) -> None:
+    """Every HOME_LOG_CAP_PERIOD s (until cancelled), the same cap on ``daemon.log`` and the
+    balancer workers' logs, which the daemon and the workers keep open for append (so
+    copy-and-truncate, as for a replica's). They had none: a worker logs every service's
+    balancer events for as long as the data plane runs, across daemons."""
+    if cap <= 0:
+        return
+    while True:
+        await asyncio.sleep(HOME_LOG_CAP_PERIOD)
+        try:
+            paths = [home / "daemon.log", *worker_logs(home)]
+            done = await asyncio.to_thread(logfiles.rotate_all, paths, cap)
+        except Exception:
+            log.exception("the home's log size check failed")
+            continue
+        for item in done:
+            if isinstance(item, str):
+                log.warning("a log over the cap not rotated: %s", item)
+            elif item.error is not None:
+                log.warning("%s over %d bytes emptied: %s", item.path.name, cap, item.error)
+            else:
+                log.info(
+                    "%s over %d bytes: %d bytes moved to %s",
+                    item.path.name,
+                    cap,
+                    item.kept,
+                    item.backup.name,
+                )

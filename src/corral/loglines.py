@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import BinaryIO
 
 _BLOCK = 1 << 16
+_READ_BLOCK = 1 << 20
 
 
 def tail_offset(path: Path, lines: int) -> int:
@@ -84,16 +86,73 @@ def balancer_lines(
                 if size < start:
                     start = 0
                 f.seek(start)
-                data = f.read()
+                # In blocks, keeping only this service's lines: a worker's log holds every
+                # service's, and may be far larger than what is asked of it.
+                rest = b""
+                while block := f.read(_READ_BLOCK):
+                    data = rest + block
+                    complete = data.rfind(b"\n") + 1
+                    found += _naming(data[:complete], service)
+                    rest = data[complete:]
+                    start += complete  # a line still being written waits for next time
         except OSError:
             continue
-        complete = data.rfind(b"\n") + 1  # a line still being written waits for next time
-        after[path] = start + complete
-        lines = data[:complete].splitlines()
-        found += [line + b"\n" for line in lines if names_service(line, service)]
-    # Each line starts with its time (the workers' logging format): merged in time order.
-    found.sort(key=lambda line: line[:23])
-    return found, after
+        after[path] = start
+    return _in_time_order(found), after
+
+
+def balancer_tail(home: Path, service: str, count: int) -> tuple[list[bytes], dict[Path, int]]:
+    """The last ``count`` complete lines naming ``service`` in the workers' logs, and the
+    positions to follow from (:func:`balancer_lines`). Each log is read backwards in blocks
+    until it gave ``count`` of them: what it costs is the tail's, not the log's."""
+    found: list[bytes] = []
+    after: dict[Path, int] = {}
+    for path in worker_logs(home):
+        try:
+            with open(path, "rb") as f:
+                # A last line without its newline is still being written: followed later.
+                position = end = _complete_end(f, os.fstat(f.fileno()).st_size)
+                head = b""  # a line's end cut off by a block's start: its start comes next
+                mine: list[bytes] = []
+                while position > 0 and len(mine) < count:
+                    start = max(0, position - _BLOCK)
+                    f.seek(start)
+                    data = f.read(position - start) + head
+                    head = b""
+                    if start > 0:
+                        newline = data.find(b"\n")
+                        cut = newline + 1 if newline >= 0 else len(data)
+                        head, data = data[:cut], data[cut:]
+                    mine = _naming(data, service) + mine
+                    position = start
+        except OSError:
+            continue
+        after[path] = end
+        found += mine[-count:] if count else []
+    return _in_time_order(found)[-count:] if count else [], after
+
+
+def _complete_end(f: BinaryIO, size: int) -> int:
+    """Where the last complete line of ``f`` (``size`` bytes) ends: after its last newline."""
+    position = size
+    while position > 0:
+        start = max(0, position - _BLOCK)
+        f.seek(start)
+        newline = f.read(position - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        position = start
+    return 0
+
+
+def _naming(data: bytes, service: str) -> list[bytes]:
+    """The complete lines of ``data`` that name ``service``, each with its newline."""
+    return [line + b"\n" for line in data.splitlines() if names_service(line, service)]
+
+
+def _in_time_order(lines: list[bytes]) -> list[bytes]:
+    """Each line starts with its time (the workers' logging format): merged in time order."""
+    return sorted(lines, key=lambda line: line[:23])
 
 
 def last_line(path: Path, limit: int = 300) -> str:

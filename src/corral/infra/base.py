@@ -22,8 +22,10 @@ It is shaped so that a local process, a Ray actor and a Kubernetes pod all fit:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +53,18 @@ def scratch_root(home_marker: str) -> Path:
     own working directory). The per-user directory must be this user's and 0700 (checked by
     the backend that creates it), so another local user cannot plant a symlink there."""
     return Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / home_marker
+
+
+def leave_scratch(home_marker: str, lost: bool) -> None:
+    """A stopping daemon's last word on its home's scratch directory: removed with what is in
+    it when the home is gone (nothing will run there again), and when empty (no service left)
+    otherwise. It was left, one per home: thousands on a machine that runs the tests."""
+    root = scratch_root(home_marker)
+    if lost:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            root.rmdir()
 
 
 @dataclass
