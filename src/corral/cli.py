@@ -23,6 +23,7 @@ from corral.cli_common import (
     home_of,
     interrupted,
     out,
+    stuck_replicas,
 )
 from corral.cli_daemon import daemon
 from corral.cli_doctor import doctor
@@ -345,9 +346,12 @@ def down(
     if not client.answered:  # the home holds services: a daemon takes them down
         client = _client(ctx, start=True)
     try:
-        targets = [s["name"] for s in (client.services() if all_ else matching(client, names))]
+        chosen = client.services() if all_ else matching(client, names)
     except ClientError as exc:
         _fail(_client_error_text(exc))
+    targets = [s["name"] for s in chosen]
+    # What a purge will forget (it does at once): said once the service is gone.
+    stuck = {s["name"]: stuck_replicas(s) for s in chosen} if purge else None
     if not targets:
         out.print(NO_SERVICES)
         return
@@ -362,7 +366,7 @@ def down(
         from corral.cli_wait import wait_down
 
         try:
-            wait_down(client, targets, purge=purge, timeout=timeout)
+            wait_down(client, targets, purge=purge, timeout=timeout, stuck=stuck)
         except KeyboardInterrupt:
             interrupted(
                 f"{', '.join(targets)} keep shutting down in the daemon; `corral status` shows "

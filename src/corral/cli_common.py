@@ -120,3 +120,15 @@ class CorralGroup(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             interrupted(f"`corral {ctx.invoked_subcommand}` stopped")
+
+
+def stuck_replicas(service: dict[str, Any]) -> str:
+    """The replicas of ``service`` whose teardown failed, each with why and its pid, or ""."""
+    parts = [
+        f"replica {r['id']} ({r.get('failure') or 'no detail'}"
+        + (f", pid {r['pid']}" if r.get("pid") else "")
+        + ")"
+        for r in service.get("replicas") or ()
+        if r.get("status") == "FAILED_CLEANUP"
+    ]
+    return ", ".join(parts)

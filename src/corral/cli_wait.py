@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from corral import cliview
-from corral.cli_common import client_error_text, fail, out
+from corral.cli_common import client_error_text, fail, out, stuck_replicas
 from corral.client import Client, ClientError
 
 FAILED_SERVICE = {"FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"}
@@ -179,9 +179,22 @@ def wait_rollout(client: Client, name: str, version: int, timeout: float | None)
             return
 
 
-def wait_down(client: Client, targets: list[str], *, purge: bool, timeout: float) -> None:
+def wait_down(
+    client: Client,
+    targets: list[str],
+    *,
+    purge: bool,
+    timeout: float,
+    stuck: dict[str, str] | None = None,
+) -> None:
+    """Until each target is gone. A teardown that failed is said with its replicas (and
+    waiting goes on for the other targets); with ``purge``, what was forgotten so is named:
+    it may still run (``stuck``: as seen before the down was asked, since a purge forgets them
+    at once)."""
     deadline = time.monotonic() + timeout
     pending = set(targets)
+    failed: list[str] = []
+    stuck = {n: text for n, text in (stuck or {}).items() if text}  # failed their teardown
     while pending and time.monotonic() < deadline:
         for n in list(pending):
             try:
@@ -189,16 +202,22 @@ def wait_down(client: Client, targets: list[str], *, purge: bool, timeout: float
             except ClientError as exc:
                 if exc.status == 404:
                     pending.discard(n)
-                    out.print(f"service {n}: down")
+                    forgot = f"; forgot {stuck[n]}: they may still run" if n in stuck else ""
+                    out.print(f"service {n}: down{forgot}")
                     continue
                 _fail(_client_error_text(exc))
             else:
-                if s["status"] == "FAILED_CLEANUP" and not purge:
+                if purge and (seen := stuck_replicas(s)):
+                    stuck[n] = seen
+                elif s["status"] == "FAILED_CLEANUP" and not purge:
                     pending.discard(n)
-                    _fail(
-                        f"service {n}: teardown failed for some replicas: {s.get('failure')}; "
+                    failed.append(
+                        f"service {n}: teardown failed for "
+                        f"{stuck_replicas(s) or 'a replica'}; "
                         f"see `corral status -v {n}`, or `corral down {n} --purge` to forget them"
                     )
         time.sleep(0.2)
+    if failed:
+        _fail("\n".join(failed))
     if pending:
         _fail(f"still shutting down after {timeout:g}s: {', '.join(sorted(pending))}")

@@ -411,6 +411,37 @@ def test_teardown_raising(corral_home: CorralHome, tmp_path: Path) -> None:
 # -- 3. teardown hanging --------------------------------------------------------------------------
 
 
+def test_down_says_which_teardown_failed_and_purge_what_it_forgot(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`corral down` of a service whose replica cannot be torn down fails naming that replica,
+    its error and its pid (it said "teardown failed for some replicas: None"), and still
+    waits for the other services it was given. `down --purge` then forgets it and says so:
+    the process may still run, and here it does (the teardown raised before stopping it)."""
+    home = corral_home
+    start_faulty_daemon(home)
+    with faults_cleared_on_exit(home):
+        home.run("up", str(app_spec(tmp_path, "stuck", 1)))
+        home.run("up", str(app_spec(tmp_path, "other", 1)))
+        (replica,) = home.wait_replicas("stuck", 1, timeout=60)["replicas"]
+        pid = int(replica["pid"])
+        set_faults(home, {"stuck": {"terminate_raise": "before"}})
+        failed = home.run("down", "stuck", "other", "-y", check=False, timeout=90)
+        said = " ".join(failed.stderr.split())
+        assert failed.returncode != 0, said
+        assert f"service stuck: teardown failed for replica {replica['id']} (" in said, said
+        assert "InjectedFault" in said and f"pid {pid}" in said and "None" not in said, said
+        assert "service other: down" in failed.stdout  # waited for, though listed after it
+        assert home.service("other") is None
+        purged = home.run("down", "stuck", "--purge", "-y", timeout=90)
+        said = " ".join(purged.stdout.split())
+        assert f"service stuck: down; forgot replica {replica['id']} (" in said, said
+        assert f"pid {pid}" in said and "they may still run" in said, said
+        assert pid_alive(pid)  # as said: the teardown never stopped it
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), 10, "the forgotten replica to end")
+
+
 def test_teardown_hanging(corral_home: CorralHome, tmp_path: Path) -> None:
     home = corral_home
     start_faulty_daemon(home, CORRAL_TEARDOWN_TIMEOUT=str(TEARDOWN_TIMEOUT))
