@@ -317,10 +317,15 @@ def test_failing_setup_raises_command_failed_and_leaves_nothing(env: Env) -> Non
     with pytest.raises(CommandFailed) as info:
         job.result(DEADLINE)
     assert info.value.returncode == 7
+    # What status shows and the launch log ends with: the user's command failed, in one line,
+    # no corral traceback (it was CommandFailed('command exited with code 7: <the script>')).
+    assert repr(info.value) == "setup exited with code 7"
     assert env.started == []
     assert gone(int((request.replica_dir / "stray.pid").read_text()))
     assert marked(env.marker) == []
-    assert "setting up" in Env.launch_log(request).read_text()
+    log = Env.launch_log(request).read_text()
+    assert "setting up" in log and "Traceback" not in log, log
+    assert log.rstrip().endswith("[corral] setup exited with code 7"), log
 
 
 def test_a_missing_workdir_fails_before_anything_starts(env: Env) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from corral import plan
 from corral.infra.base import Liveness
+from corral.job import SetupFailed
 from corral.plan import (
     Add,
     Adopt,
@@ -310,6 +311,20 @@ def test_a_failure_no_relaunch_can_mend_gives_up_at_once(row: R, why: str) -> No
         assert not any(isinstance(a, Fail) for a in ordinary)
 
 
+def test_a_setup_that_cannot_run_its_command_is_given_up_at_once() -> None:
+    """A setup exiting 127 (a typo'd command) is met again by every relaunch, as a run's is;
+    any other setup failure may pass. The plan reads the words corral.job.SetupFailed says,
+    which are for the user: one line, the signal named when one ended it."""
+    assert str(SetupFailed(3)) == "setup exited with code 3"
+    assert repr(SetupFailed(127)) == "setup exited with code 127 (a command it runs was not found)"
+    assert str(SetupFailed(-9)) == "setup was ended by signal 9 (SIGKILL)"
+    for code, gives_up in ((127, True), (126, True), (3, False), (-9, False)):
+        said = f"{SetupFailed(code)!r}; see `corral logs`"
+        row = R(1, 1, launch_state=LaunchState.FAILED, failure=said, updated_at=1.0)
+        assert replica_status(row) is ReplicaStatus.FAILED_PROVISION
+        assert plan.hopeless(row) is gives_up, code
+
+
 def test_the_fixed_port_line_is_the_one_the_plan_gives_up_on() -> None:
     """What the local backend says of a fixed port another process holds (this test's own
     listener: pid and command line) carries the words the plan reads as hopeless."""
@@ -318,7 +333,7 @@ def test_the_fixed_port_line_is_the_one_the_plan_gives_up_on() -> None:
         held.listen()
         port = held.getsockname()[1]
         said = fixed_port_taken(port, "some-other-home")
-        assert said is not None and plan.FIXED_PORT_TAKEN in said, said
+        assert said is not None and plan.HOPELESS_WORDS[0] in said, said
         assert f"its fixed port {port} is in use by pid {os.getpid()} (" in said, said
         command = " ".join(psutil.Process().cmdline())  # as ps shows it (xdist renames it)
         assert f"pid {os.getpid()} ({command})" in said, said

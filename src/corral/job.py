@@ -31,8 +31,10 @@ __all__ = [
     "Job",
     "JobLogError",
     "JobState",
+    "SetupFailed",
     "checkpoint",
     "current_job",
+    "exit_text",
     "sleep",
 ]
 
@@ -69,6 +71,38 @@ class CommandFailed(Exception):
         shown = args if isinstance(args, str) else " ".join(args)
         super().__init__(f"command exited with code {returncode}: {shown}")
         self.returncode = returncode
+
+
+def exit_text(code: int) -> str:
+    """An exit status as a person reads it: ``code 3``, or ``signal 9 (SIGKILL)`` for a
+    process a signal ended (Popen's negative code)."""
+    if code >= 0:
+        return f"code {code}"
+    try:
+        return f"signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"signal {-code}"
+
+
+class SetupFailed(CommandFailed):
+    """A replica's ``setup`` failed: the user's command, said in one line, with no traceback
+    (nothing in corral went wrong). A command not found or not executable (126, 127) is said
+    so: every relaunch would meet it again (:func:`corral.plan.hopeless`)."""
+
+    def __init__(self, returncode: int) -> None:
+        why = {
+            126: " (a command it runs cannot be executed)",
+            127: " (a command it runs was not found)",
+        }
+        Exception.__init__(
+            self,
+            f"setup {'exited with' if returncode >= 0 else 'was ended by'} "
+            f"{exit_text(returncode)}{why.get(returncode, '')}",
+        )
+        self.returncode = returncode
+
+    def __repr__(self) -> str:
+        return str(self)  # the failure status shows: meant for the user as it is
 
 
 _ids = itertools.count(1)
@@ -339,6 +373,9 @@ class Job:
         except Cancelled:
             print(f"[corral] job {self.name} cancelled", flush=True)
             return JobState.CANCELLED, None, None
+        except SetupFailed as exc:  # the user's command: its own output says the rest
+            print(f"[corral] {exc}", flush=True)
+            return JobState.FAILED, None, exc
         except BaseException as exc:
             # Into THIS job's log, before the route is reset.
             traceback.print_exc()

@@ -35,8 +35,10 @@ from corral.job import (
     Job,
     JobLogError,
     JobState,
+    SetupFailed,
     checkpoint,
     current_job,
+    exit_text,
     sleep,
 )
 from corral.jobcommand import run_command
@@ -48,8 +50,10 @@ __all__ = [
     "JobLogError",
     "JobPool",
     "JobState",
+    "SetupFailed",
     "checkpoint",
     "current_job",
+    "exit_text",
     "run_command",
     "sleep",
 ]

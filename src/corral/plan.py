@@ -47,17 +47,17 @@ BACKOFF_CAP = 30.0
 UNRECOVERABLE = frozenset(
     {ReplicaStatus.FAILED, ReplicaStatus.FAILED_INITIAL_DELAY, ReplicaStatus.FAILED_PROVISION}
 )
-# Exits no relaunch can mend: the shell could not find (127) or run (126) the command; one is
-# enough to give up. So is a FIXED port held by another process ($PORT gets a new one).
+# Exits no relaunch can mend: the shell could not find (127) or run (126) the command, of `run`
+# or of `setup`; one is enough to give up. So is a FIXED port held by another process ($PORT
+# gets a new one). A launch failure is known by its words (corral.job.SetupFailed, PortTaken).
 HOPELESS_EXIT_CODES = frozenset({126, 127})
-FIXED_PORT_TAKEN = "its fixed port"  # the words of that launch failure
+HOPELESS_WORDS = ("its fixed port", "setup exited with code 126 ", "setup exited with code 127 ")
 
 
 def hopeless(r: Row) -> bool:
-    """A failure before READY that the next launch would meet again: an exit 126/127, or a
-    fixed port another process holds (:func:`corral.ports.fixed_port_taken`)."""
+    """A failure before READY that the next launch would meet again (see HOPELESS_WORDS)."""
     if failure_status(r) is ReplicaStatus.FAILED_PROVISION:
-        return FIXED_PORT_TAKEN in (r.failure or "")
+        return any(words in (r.failure or "") for words in HOPELESS_WORDS)
     return failure_status(r) is ReplicaStatus.FAILED and r.exit_code in HOPELESS_EXIT_CODES
 
 

@@ -23,7 +23,7 @@ from corral import logfiles
 from corral.capacity import Capacity
 from corral.dataplane.plane import DataPlane, ServiceRoute
 from corral.infra.base import Connecting, Infra, Liveness, ReplicaHandle
-from corral.jobs import Job, JobPool
+from corral.jobs import Job, JobPool, exit_text
 from corral.loglines import last_line
 from corral.plan import HOPELESS_EXIT_CODES
 from corral.replicas import replica_status
@@ -336,7 +336,7 @@ class ServiceCore:
         # Only the process's parent learns its exit code: the daemon that launched it, not one
         # that adopted it after a restart.
         unknown = "exit code unknown: an earlier daemon started it"
-        said = f"code {code}" if code is not None else unknown
+        said = exit_text(code) if code is not None else unknown
         if code in HOPELESS_EXIT_CODES:  # the shell's own line says it: `pyhton3: not found`
             said += f": {last_line(self.replica_log(r.seq))}"
         self.mark_failed(

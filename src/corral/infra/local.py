@@ -214,6 +214,10 @@ class LocalInfra:
                 timeout=request.setup_timeout,
                 preexec_fn=preexec,
             )
+        except jobs.CommandFailed as exc:
+            for line in self._stop_strays(request.home_marker, key, since):
+                print(f"[corral] setup left a process behind: {line}", flush=True)
+            raise jobs.SetupFailed(exc.returncode) from None
         except subprocess.TimeoutExpired:
             for line in self._stop_strays(request.home_marker, key, since):
                 print(f"[corral] setup left a process behind: {line}", flush=True)

@@ -411,7 +411,7 @@ class RayInfra:
             print(f"[corral] setup: {request.setup}", flush=True)
             code = self._run_setup(actor, request.setup, env, workdir)
             if code != 0:
-                raise jobs.CommandFailed(request.setup, code)
+                raise jobs.SetupFailed(code)
             print("[corral] setup done", flush=True)
         jobs.checkpoint()
         print(f"[corral] run: {request.run}", flush=True)
