@@ -47,6 +47,20 @@ def test_down_says_what_to_give(tmp_path: Path) -> None:
     assert not (tmp_path / "home" / "daemon.json").exists()
 
 
+def test_update_says_what_to_give(tmp_path: Path) -> None:
+    """The flag the user typed, not the API's field; both given is "not both"."""
+    spec = tmp_path / "svc.yaml"
+    spec.write_text("run: x\n")
+    code, said = _corral(tmp_path, "update", "svc")
+    assert code == 1 and "give the new spec FILE, or --to-version N" in said, said
+    code, said = _corral(tmp_path, "update", "svc", str(spec), "--to-version", "1")
+    assert code == 1 and "not both" in said, said
+    code, said = _corral(tmp_path, "update", "svc", "--to-version", "0")
+    assert code == 1 and "--to-version: versions count from 1, not 0" in said, said
+    assert "from_version" not in said
+    assert not (tmp_path / "home" / "daemon.json").exists()
+
+
 @pytest.mark.parametrize(
     ("text", "key"),
     [

@@ -190,8 +190,12 @@ def update(
     """Roll out a new version of service NAME from FILE (or --to-version N).
 
     The workdir is copied again now: this is how edits to it reach the service."""
-    if (file is None) == (to_version is None):
+    if file is not None and to_version is not None:
+        _fail("give the new spec FILE or --to-version N to roll back, not both")
+    if file is None and to_version is None:
         _fail("give the new spec FILE, or --to-version N to roll back")
+    if to_version is not None and to_version < 1:
+        _fail(f"--to-version: versions count from 1, not {to_version} (`corral status {name}`)")
     text = source = base_dir = None
     envs, secrets = given_values(env, env_file, secret)
     if file is not None:
