@@ -28,7 +28,9 @@ Policies a user of this module relies on:
   strict stream) never raises into the writer. The failure is reported once, on the original
   stderr, and never through the router itself, so reporting cannot recurse.
 * Log files are opened UTF-8 with ``errors="backslashreplace"``, line-buffered, flushed when the
-  route ends, at interpreter exit and before ``fork()``.
+  route ends, at interpreter exit and before ``fork()``. That holds for text; bytes written to
+  ``sys.stdout.buffer`` and a child's output go to the file as they are (a log may hold what
+  is not UTF-8; `corral logs` passes bytes on as they are).
 * ``print(..., file=sys.__stdout__)`` is the intentional escape hatch: it bypasses the router.
 * Logging: :func:`install` re-points existing ``logging.StreamHandler``\\ s that hold the original
   stdout/stderr at the router (handlers created before install would otherwise bypass it).
