@@ -40,10 +40,13 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     if tail is not None:
         offset = await asyncio.to_thread(loglines.tail_offset, path, tail)
     if not path.exists() and not follow:
+        launch = kind == "replica" and replica_id is not None
         raise RequestError(
             404,
             f"no {kind} log yet for service {name!r}"
-            + (f" replica {replica_id}" if replica_id is not None else ""),
+            + (f" replica {replica_id}" if replica_id is not None else "")
+            # A replica that failed in setup (or before) never had a log of its own.
+            + (f"; its launch log: `corral logs {name} {replica_id} --launch`" if launch else ""),
         )
     response = web.StreamResponse(headers=TEXT)
     request[STREAMING] = True

@@ -187,6 +187,10 @@ def test_launch_raising(corral_home: CorralHome, tmp_path: Path) -> None:
         first = broken["replicas"][0]["id"]  # what `corral logs` takes
         launch_log = home.run("logs", "broken", str(first), "--launch", "--no-follow").stdout
         assert "InjectedFault" in launch_log and "Traceback" in launch_log, launch_log
+        # It never ran, so it has no log of its own: asking for it points at the launch log.
+        none = home.run("logs", "broken", str(first), "--no-follow", check=False)
+        hint = f"its launch log: `corral logs broken {first} --launch`"
+        assert none.returncode != 0 and hint in none.stderr, none.stderr
         failed_events = [
             e for e in events(home, "broken") if e["action"] == "replica.launch_failed"
         ]
