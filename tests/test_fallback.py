@@ -159,3 +159,28 @@ def test_end_to_end_the_old_version_is_kept_at_its_size_after_a_failed_update(
     svc = wait_for(back, 60, "two new version-1 replicas READY")
     assert {r["version"] for r in svc["replicas"] if r["status"] == "READY"} == {1}
     assert svc["status"] == "READY" and svc["traffic_versions"] == [1], svc
+
+
+def test_no_room_is_made_for_a_version_given_up() -> None:
+    """A relaunch of the version that gave up may still wait for a device (a full machine):
+    the rolling rule must not retire a replica still serving to make room for it. (It did,
+    once the fallback's own new replica made the old ones look like enough: 0 READY.)"""
+    rows = [
+        R(1, 1, ready=1, first_ready_at=1.0),
+        R(7, 1),  # the fallback's replacement, starting
+        R(6, 2),  # the given-up version's last relaunch, waiting for a device
+    ]
+    for fallback_version, made in ((1, False), (None, True)):
+        facts = Facts(
+            rows=rows,
+            version=2,
+            mode=UpdateMode.ROLLING,
+            min_replicas=2,
+            version_ready=False,
+            target=2,
+            fallback=fallback_version,
+        )
+        actions = plan.replace_old_versions(facts)
+        assert any(isinstance(a, plan.MakeRoom) for a in actions) is made, actions
+        if fallback_version is not None:  # and what still serves is kept, starting or not
+            assert not any(isinstance(a, plan.Retire) for a in actions), actions

@@ -345,9 +345,7 @@ def replace_old_versions(facts: Facts) -> list[Action]:
     while the new version has fewer READY than the target asks, so the READY count never drops
     below it. Blue-green: the new version's READY replicas get no traffic until it has
     ``min_replicas`` READY (at least 1); then traffic switches at once and every old replica
-    drains and goes. A version that never becomes READY is never promoted: the old replicas
-    keep serving.
-    """
+    drains and goes. A version that never becomes READY is never promoted: the old serve."""
     version, rows, target = facts.version, facts.rows, facts.target
     old = [r for r in rows if r.version != version and is_live(r)]
     if not old:
@@ -373,7 +371,9 @@ def replace_old_versions(facts: Facts) -> list[Action]:
     actions += [Retire(r.id, why) for r in old if r not in old_ready + keep_all]
     victims = scale_down_victims(old_ready, len(old_ready) - keep, current_version=version)
     actions += [Retire(r.id, why) for r in victims]
-    return [*actions, MakeRoom(version, target, ready_new), Hold(None)]
+    # No room is made for a version given up (its last relaunch may still wait for a device).
+    room = [] if facts.fallback else [MakeRoom(version, target, ready_new)]
+    return [*actions, *room, Hold(None)]
 
 
 def toward_target(facts: Facts, now: float) -> list[Action]:
