@@ -157,6 +157,16 @@ def _create(
     _fail("five generated names were all taken; pass -n NAME")
 
 
+def _check_update_source(name: str, file: Path | None, to_version: int | None) -> None:
+    """FILE or --to-version, one of them, in the flags' words (not the API's fields)."""
+    if file is not None and to_version is not None:
+        _fail("give the new spec FILE or --to-version N to roll back, not both")
+    if file is None and to_version is None:
+        _fail("give the new spec FILE, or --to-version N to roll back")
+    if to_version is not None and to_version < 1:
+        _fail(f"--to-version: versions count from 1, not {to_version} (`corral status {name}`)")
+
+
 @main.command()
 @click.argument("name")
 @click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
@@ -190,12 +200,7 @@ def update(
     """Roll out a new version of service NAME from FILE (or --to-version N).
 
     The workdir is copied again now: this is how edits to it reach the service."""
-    if file is not None and to_version is not None:
-        _fail("give the new spec FILE or --to-version N to roll back, not both")
-    if file is None and to_version is None:
-        _fail("give the new spec FILE, or --to-version N to roll back")
-    if to_version is not None and to_version < 1:
-        _fail(f"--to-version: versions count from 1, not {to_version} (`corral status {name}`)")
+    _check_update_source(name, file, to_version)
     text = source = base_dir = None
     envs, secrets = given_values(env, env_file, secret)
     if file is not None:
