@@ -300,6 +300,26 @@ def _drain(reader: LineReader) -> list[str]:
     return lines
 
 
+def test_logs_without_a_daemon_are_read_from_disk(corral_home: CorralHome, tmp_path: Path) -> None:
+    """`corral daemon stop` leaves the services running and writing their logs; `status` and
+    `down` work without a daemon, and so does `corral logs`: it prints the files as they are
+    (and says so on stderr) instead of asking for a daemon first."""
+    corral_home.run("up", str(write_spec(tmp_path / "svc.yaml", spec_text("ondisk", 1))))
+    corral_home.run("daemon", "stop")
+    logs = corral_home.path / "services" / "ondisk" / "logs"
+    (logs / "replica_1.log").open("a").write("first\nsecond\nthird\n")
+    got = corral_home.run("logs", "ondisk", "1", "--tail", "2")
+    assert got.stdout == "second\nthird\n" and "as it is on disk" in got.stderr, got
+    launch = corral_home.run("logs", "ondisk", "1", "--launch", "--no-follow")
+    assert "[corral] run:" in launch.stdout, launch.stdout
+    controller = corral_home.run("logs", "ondisk", "--controller", "--no-follow")
+    assert "ondisk" in controller.stdout, controller.stdout
+    missing = corral_home.run("logs", "ondisk", "7", check=False)
+    assert missing.returncode == 1 and "no such log of 'ondisk'" in missing.stderr
+    assert "corral daemon start" in missing.stderr
+    assert corral_home.daemon_info() is None  # none was started to answer
+
+
 @pytest.mark.parametrize(
     "verb", [("update", "nothing-here", "--to-version", "1"), ("logs", "nothing-here", "1")]
 )

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from corral import __version__
+from corral.apiconn import ENV_API_URL
 from corral.cli_common import (
     CorralGroup,
     client_error_text,
@@ -23,6 +24,7 @@ from corral.cli_common import (
     home_of,
     interrupted,
     out,
+    say,
     stuck_replicas,
 )
 from corral.cli_daemon import daemon
@@ -294,6 +296,9 @@ def logs(
     if follow is None:
         follow = tail is None
     client = _client(ctx, start=False)
+    if not client.answered and not os.environ.get(ENV_API_URL):  # a remote daemon: not here
+        _logs_on_disk(ctx, name, kind, replica, tail)
+        return
     try:
         for chunk in client.logs(name, kind=kind, replica=replica, follow=follow, tail=tail):
             sys.stdout.buffer.write(chunk)
@@ -302,6 +307,28 @@ def logs(
         _fail(_client_error_text(exc))
     except KeyboardInterrupt:
         pass
+
+
+def _logs_on_disk(
+    ctx: click.Context, name: str, kind: str, replica: int | None, tail: int | None
+) -> None:
+    """No daemon answers (`status` and `down` work then too): the log as its file holds it."""
+    from corral.cli_nodaemon import log_on_disk
+
+    home = home_of(ctx)
+    chunks = log_on_disk(home, name, kind, replica, tail)
+    if chunks is None:
+        _fail(
+            f"no corral daemon runs on {home} (start one with `corral daemon start`), and no "
+            f"such log of {name!r} is on disk"
+        )
+    for chunk in chunks:
+        sys.stdout.buffer.write(chunk)
+    sys.stdout.buffer.flush()
+    say(
+        f"(no corral daemon runs on {home}: the log as it is on disk; "
+        "`corral daemon start` to follow it)"
+    )
 
 
 @main.command()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,3 +103,32 @@ def home_services(home: Path) -> list[str] | None:
     if rows is None:
         return None
     return [str(name) for (name,) in rows]
+
+
+def log_on_disk(
+    home: Path, service: str, kind: str, replica: int | None, tail: int | None
+) -> Iterator[bytes] | None:
+    """A service's log as its files hold it, for `corral logs` when no daemon answers (after
+    `corral daemon stop` the replicas still run and write): the last ``tail`` lines, or all of
+    it, in chunks; None when there is no such file."""
+    from corral import logfiles, loglines
+
+    if kind == "load_balancer":
+        if not loglines.worker_logs(home):
+            return None
+        if tail is not None:
+            return iter(loglines.balancer_tail(home, service, tail)[0])
+        return iter(loglines.balancer_lines(home, service, {})[0])
+    path = logfiles.log_file(logfiles.service_logs(home, service), kind, replica)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed by the generator
+    except OSError:
+        return None
+
+    def chunks() -> Iterator[bytes]:
+        with f:
+            f.seek(loglines.tail_offset(path, tail) if tail is not None else 0)
+            while chunk := f.read(1 << 16):
+                yield chunk
+
+    return chunks()

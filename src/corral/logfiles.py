@@ -53,6 +53,19 @@ class Rotation:
     error: str | None = None
 
 
+def service_logs(home: Path, service: str) -> Path:
+    """A service's logs directory in its home."""
+    return home / "services" / service / "logs"
+
+
+def log_file(logs: Path, kind: str, seq: int | None = None) -> Path:
+    """A service's log of ``kind`` (``controller``, ``replica``, ``launch``) in ``logs``, for
+    replica ``seq`` (its id within the service): the one place their names are made."""
+    if kind == "controller":
+        return logs / "controller.log"
+    return logs / f"replica_{seq}{'_launch' if kind == 'launch' else ''}.log"
+
+
 def backup_of(path: Path) -> Path:
     """The one rotated generation of ``path``: ``<name>.1`` beside it."""
     return path.with_name(path.name + ".1")

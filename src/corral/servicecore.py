@@ -118,7 +118,7 @@ class ServiceCore:
         self.held_version: int | None = None
         self.last_decision = ""  # what the last reconcile step decided, in words
         self.dir = deps.home / "services" / name
-        self.logs = self.dir / "logs"
+        self.logs = logfiles.service_logs(deps.home, name)
 
     def wake(self) -> None:
         """Ask for a reconcile step soon (thread-safe)."""
@@ -146,10 +146,10 @@ class ServiceCore:
     # internal key only (rows, process keys, claims, the balancer's counters).
 
     def launch_log(self, seq: int) -> Path:
-        return self.logs / f"replica_{seq}_launch.log"
+        return logfiles.log_file(self.logs, "launch", seq)
 
     def replica_log(self, seq: int) -> Path:
-        return self.logs / f"replica_{seq}.log"
+        return logfiles.log_file(self.logs, "replica", seq)
 
     def seq_of(self, replica_id: int) -> int:
         """The id users see of the replica whose internal key is ``replica_id``."""
