@@ -117,17 +117,22 @@ def test_nothing_is_kept_while_the_current_version_may_still_become_ready() -> N
     assert fallback.fallback_version([V(1, 1.0), V(2, 2.0), V(3, None)], 3, False, failed) == 2
 
 
-def test_a_replacement_waits_for_the_backoff_of_its_version() -> None:
-    rows = [R(1, 1, app_failed=1, failure="exit 1", first_ready_at=1.0, updated_at=100.0)]
-    facts = Facts(
+def given_up(rows: list[R], target: int, fallback_version: int | None) -> Facts:
+    """A rolling update to version 2 that never became READY, and who serves meanwhile."""
+    return Facts(
         rows=rows,
         version=2,
         mode=UpdateMode.ROLLING,
-        min_replicas=1,
+        min_replicas=target,
         version_ready=False,
-        target=1,
-        fallback=1,
+        target=target,
+        fallback=fallback_version,
     )
+
+
+def test_a_replacement_waits_for_the_backoff_of_its_version() -> None:
+    rows = [R(1, 1, app_failed=1, failure="exit 1", first_ready_at=1.0, updated_at=100.0)]
+    facts = given_up(rows, 1, 1)
     assert fallback.keep_serving(facts, 100.5) == [
         Note("waiting 0s before replacing a version 1 replica")
     ]
@@ -171,16 +176,7 @@ def test_no_room_is_made_for_a_version_given_up() -> None:
         R(6, 2),  # the given-up version's last relaunch, waiting for a device
     ]
     for fallback_version, made in ((1, False), (None, True)):
-        facts = Facts(
-            rows=rows,
-            version=2,
-            mode=UpdateMode.ROLLING,
-            min_replicas=2,
-            version_ready=False,
-            target=2,
-            fallback=fallback_version,
-        )
-        actions = plan.replace_old_versions(facts)
+        actions = plan.replace_old_versions(given_up(rows, 2, fallback_version))
         assert any(isinstance(a, plan.MakeRoom) for a in actions) is made, actions
         if fallback_version is not None:  # and what still serves is kept, starting or not
             assert not any(isinstance(a, plan.Retire) for a in actions), actions

@@ -1,31 +1,38 @@
 """``GET /v1/services/{name}/logs`` followed (corral.api_logs): when a follower ends.
 
-`daemon stop` with followers runs a real daemon. A reader that leaves runs the route in a real
-aiohttp server over a stand-in daemon that has only what the route reads (``controller``,
-``log_path``, ``log_finished``, ``has_service``, ``stop_requested``, ``home``), to count the
-errors logged in this process.
+`daemon stop` with followers runs a real daemon. A reader that leaves, and a log rotated under
+its follower, run the route in a real aiohttp server over a stand-in daemon that has only what
+the route reads (``controller``, ``log_path``, ``log_finished``, ``has_service``,
+``stop_requested``, ``home``): to count the errors logged in this process, and to rotate the
+log at the moments that lose lines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from conftest import CorralHome, pid_alive, spec_text, wait_for, write_spec
 
 from corral import api_logs
+from corral.logfiles import rotate_if_over
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class FakeDaemon:
+    """What the logs route reads of the daemon, and nothing else."""
+
     def __init__(self, home: Path, log: Path) -> None:
         self.home = home
         self.log = log
+        self.finished = False  # the replica still runs
         self.stop_requested = asyncio.Event()
 
     def controller(self, name: str) -> None:
@@ -35,7 +42,7 @@ class FakeDaemon:
         return self.log
 
     def log_finished(self, name: str, replica: int | None) -> bool:
-        return False  # the replica still runs
+        return self.finished
 
     def has_service(self, name: str) -> bool:
         return True
@@ -173,3 +180,52 @@ def _plain_connection(port: int) -> tuple[Any, str, Any]:
         ca = None
 
     return http.client.HTTPConnection("127.0.0.1", port, timeout=10), "token", Ep()
+
+
+def _append(log: Path, first: int, count: int) -> None:
+    with log.open("a") as f:
+        f.writelines(f"line {n:06d} {'x' * 60}\n" for n in range(first, first + count))
+
+
+def test_lines_written_just_before_a_rotation_reach_the_follower(tmp_path: Path) -> None:
+    """corral.logfiles moves a log over its cap to ``.1`` and empties it in place; the follower
+    then starts over at 0. What the app wrote after the follower's last read and before the
+    rotation is in ``.1``: it must reach the follower too, or every rotation silently drops up
+    to a poll's worth (0.2 s) of lines from `corral logs`."""
+    log = tmp_path / "replica_1.log"
+    log.write_bytes(b"")
+    daemon = FakeDaemon(tmp_path, log)
+    rounds, per_write = 6, 100
+
+    async def follow() -> bytes:
+        server = await _serve(daemon)
+        got = b""
+        try:
+            async with aiohttp.ClientSession() as session:
+                params = {"follow": "true", "replica": "1"}
+                url = server.url("/v1/services/web/logs")
+                async with session.get(url, params=params) as answer:
+                    n = 0
+                    for _ in range(rounds):
+                        _append(log, n, per_write)  # the follower reads these...
+                        n += per_write
+                        while f"line {n - 1:06d} ".encode() not in got:
+                            got += await asyncio.wait_for(answer.content.readany(), 10)
+                        # ...and these are written right before a rotation: a follower polling
+                        # every 0.2 s almost never reads them from the log itself.
+                        _append(log, n, per_write)
+                        n += per_write
+                        assert rotate_if_over(log, 1) is not None
+                    _append(log, n, per_write)
+                    daemon.finished = True
+                    got += await asyncio.wait_for(answer.content.read(), 10)
+        finally:
+            await server.close()
+        return got
+
+    got = asyncio.run(follow())
+    numbers = [int(n) for n in re.findall(rb"^line (\d+) x+$", got, re.M)]
+    total = (2 * rounds + 1) * per_write
+    missing = sorted(set(range(total)) - set(numbers))
+    assert not missing, f"{len(missing)} lines never reached the follower, from {missing[0]}"
+    assert numbers == list(range(total)), "lines repeated or out of order"
