@@ -67,15 +67,7 @@ async def cap_logs(svc: ServiceCore) -> None:
         except Exception:
             log.exception("service %s: log size check failed", svc.name)
             continue
-        for item in done:
-            if isinstance(item, str):
-                log.warning("service %s: log over the cap not rotated: %s", svc.name, item)
-            elif item.error is not None:
-                what = f"{item.path.name} over {cap} bytes emptied, old content dropped"
-                log.warning("service %s: %s: %s", svc.name, what, item.error)
-            else:
-                what = f"{item.path.name} over {cap} bytes: {item.kept} bytes moved"
-                log.info("service %s: %s to %s", svc.name, what, item.backup.name)
+        _say(done, cap, f"service {svc.name}: ")
 
 
 async def cap_home_logs(home: Path, cap: int) -> None:
@@ -93,16 +85,17 @@ async def cap_home_logs(home: Path, cap: int) -> None:
         except Exception:
             log.exception("the home's log size check failed")
             continue
-        for item in done:
-            if isinstance(item, str):
-                log.warning("a log over the cap not rotated: %s", item)
-            elif item.error is not None:
-                log.warning("%s over %d bytes emptied: %s", item.path.name, cap, item.error)
-            else:
-                log.info(
-                    "%s over %d bytes: %d bytes moved to %s",
-                    item.path.name,
-                    cap,
-                    item.kept,
-                    item.backup.name,
-                )
+        _say(done, cap, "")
+
+
+def _say(done: list[logfiles.Rotation | str], cap: int, prefix: str) -> None:
+    """What one pass of the cap did, a line each, in the daemon's log."""
+    for item in done:
+        if isinstance(item, str):
+            log.warning("%slog over the cap not rotated: %s", prefix, item)
+        elif item.error is not None:
+            what = f"{item.path.name} over {cap} bytes emptied, old content dropped"
+            log.warning("%s%s: %s", prefix, what, item.error)
+        else:
+            what = f"{item.path.name} over {cap} bytes: {item.kept} bytes moved"
+            log.info("%s%s to %s", prefix, what, item.backup.name)
