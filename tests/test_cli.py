@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import signal
 import socket
 import subprocess
@@ -162,6 +163,10 @@ def test_flags_globs_ids_and_replica_down(corral_home: CorralHome, tmp_path: Pat
         "replica 1 replaced by replica 3",
     )
     assert {r["id"]: r["pid"] for r in after["replicas"]}[2] == keep
+    # Its launch log ends saying it was torn down, and why, not on its last launch line.
+    launch = (home.path / "services/svc-a/logs/replica_1_launch.log").read_text()
+    assert re.search(r"\[corral\] tearing the replica down \(.+\); grace", launch), launch
+    assert launch.endswith("[corral] replica torn down\n"), launch
     missing = home.run("down", "svc-a", "--replica-id", "9", "-y", check=False)
     assert missing.returncode == 1 and "has no replica 9" in missing.stderr
 

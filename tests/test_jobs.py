@@ -635,6 +635,33 @@ def test_run_command_timeout(pools: Callable[..., JobPool], marker: str, tmp_pat
     assert "TimeoutExpired" in (tmp_path / "slow.log").read_text()
 
 
+def test_a_command_ending_mid_line_leaves_the_log_on_a_new_line(
+    pools: Callable[..., JobPool], tmp_path: Path
+) -> None:
+    """What the job prints after a command whose output stops mid-line starts a line of its
+    own ("abc[corral] setup done" before), and a command that ends its lines gets no blank one."""
+    pool = pools(1)
+
+    def job() -> None:
+        jobs.run_command(["printf", "partial"])
+        print("after partial", flush=True)
+        jobs.run_command(["printf", "whole\\n"])
+        print("after whole", flush=True)
+        jobs.run_command(["sh", "-c", "printf failed; exit 3"], check=False)
+        print("after failed", flush=True)
+
+    done = pool.submit(job, log=tmp_path / "job.log")
+    assert done.wait(DEADLINE) and done.exception() is None
+    assert lines(tmp_path / "job.log") == [
+        "partial",
+        "after partial",
+        "whole",
+        "after whole",
+        "failed",
+        "after failed",
+    ]
+
+
 def test_run_command_exit_codes(pools: Callable[..., JobPool], tmp_path: Path) -> None:
     pool = pools(2)
 

@@ -82,6 +82,7 @@ __all__ = [
     "RoutedProcess",
     "Thread",
     "current",
+    "end_line",
     "flush_all",
     "install",
     "installed",
@@ -874,6 +875,39 @@ def _child_streams(dups: list[int]) -> tuple[list[int], list[tuple[int, _Router]
             fds.append(subprocess.PIPE)
             pumps_for.append((index, router))
     return fds, pumps_for
+
+
+def end_line() -> None:
+    """End the current stdout route's file on a line break, after a child wrote to it directly.
+
+    A command whose output stops mid-line (``printf abc``) would otherwise have the next line
+    printed after it run on from it: "abc[corral] setup done". Only a route with a file is
+    checked (its last byte, read back under the route's lock); a pipe or the fallback is left
+    as it is.
+    """
+    t = _stdout._route()
+    if t is _stdout._fallback or not t.acquire(True, _LOCK_TIMEOUT):
+        return
+    try:
+        stream = t.stream
+        if t.ended or stream is None:
+            return
+        stream.flush()
+        # The route's descriptor is write-only: read the last byte through a second one onto
+        # the same file (right even after the path was rotated away).
+        reader = os.open(f"/proc/self/fd/{stream.fileno()}", os.O_RDONLY)
+        try:
+            size = os.fstat(reader).st_size
+            last = os.pread(reader, 1, size - 1) if size else b"\n"
+        finally:
+            os.close(reader)
+        if last != b"\n":
+            stream.write("\n")
+            stream.flush()
+    except Exception as exc:
+        t.report(exc)
+    finally:
+        t.release()
 
 
 def spawn(

@@ -1,10 +1,9 @@
 """The executor: carries out a plan's actions (corral.plan) for one service.
 
 It owns every side effect of a reconcile step: launch jobs (a claim on the machine first, a fair
-share of the launch lane), draining, teardown jobs (bounded: a hung one is abandoned and
-retried), and resuming a row whose last outcome was not recorded. It never waits on a job: a
-job's completion callback posts back to the event loop, records the outcome and wakes the
-controller. Order of every change: write the fact to the store, then act.
+share of the launch lane), draining, teardown jobs (bounded: a hung one is abandoned and retried),
+and resuming a row whose last outcome was not recorded. It never waits on a job: its completion
+callback posts to the loop, records the outcome and wakes the controller. Store first, then act.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from collections.abc import Callable
 
 from corral import deploy, plan
 from corral.capacity import Grant
-from corral.infra.base import Infra, LaunchRequest, ReplicaHandle, scratch_root
+from corral.infra.base import Infra, LaunchRequest, ReplicaHandle, scratch_root, terminate_told
 from corral.infra.local_rules import claim_resources
 from corral.jobs import Job, JobState
 from corral.replicas import TEARING_DOWN, LaunchState, TeardownState, failure_status
@@ -360,9 +359,9 @@ class Executor:
         self.svc.store.mark_teardown(r.id, TeardownState.PENDING)
         self.svc.store.event(self.svc.name, "replica.teardown", reason, replica_id=r.id)
         self.svc.rt.draining.add(r.id)
-        self.svc.spawn(self._drain_then_teardown(r, handle), f"corral-drain-{r.id}")
+        self.svc.spawn(self._drain_then_teardown(r, handle, reason), f"corral-drain-{r.id}")
 
-    async def _drain_then_teardown(self, r: ReplicaRow, handle: ReplicaHandle) -> None:
+    async def _drain_then_teardown(self, r: ReplicaRow, handle: ReplicaHandle, why: str) -> None:
         try:
             if self.svc.balancer is not None and failure_status(r) is None:
                 drained = await self.svc.balancer.wait_drained(r.id, self._drain_timeout(r))
@@ -383,9 +382,11 @@ class Executor:
             log.warning("service %s: replica %d: teardown postponed: %s", self.svc.name, r.seq, exc)
             return
         job = self.svc.deps.pool.submit(
-            infra.terminate,
+            terminate_told,
+            infra,
             handle,
             self.svc.deps.teardown_grace,
+            why,
             log=self.svc.launch_log(r.seq),
             name=f"{self.svc.name}-teardown-{r.seq}",
             kind="teardown",

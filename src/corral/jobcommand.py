@@ -50,6 +50,7 @@ def run_command(
     finally:
         if job is not None:
             job.untrack_group(pgid)
+        capture.end_line()
     if check and code != 0:
         raise CommandFailed(args, code)
     return code

@@ -121,6 +121,15 @@ class Infra(Protocol):
         ...
 
 
+def terminate_told(infra: Infra, handle: ReplicaHandle, grace: float, reason: str) -> None:
+    """Tear a replica down with its launch log saying so, and why: the log a user reads after a
+    replica vanished from ``status`` otherwise ends on the replica's last line, as if it were
+    still running."""
+    print(f"[corral] tearing the replica down ({reason}); grace {grace:g}s", flush=True)
+    infra.terminate(handle, grace)
+    print("[corral] replica torn down", flush=True)
+
+
 @runtime_checkable
 class EndpointOwner(Protocol):
     """Optional part of a backend: who answers on a replica's endpoint.
