@@ -560,6 +560,14 @@ def test_reason_names_the_qps_the_delay_and_the_outcome() -> None:
         "past the 40s hold of the 60s downscale delay: scaling down to 1"
     )
 
+    # A delay under two of SkyServe's 20 s looks holds nothing; the reason says so (it said
+    # "past the 0s hold of the 10s upscale delay").
+    short = simulate(scaler_for(policy(up=10)), trace(rate(1, 0, 100), rate(3, 100, 400)), 101)
+    assert short[101].reason == (
+        "QPS 1.2 wants 2 (> current 1) for 0.8s: scaling up to 2 "
+        "(no hold: the 10s upscale delay is under two of SkyServe's 20s looks)"
+    )
+
     tiny = make_autoscaler(policy(min_replicas=0, up=300))
     tiny.decide(0.0, [])
     assert tiny.decide(100.0, [99.0]).reason == (

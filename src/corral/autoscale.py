@@ -157,10 +157,21 @@ def hold_seconds(delay: float) -> float:
     return SKYSERVE_DECISION_INTERVAL * max(0, periods - 1)
 
 
+def hold_words(delay: float, kind: str) -> str:
+    """A delay and the hold it makes, in a reason. A delay under two looks of SkyServe's 20 s
+    clock makes no hold at all, which "the 0s hold of the 10s upscale delay" said oddly."""
+    hold = hold_seconds(delay)
+    if hold <= 0:
+        return f"{_fmt_seconds(delay)} {kind} delay, under two of SkyServe's 20s looks (no hold)"
+    return f"{_fmt_seconds(hold)} hold of the {_fmt_seconds(delay)} {kind} delay"
+
+
 def past(held: float, delay: float) -> str:
     """What a reason adds once a change has lasted the hold without a move yet: the hold is
     the earliest a move can come, and it comes at a look of SkyServe's 20 s clock (a reason
     that said "until the hold of 0s is over (12s so far)" read as a hold ignored)."""
+    if hold_seconds(delay) <= 0:
+        return "; the target moves at the next look of SkyServe's 20s clock"
     if held < hold_seconds(delay):
         return ""
     return "; the hold has passed: the target moves at a look of SkyServe's 20s clock that sees it"
@@ -371,7 +382,7 @@ class _PolicyAutoscaler:
         sign, kind, verb = (">", "upscale", "up") if side > 0 else ("<", "downscale", "down")
         p = self._policy
         delay = p.upscale_delay_seconds if side > 0 else p.downscale_delay_seconds
-        of = f"{_fmt_seconds(hold_seconds(delay))} hold of the {_fmt_seconds(delay)} {kind} delay"
+        of = hold_words(delay, kind)
         why = f"{want} ({sign} current {current})"
         if moved is None:
             return (
@@ -383,6 +394,9 @@ class _PolicyAutoscaler:
                 f"at the phase of its 20s clock that looked at {moved.at:.1f}s, past the {of}"
             )
         why += f" for {_fmt_seconds(held)}"
+        if hold_seconds(delay) <= 0:
+            short = f"the {_fmt_seconds(delay)} {kind} delay is under two of SkyServe's 20s looks"
+            return f"{why}: scaling {verb} to {moved.after} (no hold: {short})"
         if held + _HOLD_SLACK < hold_seconds(delay):
             why += " (and at every 20s look before, dips between looks aside)"
         return f"{why}, past the {of}: scaling {verb} to {moved.after}"

@@ -54,7 +54,7 @@ from corral.autoscale import (
     Decision,
     FixedAutoscaler,
     RequestRateAutoscaler,
-    hold_seconds,
+    hold_words,
     make_autoscaler,
     past,
 )
@@ -198,8 +198,8 @@ class SampledAutoscaler:
         held = now - self._since[1]
         kind = "upscale" if direction > 0 else "downscale"
         return (
-            f"{load}: want {raw} replica(s) for {held:.0f}s of the {hold_seconds(delay):.0f}s "
-            f"hold of the {delay:g}s {kind} delay: holding {self._target}{past(held, delay)}"
+            f"{load}: want {raw} replica(s) for {held:.0f}s of the {hold_words(delay, kind)}: "
+            f"holding {self._target}{past(held, delay)}"
         )
 
 
