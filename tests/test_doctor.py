@@ -27,6 +27,7 @@ import pytest
 from conftest import CorralHome, spec_text, wait_for, write_spec
 
 from corral import ownership
+from corral.infra.base import scratch_root
 
 ENV_HOME_MARKER = "CORRAL_HOME_MARKER"
 
@@ -131,7 +132,13 @@ def test_doctor_ends_only_orphans(
         assert "2 orphan process(es) of 1 deleted home(s)" in text, text
         assert "1 deleted home(s) registered with no process left" in text, text
 
+        # The deleted home's replicas worked in a scratch directory outside the home.
+        scratch = scratch_root(doomed_id)
+        (scratch / "1").mkdir(parents=True)
+        (scratch / "1" / "written-by-the-replica").write_text("x")
         result = corral_home.run("doctor", "--end-orphans", "-y")
+        assert f"removed its replicas' scratch directory {scratch}" in result.stdout
+        assert not scratch.exists()
         assert f"ended daemon pid {fake_daemon.pid}" in result.stdout, result.stdout
         assert f"pid {orphan.pid}" in result.stdout, result.stdout
         wait_for(lambda: orphan.poll() is not None, 10, "the orphan replica to be ended")

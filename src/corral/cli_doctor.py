@@ -289,6 +289,7 @@ def end_orphan_homes(
     that cannot be told), then forget the registrations of deleted homes that have nothing
     left. A registration whose processes could not all be ended is kept, so that the next
     `corral doctor` still names the home."""
+    from corral.infra.base import leave_scratch, scratch_root
     from corral.ownership import unregister
 
     ended: list[str] = []
@@ -309,6 +310,11 @@ def end_orphan_homes(
         if home.deleted and not bad:
             unregister(home.home_id)
             ended.append(f"forgot deleted home {home.path} (id {home.home_id})")
+            # Its replicas' working directories: no daemon will run there again.
+            scratch = scratch_root(home.home_id)
+            if scratch.exists():
+                leave_scratch(home.home_id, lost=True)
+                ended.append(f"removed its replicas' scratch directory {scratch}")
     return ended, failed
 
 
@@ -352,8 +358,9 @@ def doctor(end_orphans: bool, include_unknown: bool, as_json: bool, yes: bool) -
     """Every corral process of this machine's homes, its home, whether the home still exists.
 
     A process whose home was deleted (an orphan) serves no one; --end-orphans ends those
-    (SIGTERM, then SIGKILL) and forgets their homes. Processes of homes that exist are never
-    touched. Exits 1 when something could not be ended."""
+    (SIGTERM, then SIGKILL), forgets their homes and removes their replicas' scratch
+    directories. Processes of homes that exist are never touched. Exits 1 when something could
+    not be ended."""
     if include_unknown and not end_orphans:
         raise click.UsageError("--include-unknown goes with --end-orphans")
     procs, homes = scan()
