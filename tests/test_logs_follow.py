@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,31 @@ def test_a_reader_that_leaves_is_not_an_error_in_the_daemon_log(
         asyncio.run(main())
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+def test_a_log_answer_leaves_no_warning(tmp_path: Path) -> None:
+    """The route marked its request as streaming with a str key, and aiohttp warned of that
+    (NotAppKeyWarning) into the daemon's log at every `corral logs`."""
+    log = tmp_path / "replica_1.log"
+    log.write_text("one\ntwo\n")
+    daemon = FakeDaemon(tmp_path, log)
+
+    async def main() -> str:
+        server = await _serve(daemon)
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(server.url("/v1/services/web/logs?replica=1")) as answer,
+            ):
+                assert answer.status == 200
+                return await answer.text()
+        finally:
+            await server.close()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert asyncio.run(main()) == "one\ntwo\n"
+    assert not [w for w in seen if issubclass(w.category, web.NotAppKeyWarning)], seen
 
 
 def test_an_answer_cut_short_is_a_client_error_not_a_traceback(tmp_path: Path) -> None:

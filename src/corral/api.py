@@ -74,12 +74,13 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
             and not authorized(given, expected)
         ):
             return error(401, "missing or wrong API token (see $CORRAL_HOME/token)")
+        streaming = STREAMING.set(False)
         try:
             return await handler(request)
         except ConnectionResetError:
             raise
         except Exception as exc:
-            if request.get(STREAMING):
+            if STREAMING.get():
                 # The answer's status and part of its body are sent: a second response would
                 # be written into that body. Dropping the connection is the only honest end.
                 log.warning(
@@ -87,6 +88,8 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
                 )
                 raise
             return error_answer(request, exc)
+        finally:
+            STREAMING.reset(streaming)
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_SPEC_BYTES)
     app.add_routes(Routes(daemon, token).table())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextvars import ContextVar
 from typing import Any, Final
 
 from aiohttp import web
@@ -30,9 +31,11 @@ STATUS: Final[dict[type[Refused], int]] = {
 }
 
 
-# Set on a request once its answer has started streaming: an error after that cannot become
-# an answer of its own (see corral.api's guard).
-STREAMING: Final = "corral.streaming"
+# True once the current request's answer has started streaming: an error after that cannot
+# become an answer of its own (see corral.api's guard, which sets it to False for each request).
+# A context variable, not a key on the request: aiohttp warns on a str key there, and its typed
+# request keys need aiohttp 3.14. The guard and the handler run in one task, so one context.
+STREAMING: ContextVar[bool] = ContextVar("corral_api_streaming", default=False)
 
 
 class RequestError(Exception):

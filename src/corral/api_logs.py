@@ -49,7 +49,7 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
             + (f"; its launch log: `corral logs {name} {replica_id} --launch`" if launch else ""),
         )
     response = web.StreamResponse(headers=TEXT)
-    request[STREAMING] = True
+    STREAMING.set(True)
     await response.prepare(request)
     try:
         if follow:
@@ -159,7 +159,7 @@ async def _balancer_log(
     """The lines of the balancer workers' logs about service ``name`` (see corral.loglines),
     the last ``tail`` of them first, then, with ``follow``, new ones until the service goes."""
     response = web.StreamResponse(headers=TEXT)
-    request[STREAMING] = True
+    STREAMING.set(True)
     await response.prepare(request)
     positions: dict[Any, int] = {}
     first = True
