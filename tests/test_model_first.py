@@ -313,6 +313,24 @@ def test_the_service_level_sizing_errors_name_what_the_spec_says() -> None:
     ]
 
 
+def test_a_kv_cache_target_above_1_is_named_where_the_spec_wrote_it() -> None:
+    """`kv_cache_usage` is a share of a replica's KV cache: a target over 1 is refused at the
+    metric's own `target` and line, not as replica_policy.target_kv_cache_usage (a field the
+    spec does not have) on the line of its first key."""
+    from corral.spec import SpecError
+
+    text = SIM_SCALED + "  max_replicas: 3\n  autoscaling:\n    metrics:\n"
+    text += "      - type: queue_depth\n        target: 5\n"
+    text += "      - type: kv_cache_utilization\n        target: 1.5\n"
+    with pytest.raises(SpecError) as caught:
+        parse_spec(text)
+    (issue,) = caught.value.issues
+    assert issue.loc == "service.autoscaling.metrics[1].target", issue
+    assert "at most 1" in issue.message and issue.line == 9, issue
+    kept = parse_spec(text.replace("1.5", "1"))
+    assert kept.service.replica_policy.target_kv_cache_usage == 1
+
+
 def test_skyserve_v2s_other_spellings_are_read() -> None:
     """SkyServe v2 (sky/serve/serve_spec_v2.py) writes the model as `{id: ...}`, may give
     max_replicas and the delays inside `autoscaling`, with its own delays' defaults there."""

@@ -4,7 +4,7 @@ on, each with a target per replica, and the bounds and delays SkyServe v2 also r
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from corral.spec.section import Section
 from corral.spec.values import MAX_REPLICAS, MAX_SECONDS
@@ -24,6 +24,19 @@ class AutoscalingMetric(Section):
         # SkyServe's own names for two of them (sky/serve/serve_spec_v2.py).
         aliases = {"kv_cache_utilization": "kv_cache_usage", "requests_per_second": "qps"}
         return aliases.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("target")
+    @classmethod
+    def _a_fraction_for_the_kv_cache(cls, value: float, info: ValidationInfo) -> float:
+        # Checked here, where the spec wrote it: past this point the target is
+        # replica_policy.target_kv_cache_usage, a field (and a line) the spec does not have,
+        # and its own bound there would name that field instead of this one.
+        if info.data.get("type") == "kv_cache_usage" and value > 1:
+            raise ValueError(
+                f"must be at most 1 for kv_cache_usage (the share of one replica's KV cache "
+                f"in use, 0..1), got {value:g}"
+            )
+        return value
 
 
 # Each metric type's field in replica_policy.
