@@ -84,6 +84,26 @@ def test_an_llm_services_ttft_and_hit_rate_are_over_the_interval() -> None:
     assert quiet.ttft_p50 is None and quiet.hit_rate is None
 
 
+def test_the_hit_rate_over_an_interval_is_of_the_engines_read_at_both_ends() -> None:
+    """A replica that leaves the ready set between two readings (a scale-down) takes its
+    lookups since it started out of a sum over the ready set, and one that joins it (a probe
+    that passes again) brings them in: the chart showed 2.25 for a true 0.9. Only the engines
+    read at both ends count, and an engine whose counters went back (restarted) does not."""
+
+    def engines(**counts: tuple[float, float]) -> dict[str, Any]:
+        lookups = {k: {"prefix_hits": h, "prefix_queries": q} for k, (h, q) in counts.items()}
+        return {"engines": lookups}
+
+    old = Reading.of(100.0, engines(r2=(9000.0, 10000.0), r3=(0.0, 300.0)))
+    left = Reading.of(105.0, engines(r2=(9450.0, 10500.0)))
+    assert figures(old, left).hit_rate == pytest.approx(0.9)
+    back = Reading.of(110.0, engines(r2=(9500.0, 10600.0), r3=(0.0, 300.0)))
+    assert figures(left, back).hit_rate == pytest.approx(0.5)
+    restarted = Reading.of(115.0, engines(r2=(9560.0, 10700.0), r3=(10.0, 20.0)))
+    assert figures(back, restarted).hit_rate == pytest.approx(0.6)
+    assert figures(back, Reading.of(120.0, engines(r3=(0.0, 400.0)))).hit_rate == 0.0
+
+
 def test_live_window_uses_the_reading_that_old() -> None:
     readings = Readings()
     for second in range(20):

@@ -45,8 +45,9 @@ class Reading:
     server_errors: int  # answers with a 5xx status (the balancer's own 502/503/504 included)
     buckets: tuple[int, ...]  # latency, per bucket (not cumulative), last one +Inf
     ttft: tuple[int, ...] = ()  # time to first token of streamed answers, the same way
-    hits: float = 0.0  # the engines' prefix-cache hits, summed (vLLM's counters)
-    queries: float = 0.0  # and the prompt tokens they looked up
+    # Each engine's prefix-cache hits and the prompt tokens it looked up (vLLM's counters),
+    # by replica: kept apart, since the ready set the sum is over changes between readings.
+    lookups: tuple[tuple[str, float, float], ...] = ()
 
     @classmethod
     def of(cls, t: float, stats: Mapping[str, Any] | None) -> Reading:
@@ -57,16 +58,33 @@ class Reading:
             answered += int(n)
             if str(code).startswith("5"):
                 server_errors += int(n)
-        hits = queries = 0.0
-        for signals in (stats.get("engines") or {}).values():
-            hits += float(signals.get("prefix_hits") or 0.0)
-            queries += float(signals.get("prefix_queries") or 0.0)
+        lookups = tuple(
+            (str(key), float(signals.get("prefix_hits") or 0.0), float(signals["prefix_queries"]))
+            for key, signals in sorted((stats.get("engines") or {}).items())
+            if signals.get("prefix_queries") is not None
+        )
         latency, ttft = _buckets(stats, "latency"), _buckets(stats, "ttft")
-        return cls(t, answered, server_errors, latency, ttft, hits, queries)
+        return cls(t, answered, server_errors, latency, ttft, lookups)
 
 
 def _buckets(stats: Mapping[str, Any], key: str) -> tuple[int, ...]:
     return tuple(int(n) for n in (stats.get(key) or {}).get("buckets") or ())
+
+
+def _hit_rate(old: Reading, new: Reading) -> float | None:
+    """The engines' hit rate over the lookups between two readings, of the engines read in
+    both whose counters did not go back. A sum over the whole ready set would count as this
+    interval's a replica's every lookup since it started when it joins (a probe that passed
+    again), and take them away when it leaves (a scale-down): 2.25 once for a true 0.9."""
+    before = {key: (hits, queries) for key, hits, queries in old.lookups}
+    hits = queries = 0.0
+    for key, now_hits, now_queries in new.lookups:
+        then = before.get(key)
+        if then is None or now_hits < then[0] or now_queries < then[1]:
+            continue  # new to the ready set, or its engine restarted: its past is not this
+        hits += now_hits - then[0]
+        queries += now_queries - then[1]
+    return round(hits / queries, 4) if queries > 0 else None
 
 
 def _growth(old: tuple[int, ...], new: tuple[int, ...]) -> list[int]:
@@ -107,8 +125,6 @@ def figures(old: Reading | None, new: Reading) -> Figures:
     errors = max(0, new.server_errors - old.server_errors)
     delta = _growth(old.buckets, new.buckets)
     ttft = _growth(old.ttft, new.ttft)
-    queries = new.queries - old.queries
-    hits = new.hits - old.hits
     return Figures(
         qps=answered / seconds,
         p50=quantile(0.5, delta),
@@ -117,7 +133,7 @@ def figures(old: Reading | None, new: Reading) -> Figures:
         answered_total=new.answered,
         ttft_p50=quantile(0.5, ttft),
         ttft_p99=quantile(0.99, ttft),
-        hit_rate=round(hits / queries, 4) if queries > 0 and hits >= 0 else None,
+        hit_rate=_hit_rate(old, new),
     )
 
 
