@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CorralHome, spec_text, wait_for, write_spec
+from conftest import CorralHome, http, spec_text, wait_for, write_spec
 
 from corral import logfiles
 from corral.state import Store
@@ -141,6 +141,60 @@ def test_two_services_and_a_replacement_use_one_id_everywhere(
     assert whoami("alpha", alpha["replicas"][0]) in (previous / "replica_1.log").read_text()
     assert [e["action"] for e in events(home, "alpha")].count("service.create") == 1
     assert [e["replica_id"] for e in events(home, "alpha") if e["action"] == "replica.ready"] == [1]
+
+
+# Answers its probe, and drops every other request unanswered: the balancer's 502 names it.
+MUTE_APP = """
+import os
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path != "/health":
+            self.close_connection = True
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_the_balancer_names_a_failing_replica_by_the_id_status_shows(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A replica's failure, in the 502 a client gets and in the balancer's log, names it as
+    `corral status` and `corral logs` do: its internal key is another replica's id there
+    (beta's replica 1 below is row 2, and beta's replica 2 a healthy one next to it)."""
+    home = corral_home
+    (tmp_path / "mute.py").write_text(MUTE_APP)
+    run = f"exec {sys.executable} mute.py"
+    for name in ("alpha", "beta"):
+        text = spec_text(name, 1, run=run, workdir=tmp_path)
+        home.run("up", str(write_spec(tmp_path / f"{name}.yaml", text)))
+        svc = home.wait_replicas(name, 1, timeout=60)
+    (replica,) = svc["replicas"]
+    assert (replica["id"], replica["uid"]) == (1, 2), replica
+    answer = http(svc["endpoint"] + "/question")
+    assert answer.status == 502, (answer.status, answer.body)
+    error = answer.json()["error"]
+    assert "replica 1: " in error and "replica 2" not in error, error
+
+    def logged() -> str | None:
+        text = home.run("logs", "beta", "--load-balancer", "--tail", "50").stdout
+        return text if "GET /question failed" in text else None
+
+    text = home.wait_for(logged, 30, "the balancer's line about the failure")
+    assert "balancer beta: replica 1: GET /question failed" in text, text
+    assert "replica 2:" not in text, text
 
 
 def test_log_files_of_a_home_from_before_are_renamed_once(tmp_path: Path) -> None:

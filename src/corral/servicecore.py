@@ -114,6 +114,7 @@ class ServiceCore:
         self.stopping = False
         self.balancer: ServiceRoute | None = None
         self._accelerators: dict[int, str] = {}  # the last read of accelerators()
+        self._ids: dict[int, int] = {}  # seq_of() of the replicas published ready so far
         # Blue-green: READY replicas of this version get no traffic until the switch.
         self.held_version: int | None = None
         self.last_decision = ""  # what the last reconcile step decided, in words
@@ -229,9 +230,20 @@ class ServiceCore:
             accelerators: dict[int, str] = {}
             if self._weighed(ready):  # the state file is read only for a policy that needs it
                 accelerators = {rid: a for rid, a in self.accelerators().items() if rid in ready}
-            self.balancer.set_ready(
-                ready, self.rt.versions, accelerators, self._weights(ready, accelerators)
-            )
+            weights = self._weights(ready, accelerators)
+            ids = {rid: self._shown_id(rid) for rid in ready}
+            self._ids = {rid: self._ids[rid] for rid in ready if rid in self._ids}
+            self.balancer.set_ready(ready, self.rt.versions, accelerators, weights, ids)
+
+    def _shown_id(self, rid: int) -> int:
+        """seq_of() for the balancers, read once per replica (it never changes); a busy state
+        file leaves the internal key for now: the ready set must still go out."""
+        if rid not in self._ids:
+            try:
+                self._ids[rid] = self.seq_of(rid)
+            except StateError:
+                return rid
+        return self._ids[rid]
 
     def accelerators(self) -> dict[int, str]:
         """The GPU model each placed replica of this service took, as the spec names it

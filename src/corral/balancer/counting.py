@@ -69,6 +69,7 @@ class Counters:
         self._client_gone = 0
         self._quiet_until: dict[int, float] = {}  # per replica: failures only counted until then
         self._suppressed: dict[int, int] = {}
+        self._shown_ids: dict[int, int] = {}  # internal key -> the id users see (status, logs)
         self._parse_log_until = 0.0  # malformed-request log lines: at most one per interval
         self._parse_suppressed = 0
 
@@ -144,6 +145,11 @@ class Counters:
             more,
         )
 
+    def shown_id(self, rid: int) -> int:
+        """The replica's id as `corral status` and its logs show it (its internal key where
+        the route gave none: a balancer run without a daemon)."""
+        return self._shown_ids.get(rid, rid)
+
     def _warn(self, rid: int, text: str) -> None:
         """Log a replica failure, at most once per FAILURE_LOG_INTERVAL per replica.
 
@@ -158,7 +164,7 @@ class Counters:
         self._quiet_until[rid] = now + self.FAILURE_LOG_INTERVAL
         skipped = self._suppressed.pop(rid, 0)
         more = f" ({skipped} more failure(s) not logged)" if skipped else ""
-        logger.warning("balancer %s: replica %s: %s%s", self._name, rid, text, more)
+        logger.warning("balancer %s: replica %s: %s%s", self._name, self.shown_id(rid), text, more)
 
     def stats(self) -> dict[str, Any]:
         """Counters for status output, metrics and tests; JSON-serialisable (string keys), a

@@ -415,7 +415,7 @@ class Exchange(ResponseRelay):
                 lb._warn(rid, f"{method} {target} failed: {failure.message}")
             if failure.connect:
                 lb._ejected[rid] = time.monotonic() + lb.EJECT_SECONDS
-            self.failures.append(f"replica {rid}: {failure.message}")
+            self.failures.append(f"replica {lb.shown_id(rid)}: {failure.message}")
         self._release()
         if not (failure.refused or failure.free):
             self.counted += 1

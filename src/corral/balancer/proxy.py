@@ -402,10 +402,15 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
 
     # ------------------------------------------------------------------ used by exchanges
 
-    def set_weights(self, weights: Mapping[int, float]) -> None:
-        """What each replica serves relative to the others (its accelerator's target QPS):
-        for a policy that weighs replicas (instance_aware_least_load)."""
+    def describe_replicas(self, weights: Mapping[int, float], ids: Mapping[int, int]) -> None:
+        """What the route says of the ready replicas besides their URLs: what each serves
+        relative to the others (its accelerator's target QPS), for a policy that weighs
+        replicas (instance_aware_least_load); and the id users see each by, which the
+        balancer's log lines and error answers name it by (not the internal key, which is
+        another replica's id in `corral status`). A replica that left keeps its id until it
+        has drained: its last failures are still named by it."""
         self._policy.weigh(weights)
+        self._shown_ids.update(ids)
 
     def set_engine_load(self, engines: Mapping[int, EngineLoad]) -> None:
         """What the replicas' engines report of their own load (the worker reads their
@@ -465,3 +470,4 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
             self._failed.pop(rid, None)
             self._quiet_until.pop(rid, None)
             self._suppressed.pop(rid, None)
+            self._shown_ids.pop(rid, None)

@@ -111,6 +111,9 @@ class Route:
     # relative to the others (instance_aware_least_load: the accelerator's target QPS).
     accelerators: Mapping[int, str] = field(default_factory=dict)
     weights: Mapping[int, float] = field(default_factory=dict)
+    # Each ready replica's id within its service (what status, logs and events say), by its
+    # internal key: the balancer's messages name a replica by it, as everything else does.
+    ids: Mapping[int, int] = field(default_factory=dict)
 
     def listener_key(self) -> str:
         """Settings that need a new listener when they change (everything but the ready set)."""
@@ -146,6 +149,8 @@ class Route:
             out["accelerator"] = self.accelerators[rid]
         if rid in self.weights:
             out["weight"] = self.weights[rid]
+        if rid in self.ids:
+            out["id"] = self.ids[rid]
         return out
 
     @classmethod
@@ -156,6 +161,7 @@ class Route:
         versions: dict[int, int] = {}
         accelerators: dict[int, str] = {}
         weights: dict[int, float] = {}
+        ids: dict[int, int] = {}
         if isinstance(ready_in, Mapping):
             ready = {}
             for key, value in ready_in.items():
@@ -166,6 +172,8 @@ class Route:
                     accelerators[int(key)] = str(value["accelerator"])
                 if value.get("weight") is not None:
                     weights[int(key)] = float(value["weight"])
+                if value.get("id") is not None:
+                    ids[int(key)] = int(value["id"])
         return cls(
             port=int(data["port"]),
             host=str(data.get("host") or "127.0.0.1"),
@@ -176,6 +184,7 @@ class Route:
             versions=versions,
             accelerators=accelerators,
             weights=weights,
+            ids=ids,
         )
 
 

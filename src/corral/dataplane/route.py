@@ -45,6 +45,7 @@ class ServiceRoute:
             versions=self.route.versions,
             accelerators=self.route.accelerators,
             weights=self.route.weights,
+            ids=self.route.ids,
         )
         self._plane.changed()
 
@@ -54,9 +55,10 @@ class ServiceRoute:
         versions: Mapping[int, int] | None = None,
         accelerators: Mapping[int, str] | None = None,
         weights: Mapping[int, float] | None = None,
+        ids: Mapping[int, int] | None = None,
     ) -> None:
-        """The ready set, with each replica's version and, where known, its accelerator and
-        its weight (instance_aware_least_load)."""
+        """The ready set, with each replica's version and, where known, its accelerator, its
+        weight (instance_aware_least_load) and the id users see it by."""
         seq = self._plane.changed()
         before = set(self.route.ready or ())
         for rid in before - set(replicas):
@@ -69,6 +71,7 @@ class ServiceRoute:
             versions=dict(versions or {}),
             accelerators=dict(accelerators or {}),
             weights=dict(weights or {}),
+            ids=dict(ids or {}),
         )
 
     async def wait_drained(self, replica_id: int, timeout: float) -> bool:

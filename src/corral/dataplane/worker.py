@@ -279,7 +279,7 @@ class Worker:
                 self._retire(name, old.lb, hand_over=True)
         if route.ready is not None:
             svc.ready = dict(route.ready)
-            svc.lb.set_weights(route.weights)
+            svc.lb.describe_replicas(route.weights, route.ids)
         svc.lb.set_ready(svc.ready)
         for retired_name, retired in self.retiring:  # a request it holds for a first replica
             if retired_name == name:
