@@ -1455,13 +1455,13 @@ def test_ttft_quantiles_are_interpolated_not_the_buckets_upper_bound() -> None:
     from corral.balancer.metrics import LATENCY_BUCKETS
 
     buckets = [0] * (len(LATENCY_BUCKETS) + 1)
-    buckets[LATENCY_BUCKETS.index(5.0)] = 12  # (2.5, 5]
-    buckets[LATENCY_BUCKETS.index(10.0)] = 20  # (5, 10]
-    buckets[LATENCY_BUCKETS.index(30.0)] = 4  # (10, 30]
+    buckets[LATENCY_BUCKETS.index(5.0)] = 12  # (4, 5]
+    buckets[LATENCY_BUCKETS.index(10.0)] = 20  # (7.5, 10]
+    buckets[LATENCY_BUCKETS.index(15.0)] = 4  # (10, 15]
     llm = service_llm({"ttft": {"buckets": buckets, "sum": 230.0, "count": 36}})
     assert llm is not None
-    assert llm["ttft_p50_seconds"] == 5.0 + 5.0 * (18 - 12) / 20  # 6.5 s, not 10
-    assert 10.0 < llm["ttft_p99_seconds"] < 30.0
+    assert llm["ttft_p50_seconds"] == 7.5 + 2.5 * (18 - 12) / 20  # 8.25 s, not 10
+    assert 10.0 < llm["ttft_p99_seconds"] < 15.0
     one = [0] * (len(LATENCY_BUCKETS) + 1)
     one[LATENCY_BUCKETS.index(0.1)] = 1  # a single stream of (50, 100] ms
     figures = replica_llm({"ttft": {"buckets": one, "sum": 0.06, "count": 1}}, None)
