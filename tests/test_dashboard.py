@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CorralHome, get_json, http, spec_text, wait_for, write_spec
+from conftest import EXAMPLES, CorralHome, get_json, http, spec_text, wait_for, write_spec
 
 from corral.balancer.metrics import LATENCY_BUCKETS
 from corral.dashboard.actions import scaled_spec
@@ -318,6 +318,39 @@ def test_actions_need_the_pages_header_and_origin(corral_home: CorralHome, tmp_p
     follow_a_log_across_a_rotation(home, port, cookie, svc)
 
 
+def test_a_scale_keeps_the_running_code_and_secrets(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """docs/dashboard.md: a scale changes only `service:`, so the running replica is kept and
+    a new one runs what it runs. It once re-copied the workdir from its source directory (an
+    edit made since reached the service, the running replica was replaced) and launched the
+    new replica with the stored spec's '<redacted>' as the secret's value."""
+    home = corral_home
+    workdir = tmp_path / "app"
+    workdir.mkdir()
+    app = workdir / "app.py"
+    app.write_text((EXAMPLES / "app.py").read_text())
+    extra = "secrets:\n  APP_VERSION: from-the-secret\n"
+    home.run(
+        "up", str(write_spec(tmp_path / "s.yaml", spec_text("s", 1, workdir=workdir, extra=extra)))
+    )
+    (first,) = home.wait_replicas("s", 1)["replicas"]
+    assert get_json(first["endpoint"])["version"] == "from-the-secret"
+    # Edited after up: only `corral update` may deploy it.
+    app.write_text(app.read_text().replace('os.environ.get("APP_VERSION", "1")', '"edited"'))
+    port = port_of(home)
+    name, session = sign_in(home)
+    page = {"Cookie": f"{name}={session}", "Content-Type": "application/json", "X-Corral-UI": "1"}
+    body = json.dumps({"replicas": 2}).encode()
+    status, _, answer = request(port, "POST", "/ui/api/services/s/scale", headers=page, body=body)
+    assert status == 201, answer
+    svc = home.wait_replicas("s", 2)
+    kept = [r for r in svc["replicas"] if r["id"] == first["id"]]
+    assert kept and kept[0]["pid"] == first["pid"] and kept[0]["status"] == "READY", svc
+    (added,) = [r for r in svc["replicas"] if r["id"] != first["id"]]
+    assert get_json(added["endpoint"])["version"] == "from-the-secret"
+
+
 def follow_a_log_across_a_rotation(
     home: CorralHome, port: int, cookie: str, svc: dict[str, Any]
 ) -> None:
@@ -437,3 +470,39 @@ def get_json_with_cookie(port: int, path: str, cookie: str) -> Any:
     status, _, body = request(port, "GET", path, headers={"Cookie": cookie})
     assert status == 200, (path, status, body)
     return json.loads(body)
+
+
+def test_followed_logs_are_bounded(corral_home: CorralHome, tmp_path: Path) -> None:
+    """docs/dashboard.md: at most MAX_FOLLOWERS followed logs at once, the next one a 503;
+    a slot frees once a tab's stream is closed."""
+    from corral.dashboard.logs import MAX_FOLLOWERS
+
+    home = corral_home
+    home.run("up", str(write_spec(tmp_path / "b.yaml", spec_text("b", 1))))
+    home.wait_replicas("b", 1)
+    port = port_of(home)
+    name, session = sign_in(home)
+    cookie = f"{name}={session}"
+    path = "/ui/api/services/b/replicas/1/log?kind=replica"
+    opened: list[HTTPConnection] = []
+    try:
+        for _ in range(MAX_FOLLOWERS):
+            conn = HTTPConnection("127.0.0.1", port, timeout=15)
+            conn.request("GET", path, headers={"Cookie": cookie})
+            assert conn.getresponse().status == 200
+            opened.append(conn)
+        status, _, body = request(port, "GET", path, headers={"Cookie": cookie})
+        assert status == 503 and b"too many logs followed" in body, (status, body)
+    finally:
+        for conn in opened:
+            conn.close()
+
+    def served_again() -> bool:
+        conn = HTTPConnection("127.0.0.1", port, timeout=15)
+        try:
+            conn.request("GET", path, headers={"Cookie": cookie})
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
+
+    wait_for(served_again, 15, "a log to be followed once the others closed")

@@ -65,14 +65,15 @@ log = logging.getLogger("corral.daemon")
 
 @dataclass(frozen=True)
 class UpdateRequest:
-    """What an update asks for: a new spec (with its files' source, base_dir, envs, secrets),
-    or ``from_version``, a stored version to roll back to."""
+    """What an update asks for: a new spec (its files' source, base_dir, envs, secrets), a
+    version to roll back to (``from_version``), or a new spec over ``files_of``'s files."""
 
     spec_text: str | None = None
     mode: str = "rolling"
     source: str | None = None
     base_dir: str | None = None
     from_version: int | None = None
+    files_of: int | None = None  # and its values: a dashboard scale keeps what runs, secrets too
     envs: Mapping[str, str] = field(default_factory=dict)
     secrets: Mapping[str, str] = field(default_factory=dict)
 
@@ -185,7 +186,7 @@ class Daemon:
         spec_text, source, base_dir = self._resolved(name, request)
         spec = await self._check_off_loop(spec_text, source=source, name=name, base_dir=base_dir)
         envs, secrets = request.envs, request.secrets
-        if request.from_version is None:
+        if request.from_version is None and request.files_of is None:
             admission.check_inputs(
                 spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets
             )
@@ -199,8 +200,8 @@ class Daemon:
             )
         admission.check_update_room(name, request.mode, spec, self.deps.capacity)
         next_version = max(v.version for v in self.store.versions(name)) + 1
-        if request.from_version is not None:
-            await self._reuse_files(name, request.from_version, next_version)
+        if reuse := request.from_version or request.files_of:  # versions count from 1
+            await self._reuse_files(name, reuse, next_version)
         else:
             await self._prepare(name, next_version, spec, base_dir, envs, secrets, source)
         # Off the loop, as every parse: the largest spec takes up to a second to read.

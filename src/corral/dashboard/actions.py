@@ -67,6 +67,9 @@ async def scale(daemon: Daemon, name: str, replicas: int) -> dict[str, Any]:
     if replicas > MAX_REPLICAS:
         raise InvalidRequest(f"field 'replicas' must be at most {MAX_REPLICAS}")
     text = scaled_spec(row.spec_yaml, replicas)
-    return await daemon.update(
-        name, UpdateRequest(spec_text=text, source=row.source, base_dir=row.base_dir)
+    # Over the running version's files and values: its source directory may hold other code
+    # by now (or be gone), and the stored spec's secrets are '<redacted>'.
+    request = UpdateRequest(
+        spec_text=text, source=row.source, base_dir=row.base_dir, files_of=row.version
     )
+    return await daemon.update(name, request)
