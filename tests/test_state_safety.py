@@ -63,6 +63,30 @@ def test_a_lost_state_file_is_refused_and_restored(
     assert int(svc["replicas"][0]["pid"]) == pid, "the running replica was not adopted"
 
 
+def test_a_deleted_state_file_ends_the_home_and_restore_brings_it_back(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """docs/reliability.md listed "missing" with the files whose replicas are kept, and the
+    refusal said "no replica was stopped", while the workers take a deleted state file for
+    the home's end (corral.ownership) and end its replicas: say so, and restore still works."""
+    pid = _up_one(corral_home, tmp_path)
+    corral_home.stop_daemon(signal.SIGTERM)  # a clean stop takes a backup; the workers serve on
+    db = corral_home.path / "state.db"
+    for path in (db, db.with_name("state.db-wal"), db.with_name("state.db-shm")):
+        path.unlink(missing_ok=True)
+    wait_for(lambda: not pid_alive(pid), 20, "the workers to end the replica of a gone home")
+
+    started = corral_home.run("daemon", "start", check=False)
+    said = started.stdout + started.stderr
+    assert started.returncode != 0 and "is missing" in said, said
+    assert "no replica was stopped" not in said and "replicas were ended" in said, said
+    corral_home.run("daemon", "restore")
+    corral_home.run("daemon", "start")
+    svc = corral_home.wait_replicas("keep", 1)
+    (ready,) = [r for r in svc["replicas"] if r["status"] == "READY"]
+    assert int(ready["pid"]) != pid  # a new process: the old one was ended with the file
+
+
 def test_restore_refuses_while_a_daemon_runs(corral_home: CorralHome, tmp_path: Path) -> None:
     _up_one(corral_home, tmp_path)
     result = corral_home.run("daemon", "restore", check=False)

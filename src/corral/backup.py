@@ -97,9 +97,16 @@ def check_state_file(home: Path) -> None:
     problem = _problem(db)
     if problem is None:
         return
+    # A deleted file is the home's end to its daemon and workers (corral.ownership): they
+    # ended its replicas then, and saying "no replica was stopped" would be false.
+    replicas = (
+        " (its replicas were ended when it was deleted: a home without its state file is gone)"
+        if problem == "is missing"
+        else " and no replica was stopped"
+    )
     raise StateFileRefused(
         f"refusing to start: {db} {problem}, but this home had services: "
-        f"{'; '.join(evidence)}. Nothing was changed and no replica was stopped. Restore the "
+        f"{'; '.join(evidence)}. Nothing was changed{replicas}. Restore the "
         f"last backup with `corral daemon restore` (or `--from FILE`), or, to start afresh, "
         f"move {home} aside."
     )
