@@ -92,6 +92,18 @@ def test_the_most_any_signal_asks_for_is_followed_with_the_holds() -> None:
     assert scaler.decide(151.0, []).raw_target == 1
 
 
+def test_a_reasons_large_figures_are_written_out() -> None:
+    """A fleet's tokens per second run to thousands: the reason said "2.5e+03 tokens/s"."""
+    p = policy(
+        "  replica_policy:\n    min_replicas: 1\n    max_replicas: 6\n"
+        "    target_tokens_per_second_per_replica: 2000\n"
+    )
+    scaler = EngineAutoscaler(p)
+    scaler.observe(depth=0, tokens_per_second=2500)
+    reason = scaler.decide(0.0, []).reason
+    assert "2500 tokens/s generated (2 at 2000 each)" in reason and "e+" not in reason, reason
+
+
 def test_the_signals_are_summed_over_ready_replicas() -> None:
     stats = {
         "held": 1,

@@ -194,6 +194,17 @@ def test_shared_cpus_never_wait_nor_pin(cpus: Any) -> None:
     assert share_warnings(ask_of({"cpus": 1}), 2, TWO_CORES) == []
 
 
+def test_memory_of_a_large_machine_is_said_without_an_exponent() -> None:
+    """A GPU server's memory in TiB was written as "2.05e+03 GiB" in refusals and warnings."""
+    server = Inventory((), 64, 2048 * GiB, source="test")
+    problem = never_fits(ask_of({"memory": "4096"}), server)
+    assert problem is not None
+    assert "needs 4096 GiB; the machine has 2048 GiB" in str(problem), str(problem)
+    (warning,) = share_warnings(ask_of({"memory": "1000+"}), 4, server)
+    assert "4 replicas x 1000 GiB asked, the machine has 2048 GiB" in warning, warning
+    assert "e+" not in str(problem) + warning
+
+
 def test_exclusive_cpus_wait_and_warn() -> None:
     ask = ask_of({"cpus": 2, "cpu_pinning": "exclusive"})
     first = place(ask, TWO_CORES, [])

@@ -238,9 +238,15 @@ class EngineAutoscaler(SampledAutoscaler):
         if not wants:
             return p.min_replicas, "no target set"
         words = "; ".join(
-            f"{value:.3g} {what} ({n} at {target:g} each)" for n, value, what, target in wants
+            f"{_figure(value)} {what} ({n} at {target:g} each)" for n, value, what, target in wants
         )
         return max(n for n, *_ in wants), words
+
+
+def _figure(value: float) -> str:
+    """3 significant digits for a reason's figures, never an exponent: 2,500 tokens/s (a
+    fleet of engines, every second) read "2.5e+03" in `corral status`."""
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
 # The name under which the queue-only autoscaler was introduced.
@@ -271,7 +277,7 @@ class InstanceAwareAutoscaler(SampledAutoscaler):
         best = max(targets.values())
         serving = [self._qps_of(a) for status, a in self._fleet if status in CAPACITY]
         capacity = sum(serving)
-        load = f"QPS {qps:.3g} against {capacity:g} the fleet serves"
+        load = f"QPS {_figure(qps)} against {capacity:g} the fleet serves"
         if capacity <= 0 or qps <= 0:
             return _ceil(qps / best), load
         if qps >= capacity:

@@ -362,7 +362,10 @@ def _held_by(holders: Sequence[Holder], amount: Any) -> str:
 
 
 def _gib(size: int) -> str:
-    return f"{size / 1024**3:.3g} GiB"
+    """3 significant digits, never an exponent: a GPU server's 2 TiB is "2048 GiB", not
+    "2.05e+03 GiB"."""
+    gib = size / 1024**3
+    return f"{gib:.3g} GiB" if gib < 1000 else f"{gib:.0f} GiB"
 
 
 def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
