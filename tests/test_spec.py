@@ -522,7 +522,11 @@ def test_load_balancing_policy(tmp_path: Path) -> None:
 
 
 def test_infra_values(tmp_path: Path) -> None:
-    assert load(tmp_path, "run: x\ninfra: kubernetes\n").infra == "kubernetes"
+    k8s = load(tmp_path, "run: x\ninfra: kubernetes\n")
+    assert k8s.infra == "kubernetes"
+    # docs/spec.md listed it beside local and ray, and validate said "valid", while every
+    # daemon refuses it at `up`: the one place a user learns that is a warning.
+    assert any("kubernetes has no corral backend yet" in w for w in k8s.warnings), k8s.warnings
     issue = by_loc(errors_of(tmp_path, "run: x\ninfra: k8s\n"))["infra"]
     assert issue.line == 2
     assert issue.hint == "did you mean 'kubernetes'?"

@@ -168,6 +168,11 @@ class ServiceSpec(Section):
             f"{value_flag(field)} {field.split('.', 1)[1]}=VALUE"
             for field in self._unset
         ]
+        if self.infra == "kubernetes":  # read, as SkyPilot's, but no backend runs it yet
+            notes.append(
+                "infra: kubernetes has no corral backend yet: `corral up` refuses it (infra "
+                "'kubernetes' is not available in this daemon); use local or ray"
+            )
         return notes
 
     def replica_port(self) -> int | None:
