@@ -159,6 +159,17 @@ def test_validate_never_wraps_off_a_terminal(corral_home: CorralHome, tmp_path: 
     assert f"{bad}: 1 problem(s)" in refused.stderr.splitlines(), refused.stderr
 
 
+def test_validate_json_is_json_for_a_directory_too(corral_home: CorralHome, tmp_path: Path) -> None:
+    """docs/spec.md: `--json` always prints the document, also for a bad spec; a directory
+    given as the file was click's usage text (exit 2) instead."""
+    result = corral_home.run("validate", "--json", str(tmp_path), check=False)
+    assert result.returncode == 1, result
+    document = json.loads(result.stdout)
+    assert document["valid"] is False and document["spec"] is None
+    (error,) = document["errors"]
+    assert "is a directory" in error["message"], error
+
+
 def test_messages_point_to_the_next_step(corral_home: CorralHome, tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "twice.yaml", spec_text("twice", 1))
     corral_home.run("up", "-d", str(spec))

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 
 @click.command()
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+# Not dir_okay=False: click's usage error is not the JSON `--json` promises; the spec loader
+# says "is a directory" as an error of the file.
+@click.argument("file", type=click.Path(path_type=Path))
 @click.option("-n", "--name", help="Service name (overrides the spec's `name`).")
 @click.option(
     "--json",
