@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CorralHome, LineReader, get_json, spec_text, write_spec
+from conftest import REPO, CorralHome, LineReader, get_json, spec_text, write_spec
 
 from corral import __version__
 from corral.state import Store
@@ -46,6 +46,10 @@ def test_version_and_no_daemon(corral_home: CorralHome) -> None:
     human = corral_home.run("status", check=False)
     assert human.returncode == 1
     assert "corral daemon start" in human.stderr and "Traceback" not in human.stderr
+    # The README's line for `status` once promised "no services" for this case too.
+    assert (
+        "services but no daemon: an error saying to start one" in (REPO / "README.md").read_text()
+    )
     # A daemon that died without cleaning up: its daemon.json names a port nobody serves.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -435,6 +435,24 @@ def test_bad_input_is_a_400_with_a_json_error() -> None:
     run(scenario())
 
 
+def test_a_request_that_arrives_while_the_server_stops_is_a_503() -> None:
+    """docs/llmsim.md: a request arriving while the server stops is a 503 (with the JSON
+    error shape of a 400), not a hang nor a 500: a balancer then tries another replica."""
+
+    async def scenario() -> None:
+        async with SimServer(FAST) as sim, aiohttp.ClientSession() as session:
+            await sim.engine.stop()  # what SimServer.stop does first, before the listener goes
+            for path, body in (
+                ("/v1/completions", {"prompt": "late"}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "late"}]}),
+            ):
+                status, answer = await post(session, sim.url + path, body)
+                assert status == 503, (path, status, answer)
+                assert answer["error"]["code"] == 503 and answer["error"]["message"], answer
+
+    run(scenario())
+
+
 def test_a_deeply_nested_body_or_a_lone_surrogate_is_never_a_500() -> None:
     """Two bodies a client can send that json.loads does not refuse with a ValueError: one
     nested past the parser's recursion limit (RecursionError: was aiohttp's bare 500) is a 400

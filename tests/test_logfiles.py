@@ -25,8 +25,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import CorralHome, wait_for, write_spec
+from conftest import REPO, CorralHome, wait_for, write_spec
 
+from corral.logcap import HOME_LOG_CAP_PERIOD, LOG_CAP_PERIOD
 from corral.logfiles import (
     backup_of,
     parse_max_bytes,
@@ -341,3 +342,12 @@ def test_the_daemons_and_the_workers_logs_are_capped_too(corral_home: CorralHome
         )
 
     wait_for(capped, 40, "both logs rotated", interval=0.5)
+
+
+def test_the_reliability_page_says_which_logs_the_cap_covers_and_when() -> None:
+    """docs/reliability.md's limits said `daemon.log` was not capped long after the test above
+    showed it is: the page names the periods the daemon checks each kind of log at."""
+    text = " ".join((REPO / "docs" / "reliability.md").read_text().split())
+    assert "`daemon.log` is not capped" not in text
+    assert f"every {LOG_CAP_PERIOD:g} s for a service's logs" in text, LOG_CAP_PERIOD
+    assert f"every {HOME_LOG_CAP_PERIOD:g} s for `daemon.log` and the balancer" in text
