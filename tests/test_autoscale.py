@@ -332,7 +332,7 @@ def test_a_move_made_from_another_phase_s_state_says_so() -> None:
     assert reasons[5].startswith("QPS 6 wants 3 (> current 2) for 277.5s (and at every 20s look")
     assert reasons[6] == (
         "QPS 6.02 wants 4 (> current 3): scaling up to 4, as SkyServe does from 2 at the phase "
-        "of its 20s clock that looked at 1228.2s, past the 280s hold of the 300s upscale delay "
+        "of its 20s clock that looked 0.5s ago, past the 280s hold of the 300s upscale delay "
         "(+2 overprovisioned = 6)"
     )
 

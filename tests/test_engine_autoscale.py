@@ -253,14 +253,21 @@ def test_a_reason_says_when_the_hold_has_passed_but_no_look_moved_yet() -> None:
     """The hold is the earliest a move can come; the move comes at a look of SkyServe's 20 s
     clock. A reason that said "until the hold of 0s is over (12s so far)" read as a hold
     ignored."""
-    p = policy(
+    text = (
         "  replica_policy:\n    min_replicas: 1\n    max_replicas: 4\n"
         "    target_queue_per_replica: 2\n    upscale_delay_seconds: 60\n"
     )
-    scaler = EngineAutoscaler(p)
+    scaler = EngineAutoscaler(policy(text))
     scaler.observe(depth=6)
     first = scaler.decide(0.0, [])
     assert first.target == 1, first.reason
     assert first.reason.endswith("for 0s of the 40s hold of the 60s upscale delay: holding 1")
     assert past(39.0, 60) == "" and past(5.0, 20) != ""
     assert "the hold has passed" in past(40.0, 60)
+    # A move's look is said as how long ago it was, not as a time on the scaler's own clock
+    # ("the one at 5000.0s", a figure nothing else shows).
+    short = EngineAutoscaler(policy(text.replace("delay_seconds: 60", "delay_seconds: 10")))
+    short.observe(depth=6)
+    moved = short.decide(5000.0, [])
+    assert moved.target == 3 and "s ago moved from 1)" in moved.reason, moved.reason
+    assert "5000" not in moved.reason, moved.reason

@@ -369,10 +369,10 @@ class _PolicyAutoscaler:
         self._alert = self._phases.one_look_short(
             self._target, policy.min_replicas, policy.max_replicas, up, down
         )
-        return self._reason(want, current, raw, held, followed)
+        return self._reason(want, current, raw, held, followed, now)
 
     def _reason(
-        self, want: str, current: int, raw: int, held: float, moved: PhaseMove | None
+        self, want: str, current: int, raw: int, held: float, moved: PhaseMove | None, now: float
     ) -> str:
         side = (raw > current) - (raw < current)
         if moved is not None:
@@ -391,7 +391,8 @@ class _PolicyAutoscaler:
         if moved.before != current or (raw - current) * side <= 0:
             return (
                 f"{why}: scaling {verb} to {moved.after}, as SkyServe does from {moved.before} "
-                f"at the phase of its 20s clock that looked at {moved.at:.1f}s, past the {of}"
+                f"at the phase of its 20s clock that looked {now - moved.at:.1f}s ago, "
+                f"past the {of}"
             )
         why += f" for {_fmt_seconds(held)}"
         if hold_seconds(delay) <= 0:

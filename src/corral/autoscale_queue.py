@@ -186,7 +186,7 @@ class SampledAutoscaler:
                 self._since = (1 if raw > self._target else -1, now)
             return (
                 f"{load}: {self._target} replica(s), held {held:.0f}s (SkyServe's looks "
-                f"20s apart: the one at {moved.at:.1f}s moved from {moved.before})"
+                f"20s apart: the one {now - moved.at:.1f}s ago moved from {moved.before})"
             )
         if raw == self._target:
             self._since = None
