@@ -143,10 +143,13 @@ def test_up_without_a_daemon_refuses_the_model_before_starting_one(
 ) -> None:
     """The daemon `up` would start runs in this shell's environment: its verdict is known
     here, and a refused spec must not leave a daemon and its balancer workers behind."""
-    spec = write_spec(tmp_path / "llama.yaml", LLAMA)
+    spec = write_spec(tmp_path / "llama.yaml", LLAMA + "resources:\n  accelerators: H100:1\n")
     up = corral_home.run("up", str(spec), "-n", "llama", "-y", check=False)
     assert up.returncode == 1 and "cannot run here" in up.stderr, up
     assert "no daemon was started" in up.stderr, up.stderr
+    # Everything this machine lacks, as validate says it: the GPU too, not at the next `up`.
+    validate = corral_home.run("validate", str(spec), check=False)
+    assert "H100" in validate.stderr and "H100" in up.stderr, (validate.stderr, up.stderr)
     daemon = corral_home.run("daemon", "status", check=False)
     assert "no daemon running" in daemon.stdout + daemon.stderr, daemon
 

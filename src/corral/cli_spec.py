@@ -128,7 +128,12 @@ def refuse_model_before_starting(home: Path, file: Path, spec: ServiceSpec) -> N
     issues, _ = model_check(spec)
     if issues:
         from corral.spec import SpecError
+        from corral.spec.messages import sorted_issues
 
+        # All that this machine lacks, as `validate` says it (an H100 too), not only the
+        # engine: fixing one should not reveal the next at the following `up`.
+        fit, _, _ = placement_here(spec)
+        issues = sorted_issues(issues + fit)
         err.print(str(SpecError(issues, str(file))), soft_wrap=True, markup=False)
         err.print("no daemon was started for it", soft_wrap=True, markup=False)
         sys.exit(1)
@@ -152,10 +157,12 @@ def check_deployable(
 
 
 def placement_here(spec: ServiceSpec) -> tuple[list[SpecIssue], list[str], str | None]:
-    """``validate`` only: whether the spec's resources can ever fit on the machine as this shell
+    """``validate``: whether the spec's resources can ever fit on the machine as this shell
     reads it (NVML, CORRAL_INVENTORY, CORRAL_GPUS), what its replicas would get less of than they
     ask, and which inventory that was. ``up`` and ``update`` leave placement to the daemon: its
-    inventory, not this shell's, is the one that counts, and it refuses what never fits (400)."""
+    inventory, not this shell's, is the one that counts, and it refuses what never fits (400).
+    Except when ``up`` refuses a model-first spec before it starts a daemon: that daemon would
+    run here, so this shell's verdict is its verdict too."""
     from corral.capacity import fit_problem, fit_warnings  # psutil, pynvml: only here
     from corral.infra.inventory import InventoryError, load_inventory
     from corral.spec import SpecIssue
