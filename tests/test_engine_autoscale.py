@@ -92,6 +92,19 @@ def test_the_most_any_signal_asks_for_is_followed_with_the_holds() -> None:
     assert scaler.decide(151.0, []).raw_target == 1
 
 
+def test_queue_depth_alone_is_warned_of() -> None:
+    """A queue that a steady load empties scales the replicas down, and the queue that forms
+    then scales them up again (qwen-7b.yaml's shape flapped 1, 3, 1, 3 in a review): the spec
+    is told, and a kv_cache_usage target beside it silences the warning."""
+    base = (
+        "  max_replicas: 4\n  autoscaling:\n    metrics:\n      - {type: queue_depth, target: 5}\n"
+    )
+    alone = parse_spec(BASE + base).warnings
+    assert any("queue_depth is the only autoscaling target" in w for w in alone), alone
+    paired = parse_spec(BASE + base + "      - {type: kv_cache_usage, target: 0.8}\n").warnings
+    assert not any("is the only autoscaling target" in w for w in paired), paired
+
+
 def test_a_reasons_large_figures_are_written_out() -> None:
     """A fleet's tokens per second run to thousands: the reason said "2.5e+03 tokens/s"."""
     p = policy(

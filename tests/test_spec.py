@@ -108,7 +108,7 @@ EXPECTED: dict[str, tuple[str, object]] = {
         {"service.replica_policy.init_replicas": (8, "did you mean 'min_replicas'?")},
     ),
     "quickstart.yaml": ("ok", ["resources.cloud"]),
-    "qwen-7b.yaml": ("ok", []),
+    "qwen-7b.yaml": ("ok", ["service.autoscaling"]),  # queue_depth alone
     "ray_serve__ray_serve.yaml": (
         "ok",
         ["resources.cloud", "service.controller_resources", "service.port"],

@@ -468,6 +468,25 @@ class ServiceSection(Section):
                 f"stays at replicas ({least}) and no metric scales it (as in SkyServe); set "
                 "max_replicas to the most replicas the metrics may ask for"
             )
+        policy = self.replica_policy
+        if (
+            policy.autoscaling
+            and policy.target_queue_per_replica is not None
+            and policy.target_kv_cache_usage is None
+            and policy.target_tokens_per_second_per_replica is None
+            and policy.target_qps_per_replica is None
+        ):
+            where = (
+                "service.autoscaling"
+                if self.autoscaling is not None
+                else "service.replica_policy.target_queue_per_replica"
+            )
+            notes.append(
+                f"{where}: queue_depth is the only autoscaling target: a steady load the "
+                "replicas keep up with empties the queue, scales down after the downscale "
+                "delay and back up when the queue forms again; add a kv_cache_usage target to "
+                "keep the replicas it needs (docs/llm.md)"
+            )
         if self.port is not None:
             notes.append("service.port: SkyServe's old name of service.ports; read as ports")
         if self.https is not None:
