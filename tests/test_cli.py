@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -338,3 +339,26 @@ def test_verbs_without_daemon_say_how_to_start_one(
     result = corral_home.run(*verb, check=False)
     assert result.returncode == 1
     assert "corral daemon start" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_up_of_a_service_still_going_down_says_to_wait(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`up` of a name whose `down` is under way must not point to `update` (refused too, as
+    the service is shutting down): it says the name is free once the service is gone."""
+    home = corral_home
+    # A replica that ignores SIGTERM: its teardown waits out the grace (5 s).
+    run = f"trap '' TERM; exec {sys.executable} app.py"
+    spec = write_spec(tmp_path / "slow.yaml", spec_text("slow", 1, run=run))
+    home.run("up", str(spec))
+    home.run("down", "slow", "--no-wait")
+    svc = home.wait_for(lambda: home.service("slow"), 10, "the service to be listed")
+    assert svc["status"] == "SHUTTING_DOWN", svc
+    again = home.run("up", str(spec), check=False)
+    assert again.returncode == 1, again
+    assert "service 'slow' is shutting down" in again.stderr, again.stderr
+    assert "corral update" not in again.stderr, again.stderr
+    assert f"`corral up {spec}` again once `corral status slow` no longer lists it" in (
+        again.stderr
+    )
+    home.wait_for(lambda: home.service("slow") is None, 60, "the service to go")

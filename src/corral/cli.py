@@ -411,9 +411,12 @@ def down(
 
 
 def _update_hint(exc: ClientError, name: str | None, file: Path) -> str:
-    """`up` of a name that exists: SkyServe's way to change a running service is `update`."""
+    """`up` of a name that exists: SkyServe's way to change a running service is `update`;
+    of one still going down, `update` is refused too: the name is free once it is gone."""
     if exc.status != 409 or not name:
         return ""
+    if str(exc).endswith("is shutting down"):
+        return f"; `corral up {file}` again once `corral status {name}` no longer lists it"
     return f"; to roll out {file} as its next version: `corral update {name} {file}`"
 
 

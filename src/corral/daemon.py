@@ -135,14 +135,14 @@ class Daemon:
         admission.check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
         svc_name = spec.name
         stored_text = await asyncio.to_thread(redact_secrets, spec_text)
-        # The controller keeps the spec as stored: secret values live only in the values file.
-        stored = spec
+        stored = spec  # as the controller keeps it: secret values live only in the values file
         if spec.secrets:
             stored = await asyncio.to_thread(
                 parse_spec, stored_text, source=source or "<request>", name=name
             )
         async with self._deploy_lock(svc_name):
             if svc_name in self.controllers or self.store.service(svc_name) is not None:
+                self._live_row(svc_name)  # one going away: "shutting down", `update` won't do
                 raise ServiceExists(f"service {svc_name!r} already exists")
             # The version's files exist before its row does: a replica never finds them missing.
             await self._prepare(svc_name, 1, spec, base_dir, envs, secrets, source)
