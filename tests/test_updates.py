@@ -10,6 +10,7 @@ and no request was served by a replica after its teardown finished.
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 import urllib.error
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conftest import EXAMPLES, CorralHome, write_spec
+from conftest import EXAMPLES, CorralHome, spec_text, write_spec
 
 
 def spec(name: str, *, version: str, service: str) -> str:
@@ -271,3 +272,30 @@ def test_scale_to_zero_holds_the_first_request(corral_home: CorralHome, tmp_path
         45,
         "back to zero replicas",
     )
+
+
+def test_an_update_superseded_by_a_later_one_stops_waiting(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`corral update` (no --timeout) waits until its version serves alone; a later update
+    retires that version, so the first command must say so and exit, not wait for good."""
+    home = corral_home
+    home.run("up", str(write_spec(tmp_path / "v1.yaml", spec_text("sup", 1))))
+    never = spec_text("sup", 1, setup="sleep 600")  # version 2 never gets READY
+    waiting = home.popen("update", "sup", str(write_spec(tmp_path / "v2.yaml", never)))
+    home.wait_for(
+        lambda: any(
+            r["version"] == 2 for r in (home.service("sup") or {"replicas": []})["replicas"]
+        ),
+        30,
+        "version 2's replica to start launching",
+    )
+    home.run("update", "sup", str(write_spec(tmp_path / "v3.yaml", spec_text("sup", 2))), "-d")
+    try:
+        output, _ = waiting.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        waiting.kill()
+        output, _ = waiting.communicate()
+        raise AssertionError(f"`corral update` still waits:\n{output.decode()}") from None
+    assert waiting.returncode == 1, output
+    assert b"version 2 was superseded by version 3 (a later update)" in output, output

@@ -163,6 +163,15 @@ def wait_rollout(client: Client, name: str, version: int, timeout: float | None)
     for service in _polled(client, name, timeout, late):
         progress.replicas(service)
         swaps.say(progress)
+        current = service.get("version")
+        if isinstance(current, int) and current > version:
+            # Another update (or a rollback) came after this one: its replicas are retired,
+            # so "only the new version runs" never comes, and without --timeout we waited
+            # for good.
+            _fail(
+                f"version {version} was superseded by version {current} (a later update); "
+                f"`corral status {name}` shows what runs"
+            )
         live = [r for r in service["replicas"] if r["status"] in LIVE]
         ready_new = [r for r in live if r["version"] == version and r["status"] == "READY"]
         others = [r for r in live if r["version"] != version]
