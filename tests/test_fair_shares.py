@@ -189,6 +189,34 @@ def test_hung_setups_of_one_service_leave_launch_slots_to_the_others(
     assert sum(r["status"] == "PROVISIONING" for r in svc["replicas"]) <= 8, svc["replicas"]
 
 
+def test_hung_setups_of_two_services_leave_a_launch_to_a_third(
+    corral_home: CorralHome,
+) -> None:
+    """Two services whose setups hang hold the whole launch lane (8 slots each, until their
+    setup time limit: 30 minutes by default); a third service must still launch."""
+    corral_home.start_daemon()
+    for name in ("hung1", "hung2"):
+        spec = _setup_spec(name, 8, "exec sleep 3600")
+        answer = corral_home.api("POST", "/v1/services", body={"spec": spec}, timeout=30)
+        assert answer.status == 201, answer.body
+
+    def provisioning(name: str) -> int:
+        svc = corral_home.service(name) or {"replicas": []}
+        return sum(r["status"] == "PROVISIONING" for r in svc["replicas"])
+
+    wait_for(
+        lambda: provisioning("hung1") + provisioning("hung2") == 16,
+        30,
+        "the hung setups to hold every launch slot",
+    )
+    answer = corral_home.api(
+        "POST", "/v1/services", body={"spec": spec_text("other", 1)}, timeout=30
+    )
+    assert answer.status == 201, answer.body
+    corral_home.wait_replicas("other", 1, timeout=60)
+    assert provisioning("hung1") + provisioning("hung2") == 16
+
+
 def test_idle_connections_to_one_service_cannot_starve_the_others(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:
@@ -227,3 +255,28 @@ def test_idle_connections_to_one_service_cannot_starve_the_others(
         for sock in idle:
             sock.close()
     wait_for(lambda: http(capped_url + "/").status == 200, 10, "the capped service to serve")
+
+
+def test_a_replica_waiting_for_a_launch_slot_says_so(corral_home: CorralHome) -> None:
+    """PENDING for as long as a setup may hang (30 minutes by default) must say why: the
+    daemon's launch slots (16) all held, or the service's own share of them."""
+    corral_home.start_daemon(env={**corral_home.env, "CORRAL_LAUNCHES_PER_SERVICE": "17"})
+    spec = _setup_spec("wide", 18, "exec sleep 3600")
+    answer = corral_home.api("POST", "/v1/services", body={"spec": spec}, timeout=30)
+    assert answer.status == 201, answer.body
+
+    def waits() -> list[str] | None:
+        svc = corral_home.service("wide") or {"replicas": []}
+        rows = svc["replicas"]
+        if sum(r["status"] == "PROVISIONING" for r in rows) < 16:
+            return None
+        reasons = [r.get("waiting") or "" for r in rows if r["status"] == "PENDING"]
+        return reasons if len(reasons) == 2 and all(reasons) else None
+
+    reasons = sorted(wait_for(waits, 30, "16 launches to run and 2 to wait, saying why"))
+    assert reasons == [
+        "launch slots busy: all 16 of the daemon's are held (wide 16)",
+        "launch slots busy: this service launches 17 replicas at a time "
+        "(CORRAL_LAUNCHES_PER_SERVICE)",
+    ], reasons
+    assert "replica 17 waits: launch slots busy" in corral_home.run("status", "wide").stdout

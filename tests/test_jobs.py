@@ -797,6 +797,37 @@ def test_teardown_not_starved_by_saturated_launch_lane(pools: Callable[..., JobP
         assert job.wait(DEADLINE) and job.state is JobState.SUCCEEDED
 
 
+def test_a_group_with_nothing_running_gets_a_job_past_a_full_lane(
+    pools: Callable[..., JobPool],
+) -> None:
+    """Jobs that hang (group a's) hold every slot of the lane: each other group still gets
+    one job running (a guest past the limit), and no more than one, while the lane is full."""
+    pool = pools(8, {"launch": 2})
+    release = threading.Event()
+    try:
+        hung = [
+            pool.submit(block_until, release, kind="launch", group=group)
+            for group in ("a", "a", "b", "b")
+        ]
+        assert wait_for(lambda: sum(j.state is JobState.RUNNING for j in hung) == 3), hung
+        assert [j.state for j in hung].count(JobState.PENDING) == 1, hung  # b's second
+        first = pool.submit(lambda: "launched", kind="launch", group="c")
+        assert first.result(timeout=DEADLINE) == "launched"
+        release_c = threading.Event()
+        held = [pool.submit(block_until, e, kind="launch", group="c") for e in (release_c, release)]
+        assert wait_for(lambda: held[0].state is JobState.RUNNING), "group c's job waits"
+        assert held[1].state is JobState.PENDING  # one at a time past the limit
+        assert pool.stats()["launch"]["guests"] == 2  # b's and c's
+        release_c.set()
+        assert wait_for(lambda: held[1].state is JobState.RUNNING), "c's next job waits"
+        assert [j.state for j in hung].count(JobState.RUNNING) == 3, hung
+    finally:
+        release.set()
+    for job in [*hung, first, *held]:
+        assert job.wait(DEADLINE) and job.state is JobState.SUCCEEDED, job
+    assert wait_for(lambda: pool.stats()["launch"]["guests"] == 0), "a guest stayed"
+
+
 def test_worker_limit_per_kind_respected(pools: Callable[..., JobPool]) -> None:
     limits = {"launch": 3, "default": 2}
     pool = pools(2, {"launch": 3})

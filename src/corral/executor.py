@@ -208,6 +208,7 @@ class Executor:
             log=self.svc.launch_log(r.seq),
             name=f"{self.svc.name}-launch-{r.seq}",
             kind="launch",
+            group=self.svc.name,  # one launch of each service runs, however full the lane
         )
         self.svc.rt.launches[r.id] = job
         job.add_done_callback(functools.partial(self._from_thread, self._launch_done, r.id))
@@ -397,8 +398,7 @@ class Executor:
         self.svc.loop.call_later(self.svc.deps.teardown_timeout, self._teardown_overdue, r.id, job)
 
     def _freed(self) -> None:
-        """A replica's claim (if any) is let go: replicas waiting for it, of any service, may
-        fit now."""
+        """A replica's claim (if any) is let go: those waiting for it, of any service, may fit."""
         if self.svc.deps.capacity is not None:
             self.svc.deps.capacity.freed()
 

@@ -126,10 +126,14 @@ class Job:
         kind: str,
         log_path: Path | None,
         log_required: bool = True,
+        group: str | None = None,
     ) -> None:
         self.id = next(_ids)
         self.name = name
         self.kind = kind
+        # Whose job it is (a service's name): a group always gets one job running in its lane
+        # (see JobPool._serve_starved).
+        self.group = group
         self.log_path = log_path
         self.log_required = log_required
         # Why the job's log lost output (could not be opened, or writes failed: a full disk),

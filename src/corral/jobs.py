@@ -73,6 +73,12 @@ class _Lane:
     # Workers whose job was abandoned while its call was stuck: they no longer count toward
     # the limit, and each exits as soon as its call returns.
     stuck: list[threading.Thread] = field(default_factory=list)
+    # The jobs the workers run (abandoned ones leave it: they no longer hold a slot), the jobs
+    # each group runs (by a worker or a guest), and the guests: threads past the limit, each
+    # running one job of a group that had none running (see JobPool._serve_starved).
+    running: set[int] = field(default_factory=set)
+    active: dict[str, set[int]] = field(default_factory=dict)
+    guests: list[threading.Thread] = field(default_factory=list)
     idle: int = 0
     closed: bool = False
 
@@ -107,12 +113,15 @@ class JobPool:
         name: str | None = None,
         kind: str = "default",
         log_required: bool = True,
+        group: str | None = None,
         **kwargs: Any,
     ) -> Job:
         """Queue ``fn(*args, **kwargs)``; its output goes to ``log`` (a path) when given.
 
         ``log_required=False``: run the job even when ``log`` cannot be opened (its output then
         goes to the process's own stderr); by default such a job fails (see :meth:`Job._run`).
+        ``group`` (a service's name): the job's group always has one job running, even when
+        the other groups' jobs hold every slot of the lane (see :meth:`_serve_starved`).
         """
         job = Job(
             fn,
@@ -122,6 +131,7 @@ class JobPool:
             kind=kind,
             log_path=Path(log) if log is not None else None,
             log_required=log_required,
+            group=group,
         )
         job.add_done_callback(self._forget)
         # Queued (and its worker started) under the pool lock: a shutdown() running meanwhile
@@ -138,6 +148,7 @@ class JobPool:
                 lane.queue.append(job)
                 if not self._add_worker(lane):
                     lane.cond.notify()
+                self._serve_starved(lane)
         return job
 
     def _add_worker(self, lane: _Lane) -> bool:
@@ -154,6 +165,54 @@ class JobPool:
         lane.workers.append(worker)
         worker.start()
         return True
+
+    def _serve_starved(self, lane: _Lane) -> None:
+        """While the workers run ``limit`` jobs, start a guest thread for the oldest queued job
+        of each group that has none running (called with ``lane.cond`` held).
+
+        Why: a job can hang for as long as its own time limit allows (a `setup` stuck for
+        30 minutes); the lane's limit alone let two services whose setups hang hold every
+        launch slot, and every other service's launches waited behind them. A guest runs
+        past the limit, so there are at most ``limit`` + one per group threads.
+        """
+        if lane.closed or len(lane.running) < lane.limit:
+            return
+        for job in list(lane.queue):
+            if job.group is None or lane.active.get(job.group):
+                continue
+            lane.queue.remove(job)
+            lane.active[job.group] = {job.id}
+            guest = threading.Thread(
+                target=self._guest,
+                args=(lane, job),
+                name=f"corral-{lane.kind}-guest-{job.group}",
+                daemon=True,
+            )
+            lane.guests.append(guest)
+            guest.start()
+
+    def _guest(self, lane: _Lane, job: Job) -> None:
+        """Run one job past the lane's limit (see :meth:`_serve_starved`), then exit."""
+        try:
+            if job._start():
+                contextvars.Context().run(job._run)
+        finally:
+            with self._lock:
+                self._abandoned.pop(job.id, None)
+            with lane.cond:
+                lane.guests.remove(threading.current_thread())
+                self._release(lane, job)
+                self._serve_starved(lane)  # the group's next job, while the lane is full
+
+    @staticmethod
+    def _release(lane: _Lane, job: Job) -> None:
+        """The job holds no slot of its lane or its group any more (``lane.cond`` held)."""
+        lane.running.discard(job.id)
+        if job.group is not None:
+            active = lane.active.get(job.group, set())
+            active.discard(job.id)
+            if not active:
+                lane.active.pop(job.group, None)
 
     def abandon(self, job: Job, error: BaseException) -> bool:
         """Give up on a job that does not finish: it fails at once with ``error`` (its done
@@ -182,7 +241,9 @@ class JobPool:
                     if thread in lane.workers:
                         lane.workers.remove(thread)
                         lane.stuck.append(thread)
+                    self._release(lane, job)
                     self._add_worker(lane)
+                    self._serve_starved(lane)
         log.error("job %s abandoned: %s", job.name, error)
         job._finish()
         return True
@@ -201,21 +262,27 @@ class JobPool:
                 if not lane.queue:
                     return
                 job = lane.queue.popleft()
+                lane.running.add(job.id)
+                if job.group is not None:
+                    lane.active.setdefault(job.group, set()).add(job.id)
+                self._serve_starved(lane)
             if job._start():
                 contextvars.Context().run(job._run)
-                if job.abandoned:
-                    # Its slot was handed to another worker when the job was abandoned: this
-                    # thread leaves, so the lane never holds more than its limit of workers.
-                    with self._lock:
-                        self._abandoned.pop(job.id, None)
-                    me = threading.current_thread()
-                    with lane.cond:
-                        if me in lane.stuck:
-                            lane.stuck.remove(me)
-                        elif me in lane.workers:  # returned before abandon() moved it
-                            lane.workers.remove(me)
-                            self._add_worker(lane)
-                    return
+            with lane.cond:
+                self._release(lane, job)
+            if job.abandoned:
+                # Its slot was handed to another worker when the job was abandoned: this
+                # thread leaves, so the lane never holds more than its limit of workers.
+                with self._lock:
+                    self._abandoned.pop(job.id, None)
+                me = threading.current_thread()
+                with lane.cond:
+                    if me in lane.stuck:
+                        lane.stuck.remove(me)
+                    elif me in lane.workers:  # returned before abandon() moved it
+                        lane.workers.remove(me)
+                        self._add_worker(lane)
+                return
 
     def jobs(self) -> list[Job]:
         """Jobs not finished yet (a copy)."""
@@ -234,6 +301,7 @@ class JobPool:
                     "idle": lane.idle,
                     "queued": len(lane.queue),
                     "abandoned": len(lane.stuck),
+                    "guests": len(lane.guests),
                 }
         return out
 
@@ -260,11 +328,15 @@ class JobPool:
                 lane.cond.notify_all()
         deadline = time.monotonic() + timeout
         for lane in lanes:
-            for worker in list(lane.workers):
+            with lane.cond:
+                threads = lane.workers + lane.guests
+            for worker in threads:
                 worker.join(max(0.0, deadline - time.monotonic()))
         # Threads of abandoned jobs are not waited for (they are stuck: that is why they were
         # abandoned) but count as alive, and the commands they started are killed like any.
-        alive = [w for lane in lanes for w in lane.workers + lane.stuck if w.is_alive()]
+        alive = [
+            w for lane in lanes for w in lane.workers + lane.guests + lane.stuck if w.is_alive()
+        ]
         for job in jobs + stuck:
             for pgid in job._groups():
                 procfs.terminate_process_group(pgid, grace=1.0)

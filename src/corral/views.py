@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from typing import Any
 
 from corral.autoscale import Decision
+from corral.jobs import JobState
 from corral.llm_view import replica_llm, service_llm
 from corral.replicas import ReplicaStatus, ServiceStatus, replica_status, service_status
 from corral.servicecore import ServiceCore
@@ -114,11 +116,38 @@ def _replicas(
             status,
             now,
             devices=devices.get(r.id),
-            waiting=waiting.get(r.id) if status is ReplicaStatus.PENDING else None,
+            waiting=(waiting.get(r.id) or launch_wait(svc, r))
+            if status is ReplicaStatus.PENDING
+            else None,
         )
         view["llm"] = replica_llm(balanced.get(str(r.id)), engines.get(str(r.id)))
         views.append(view)
     return views
+
+
+def launch_wait(svc: ServiceCore, r: ReplicaRow) -> str | None:
+    """Why a PENDING replica that fits has not started launching, or None.
+
+    Why say it: a launch slot can be held for as long as a setup may run (30 minutes by
+    default), and a replica shown PENDING with no reason for that long looks lost.
+    """
+    job = svc.rt.launches.get(r.id)
+    if job is None:
+        share = svc.deps.launches_per_service
+        if len(svc.rt.launches) < share:
+            return None
+        return (
+            f"launch slots busy: this service launches {share} replicas at a time "
+            "(CORRAL_LAUNCHES_PER_SERVICE)"
+        )
+    if job.state is not JobState.PENDING:
+        return None
+    pool = svc.deps.pool
+    running = [j for j in pool.jobs() if j.kind == job.kind and j.state is JobState.RUNNING]
+    holders = Counter(j.name.rsplit("-launch-", 1)[0] for j in running)
+    held = ", ".join(f"{name} {count}" for name, count in sorted(holders.items()))
+    limit = pool.stats().get(job.kind, {}).get("limit", "")
+    return f"launch slots busy: all {limit} of the daemon's are held ({held or 'starting'})"
 
 
 def replica_view(
