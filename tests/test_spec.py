@@ -930,6 +930,10 @@ def test_summary_is_normalised_and_hides_secret_values(tmp_path: Path) -> None:
     assert service["replica_policy"]["autoscaling"] is False
     assert service["load_balancing_policy"] == "round_robin"
     assert service["tls"] is None
+    # Every balancer setting, defaults filled in (the hold, sessions: an operator checks them).
+    balancer = service["load_balancer"]
+    assert balancer["max_in_flight_per_replica"] is None and balancer["hold_timeout_seconds"] == 30
+    assert {"session_header", "balance_factor", "connect_timeout_seconds"} <= set(balancer)
     assert summary["warnings"] == [
         "resources.cloud: has no meaning on infra local; kept but not used"
     ]

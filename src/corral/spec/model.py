@@ -235,6 +235,9 @@ class ServiceSpec(Section):
                 "load_balancing_policy": self.service.load_balancing_policy,
                 "tls": None if tls is None else {"keyfile": tls.keyfile, "certfile": tls.certfile},
                 "stream_timeout_seconds": self.service.load_balancer.stream_timeout_seconds,
+                # Every balancer setting, defaults filled in: an operator sees the hold and the
+                # session settings they wrote were read, and what the rest will be.
+                "load_balancer": self.service.load_balancer.model_dump(mode="json"),
             },
             "warnings": self.warnings,
         }
