@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -181,6 +182,7 @@ def test_messages_point_to_the_next_step(corral_home: CorralHome, tmp_path: Path
     assert "-a/--all" in bare.stderr
     table = corral_home.run("daemon", "status").stdout
     assert "pid" in table and "balancer workers" in table and not table.startswith("{"), table
+    assert re.search(r"launch: \d+ running of 16", table) and "{'" not in table, table
     document = json.loads(corral_home.run("daemon", "status", "--json").stdout)
     assert document["pid"] == corral_home.daemon_pid()
 

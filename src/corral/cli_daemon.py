@@ -214,6 +214,20 @@ def daemon_status(ctx: click.Context, as_json: bool) -> None:
         click.echo(f"{label:<18}{text}")
 
 
+def _lane_text(kind: str, lane: Any) -> str:
+    """One job lane in words ("launch: 3 running of 16, 2 queued"); it was a Python dict."""
+    if not isinstance(lane, dict):
+        return f"{kind}: {lane}"
+    busy = int(lane.get("workers", 0)) - int(lane.get("idle", 0))
+    text = f"{kind}: {busy} running of {lane.get('limit', '?')}"
+    extras = [
+        (lane.get("guests"), "past the limit (a service with nothing else running)"),
+        (lane.get("queued"), "queued"),
+        (lane.get("abandoned"), "abandoned (stuck in a backend call)"),
+    ]
+    return text + "".join(f", {n} {what}" for n, what in extras if n)
+
+
 def daemon_rows(info: dict[str, Any], now: float) -> list[tuple[str, str]]:
     """`corral daemon status` for a person: one labelled line per part (``--json`` has all)."""
     from corral.cliview import age
@@ -223,7 +237,7 @@ def daemon_rows(info: dict[str, Any], now: float) -> list[tuple[str, str]]:
     rows = [("daemon", f"pid {info.get('pid')}{up}, serving {info.get('home')}")]
     rows.append(("services", str(info.get("services", "?"))))
     jobs = info.get("jobs") or {}
-    rows.append(("jobs", ", ".join(f"{k} {v}" for k, v in jobs.items()) or "none"))
+    rows.append(("jobs", "; ".join(_lane_text(k, v) for k, v in jobs.items()) or "none"))
     for w in info.get("balancer_workers") or ():
         link = "connected" if w.get("connected") else "not connected"
         state = w.get("state") if w.get("alive") else "gone"
