@@ -320,6 +320,11 @@ def test_logs_without_a_daemon_are_read_from_disk(corral_home: CorralHome, tmp_p
     (logs / "replica_1.log").open("a").write("first\nsecond\nthird\n")
     got = corral_home.run("logs", "ondisk", "1", "--tail", "2")
     assert got.stdout == "second\nthird\n" and "as it is on disk" in got.stderr, got
+    # Just after the size cap moved the log to .1: the last lines are read from there too.
+    (logs / "replica_1.log.1").write_bytes((logs / "replica_1.log").read_bytes())
+    (logs / "replica_1.log").write_text("fourth\n")
+    got = corral_home.run("logs", "ondisk", "1", "--tail", "3")
+    assert got.stdout == "second\nthird\nfourth\n", got
     launch = corral_home.run("logs", "ondisk", "1", "--launch", "--no-follow")
     assert "[corral] run:" in launch.stdout, launch.stdout
     controller = corral_home.run("logs", "ondisk", "--controller", "--no-follow")

@@ -163,6 +163,30 @@ def test_a_log_answer_leaves_no_warning(tmp_path: Path) -> None:
     assert not [w for w in seen if issubclass(w.category, web.NotAppKeyWarning)], seen
 
 
+def test_a_tail_right_after_a_rotation_reads_the_rotated_lines(tmp_path: Path) -> None:
+    """The size cap moves a log to ``.1`` and empties it: `--tail 3` then printed the one line
+    written since, where the user asked for three that are all on disk. The ``.1`` part ends
+    on a line break even where the cap cut a line."""
+    log = tmp_path / "replica_1.log"
+    log.write_text("new\n")
+    (tmp_path / "replica_1.log.1").write_text("old1\nold2\nold3\ncut sho")
+    daemon = FakeDaemon(tmp_path, log)
+
+    async def main(query: str) -> str:
+        server = await _serve(daemon)
+        try:
+            url = server.url(f"/v1/services/web/logs?replica=1&{query}")
+            async with aiohttp.ClientSession() as session, session.get(url) as answer:
+                assert answer.status == 200
+                return await answer.text()
+        finally:
+            await server.close()
+
+    assert asyncio.run(main("tail=3")) == "old3\ncut sho\nnew\n"
+    assert asyncio.run(main("tail=1")) == "new\n"  # the log alone holds it
+    assert asyncio.run(main("tail=9")) == "old1\nold2\nold3\ncut sho\nnew\n"
+
+
 def test_an_answer_cut_short_is_a_client_error_not_a_traceback(tmp_path: Path) -> None:
     """A stream the daemon drops midway (it stopped) ends `corral logs` with a message."""
     import socket

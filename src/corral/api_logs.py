@@ -37,8 +37,9 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
         replica_id = int_param(request, "replica", 0)  # the id users see, which names its files
     path = daemon.log_path(name, kind, replica_id)
     offset = int_param(request, "offset", 0)
+    earlier: list[tuple[Path, int]] = []  # the rotated generation's last lines, sent first
     if tail is not None:
-        offset = await asyncio.to_thread(loglines.tail_offset, path, tail)
+        *earlier, (_, offset) = await asyncio.to_thread(loglines.tail_spans, path, tail)
     if not path.exists() and not follow:
         launch = kind == "replica" and replica_id is not None
         raise RequestError(
@@ -52,6 +53,9 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     STREAMING.set(True)
     await response.prepare(request)
     try:
+        for older, start in earlier:
+            if await _send_from(response, older, start) != b"\n":
+                await response.write(b"\n")  # .1 ends mid-line where the cap cut it
         if follow:
             await _follow(response, daemon, path, offset, name, replica_id)
         else:
@@ -62,10 +66,14 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     return response
 
 
-async def _send_from(response: web.StreamResponse, path: Path, position: int) -> None:
+async def _send_from(response: web.StreamResponse, path: Path, position: int) -> bytes:
+    """Send ``path`` from ``position`` to its end; its last byte sent (b"\n" if none)."""
+    last = b"\n"
     while chunk := await asyncio.to_thread(_read_from, path, position):
         position += len(chunk)
         await response.write(chunk)
+        last = chunk[-1:]
+    return last
 
 
 async def _follow(

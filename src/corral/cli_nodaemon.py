@@ -126,8 +126,18 @@ def log_on_disk(
         return None
 
     def chunks() -> Iterator[bytes]:
+        spans = loglines.tail_spans(path, tail) if tail is not None else [(path, 0)]
         with f:
-            f.seek(loglines.tail_offset(path, tail) if tail is not None else 0)
+            for older, start in spans[:-1]:  # the rotated generation's last lines, first
+                last = b"\n"
+                with open(older, "rb") as g:
+                    g.seek(start)
+                    while chunk := g.read(1 << 16):
+                        last = chunk[-1:]
+                        yield chunk
+                if last != b"\n":
+                    yield b"\n"
+            f.seek(spans[-1][1])
             while chunk := f.read(1 << 16):
                 yield chunk
 

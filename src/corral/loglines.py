@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
+from corral.logfiles import backup_of
+
 _BLOCK = 1 << 16
 _READ_BLOCK = 1 << 20
 
@@ -22,14 +24,32 @@ def tail_offset(path: Path, lines: int) -> int:
 
     Read backwards in blocks, so a 64 MiB log costs what its tail costs. A last line without a
     newline counts as a line."""
+    return _tail(path, lines)[0]
+
+
+def tail_spans(path: Path, lines: int) -> list[tuple[Path, int]]:
+    """The last ``lines`` lines of a log as (file, offset) spans to read to their ends, in
+    order: the log's own, and before it the last lines of its rotated generation (``.1``)
+    when the log holds fewer. Right after the size cap emptied a log, `--tail 20` printed
+    nothing while the lines asked for were all in ``.1``."""
+    offset, found = _tail(path, lines)
+    older = backup_of(path)
+    if found >= lines or not older.exists():
+        return [(path, offset)]
+    return [(older, _tail(older, lines - found)[0]), (path, 0)]
+
+
+def _tail(path: Path, lines: int) -> tuple[int, int]:
+    """:func:`tail_offset`, and how many lines it found there (fewer than ``lines`` when the
+    file holds fewer)."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
-        return 0
+        return 0, 0
     with f:
         end = os.fstat(f.fileno()).st_size
         if lines <= 0:
-            return end
+            return end, 0
         position = end
         seen = 0
         # A newline ending the file closes the last line; it does not start another one.
@@ -49,10 +69,10 @@ def tail_offset(path: Path, lines: int) -> int:
                 skip_last = False
                 seen += 1
                 if seen == lines:
-                    return start + index + 1
+                    return start + index + 1, lines
             skip_last = False
             position = start
-        return 0
+        return 0, seen + 1 if end > 0 else 0
 
 
 def worker_logs(home: Path) -> list[Path]:
