@@ -367,3 +367,18 @@ def test_up_of_a_service_still_going_down_says_to_wait(
         again.stderr
     )
     home.wait_for(lambda: home.service("slow") is None, 60, "the service to go")
+
+
+def test_up_waiting_for_a_service_another_shell_takes_down_says_so(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`up` waits for the first READY replica; a `down` from elsewhere meanwhile ended it with
+    a bare "no service named 'mute'", as if the name had been mistyped."""
+    home = corral_home
+    spec = write_spec(tmp_path / "mute.yaml", spec_text("mute", 1, run="exec sleep 3600"))
+    waiting = home.popen("up", str(spec), "-y")
+    home.wait_for(lambda: home.service("mute"), 30, "the service to be created")
+    home.run("down", "mute", "-y")
+    said = waiting.communicate(timeout=60)[0].decode()
+    assert waiting.returncode == 1, said
+    assert "service 'mute' was taken down while this command waited for it" in said, said

@@ -45,6 +45,10 @@ def _polled(
         try:
             service = client.service(name)
         except ClientError as exc:
+            if exc.status == 404:
+                # This command created or updated it: someone (another shell, the dashboard)
+                # took it down since; "no service named ..." alone read as a mistyped name.
+                _fail(f"service {name!r} was taken down while this command waited for it")
             _fail(_client_error_text(exc))
         yield service
         if deadline is not None and time.monotonic() > deadline:
