@@ -134,7 +134,7 @@ def test_doctor_ends_only_orphans(
 
         # The deleted home's replicas worked in a scratch directory outside the home.
         scratch = scratch_root(doomed_id)
-        (scratch / "1").mkdir(parents=True)
+        (scratch / "1").mkdir(parents=True, exist_ok=True)  # left by a run that failed
         (scratch / "1" / "written-by-the-replica").write_text("x")
         result = corral_home.run("doctor", "--end-orphans", "-y")
         assert f"removed its replicas' scratch directory {scratch}" in result.stdout
