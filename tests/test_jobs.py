@@ -828,6 +828,52 @@ def test_a_group_with_nothing_running_gets_a_job_past_a_full_lane(
     assert wait_for(lambda: pool.stats()["launch"]["guests"] == 0), "a guest stayed"
 
 
+def test_guests_past_a_full_lane_are_at_most_its_limit(pools: Callable[..., JobPool]) -> None:
+    """One guest per starved group, but no more guests than the lane's limit: a daemon
+    restarting 50 services must not run 50 setups at once."""
+    pool = pools(8, {"launch": 2})
+    release = threading.Event()
+    try:
+        full = [pool.submit(block_until, release, kind="launch", group="a") for _ in range(2)]
+        assert wait_for(lambda: all(j.state is JobState.RUNNING for j in full)), full
+        others = [pool.submit(block_until, release, kind="launch", group=g) for g in "bcdef"]
+        assert wait_for(lambda: sum(j.state is JobState.RUNNING for j in others) == 2), others
+        assert [j.state for j in others].count(JobState.PENDING) == 3, others
+        assert pool.stats()["launch"]["guests"] == 2
+    finally:
+        release.set()
+    for job in [*full, *others]:
+        assert job.wait(DEADLINE) and job.state is JobState.SUCCEEDED, job
+
+
+def test_an_abandoned_guest_is_stuck_like_an_abandoned_worker() -> None:
+    """A guest whose call ignores cancellation is abandoned as a worker is: it counts as
+    abandoned (not as a guest), its group gets its next job, and shutdown() does not wait for
+    it. It stayed a guest: shutdown waited its whole timeout (15 s for the daemon's stop)."""
+    pool = JobPool(max_workers=4, limits={"launch": 1})
+    release, unstick = threading.Event(), threading.Event()
+    try:
+        held = pool.submit(block_until, release, kind="launch", group="a")
+        stuck = pool.submit(unstick.wait, DEADLINE, kind="launch", group="b")  # no checkpoint
+        after = pool.submit(block_until, release, kind="launch", group="b")
+        assert wait_for(lambda: stuck.state is JobState.RUNNING), stuck
+        assert pool.abandon(stuck, TimeoutError("hung"))
+        assert wait_for(lambda: after.state is JobState.RUNNING), "b's next job waits"
+        stats = pool.stats()["launch"]
+        assert (stats["guests"], stats["abandoned"]) == (1, 1), stats
+        release.set()
+        assert held.wait(DEADLINE) and after.wait(DEADLINE)
+        started = time.monotonic()
+        assert not pool.shutdown(timeout=DEADLINE)  # the stuck thread is alive: False, at once
+        assert time.monotonic() - started < DEADLINE / 2
+    finally:
+        release.set()
+        unstick.set()
+        pool.shutdown(timeout=DEADLINE)  # again, if an assertion stopped the test early
+    assert stuck.state is JobState.FAILED and wait_for(stuck.returned)
+    assert wait_for(lambda: pool.stats()["launch"]["abandoned"] == 0), "the stuck thread stayed"
+
+
 def test_worker_limit_per_kind_respected(pools: Callable[..., JobPool]) -> None:
     limits = {"launch": 3, "default": 2}
     pool = pools(2, {"launch": 3})

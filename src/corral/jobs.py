@@ -70,8 +70,8 @@ class _Lane:
     queue: deque[Job] = field(default_factory=deque)
     cond: threading.Condition = field(default_factory=threading.Condition)
     workers: list[threading.Thread] = field(default_factory=list)
-    # Workers whose job was abandoned while its call was stuck: they no longer count toward
-    # the limit, and each exits as soon as its call returns.
+    # Workers (and guests) whose job was abandoned while its call was stuck: they no longer
+    # count toward the limit, and each exits as soon as its call returns.
     stuck: list[threading.Thread] = field(default_factory=list)
     # The jobs the workers run (abandoned ones leave it: they no longer hold a slot), the jobs
     # each group runs (by a worker or a guest), and the guests: threads past the limit, each
@@ -173,12 +173,16 @@ class JobPool:
         Why: a job can hang for as long as its own time limit allows (a `setup` stuck for
         30 minutes); the lane's limit alone let two services whose setups hang hold every
         launch slot, and every other service's launches waited behind them. A guest runs
-        past the limit, so there are at most ``limit`` + one per group threads.
+        past the limit, one per group, and at most ``limit`` guests run: twice the limit in
+        all (besides threads stuck in an abandoned job's call, in ``lane.stuck``), so a
+        daemon restarting 50 services never runs 50 setups at once on one machine.
         """
         if lane.closed or len(lane.running) < lane.limit:
             return
         for job in list(lane.queue):
-            if job.group is None or lane.active.get(job.group):
+            if len(lane.guests) >= lane.limit:
+                return
+            if job.group is None or lane.active.get(job.group) or job.done():
                 continue
             lane.queue.remove(job)
             lane.active[job.group] = {job.id}
@@ -199,8 +203,10 @@ class JobPool:
         finally:
             with self._lock:
                 self._abandoned.pop(job.id, None)
+            me = threading.current_thread()
             with lane.cond:
-                lane.guests.remove(threading.current_thread())
+                # Its job abandoned meanwhile, abandon() moved it to the stuck threads.
+                (lane.guests if me in lane.guests else lane.stuck).remove(me)
                 self._release(lane, job)
                 self._serve_starved(lane)  # the group's next job, while the lane is full
 
@@ -238,9 +244,12 @@ class JobPool:
                     self._abandoned[job.id] = job
             if lane is not None:
                 with lane.cond:
-                    if thread in lane.workers:
-                        lane.workers.remove(thread)
-                        lane.stuck.append(thread)
+                    # A guest's thread is stuck the same way: counted as abandoned, and not
+                    # waited for by shutdown() (its call may never return).
+                    for threads in (lane.workers, lane.guests):
+                        if thread in threads:
+                            threads.remove(thread)
+                            lane.stuck.append(thread)
                     self._release(lane, job)
                     self._add_worker(lane)
                     self._serve_starved(lane)
