@@ -3,11 +3,15 @@
 A job may return while a helper thread it started (``capture.Thread``) is starting a child:
 the route's log is then closed, and its descriptor number is free for the next job's log. The
 child must still get a descriptor of the route it was spawned from, never a closed one (EBADF
-raised into the helper) nor another job's log.
+raised into the helper) nor another job's log. After a child, its route is left on a line
+break (``capture.end_line``) only where it is a file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +19,7 @@ from typing import IO, Any
 
 import pytest
 
-from corral import capture
+from corral import capture, jobs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,3 +52,24 @@ def test_a_child_started_as_its_route_ends_writes_to_that_route_only(
             f.close()
     assert mine.read_text() == "before the child\nchild line\n"
     assert other.read_text() == ""
+
+
+@pytest.mark.parametrize("kind", ["StringIO", "socket"])
+def test_a_command_run_in_a_route_that_is_not_a_file_leaves_it_sound(kind: str) -> None:
+    """After a command, capture.end_line() reads back the last byte of a route's file; a
+    route to a stream that is not a file (no descriptor, or a socket) is left as it is. It
+    was reported as failing ("cannot write to ...; its output is dropped"), its ``error`` set:
+    a job's log_error would say its log lost output when it lost nothing."""
+    with contextlib.ExitStack() as stack:
+        if kind == "socket":
+            ours, theirs = socket.socketpair()
+            stack.callback(theirs.close)
+            stack.callback(ours.close)
+            stream: IO[str] = stack.enter_context(ours.makefile("w", encoding="utf-8"))
+        else:
+            stream = io.StringIO()
+        route = capture.to(stream)
+        with route:
+            jobs.run_command([sys.executable, "-c", "print('mid', end='', flush=True)"])
+            print("next", flush=True)
+        assert route.error is None

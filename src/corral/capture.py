@@ -69,6 +69,7 @@ import faulthandler
 import io
 import logging
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -890,7 +891,7 @@ def end_line() -> None:
         return
     try:
         stream = t.stream
-        if t.ended or stream is None:
+        if t.ended or stream is None or not _is_file(stream):
             return
         stream.flush()
         # The route's descriptor is write-only: read the last byte through a second one onto
@@ -908,6 +909,17 @@ def end_line() -> None:
         t.report(exc)
     finally:
         t.release()
+
+
+def _is_file(stream: IO[str]) -> bool:
+    """Whether ``stream`` writes to a regular file, whose last byte :func:`end_line` can read
+    back. A stream with no descriptor (``io.StringIO``), a socket or a pipe is not one: reading
+    it back fails or reads nothing, and must not be reported as the route failing (a job's
+    ``log_error``)."""
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
 
 
 def spawn(
