@@ -506,3 +506,44 @@ def test_followed_logs_are_bounded(corral_home: CorralHome, tmp_path: Path) -> N
             conn.close()
 
     wait_for(served_again, 15, "a log to be followed once the others closed")
+
+
+def test_a_scale_that_waited_behind_an_update_does_not_undo_it(tmp_path: Path) -> None:
+    """The scale reads the running version, then waits for the service's deploy lock; an
+    update holding it meanwhile makes another version current. Going on would store the older
+    version's spec and files (its workdir copy, values) as the newest: the update undone,
+    silently. The scale is refused instead (409), and nothing is stored."""
+    import asyncio
+    from unittest import mock
+
+    from corral.daemon import Daemon
+    from corral.dashboard.actions import scale
+    from corral.errors import Conflict
+    from corral.state import Store
+
+    store = Store(tmp_path / "state.db")
+    first, second = spec_text("s", 1), spec_text("s", 1, envs={"CODE": "new"})
+    store.create_service("s", first, source=None, base_dir=None, lb_port=None)
+    parsed = {1: parse_spec(first, source="<t>"), 2: parse_spec(second, source="<t>")}
+    daemon = Daemon(tmp_path, store, mock.MagicMock(capacity=None, infras={"local": None}))
+    controller = daemon.controllers["s"] = mock.MagicMock()
+    controller.spec.side_effect = lambda version: parsed[version]
+    update, asked = daemon.update, asyncio.Event()
+
+    async def update_once_asked(name: str, request: Any) -> Any:
+        asked.set()  # the scale has read the running version: 1
+        return await update(name, request)
+
+    async def main() -> None:
+        lock = daemon._deploy_lock("s")
+        await lock.acquire()  # an update under way
+        with mock.patch.object(daemon, "update", update_once_asked):
+            scaling = asyncio.ensure_future(scale(daemon, "s", 3))
+            await asyncio.wait_for(asked.wait(), 10)
+        store.add_version("s", second, source=None, base_dir=None, mode="rolling", adopt_live=False)
+        lock.release()
+        with pytest.raises(Conflict, match="updated meanwhile"):
+            await asyncio.wait_for(scaling, 10)
+
+    asyncio.run(main())
+    assert [v.version for v in store.versions("s")] == [1, 2]

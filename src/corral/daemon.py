@@ -171,12 +171,10 @@ class Daemon:
             log.warning("service %s: earlier logs of this name not set aside: %s", name, exc)
 
     async def update(self, name: str, request: UpdateRequest) -> dict[str, Any]:
-        """Store a new version of a service and let its controller roll it out.
-
-        ``request.from_version`` re-deploys a stored version's spec (a rollback) as a new
-        version, so the history only grows and every rollout is in the event log; it reuses
-        that version's files (workdir copy, values).
-        """
+        """Store a new version of a service and let its controller roll it out. A rollback
+        (``from_version``) re-deploys a stored version's spec as a new one, so the history only
+        grows and every rollout is in the event log; it and a scale (``files_of``) reuse that
+        version's files (workdir copy, values)."""
         async with self._deploy_lock(name):
             return await self._update(name, request)
 
@@ -192,6 +190,8 @@ class Daemon:
             )
         # The service may have been taken down or updated while the spec was being checked.
         svc = self._live_row(name)
+        if request.files_of not in (None, svc.current_version):  # it would undo what ran since
+            raise Conflict(f"service {name!r} was updated meanwhile: scale it again")
         current = controller.spec(svc.current_version)
         if spec.infra != current.infra:
             raise InvalidRequest(
