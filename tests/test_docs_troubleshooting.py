@@ -362,7 +362,7 @@ CHECKS: dict[str, Check] = {
     "endpoint not served": lambda line, tmp, mp: _endpoint_taken(line, mp),
     "waits: needs": lambda line, tmp, mp: _pending(line),
     "launch slots busy": lambda line, tmp, mp: from_source(
-        line, "{} replica {} waits: {}", "launch slots busy: all {} of the daemon's are held ({})"
+        line, "{} replica {} waits: {}", "launch slots busy: all {} of the daemon's are held{} ({})"
     ),
     "needs 1x A100: the machine has no A100": lambda line, tmp, mp: _no_gpu(line),
     "CUDA_VISIBLE_DEVICES=": lambda line, tmp, mp: _hidden_gpus(line),

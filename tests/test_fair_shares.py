@@ -280,3 +280,28 @@ def test_a_replica_waiting_for_a_launch_slot_says_so(corral_home: CorralHome) ->
         "(CORRAL_LAUNCHES_PER_SERVICE)",
     ], reasons
     assert "replica 17 waits: launch slots busy" in corral_home.run("status", "wide").stdout
+
+
+def test_a_launch_waiting_behind_its_own_past_the_limit_says_so(
+    corral_home: CorralHome,
+) -> None:
+    """Two services' hung setups hold all 16 slots; a third service's first launch runs past
+    them (JobPool._serve_starved) and its second waits. The reason said "all 16 of the daemon's
+    are held (hung1 8, hung2 8, other 1)": 17 holders of 16 slots, with no word of why."""
+    corral_home.start_daemon()
+    for name, replicas in (("hung1", 8), ("hung2", 8), ("other", 2)):
+        spec = _setup_spec(name, replicas, "exec sleep 3600")
+        answer = corral_home.api("POST", "/v1/services", body={"spec": spec}, timeout=30)
+        assert answer.status == 201, answer.body
+
+    def waits() -> list[str] | None:
+        svc = corral_home.service("other") or {"replicas": []}
+        reasons = [r.get("waiting") or "" for r in svc["replicas"] if r["status"] == "PENDING"]
+        held = "(hung1 8, hung2 8, other 1)"
+        return reasons if len(reasons) == 1 and reasons[0].endswith(held) else None
+
+    (reason,) = wait_for(waits, 30, "other's second launch to wait behind its first")
+    assert reason == (
+        "launch slots busy: all 16 of the daemon's are held, and 1 launch(es) past them, "
+        "one per service that had none (hung1 8, hung2 8, other 1)"
+    ), reason

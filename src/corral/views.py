@@ -146,8 +146,12 @@ def launch_wait(svc: ServiceCore, r: ReplicaRow) -> str | None:
     running = [j for j in pool.jobs() if j.kind == job.kind and j.state is JobState.RUNNING]
     holders = Counter(j.name.rsplit("-launch-", 1)[0] for j in running)
     held = ", ".join(f"{name} {count}" for name, count in sorted(holders.items()))
-    limit = pool.stats().get(job.kind, {}).get("limit", "")
-    return f"launch slots busy: all {limit} of the daemon's are held ({held or 'starting'})"
+    lane = pool.stats().get(job.kind, {})
+    limit, guests = lane.get("limit", ""), lane.get("guests", 0)
+    # The holders then number more than the slots: each service with no launch in a slot
+    # gets one past them (JobPool._serve_starved), this one's included.
+    past = f", and {guests} launch(es) past them, one per service that had none" if guests else ""
+    return f"launch slots busy: all {limit} of the daemon's are held{past} ({held or 'starting'})"
 
 
 def replica_view(
