@@ -187,6 +187,62 @@ def test_a_tail_right_after_a_rotation_reads_the_rotated_lines(tmp_path: Path) -
     assert asyncio.run(main("tail=9")) == "old1\nold2\nold3\ncut sho\nnew\n"
 
 
+def test_an_error_after_the_answer_started_drops_the_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the API's own app and guard: a route that fails once its 200 and part of its
+    body went out must not have an error answer written into that body; the connection is
+    dropped. The guard learns that the answer started from aiohttp's on_response_prepare, for
+    every streaming route (logs, the dashboard's feeds), not from each route saying so."""
+    from unittest import mock
+
+    from corral import api
+
+    log = tmp_path / "replica_1.log"
+    log.write_text("one\n")
+    fake = FakeDaemon(tmp_path, log)
+    daemon = mock.MagicMock(home=tmp_path)  # the dashboard's feed reads more than the route
+    for name in ("controller", "log_path", "log_finished", "has_service"):
+        setattr(daemon, name, getattr(fake, name))
+    reads = 0
+    read_from = api_logs._read_from
+
+    def fails_second(path: Path, position: int) -> bytes:
+        nonlocal reads
+        reads += 1
+        if reads > 1:
+            raise RuntimeError("the disk went away")
+        return read_from(path, position)
+
+    monkeypatch.setattr(api_logs, "_read_from", fails_second)
+
+    async def main() -> tuple[int, bytes, str]:
+        runner = web.AppRunner(api.make_app(daemon, "tok"), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}/v1/services/web/logs?replica=1&follow=true"
+        got = b""
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(url, headers={"Authorization": "Bearer tok"}) as answer,
+            ):
+                try:
+                    async for chunk in answer.content.iter_any():
+                        got += chunk
+                except aiohttp.ClientPayloadError as exc:
+                    return answer.status, got, type(exc).__name__
+                return answer.status, got, "ended"
+        finally:
+            await runner.cleanup()
+
+    status, body, end = asyncio.run(asyncio.wait_for(main(), 20))  # before: it never ended
+    assert status == 200 and body == b"one\n", (status, body)
+    assert end == "ClientPayloadError", end  # cut, no '{"error": ...}' inside the log's text
+
+
 def test_an_answer_cut_short_is_a_client_error_not_a_traceback(tmp_path: Path) -> None:
     """A stream the daemon drops midway (it stopped) ends `corral logs` with a message."""
     import socket

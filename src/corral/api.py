@@ -91,7 +91,11 @@ def make_app(daemon: Daemon, token: str) -> web.Application:
         finally:
             STREAMING.reset(streaming)
 
+    async def started(request: web.Request, response: web.StreamResponse) -> None:
+        STREAMING.set(True)  # a handler's own prepare(), within the guard (see STREAMING)
+
     app = web.Application(middlewares=[guard], client_max_size=MAX_SPEC_BYTES)
+    app.on_response_prepare.append(started)
     app.add_routes(Routes(daemon, token).table())
     dashboard.install(app, daemon, token)  # /ui and POST /v1/dashboard/login
     app.router.add_route("*", "/{tail:.*}", _not_found)

@@ -31,10 +31,12 @@ STATUS: Final[dict[type[Refused], int]] = {
 }
 
 
-# True once the current request's answer has started streaming: an error after that cannot
-# become an answer of its own (see corral.api's guard, which sets it to False for each request).
-# A context variable, not a key on the request: aiohttp warns on a str key there, and its typed
-# request keys need aiohttp 3.14. The guard and the handler run in one task, so one context.
+# True once the current request's answer has gone out in part (its headers: a StreamResponse
+# prepared by the handler): an error after that cannot become an answer of its own. corral.api's
+# guard sets it to False for each request and its on_response_prepare hook to True, for every
+# streaming route at once (the logs, the dashboard's feeds). A context variable, not a key on
+# the request: aiohttp warns on a str key there, and its typed request keys need aiohttp 3.14.
+# The guard, the handler and the hook run in one task, so one context.
 STREAMING: ContextVar[bool] = ContextVar("corral_api_streaming", default=False)
 
 

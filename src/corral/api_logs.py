@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from corral import logfiles, loglines
-from corral.api_errors import STREAMING, RequestError
+from corral.api_errors import RequestError
 from corral.api_input import flag, int_param
 from corral.daemon import Daemon
 from corral.state import StateError
@@ -50,7 +50,6 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
             + (f"; its launch log: `corral logs {name} {replica_id} --launch`" if launch else ""),
         )
     response = web.StreamResponse(headers=TEXT)
-    STREAMING.set(True)
     await response.prepare(request)
     try:
         for older, start in earlier:
@@ -167,7 +166,6 @@ async def _balancer_log(
     """The lines of the balancer workers' logs about service ``name`` (see corral.loglines),
     the last ``tail`` of them first, then, with ``follow``, new ones until the service goes."""
     response = web.StreamResponse(headers=TEXT)
-    STREAMING.set(True)
     await response.prepare(request)
     positions: dict[Any, int] = {}
     first = True
