@@ -442,15 +442,21 @@ def streams_are_bounded(port: int, cookie: str) -> None:
     """Past MAX_LISTENERS open state streams the next one is refused (503), not served."""
     from corral.dashboard.feed import MAX_LISTENERS
 
+    bounded_streams(port, cookie, "/ui/api/feed", MAX_LISTENERS, b"too many dashboard streams")
+
+
+def bounded_streams(port: int, cookie: str, path: str, limit: int, refusal: bytes) -> None:
+    """``limit`` streams of ``path`` are served at once, the next one is a 503 saying
+    ``refusal``, and one is served again once the others closed."""
     opened: list[HTTPConnection] = []
     try:
-        for _ in range(MAX_LISTENERS):
+        for _ in range(limit):
             conn = HTTPConnection("127.0.0.1", port, timeout=15)
-            conn.request("GET", "/ui/api/feed", headers={"Cookie": cookie})
+            conn.request("GET", path, headers={"Cookie": cookie})
             assert conn.getresponse().status == 200
             opened.append(conn)
-        status, _, body = request(port, "GET", "/ui/api/feed", headers={"Cookie": cookie})
-        assert status == 503 and b"too many dashboard streams" in body
+        status, _, body = request(port, "GET", path, headers={"Cookie": cookie})
+        assert status == 503 and refusal in body, (status, body)
     finally:
         for conn in opened:
             conn.close()
@@ -458,12 +464,12 @@ def streams_are_bounded(port: int, cookie: str) -> None:
     def served_again() -> bool:
         conn = HTTPConnection("127.0.0.1", port, timeout=15)
         try:
-            conn.request("GET", "/ui/api/feed", headers={"Cookie": cookie})
+            conn.request("GET", path, headers={"Cookie": cookie})
             return conn.getresponse().status == 200
         finally:
             conn.close()
 
-    wait_for(served_again, 15, "a stream to be served once the others closed")
+    wait_for(served_again, 15, f"{path} to be served once the others closed")
 
 
 def get_json_with_cookie(port: int, path: str, cookie: str) -> Any:
@@ -482,30 +488,8 @@ def test_followed_logs_are_bounded(corral_home: CorralHome, tmp_path: Path) -> N
     home.wait_replicas("b", 1)
     port = port_of(home)
     name, session = sign_in(home)
-    cookie = f"{name}={session}"
     path = "/ui/api/services/b/replicas/1/log?kind=replica"
-    opened: list[HTTPConnection] = []
-    try:
-        for _ in range(MAX_FOLLOWERS):
-            conn = HTTPConnection("127.0.0.1", port, timeout=15)
-            conn.request("GET", path, headers={"Cookie": cookie})
-            assert conn.getresponse().status == 200
-            opened.append(conn)
-        status, _, body = request(port, "GET", path, headers={"Cookie": cookie})
-        assert status == 503 and b"too many logs followed" in body, (status, body)
-    finally:
-        for conn in opened:
-            conn.close()
-
-    def served_again() -> bool:
-        conn = HTTPConnection("127.0.0.1", port, timeout=15)
-        try:
-            conn.request("GET", path, headers={"Cookie": cookie})
-            return conn.getresponse().status == 200
-        finally:
-            conn.close()
-
-    wait_for(served_again, 15, "a log to be followed once the others closed")
+    bounded_streams(port, f"{name}={session}", path, MAX_FOLLOWERS, b"too many logs followed")
 
 
 def test_a_scale_that_waited_behind_an_update_does_not_undo_it(tmp_path: Path) -> None:

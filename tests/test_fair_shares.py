@@ -179,14 +179,16 @@ def test_hung_setups_of_one_service_leave_launch_slots_to_the_others(
         30,
         "the hung setups to hold their slots",
     )
-    answer = corral_home.api(
-        "POST", "/v1/services", body={"spec": spec_text("other", 1)}, timeout=30
-    )
-    assert answer.status == 201, answer.body
-    corral_home.wait_replicas("other", 1, timeout=60)
+    _another_service_comes_up(corral_home)
     svc = corral_home.service("hung")
     assert svc is not None
     assert sum(r["status"] == "PROVISIONING" for r in svc["replicas"]) <= 8, svc["replicas"]
+
+
+def _another_service_comes_up(home: CorralHome) -> None:
+    answer = home.api("POST", "/v1/services", body={"spec": spec_text("other", 1)}, timeout=30)
+    assert answer.status == 201, answer.body
+    home.wait_replicas("other", 1, timeout=60)
 
 
 def test_hung_setups_of_two_services_leave_a_launch_to_a_third(
@@ -209,11 +211,7 @@ def test_hung_setups_of_two_services_leave_a_launch_to_a_third(
         30,
         "the hung setups to hold every launch slot",
     )
-    answer = corral_home.api(
-        "POST", "/v1/services", body={"spec": spec_text("other", 1)}, timeout=30
-    )
-    assert answer.status == 201, answer.body
-    corral_home.wait_replicas("other", 1, timeout=60)
+    _another_service_comes_up(corral_home)
     assert provisioning("hung1") + provisioning("hung2") == 16
 
 
