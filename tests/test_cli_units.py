@@ -269,3 +269,12 @@ def test_status_shows_the_llm_figures_and_leaves_out_what_the_engine_does_not_re
     assert cliview.llm_lines(service, verbose=False) == [
         "chat: TTFT p50 - p99 - over 0 streams; 3 waiting"
     ]
+
+
+def test_a_large_machines_memory_is_written_out_in_daemon_status() -> None:
+    """A GPU server's 2 TiB read "2.05e+03 GiB" in `corral daemon status`, as in refusals."""
+    from corral.cli_daemon import daemon_rows
+
+    info = {"pid": 1, "inventory": {"source": "nvml", "cpus": 96, "memory": 2100 * 1024**3}}
+    text = " ".join(value for _, value in daemon_rows(info, 0.0))
+    assert "96 CPUs, 2100 GiB, 0 GPUs" in text and "e+" not in text, text

@@ -59,6 +59,7 @@ from corral.autoscale import (
     past,
 )
 from corral.autoscale_phases import PhaseFamily, threshold
+from corral.figures import figure
 from corral.spec import ReplicaPolicy, qps_of_accelerator
 
 __all__ = [
@@ -238,15 +239,9 @@ class EngineAutoscaler(SampledAutoscaler):
         if not wants:
             return p.min_replicas, "no target set"
         words = "; ".join(
-            f"{_figure(value)} {what} ({n} at {target:g} each)" for n, value, what, target in wants
+            f"{figure(value)} {what} ({n} at {target:g} each)" for n, value, what, target in wants
         )
         return max(n for n, *_ in wants), words
-
-
-def _figure(value: float) -> str:
-    """3 significant digits for a reason's figures, never an exponent: 2,500 tokens/s (a
-    fleet of engines, every second) read "2.5e+03" in `corral status`."""
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
 # The name under which the queue-only autoscaler was introduced.
@@ -277,7 +272,7 @@ class InstanceAwareAutoscaler(SampledAutoscaler):
         best = max(targets.values())
         serving = [self._qps_of(a) for status, a in self._fleet if status in CAPACITY]
         capacity = sum(serving)
-        load = f"QPS {_figure(qps)} against {capacity:g} the fleet serves"
+        load = f"QPS {figure(qps)} against {capacity:g} the fleet serves"
         if capacity <= 0 or qps <= 0:
             return _ceil(qps / best), load
         if qps >= capacity:

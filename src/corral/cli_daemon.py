@@ -13,6 +13,7 @@ import click
 
 from corral.cli_common import client_of, fail, home_of, out
 from corral.client import Client, UntrustedDaemon
+from corral.figures import gib
 from corral.home import EXIT_DAEMON_RUNNING, is_loopback
 
 
@@ -251,9 +252,9 @@ def daemon_rows(info: dict[str, Any], now: float) -> list[tuple[str, str]]:
     inventory = info.get("inventory") or {}
     if inventory:
         gpus = len(inventory.get("gpus") or ())
-        memory = float(inventory.get("memory") or 0) / 1024**3
+        memory = gib(float(inventory.get("memory") or 0))
         rows.append(("inventory", str(inventory.get("source", ""))))
-        rows.append(("", f"{inventory.get('cpus')} CPUs, {memory:.3g} GiB, {gpus} GPUs"))
+        rows.append(("", f"{inventory.get('cpus')} CPUs, {memory}, {gpus} GPUs"))
     files = info.get("open_files") or {}
     if files:
         rows.append(("open files", f"{files.get('in_use')} of {files.get('limit')}"))

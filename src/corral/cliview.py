@@ -10,6 +10,8 @@ from typing import Any
 
 from rich.table import Table
 
+from corral.figures import gib
+
 # Failed replicas shown per service without -v (newest first); older ones are counted.
 SHOWN_FAILED = 3
 FAILED_PREFIX = ("FAILED", "PREEMPTED")
@@ -133,7 +135,7 @@ def devices_text(held: dict[str, Any] | None) -> str:
         over = f" ({held['oversubscribed']})" if held.get("oversubscribed") else ""
         parts.append(f"{held['cpus']:g} CPUs{shared}{over}")
     if held["memory"]:
-        parts.append(f"{held['memory'] / 1024**3:.3g} GiB")
+        parts.append(gib(held["memory"]))
     return " ".join(parts) or "-"
 
 

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.figures import gib
 from corral.infra._ray_resources import parse_cpus, parse_memory
 from corral.infra.inventory import Gpu, Inventory
 
@@ -361,13 +362,6 @@ def _held_by(holders: Sequence[Holder], amount: Any) -> str:
     return "held: " + ", ".join(f"{amount(h)} by {h.service} replica {h.shown}" for h in holders)
 
 
-def _gib(size: int) -> str:
-    """3 significant digits, never an exponent: a GPU server's 2 TiB is "2048 GiB", not
-    "2.05e+03 GiB"."""
-    gib = size / 1024**3
-    return f"{gib:.3g} GiB" if gib < 1000 else f"{gib:.0f} GiB"
-
-
 def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
     """Why ``ask`` cannot fit even on this machine with nothing running, naming the field and
     what the machine has of that resource (not every device: a refusal stays one line), and
@@ -381,7 +375,7 @@ def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
     if ask.memory > inventory.memory:
         return AskError(
             "resources.memory",
-            f"needs {_gib(ask.memory)}; the machine has {_gib(inventory.memory)} {source}",
+            f"needs {gib(ask.memory)}; the machine has {gib(inventory.memory)} {source}",
         )
     if ask.options and not any(_choose(o, inventory.gpus, {}) for o in ask.options):
         wants = " or ".join(o.describe() for o in ask.options)
@@ -413,7 +407,7 @@ def share_warnings(ask: Ask, replicas: int, inventory: Inventory) -> list[str]:
         )
     if ask.memory and replicas * ask.memory > inventory.memory:
         out.append(
-            f"resources.memory: {count} x {_gib(ask.memory)} asked, the machine has "
-            f"{_gib(inventory.memory)}: they share it (a soft ask: nothing reserves or limits it)"
+            f"resources.memory: {count} x {gib(ask.memory)} asked, the machine has "
+            f"{gib(inventory.memory)}: they share it (a soft ask: nothing reserves or limits it)"
         )
     return out
