@@ -144,7 +144,7 @@ def launch_wait(svc: ServiceCore, r: ReplicaRow) -> str | None:
         return None
     pool = svc.deps.pool
     running = [j for j in pool.jobs() if j.kind == job.kind and j.state is JobState.RUNNING]
-    holders = Counter(j.name.rsplit("-launch-", 1)[0] for j in running)
+    holders = Counter(j.group or j.name for j in running)  # a launch's group: its service
     held = ", ".join(f"{name} {count}" for name, count in sorted(holders.items()))
     lane = pool.stats().get(job.kind, {})
     limit, guests = lane.get("limit", ""), lane.get("guests", 0)
