@@ -14,7 +14,14 @@ import aiohttp
 
 from corral import cliview
 from corral.home import home_problem
-from corral.loglines import balancer_lines, balancer_tail, names_service, tail_offset
+from corral.loglines import (
+    balancer_lines,
+    balancer_tail,
+    names_service,
+    span_chunks,
+    tail_offset,
+    tail_spans,
+)
 from corral.probe import probe
 from corral.state import _MIGRATIONS, Store, _split
 
@@ -157,6 +164,21 @@ def test_balancer_lines_of_one_service(tmp_path: Path) -> None:
     more, _ = balancer_lines(tmp_path, "web", positions)
     assert len(more) == 1 and b"replica 3" in more[0]
     assert not names_service(b"x corral.balancer: balancer web-2 listening", "web")
+
+
+def test_span_chunks_end_the_rotated_part_on_a_line_break(tmp_path: Path) -> None:
+    """One rule for the API and for reading logs without a daemon: the ``.1`` part of a tail
+    ends on a line break where the cap cut a line; the live log is sent as it is."""
+    log = tmp_path / "replica_1.log"
+    log.write_bytes(b"new and still wri")
+    (tmp_path / "replica_1.log.1").write_bytes(b"old1\nold2\ncut sho")
+    spans = tail_spans(log, 2)
+    assert b"".join(span_chunks(spans)) == b"cut sho\nnew and still wri"
+    assert b"".join(span_chunks(spans[:-1], last_as_is=False)) == b"cut sho\n"
+    assert b"".join(span_chunks([(tmp_path / "gone", 0), (log, 4)])) == b"and still wri"
+    big = b"x" * 200_000 + b"\n"  # several chunks, the newline in the last
+    log.write_bytes(big)
+    assert b"".join(span_chunks([(log, 0)])) == big
 
 
 def test_balancer_tail_reads_a_big_log_from_its_end(tmp_path: Path) -> None:

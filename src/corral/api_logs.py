@@ -8,7 +8,9 @@ first bytes are sent before the end is known, so it must survive what the writer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -52,27 +54,25 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     response = web.StreamResponse(headers=TEXT)
     await response.prepare(request)
     try:
-        for older, start in earlier:
-            if await _send_from(response, older, start) != b"\n":
-                await response.write(b"\n")  # .1 ends mid-line where the cap cut it
         if follow:
+            await _send(response, loglines.span_chunks(earlier, last_as_is=False))
             await _follow(response, daemon, path, offset, name, replica_id)
         else:
-            await _send_from(response, path, offset)
+            await _send(response, loglines.span_chunks([*earlier, (path, offset)]))
         await response.write_eof()
     except ConnectionResetError:
         pass  # the reader left (Ctrl-C on `corral logs`): nothing to answer, nothing to log
     return response
 
 
-async def _send_from(response: web.StreamResponse, path: Path, position: int) -> bytes:
-    """Send ``path`` from ``position`` to its end; its last byte sent (b"\n" if none)."""
-    last = b"\n"
-    while chunk := await asyncio.to_thread(_read_from, path, position):
-        position += len(chunk)
-        await response.write(chunk)
-        last = chunk[-1:]
-    return last
+async def _send(response: web.StreamResponse, chunks: Generator[bytes, None, None]) -> None:
+    """Send what a file-reading generator yields, each read in a thread (off the loop)."""
+    try:
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            await response.write(chunk)
+    finally:
+        with contextlib.suppress(ValueError):  # "generator already executing": a thread holds it
+            chunks.close()
 
 
 async def _follow(

@@ -121,24 +121,9 @@ def log_on_disk(
         return iter(loglines.balancer_lines(home, service, {})[0])
     path = logfiles.log_file(logfiles.service_logs(home, service), kind, replica)
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed by the generator
+        open(path, "rb").close()  # there and readable: else "no such log", not a traceback
     except OSError:
         return None
-
-    def chunks() -> Iterator[bytes]:
-        spans = loglines.tail_spans(path, tail) if tail is not None else [(path, 0)]
-        with f:
-            for older, start in spans[:-1]:  # the rotated generation's last lines, first
-                last = b"\n"
-                with open(older, "rb") as g:
-                    g.seek(start)
-                    while chunk := g.read(1 << 16):
-                        last = chunk[-1:]
-                        yield chunk
-                if last != b"\n":
-                    yield b"\n"
-            f.seek(spans[-1][1])
-            while chunk := f.read(1 << 16):
-                yield chunk
-
-    return chunks()
+    return loglines.span_chunks(
+        loglines.tail_spans(path, tail) if tail is not None else [(path, 0)]
+    )

@@ -10,6 +10,7 @@ service (``balancer NAME ...``, ``service NAME: ...``), from every worker.
 from __future__ import annotations
 
 import os
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -37,6 +38,31 @@ def tail_spans(path: Path, lines: int) -> list[tuple[Path, int]]:
     if found >= lines or not older.exists():
         return [(path, offset)]
     return [(older, _tail(older, lines - found)[0]), (path, 0)]
+
+
+def span_chunks(
+    spans: Sequence[tuple[Path, int]], last_as_is: bool = True
+) -> Generator[bytes, None, None]:
+    """The bytes of ``spans`` (:func:`tail_spans`) in order, in chunks of at most 64 KiB.
+
+    A span other than the last ends on a line break: a rotated ``.1`` stops where the size cap
+    cut it, often mid-line, and the log's own lines must not run on from it. The last span is
+    the log being written, sent as it is, unless ``last_as_is`` is false (a follower reads the
+    live log itself, after these). A file gone meanwhile is skipped. The same rule for the
+    API's `logs --tail` and for reading a home's logs without a daemon."""
+    for n, (path, start) in enumerate(spans):
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            continue
+        last = b"\n"
+        with f:
+            f.seek(start)
+            while chunk := f.read(_BLOCK):
+                last = chunk[-1:]
+                yield chunk
+        if last != b"\n" and (n < len(spans) - 1 or not last_as_is):
+            yield b"\n"
 
 
 def _tail(path: Path, lines: int) -> tuple[int, int]:
