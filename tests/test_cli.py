@@ -79,14 +79,19 @@ def test_unusable_home_is_one_line_and_exit_78(corral_home: CorralHome, tmp_path
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
     cases = {file: "is a file", dangling: "does not exist", file / "home": "not a directory"}
-    if os.geteuid() != 0:  # root writes anywhere: no unwritable home to show
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
-        cases[locked] = "not writable"
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    # Root writes anywhere but to a read-only mount: the directory is bound read-only over
+    # itself in a mount namespace of the command's own (CI runs as root).
+    read_only = _read_only_prefix(locked) if os.geteuid() == 0 else []
+    if os.geteuid() != 0 or read_only:
+        cases[locked] = "is not writable"
+        cases[locked / "new-home"] = "cannot be created: " + str(locked) + " is not writable"
     for home, words in cases.items():
+        prefix = read_only if home in (locked, locked / "new-home") else []
         for args in (["status"], ["up", "nothing.yaml"], ["daemon", "start"]):
             result = subprocess.run(
-                corral_home.cli("--home", str(home), *args),
+                [*prefix, *corral_home.cli("--home", str(home), *args)],
                 env={**corral_home.env, "CORRAL_HOME": str(home)},
                 capture_output=True,
                 text=True,
@@ -96,6 +101,20 @@ def test_unusable_home_is_one_line_and_exit_78(corral_home: CorralHome, tmp_path
             assert words in result.stderr and "CORRAL_HOME" in result.stderr, result.stderr
             assert len(result.stderr.strip().splitlines()) == 1, result.stderr
             assert "Traceback" not in result.stderr
+    assert not any(locked.iterdir())  # nothing was made there
+
+
+def _read_only_prefix(directory: Path) -> list[str]:
+    """A command prefix that runs what follows with ``directory`` mounted read-only, in a
+    private mount namespace (nothing outside it sees the mount); [] where unshare is refused."""
+    script = 'mount --bind -o ro "$1" "$1" && shift && exec "$@"'
+    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+    probe = subprocess.run(
+        [*prefix, str(directory), "sh", "-c", f"! touch {directory}/probe 2>/dev/null"],
+        capture_output=True,
+        timeout=30,
+    )
+    return [*prefix, str(directory)] if probe.returncode == 0 else []
 
 
 def test_flags_globs_ids_and_replica_down(corral_home: CorralHome, tmp_path: Path) -> None:
