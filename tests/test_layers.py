@@ -113,6 +113,8 @@ def test_the_top_layers_point_down() -> None:
     # lower layers never reach the controller or anything above it
     for low in ("corral.spec", "corral.state", "corral.replicas", "corral.balancer.proxy"):
         assert "corral.controller" not in _reaches(graph, low), low
+    # a controller drives a backend through the Infra protocol, never by its class
+    assert not {"corral.infra.local", "corral.infra.ray"} & _reaches(graph, "corral.controller")
     # the spec says what a service is; a backend's rules for it live with the backend
     assert not {m for m in _reaches(graph, "corral.spec") if m.startswith("corral.infra")}
 
@@ -154,3 +156,80 @@ def test_the_api_imports_the_domain_errors_never_the_reverse() -> None:
     for module in DOMAIN:
         http = sorted(m for m in _reaches(graph, module) if _is_http(m))
         assert not http, f"{module} reaches the HTTP layer: {http}"
+
+
+ARCHITECTURE = SRC.parent / "docs" / "architecture.md"
+
+
+def _table_rows() -> list[tuple[set[str], str]]:
+    """docs/architecture.md's module table: per row, the modules it names (a ``pkg/`` row names
+    the package and every module in it) and its "imports from corral" cell."""
+    import re
+
+    modules = _modules()
+    rows = []
+    for line in ARCHITECTURE.read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        named: set[str] = set()
+        for item in re.findall(r"`([^`]+)`", cells[0]):
+            name = "corral." + item.strip("/").replace("/", ".")
+            assert name in modules, f"the module table names {item!r}: no such module"
+            if item.endswith("/"):
+                named |= {m for m in modules if m == name or m.startswith(name + ".")}
+            else:
+                named.add(name)
+        rows.append((named, cells[-1]))
+    return rows
+
+
+def test_the_module_table_names_every_module_once() -> None:
+    """Every module has its row (a reader looks for it there), and only one; a package's
+    ``__init__`` needs none unless the package has a row of its own (``balancer/``)."""
+    seen: dict[str, int] = {}
+    for named, _ in _table_rows():
+        for name in named:
+            seen[name] = seen.get(name, 0) + 1
+    modules = {
+        name
+        for name, path in _modules().items()
+        if path.name != "__init__.py" and name != "corral.__main__"
+    }
+    missing = sorted(modules - set(seen))
+    twice = sorted(m for m, n in seen.items() if n > 1)
+    assert not missing, f"modules docs/architecture.md's table does not name: {missing}"
+    assert not twice, f"modules named by two rows of docs/architecture.md's table: {twice}"
+
+
+def test_the_module_table_says_what_each_row_imports() -> None:
+    """Where a row's "imports from corral" cell is a plain list ("nothing", or module names;
+    ``infra.local_*`` for a family; a package for any of its modules; words in parentheses
+    are comments), it is exactly what the row's modules import of the rest of corral, as this
+    file counts imports. A cell in words ("controller and all it uses") is not checked."""
+    import re
+
+    graph = _graph()
+    wrong = []
+    for named, cell in _table_rows():
+        plain = re.sub(r"\([^)]*\)", "", cell).strip()
+        if plain == "nothing":
+            listed: list[str] = []
+        elif re.fullmatch(r"[\w.*]+(\s*,\s*[\w.*]+)*", plain):
+            listed = [x.strip() for x in plain.split(",")]
+        else:
+            continue
+        imported = {m for name in named for m in graph[name]} - named
+
+        def covers(entry: str, module: str) -> bool:
+            full = "corral." + entry
+            if full.endswith("*"):
+                return module.startswith(full[:-1])
+            return module == full or module.startswith(full + ".")
+
+        uncovered = sorted(m for m in imported if not any(covers(e, m) for e in listed))
+        unused = sorted(e for e in listed if not any(covers(e, m) for m in imported))
+        if uncovered or unused:
+            rows = ", ".join(sorted(n.removeprefix("corral.") for n in named))
+            wrong.append(f"{rows}: not listed {uncovered}, listed but not imported {unused}")
+    assert not wrong, "docs/architecture.md's module table is out of date:\n" + "\n".join(wrong)
