@@ -668,7 +668,7 @@ class CorralHome:
 
     def stop_workers(self) -> list[int]:
         """Stop the home's balancer workers (no daemon may run: it would restart them)."""
-        from corral.dataplane.plane import stop_recorded_workers
+        from corral.dataplane.processes import stop_recorded_workers
 
         return stop_recorded_workers(self.path, timeout=KILL_TIMEOUT)
 

@@ -189,7 +189,7 @@ def daemon_restart_workers(ctx: click.Context) -> None:
 
 
 def _stop_orphan_workers(home: Path) -> None:
-    from corral.dataplane.plane import stop_recorded_workers
+    from corral.dataplane.processes import stop_recorded_workers  # not the data plane's weight
 
     stopped = stop_recorded_workers(home)
     if stopped:

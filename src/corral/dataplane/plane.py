@@ -30,12 +30,7 @@ import psutil
 
 from corral.dataplane.carried import Carried
 from corral.dataplane.listeners import remove_shared
-from corral.dataplane.processes import (
-    WORKER_STOP_TIMEOUT,
-    find_process,
-    start_worker,
-    stop_recorded_workers,
-)
+from corral.dataplane.processes import WORKER_STOP_TIMEOUT, find_process, start_worker
 from corral.dataplane.protocol import (
     MAX_MESSAGE,
     Route,
@@ -50,8 +45,8 @@ from corral.procfs import running as _running
 from corral.procfs import terminate_all
 from corral.state import Store
 
-# Re-exported: the controller, the CLI and the tests import them from here.
-__all__ = ["DEFAULT_WORKERS", "DataPlane", "ServiceRoute", "stop_recorded_workers"]
+# Re-exported: the controller and the tests import them from here.
+__all__ = ["DEFAULT_WORKERS", "DataPlane", "ServiceRoute"]
 
 log = logging.getLogger("corral.dataplane")
 
