@@ -119,7 +119,6 @@ MODEL = "corral-llmsim"
 N_ENGINES = 4
 SYSTEM_PROMPTS = 5
 DOCUMENTS = 4
-CHARS_PER_TOKEN = 4  # the simulator's tokens
 GOODPUT_TTFT_P99 = 0.5  # seconds
 PEER_WHEELS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
 READY_LINE = "corral.llmsim listening on "

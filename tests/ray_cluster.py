@@ -204,11 +204,6 @@ class LocalRayCluster:
         listed = self.command("named_actors", 60.0)
         return sorted(a["name"] for a in listed if str(a["name"]).startswith(prefix))
 
-    def all_pids(self) -> set[int]:
-        """Every process the helper started for the cluster (as last reported)."""
-        self.refresh()
-        return {int(p) for node in self.info["nodes"] for p in node["pids"]}
-
     def detach(self, timeout: float = 120.0) -> list[int]:
         """Stop using the cluster; the last user shuts it down and deletes its directory.
         Returns pids of the cluster that survived the shutdown (killed by pid; empty when the

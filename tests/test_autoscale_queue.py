@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import CorralHome, spec_text, write_spec
 
-from corral.autoscale_queue import QueueDepthAutoscaler, queue_depth
+from corral.autoscale_queue import EngineAutoscaler, queue_depth
 from corral.spec import SpecError, parse_spec
 
 BASE = "run: x\nservice:\n  readiness_probe: /health\n"
@@ -53,7 +53,7 @@ def test_the_target_follows_the_depth_with_skyserves_holds() -> None:
         "    target_queue_per_replica: 5\n    upscale_delay_seconds: 60\n"
         "    downscale_delay_seconds: 120\n    num_overprovision: 1\n"
     )
-    scaler = QueueDepthAutoscaler(p)
+    scaler = EngineAutoscaler(p)
     scaler.observe(3)
     assert scaler.decide(0.0, []).target == 2  # 1 replica, +1 overprovision
     scaler.observe(17)  # wants 4
@@ -84,7 +84,7 @@ def test_a_noisy_queue_over_its_target_is_followed_as_skyserve_counts() -> None:
         "  replica_policy:\n    min_replicas: 2\n    max_replicas: 4\n"
         "    target_queue_per_replica: 5\n"
     )
-    scaler = QueueDepthAutoscaler(p)
+    scaler = EngineAutoscaler(p)
     moved = None
     for i in range(240):  # 20 minutes, a decision every 5 s
         scaler.observe(8 if i % 4 == 3 else 14)  # wants 2 one sample in four, else 3
@@ -98,7 +98,7 @@ def test_from_zero_a_waiting_request_is_demand() -> None:
         "  replica_policy:\n    min_replicas: 0\n    max_replicas: 2\n"
         "    target_queue_per_replica: 4\n"
     )
-    scaler = QueueDepthAutoscaler(p)
+    scaler = EngineAutoscaler(p)
     assert scaler.decide(100.0, []).target == 0
     assert scaler.decide(101.0, [100.5]).target == 1  # at once
 
@@ -111,7 +111,7 @@ def test_a_light_steady_load_keeps_its_last_replica() -> None:
         "  replica_policy:\n    min_replicas: 0\n    max_replicas: 2\n"
         "    target_queue_per_replica: 4\n    downscale_delay_seconds: 120\n"
     )
-    scaler = QueueDepthAutoscaler(p)
+    scaler = EngineAutoscaler(p)
     arrivals = [7.0 + 30 * i for i in range(60)]  # 30 minutes, from 7 s
     for step in range(2, 360):  # from the first request on
         now = step * 5.0

@@ -17,7 +17,7 @@ import random
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,8 +27,8 @@ from aiohttp import web
 from conftest import make_cert, needs_openssl
 
 from corral.balancer import LoadBalancer, make_policy
+from corral.balancer.failures import refused
 from corral.balancer.policies import LeastLoad, PowerOfTwo, RoundRobin
-from corral.balancer.proxy import _refused
 
 T = TypeVar("T")
 
@@ -273,10 +273,6 @@ async def raw_exchange(port: int, request: bytes) -> tuple[int, list[tuple[str, 
 
 def header_values(headers: list[tuple[str, str]], name: str) -> list[str]:
     return [v for k, v in headers if k.lower() == name.lower()]
-
-
-async def eventually(check: Awaitable[bool], timeout: float = 5.0) -> None:
-    assert await asyncio.wait_for(check, timeout)
 
 
 # ---------------------------------------------------------------------------- policies
@@ -998,12 +994,12 @@ def test_only_a_refused_connection_is_free_of_the_attempt_budget() -> None:
     def connect_error(code: int) -> OSError:
         return OSError(code, "x")
 
-    assert _refused(ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"))
-    assert _refused(connect_error(errno.ECONNREFUSED))
-    assert not _refused(connect_error(errno.EHOSTUNREACH))
-    assert not _refused(connect_error(errno.ENETUNREACH))
-    assert not _refused(socket.gaierror(socket.EAI_NONAME, "name unknown"))
-    assert not _refused(ConnectionResetError(errno.ECONNRESET, "reset"))
+    assert refused(ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"))
+    assert refused(connect_error(errno.ECONNREFUSED))
+    assert not refused(connect_error(errno.EHOSTUNREACH))
+    assert not refused(connect_error(errno.ENETUNREACH))
+    assert not refused(socket.gaierror(socket.EAI_NONAME, "name unknown"))
+    assert not refused(ConnectionResetError(errno.ECONNRESET, "reset"))
 
 
 # ---------------------------------------------------------------------------- new engine

@@ -65,7 +65,6 @@ from corral.spec import ReplicaPolicy, qps_of_accelerator
 __all__ = [
     "EngineAutoscaler",
     "InstanceAwareAutoscaler",
-    "QueueDepthAutoscaler",
     "SampledAutoscaler",
     "engine_load",
     "fits",
@@ -242,10 +241,6 @@ class EngineAutoscaler(SampledAutoscaler):
             f"{figure(value)} {what} ({n} at {target:g} each)" for n, value, what, target in wants
         )
         return max(n for n, *_ in wants), words
-
-
-# The name under which the queue-only autoscaler was introduced.
-QueueDepthAutoscaler = EngineAutoscaler
 
 
 class InstanceAwareAutoscaler(SampledAutoscaler):

@@ -60,17 +60,6 @@ class ReplicaStatus(enum.StrEnum):
     UNKNOWN = "UNKNOWN"
 
 
-FAILED_STATUSES = frozenset(
-    {
-        ReplicaStatus.FAILED,
-        ReplicaStatus.FAILED_PROVISION,
-        ReplicaStatus.FAILED_INITIAL_DELAY,
-        ReplicaStatus.FAILED_PROBING,
-        ReplicaStatus.FAILED_CLEANUP,
-        ReplicaStatus.PREEMPTED,
-    }
-)
-
 # The order in which replicas are chosen for scale-down: the least useful first.
 SCALE_DOWN_ORDER: Sequence[ReplicaStatus] = (
     ReplicaStatus.PENDING,

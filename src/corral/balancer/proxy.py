@@ -44,7 +44,6 @@ from typing import Any, Final
 
 from corral.balancer.client import ClientConnection
 from corral.balancer.counting import Counters
-from corral.balancer.failures import describe, refused
 from corral.balancer.fast_state import BalancerSlots
 from corral.balancer.gate import HOLD_PATIENCE, Gate
 from corral.balancer.load_board import LoadBoard, streams_path
@@ -65,10 +64,6 @@ from corral.balancer.upstream import Target, target_of
 __all__ = ["DEFAULT_HEADER_TIMEOUT", "LoadBalancer"]
 
 logger = logging.getLogger("corral.balancer")
-
-# Kept for callers and tests of the previous engine's helpers.
-_refused = refused
-_describe = describe
 
 
 class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):

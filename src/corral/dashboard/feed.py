@@ -69,7 +69,6 @@ class Feed:
         self.readings = Readings()
         self.history = History()
         self.listeners = 0
-        self.frames = 0  # states encoded so far (the benchmark and tests read it)
         self.closed = False
         self._frame = b""
         self._frame_at = 0.0
@@ -200,7 +199,6 @@ class Feed:
         self._frame = sse("state", self.state(now, services, stats))
         self._frame_at = time.monotonic()
         self._seq += 1
-        self.frames += 1
         published, self._published = self._published, asyncio.Event()
         published.set()
 
