@@ -23,8 +23,7 @@ from conftest import SKYSERVE_EXAMPLES, skyserve_example_files
 from corral.cli import main
 from corral.infra.inventory import Inventory
 from corral.infra.placement import Claim, Holder, ask_of, never_fits, place
-from corral.spec import SpecError, load_spec
-from corral.spec.resources import Resources
+from corral.spec import Resources, SpecError, load_spec
 
 EXAMPLES = SKYSERVE_EXAMPLES
 GiB = 1024**3

@@ -40,8 +40,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
 
     No name is needed (`up` makes one up). Relative paths are taken from the current
     directory, as `up` takes them."""
-    from corral.spec import SpecError, load_spec
-    from corral.spec.messages import sorted_issues
+    from corral.spec import SpecError, load_spec, sorted_issues
 
     spec = None
     engine = None  # the command corral would start for a model-first spec, on this machine
@@ -127,8 +126,7 @@ def refuse_model_before_starting(home: Path, file: Path, spec: ServiceSpec) -> N
         return
     issues, _ = model_check(spec)
     if issues:
-        from corral.spec import SpecError
-        from corral.spec.messages import sorted_issues
+        from corral.spec import SpecError, sorted_issues
 
         # All that this machine lacks, as `validate` says it (an H100 too), not only the
         # engine: fixing one should not reveal the next at the following `up`.

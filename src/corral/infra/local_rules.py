@@ -14,8 +14,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from corral.spec import SpecIssue
-from corral.spec.locate import key_text
+from corral.spec import SpecIssue, key_text
 
 if TYPE_CHECKING:
     from corral.spec import ServiceSpec

@@ -63,7 +63,8 @@ from corral.spec.checks import (
 )
 from corral.spec.errors import SpecError, SpecIssue
 from corral.spec.loader import load_spec, parse_spec
-from corral.spec.messages import MAX_ISSUES
+from corral.spec.locate import key_text
+from corral.spec.messages import MAX_ISSUES, sorted_issues
 from corral.spec.model import ServiceSpec, value_flag
 from corral.spec.reader import MAX_SPEC_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
 from corral.spec.resources import Resources
@@ -126,12 +127,14 @@ __all__ = [
     "SpecIssue",
     "TlsSettings",
     "generated_name",
+    "key_text",
     "load_spec",
     "missing_values",
     "parse_spec",
     "path_issues",
     "qps_of_accelerator",
     "redact_secrets",
+    "sorted_issues",
     "validate_name",
     "value_flag",
 ]
