@@ -17,6 +17,8 @@ keep forwarding without their control planes), and traffic should use more than 
 never share a GIL with SQLite calls and reconcile steps.
 
 ``protocol`` is the wire format (imports nothing of corral); ``worker`` is the worker process
-(imports the balancer engine and ``protocol``); ``plane`` is the daemon's side (imports
-``protocol``, ``state`` and the balancer's metrics rendering).
+(the balancer engine behind ``listeners``, the engines' readings, the slot locks); ``plane`` is
+the daemon's side (``route`` per service, ``processes``, ``slots``, ``shared_ports``, ``carried``
+and ``state``). What each imports is in docs/architecture.md's module table, which
+tests/test_layers.py checks.
 """

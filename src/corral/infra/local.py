@@ -313,9 +313,9 @@ class LocalInfra:
         environment proves they are this replica's. So are processes that left the group
         (``setsid``) but carry the replica's key, found by a scan of the process table; a
         process that also scrubbed its environment is out of reach. A replica in a cgroup of
-        its own is torn down through it instead (:meth:`_terminate_cgroup`): nothing escapes,
-        and nothing is scanned. Raises RuntimeError when something of the replica is still
-        alive afterwards.
+        its own is torn down through it instead
+        (:func:`~corral.infra.local_scan.terminate_cgroup`): nothing escapes, and nothing is
+        scanned. Raises RuntimeError when something of the replica is still alive afterwards.
         """
         info = handle_info(handle)
         child = REGISTRY.find(info.ident)
