@@ -6,18 +6,13 @@ their ``stats()`` with :func:`merge_stats` and serves :func:`render` as Promethe
 """
 
 from corral.balancer.metrics import CONTENT_TYPE_LATEST, merge_stats, render
-from corral.balancer.policies import LeastLoad, Policy, PowerOfTwo, RoundRobin
 from corral.balancer.proxy import LoadBalancer
 from corral.balancer.routing import make_policy
 from corral.balancer.wiring import FAST_PATH_WIRING  # noqa: F401  (installs the fast path)
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
-    "LeastLoad",
     "LoadBalancer",
-    "Policy",
-    "PowerOfTwo",
-    "RoundRobin",
     "make_policy",
     "merge_stats",
     "render",
