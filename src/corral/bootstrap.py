@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from corral.controller import (
 )
 from corral.daemon import Daemon
 from corral.daemon_env import DaemonError, env_bytes, env_count, env_seconds
+from corral.dataplane.locks import take_daemon_lock
 from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
 from corral.home import ensure_token, is_loopback, read_info
@@ -92,11 +92,8 @@ def _home_gone(daemon: Daemon, reason: str) -> None:
 
 
 def _lock(home: Path) -> IO[str]:
-    f = open(home / "daemon.lock", "a+")  # noqa: SIM115 - held for the daemon's life
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
+    f = take_daemon_lock(home)  # held for the daemon's life
+    if f is None:
         info = read_info(home)
         pid = info.get("pid") if info else "?"
         raise DaemonRunning(f"another corral daemon (pid {pid}) already runs on {home}") from None

@@ -158,16 +158,14 @@ def daemon_stop(ctx: click.Context, everything: bool) -> None:
 def daemon_restore(ctx: click.Context, source: Path | None) -> None:
     """Put a backup of the state file back (no daemon may run). The file it replaces is kept
     as state.db.broken-TIME; replicas still running are adopted by the next daemon."""
-    import fcntl
-
     from corral.backup import StateFileRefused, restore
+    from corral.dataplane.locks import take_daemon_lock
 
     home = home_of(ctx)
-    with open(home / "daemon.lock", "a+") as lock:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fail("a daemon runs on this home: stop it first (`corral daemon stop`)")
+    lock = take_daemon_lock(home)
+    if lock is None:
+        fail("a daemon runs on this home: stop it first (`corral daemon stop`)")
+    with lock:
         try:
             out.print(restore(home, source))
         except StateFileRefused as exc:

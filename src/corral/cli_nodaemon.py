@@ -66,11 +66,12 @@ def respawn_expected(home: Path) -> bool:
     """The balancer workers of ``home`` will start its daemon again: one of them runs (it
     holds its slot's lock), may respawn the daemon, and the daemon did not stop on purpose
     (no ``daemon.stopped``)."""
+    from corral.dataplane.locks import slot_lock_paths
     from corral.dataplane.protocol import STOPPED_MARKER
 
     if (home / STOPPED_MARKER).exists():
         return False
-    holders = _holders(sorted((home / "dataplane").glob("slot-*.lock")))
+    holders = _holders(slot_lock_paths(home))
     # No /proc/locks (not Linux): no telling, so no waiting (the message says what to do).
     return any(_respawns(pid) for pid in holders or ())
 

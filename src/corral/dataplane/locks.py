@@ -10,13 +10,28 @@ from __future__ import annotations
 import fcntl
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Final
+
+DAEMON_LOCK: Final = "daemon.lock"
+
+
+def take_daemon_lock(home: Path) -> IO[str] | None:
+    """The home's daemon lock, held until the returned file is closed (the daemon keeps it
+    for its life; `corral daemon restore` while it puts a state file back), or None while
+    another process holds it."""
+    f = open(home / DAEMON_LOCK, "a+")  # noqa: SIM115 - held for as long as the caller needs
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
 
 
 def daemon_holds_lock(home: Path) -> bool:
     """True while a daemon holds the home's lock (a live daemon, or one starting)."""
     try:
-        with open(home / "daemon.lock", "a+") as f:
+        with open(home / DAEMON_LOCK, "a+") as f:
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -29,6 +44,11 @@ def daemon_holds_lock(home: Path) -> bool:
 
 def slot_lock_path(home: Path, slot: int) -> Path:
     return home / "dataplane" / f"slot-{slot}.lock"
+
+
+def slot_lock_paths(home: Path) -> list[Path]:
+    """Every slot's lock file of ``home`` (held or not), in slot order."""
+    return sorted((home / "dataplane").glob("slot-*.lock"))
 
 
 def take_slot(home: Path, slot: int) -> IO[str] | None:
