@@ -1,4 +1,4 @@
-"""`corral daemon ...`: run, start, stop, restore the daemon of a home."""
+"""`corral daemon ...`: run, start, stop, restart-workers, restore and status of a home's daemon."""
 
 from __future__ import annotations
 
