@@ -104,6 +104,34 @@ def test_unusable_home_is_one_line_and_exit_78(corral_home: CorralHome, tmp_path
     assert not any(locked.iterdir())  # nothing was made there
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "words"),
+    [
+        ("CORRAL_DECISION_INTERVAL", "abc", "must be a number of seconds, not 'abc'"),
+        ("CORRAL_WORKER_IDLE_EXIT", "1m", "must be a number of seconds, not '1m'"),
+        ("CORRAL_API_HEADER_TIMEOUT", "-3", "must be between 0 and 3600 seconds"),
+        ("CORRAL_BALANCER_WORKERS", "0", "must be between 1 and 64"),
+        ("CORRAL_TEARDOWN_TIMEOUT", "2h", "must be a number of seconds"),
+        ("CORRAL_QPS_WINDOW", "0", "must be between 0 and 3600 seconds"),
+        ("CORRAL_LAUNCHES_PER_SERVICE", "many", "must be a whole number"),
+        ("CORRAL_LOG_MAX_BYTES", "lots", ""),
+    ],
+)
+def test_a_bad_setting_stops_the_daemon_before_it_starts_anything(
+    corral_home: CorralHome, name: str, value: str, words: str
+) -> None:
+    """A bad number in the daemon's environment (README) is named, and stops it before it starts a
+    balancer worker: those outlive the daemon, so one that refused to run left two workers
+    behind (a bad decision interval was read after they started). Two settings were not
+    checked at all: a bad idle exit made every worker fail at its start, and a bad API
+    header timeout silently became 10 s."""
+    result = corral_home.run("daemon", "start", check=False, env={name: value})
+    assert result.returncode == 1, result
+    assert f"${name}" in result.stderr and words in result.stderr, result.stderr
+    assert not list(corral_home.path.glob("dataplane/worker-*.log")), "a worker was started"
+    assert corral_home.daemon_info() is None
+
+
 def _read_only_prefix(directory: Path) -> list[str]:
     """A command prefix that runs what follows with ``directory`` mounted read-only, in a
     private mount namespace (nothing outside it sees the mount); [] where unshare is refused."""

@@ -37,7 +37,13 @@ from corral.controller import (
     handle_from_row,
 )
 from corral.daemon import Daemon
-from corral.daemon_env import DaemonError, env_bytes, env_count, env_seconds
+from corral.daemon_env import (
+    DaemonError,
+    check_read_elsewhere,
+    env_bytes,
+    env_count,
+    env_seconds,
+)
 from corral.dataplane.locks import take_daemon_lock
 from corral.dataplane.plane import DEFAULT_WORKERS, DataPlane
 from corral.dataplane.protocol import STOPPED_MARKER
@@ -212,6 +218,7 @@ async def serve(
     ``ssl_context`` (see :func:`server_tls_context`) makes the API speak HTTPS, required for a
     ``host`` that is not loopback (the token would cross the network in clear); ``tls_cert``,
     its certificate file, goes in ``daemon.json`` so a client here can verify exactly it."""
+    knobs = _knobs()  # first: a bad setting stops the daemon before it touches anything
     lock, token = _open_home(home, host, tls=ssl_context is not None)
     home_marker = _home_id(home)
     inventory = await _inventory(lock)
@@ -221,7 +228,7 @@ async def serve(
     infras = dict(infras) if infras is not None else _default_backends()
     capacity = Capacity(store, inventory)
     confinement = await _prepare_backends(home, home_marker, infras, store, capacity)
-    dataplane = await _start_dataplane(home, store)
+    dataplane = await _start_dataplane(home, store, knobs.pop("workers"))
     async with _probe_session() as http:
         deps = _controller_deps(
             store=store,
@@ -232,12 +239,12 @@ async def serve(
             http=http,
             dataplane=dataplane,
             capacity=capacity,
+            knobs=knobs,
         )
         daemon = Daemon(home, store, deps)
         daemon.confinement = confinement
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop_requested.set)
+            asyncio.get_running_loop().add_signal_handler(sig, daemon.stop_requested.set)
         await daemon.start_controllers()
         chores = [
             asyncio.create_task(_backup_loop(store, home), name="corral-backup"),
@@ -316,9 +323,9 @@ def _controller_deps(
     http: aiohttp.ClientSession,
     dataplane: DataPlane,
     capacity: Capacity,
+    knobs: dict[str, Any],
 ) -> ControllerDeps:
-    """What every controller shares, with the knobs the daemon's environment may set (tests
-    shorten them)."""
+    """What every controller shares, with the knobs the daemon's environment set (``_knobs``)."""
     return ControllerDeps(
         store=store,
         pool=pool,
@@ -328,12 +335,23 @@ def _controller_deps(
         http=http,
         dataplane=dataplane,
         capacity=capacity,
-        decision_interval=env_seconds("CORRAL_DECISION_INTERVAL", 5.0),
-        qps_window=env_seconds("CORRAL_QPS_WINDOW", 60.0),
-        teardown_timeout=env_seconds("CORRAL_TEARDOWN_TIMEOUT", 120.0),
-        log_max_bytes=env_bytes("CORRAL_LOG_MAX_BYTES"),
-        launches_per_service=env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
+        **knobs,
     )
+
+
+def _knobs() -> dict[str, Any]:
+    """Every setting of the daemon's environment (tests shorten them), read first: a bad one
+    stops the daemon, named, before it takes the home or starts a balancer worker (which would
+    outlive it). ``workers`` is the data plane's; the rest are ``ControllerDeps`` fields."""
+    check_read_elsewhere()
+    return {
+        "decision_interval": env_seconds("CORRAL_DECISION_INTERVAL", 5.0),
+        "qps_window": env_seconds("CORRAL_QPS_WINDOW", 60.0),
+        "teardown_timeout": env_seconds("CORRAL_TEARDOWN_TIMEOUT", 120.0),
+        "log_max_bytes": env_bytes("CORRAL_LOG_MAX_BYTES"),
+        "launches_per_service": env_count("CORRAL_LAUNCHES_PER_SERVICE", LAUNCHES_PER_SERVICE),
+        "workers": env_count("CORRAL_BALANCER_WORKERS", DEFAULT_WORKERS),
+    }
 
 
 def _probe_session() -> aiohttp.ClientSession:
@@ -379,15 +397,10 @@ def _open_home(home: Path, host: str, *, tls: bool) -> tuple[IO[str], str]:
     return lock, token
 
 
-async def _start_dataplane(home: Path, store: Store) -> DataPlane:
-    """Adopt the running balancer workers, or start them; a port one cannot bind becomes an
-    event of its service."""
-    dataplane = DataPlane(
-        home,
-        store,
-        workers=env_count("CORRAL_BALANCER_WORKERS", DEFAULT_WORKERS),
-        respawn=_respawn_command(),
-    )
+async def _start_dataplane(home: Path, store: Store, workers: int) -> DataPlane:
+    """Adopt the running balancer workers, or start ``workers`` of them; a port one cannot bind
+    becomes an event of its service."""
+    dataplane = DataPlane(home, store, workers=workers, respawn=_respawn_command())
 
     def bind_failed(name: str, text: str) -> None:
         log.error("service %s: %s", name, text)

@@ -1,7 +1,9 @@
 """The daemon's settings from its environment (``CORRAL_DECISION_INTERVAL`` and the like).
 
-A bad value stops the daemon with a message naming the variable, before anything runs: a typo
-must not leave a setting at a default the user did not mean (an uncapped log, say).
+A bad value stops the daemon with a message naming the variable, before anything runs (the
+daemon reads them all first, ``corral.bootstrap.serve``): a typo must not leave a setting at a
+default the user did not mean (an uncapped log, say), nor leave balancer workers started by a
+daemon that then refused to run.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ class DaemonError(RuntimeError):
     """The daemon cannot start (another one runs, the home is unusable, a setting is bad)."""
 
 
-def env_seconds(name: str, default: float) -> float:
+def env_seconds(name: str, default: float, top: float = 3600) -> float:
     value = os.environ.get(name)
     if not value:
         return default
@@ -23,9 +25,18 @@ def env_seconds(name: str, default: float) -> float:
         number = float(value)
     except ValueError:
         raise DaemonError(f"${name} must be a number of seconds, not {value!r}") from None
-    if not 0 < number < 3600:
-        raise DaemonError(f"${name} must be between 0 and 3600 seconds, not {number}")
+    if not 0 < number < top:
+        raise DaemonError(f"${name} must be between 0 and {top:g} seconds, not {number}")
     return number
+
+
+def check_read_elsewhere() -> None:
+    """The settings other processes and code paths read on their own, checked with the rest
+    at the daemon's start: the API reads its header timeout per request (a bad value once fell
+    back to 10 s unsaid), and each balancer worker, started with the daemon's environment,
+    reads its idle exit (``1m`` made every worker fail at its start, so nothing was served)."""
+    env_seconds("CORRAL_API_HEADER_TIMEOUT", 10.0)
+    env_seconds("CORRAL_WORKER_IDLE_EXIT", 60.0, top=7 * 86400)
 
 
 def env_bytes(name: str) -> int:
