@@ -10,6 +10,7 @@ log at the moments that lose lines.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import warnings
@@ -21,7 +22,8 @@ import pytest
 from aiohttp import web
 from conftest import CorralHome, pid_alive, spec_text, wait_for, write_spec
 
-from corral import api_logs
+from corral import api_logs, loglines
+from corral.dashboard.logs import Tail
 from corral.logfiles import rotate_if_over
 
 pytestmark = pytest.mark.timeout(60)
@@ -205,16 +207,16 @@ def test_an_error_after_the_answer_started_drops_the_connection(
     for name in ("controller", "log_path", "log_finished", "has_service"):
         setattr(daemon, name, getattr(fake, name))
     reads = 0
-    read_from = api_logs._read_from
+    read_at = loglines._read_at
 
-    def fails_second(path: Path, position: int) -> bytes:
+    def fails_second(path: Path, position: int, limit: int) -> bytes:
         nonlocal reads
         reads += 1
         if reads > 1:
             raise RuntimeError("the disk went away")
-        return read_from(path, position)
+        return read_at(path, position, limit)
 
-    monkeypatch.setattr(api_logs, "_read_from", fails_second)
+    monkeypatch.setattr(loglines, "_read_at", fails_second)
 
     async def main() -> tuple[int, bytes, str]:
         runner = web.AppRunner(api.make_app(daemon, "tok"), access_log=None)
@@ -335,3 +337,44 @@ def test_lines_written_just_before_a_rotation_reach_the_follower(tmp_path: Path)
     missing = sorted(set(range(total)) - set(numbers))
     assert not missing, f"{len(missing)} lines never reached the follower, from {missing[0]}"
     assert numbers == list(range(total)), "lines repeated or out of order"
+
+
+def test_the_dashboard_crosses_a_rotation_as_logs_follow_does(tmp_path: Path) -> None:
+    """The dashboard's log tab noticed a rotation only by the log being shorter than its place:
+    it dropped what was written just before the rotation (that is in ``.1``), and a log that
+    grew back past its place between two polls was read on from there, as if nothing had
+    happened. It now crosses a rotation through the same cursor as `corral logs -f`."""
+    log = tmp_path / "replica_1.log"
+    log.write_bytes(b"")
+
+    async def follow() -> tuple[str, list[str]]:
+        closed = asyncio.Event()
+        tail = Tail(log, closed)
+        queue, _ = tail.join()
+        text, events = "", []
+
+        async def until(number: int) -> None:
+            nonlocal text
+            while f"line {number:06d} " not in text:
+                frame = await asyncio.wait_for(queue.get(), 10)
+                assert frame is not None
+                event, data = re.match(rb"event: (\w+)\ndata: (.*)\n\n", frame).groups()  # type: ignore[union-attr]
+                events.append(event.decode())
+                text += json.loads(data) or ""
+
+        try:
+            _append(log, 0, 100)
+            await until(99)
+            _append(log, 100, 100)  # written just before the rotation: read from .1
+            assert rotate_if_over(log, 1) is not None
+            _append(log, 200, 300)  # and the log grew back past where the tab was
+            await until(499)
+        finally:
+            closed.set()
+            tail.leave(queue)
+        return text, events
+
+    text, events = asyncio.run(follow())
+    numbers = [int(n) for n in re.findall(r"^line (\d+) x+$", text, re.M)]
+    assert numbers == list(range(500)), "lines lost, repeated or out of order"
+    assert events.count("rotated") == 1, events

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from corral import logfiles, loglines
+from corral import loglines
 from corral.api_errors import RequestError
 from corral.api_input import flag, int_param
 from corral.daemon import Daemon
 from corral.state import StateError
 
-LOG_CHUNK = 1 << 16
 TEXT = {"Content-Type": "text/plain; charset=utf-8"}
 
 
@@ -83,9 +81,9 @@ async def _follow(
     name: str,
     replica_id: int | None,
 ) -> None:
-    reached = 0  # where this follower got to by reading (0: nowhere yet)
-    seen = await asyncio.to_thread(_bytes_before, path, position)  # the last bytes sent
-    mark = await asyncio.to_thread(logfiles.rotation_mark, path)
+    """Send the log from ``position`` as it grows, across the size cap's rotations
+    (:class:`corral.loglines.LogCursor`), until its replica's output is finished."""
+    cursor = await asyncio.to_thread(loglines.LogCursor, path, position)
     while True:
         # Decided before reading: what the writer wrote before it finished is still sent.
         try:
@@ -94,70 +92,14 @@ async def _follow(
             done = daemon.stop_requested.is_set() or daemon.log_finished(name, replica_id)
         except StateError:
             done = False  # the state file is busy: keep following, ask again next time
-        chunk = await asyncio.to_thread(_read_from, path, position)
-        rotated, mark = await asyncio.to_thread(_rotated, path, mark, reached)
-        if rotated:
-            # The log was emptied (corral.logfiles moved it to .1) and its writer goes on at
-            # 0: so does the follower, after the rest of the old content, which is in .1 (a
-            # chunk read across the rotation may belong to either generation: dropped, and
-            # read again from .1 if it was old). A line still cut short is ended, so the next
-            # one starts on a line of its own.
-            seen = await _send_rest_of_backup(response, path, position, seen)
-            if seen[-1:] not in (b"", b"\n"):
-                await response.write(b"\n")
-            position = reached = 0
-            seen = b""
-            continue
+        chunk, fresh = await asyncio.to_thread(cursor.read)
         if chunk:
-            position += len(chunk)
-            reached, seen = position, (seen + chunk[-_SEEN:])[-_SEEN:]
             await response.write(chunk)
+        if chunk or fresh:
             continue
         if done:
             return
         await asyncio.sleep(0.2)
-
-
-# How many of the last bytes sent a follower keeps, to recognize its generation in ``.1``.
-_SEEN = 256
-
-
-async def _send_rest_of_backup(
-    response: web.StreamResponse, path: Path, position: int, seen: bytes
-) -> bytes:
-    """After a rotation, send what the follower had not read of the log's old content, now
-    ``.1`` from ``position`` on; returns the last bytes sent (``seen`` if none). Only when
-    ``.1`` holds, just before ``position``, the bytes the follower sent last: another
-    rotation since, or a log emptied some other way, leaves an unrelated ``.1``."""
-    backup = logfiles.backup_of(path)
-    if not seen or await asyncio.to_thread(_bytes_before, backup, position) != seen:
-        return seen
-    end = await asyncio.to_thread(_size, backup)  # a .1 replaced meanwhile is not read on
-    while position < end and (chunk := await asyncio.to_thread(_read_from, backup, position)):
-        chunk = chunk[: end - position]
-        position += len(chunk)
-        seen = (seen + chunk[-_SEEN:])[-_SEEN:]
-        await response.write(chunk)
-    return seen
-
-
-def _bytes_before(path: Path, position: int) -> bytes:
-    """The (up to) _SEEN bytes of ``path`` before ``position``; b"" when it has fewer."""
-    start = max(0, position - _SEEN)
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            data = f.read(position - start)
-    except OSError:
-        return b""
-    return data if len(data) == position - start else b""
-
-
-def _size(path: Path) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
 
 
 async def _balancer_log(
@@ -189,30 +131,3 @@ async def _balancer_log(
     except ConnectionResetError:
         pass  # the reader left
     return response
-
-
-def _read_from(path: Any, position: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            # Past the end there is nothing yet; seek itself fails on offsets beyond what the
-            # file system allows (EINVAL), after the 200 went out (found by fuzzing).
-            if position >= os.fstat(f.fileno()).st_size:
-                return b""
-            f.seek(position)
-            return f.read(LOG_CHUNK)
-    except FileNotFoundError:
-        return b""
-
-
-def _rotated(
-    path: Any, mark: logfiles.RotationMark, reached: int
-) -> tuple[bool, logfiles.RotationMark]:
-    """Was the followed log rotated since ``mark`` (a new ``.1``), or emptied some other way
-    (now shorter than what the follower read)? And the mark to compare with next time."""
-    now = logfiles.rotation_mark(path)
-    if now != mark:
-        return True, now
-    try:
-        return os.stat(path).st_size < reached, now
-    except OSError:
-        return False, now

@@ -14,7 +14,7 @@ from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from corral.logfiles import backup_of
+from corral.logfiles import backup_of, rotation_mark
 
 _BLOCK = 1 << 16
 _READ_BLOCK = 1 << 20
@@ -210,3 +210,123 @@ def last_line(path: Path, limit: int = 300) -> str:
     except OSError:
         return ""
     return lines[-1].decode("utf-8", "replace")[:limit] if lines else ""
+
+
+# How many of the last bytes read a cursor keeps, to recognize its generation in ``.1``.
+_SEEN = 256
+
+
+class LogCursor:
+    """One follower's place in a log that the size cap rotates (``corral.logfiles`` copies it
+    to ``.1`` and empties it in place, and its writer goes on at 0).
+
+    `corral logs -f` (the API) and the dashboard's log tabs both read through it, so both cross
+    a rotation alike: first what they had not read of the old content, which is now ``.1``
+    from their position on (only when ``.1`` holds, just before that position, the bytes they
+    read last: another rotation since, or a log emptied some other way, leaves an unrelated
+    ``.1``); a line the cap cut ended; then the new log from 0. A rotation is seen as a new
+    ``.1`` (:func:`corral.logfiles.rotation_mark`) or the log shorter than what was read, so a
+    log that grew back past the follower's place between two reads is not mistaken for more
+    of the old one. Blocking file reads: async callers run :meth:`read` in a thread."""
+
+    def __init__(self, path: Path, position: int) -> None:
+        self.path = path
+        self.position = position  # in the live log
+        # Where reading got to in the live log: a log found shorter was emptied. Not a place
+        # past the log's end (a client's offset), which would read as an emptied log at once.
+        self._reached = position if position <= _size(path) else 0
+        self._seen = _bytes_before(path, position)  # the last bytes read, up to _SEEN
+        self._mark = rotation_mark(path)
+        self._backup: tuple[int, int] | None = None  # (position, end) in .1 while draining it
+        self._fresh = False  # the next read of the live log is a new generation's first
+
+    def moved(self) -> bool:
+        """Whether :meth:`read` may have something: two ``stat`` calls, cheap enough for an
+        event loop polling many logs."""
+        if self._backup is not None or rotation_mark(self.path) != self._mark:
+            return True
+        try:
+            return os.stat(self.path).st_size != self.position
+        except OSError:
+            return False
+
+    def read(self, limit: int = _BLOCK) -> tuple[bytes, bool]:
+        """The next bytes to show, at most ``limit`` (b"" when nothing new), and whether they
+        are the first read of a new generation (the log was rotated: a reader decoding text
+        starts its decoder again, a page says so)."""
+        if self._backup is not None:
+            chunk = self._drain(limit)
+            if chunk:
+                return chunk, False
+        chunk = _read_at(self.path, self.position, limit)
+        now = rotation_mark(self.path)
+        try:
+            shorter = os.stat(self.path).st_size < self._reached
+        except OSError:
+            shorter = False
+        if now != self._mark or shorter:
+            # A chunk read across the rotation may belong to either generation: dropped, and
+            # read again from .1 when it was the old one.
+            self._mark = now
+            older = backup_of(self.path)
+            held = bool(self._seen) and _bytes_before(older, self.position) == self._seen
+            end = _size(older) if held else 0  # a .1 replaced meanwhile is not read on
+            self._backup = (self.position, end)
+            return self.read(limit)
+        if chunk:
+            self.position += len(chunk)
+            self._reached = self.position
+            self._seen = (self._seen + chunk[-_SEEN:])[-_SEEN:]
+        fresh, self._fresh = self._fresh, False
+        return chunk, fresh
+
+    def _drain(self, limit: int) -> bytes:
+        """The next bytes of ``.1`` to send, then a line break if the old content ended mid-line;
+        b"" once done, the cursor then at 0 of the new generation."""
+        assert self._backup is not None
+        start, end = self._backup
+        chunk = (
+            _read_at(backup_of(self.path), start, min(limit, end - start)) if start < end else b""
+        )
+        if chunk:
+            self._backup = (start + len(chunk), end)
+            self._seen = (self._seen + chunk[-_SEEN:])[-_SEEN:]
+            return chunk
+        self._backup = None
+        self._fresh = True
+        cut = self._seen[-1:] not in (b"", b"\n")
+        self.position = self._reached = 0
+        self._seen = b""
+        return b"\n" if cut else b""
+
+
+def _read_at(path: Path, position: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``path`` from ``position``; b"" past its end or when it is gone
+    (never a seek past what the file system allows: EINVAL, found by fuzzing the API)."""
+    try:
+        with open(path, "rb") as f:
+            if position >= os.fstat(f.fileno()).st_size or limit <= 0:
+                return b""
+            f.seek(position)
+            return f.read(limit)
+    except FileNotFoundError:
+        return b""
+
+
+def _bytes_before(path: Path, position: int) -> bytes:
+    """The (up to) _SEEN bytes of ``path`` before ``position``; b"" when it has fewer."""
+    start = max(0, position - _SEEN)
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(position - start)
+    except OSError:
+        return b""
+    return data if len(data) == position - start else b""
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0

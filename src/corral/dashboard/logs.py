@@ -12,8 +12,9 @@ one at most :data:`CHUNK_BYTES`; at most :data:`MAX_FOLLOWERS` streams are open 
 that falls :data:`BACKLOG` events behind is cut off (its browser reconnects by itself and starts
 again from the tail) rather than queued without end; the page keeps a bounded number of lines.
 
-A log emptied under the followers (``corral.logfiles`` moved it to ``.1``) is followed again
-from 0, and the pages are told (a ``rotated`` event).
+A log emptied under the followers (``corral.logfiles`` moved it to ``.1``) is crossed as
+`corral logs -f` crosses it (:class:`corral.loglines.LogCursor`): the rest of the old content
+from ``.1``, then the new log from 0, the pages told in between (a ``rotated`` event).
 
 The load balancer's log of a service is not one file: it is the lines naming the service in
 every balancer worker's log (:mod:`corral.loglines`, as ``corral logs NAME --load-balancer``
@@ -116,20 +117,19 @@ class Tail:
 
     async def _run(self) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        cursor = await asyncio.to_thread(loglines.LogCursor, self.path, self.position)
         while not self.closed.is_set():
-            size = _size(self.path)
-            if size < self.position:  # emptied in place (rotated): its writer went on at 0
-                self.position = 0
-                decoder.reset()
-                self._send(sse("rotated", None))
-            if size > self.position:
-                chunk = await asyncio.to_thread(_read, self.path, self.position, CHUNK_BYTES)
-                self.position += len(chunk)
+            if cursor.moved():  # two stats on the loop; a read only when there is news
+                chunk, fresh = await asyncio.to_thread(cursor.read, CHUNK_BYTES)
+                if fresh:  # rotated: what was left of the old log was sent before this
+                    decoder.reset()
+                    self._send(sse("rotated", None))
+                self.position = cursor.position
                 text = decoder.decode(chunk)
                 if text:
                     self._send(sse("log", text))
-                if chunk and size > self.position:
-                    continue  # more is waiting: no pause
+                if chunk or fresh:
+                    continue  # more may be waiting: no pause
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.closed.wait(), POLL_SECONDS)
         self._send(None)
