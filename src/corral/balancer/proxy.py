@@ -66,6 +66,18 @@ __all__ = ["DEFAULT_HEADER_TIMEOUT", "LoadBalancer"]
 logger = logging.getLogger("corral.balancer")
 
 
+class _WritesAfterLoss(logging.Filter):
+    """Drops asyncio's and uvloop's "SSL connection is closed": a line for each write past
+    the fifth to a TLS client whose connection was lost before its protocol heard of it. A
+    client that resets mid-download (any client can) left about ten lines, naming nobody."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "SSL connection is closed"
+
+
+_QUIET_TLS: Final = _WritesAfterLoss()
+
+
 class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
     """Reverse proxy for one service; see the module docstring for the design."""
 
@@ -208,6 +220,8 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         self._started = True
         self._owner_thread = threading.get_ident()
         loop = asyncio.get_running_loop()
+        if self._ssl_context is not None:
+            logging.getLogger("asyncio").addFilter(_QUIET_TLS)  # once: the same filter object
         self._server = await loop.create_server(
             lambda: ClientConnection(self),
             self._host or None,
