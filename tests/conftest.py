@@ -716,4 +716,15 @@ def skyserve_example_files(root: Path) -> None:
             key, _, value = line.strip().partition(": ")
             if key in ("key", "cert", "keyfile", "certfile") and value.endswith(".pem"):
                 (root / value).parent.mkdir(parents=True, exist_ok=True)
-                (root / value).write_text("PEM")
+                # A real pair: a certificate and key that do not load are refused.
+                cert, private = example_tls_pair(root)
+                shutil.copyfile(private if key.startswith("key") else cert, root / value)
+
+
+def example_tls_pair(root: Path) -> tuple[Path, Path]:
+    """One certificate and its key under ``root``, made once."""
+    directory = root / ".example-tls"
+    if not directory.is_dir():
+        directory.mkdir(parents=True)
+        make_cert(directory, "example", "DNS:localhost")
+    return directory / "example.pem", directory / "example.key"

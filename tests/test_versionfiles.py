@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import SKYSERVE_EXAMPLES, skyserve_example_files
+from conftest import SKYSERVE_EXAMPLES, make_cert, needs_openssl, skyserve_example_files
 
 from corral.cli import main
 from corral.deploy import check, launch_inputs, prepare
@@ -248,14 +248,16 @@ def test_file_mounts_on_local_are_copied_in_or_refused(tmp_path: Path) -> None:
     assert "does not exist" in issues["file_mounts.gone"].message
 
 
+@needs_openssl
 def test_tls_files_that_are_not_there_are_refused_before_the_service_exists(
     tmp_path: Path,
 ) -> None:
     """A missing TLS key or certificate is an error at validate/up/update, naming the field;
     it used to pass, and fail the service as CONTROLLER_FAILED with a bare FileNotFoundError."""
-    make(tmp_path, {"tls/key.pem": "k", "tls/cert.pem": "c"})
+    (tmp_path / "tls").mkdir()
+    make_cert(tmp_path / "tls", "cert", "IP:127.0.0.1")
     text = "run: x\nservice:\n  replicas: 1\n  tls:\n    keyfile: {}\n    certfile: {}\n"
-    assert path_issues(parse_spec(text.format("tls/key.pem", "tls/cert.pem")), tmp_path) == []
+    assert path_issues(parse_spec(text.format("tls/cert.key", "tls/cert.pem")), tmp_path) == []
     spec = parse_spec(text.format("tls/nokey.pem", "tls"))
     issues = {i.loc: i for i in path_issues(spec, tmp_path)}
     assert set(issues) == {"service.tls.keyfile", "service.tls.certfile"}

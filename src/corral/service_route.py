@@ -6,6 +6,7 @@ options of the LLM policies, timeouts, limits, TLS files) reads in one place.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,13 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
             file = Path(base_dir) / file
         return str(file)
 
+    cert = path(tls.certfile) if tls is not None else None
+    key = path(tls.keyfile) if tls is not None else None
     return Route(
         port=port,
-        tls_cert=path(tls.certfile) if tls is not None else None,
-        tls_key=path(tls.keyfile) if tls is not None else None,
+        tls_cert=cert,
+        tls_key=key,
+        tls_stamp=tls_stamp(cert, key) if cert and key else None,
         config={
             "policy": spec.service.load_balancing_policy,
             # At zero replicas a request waits for the first one instead of a 503; so it does
@@ -52,6 +56,19 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
             **llm_settings(spec),
         },
     )
+
+
+def tls_stamp(cert: str, key: str) -> str | None:
+    """A digest of what the certificate and key files hold now (None: one cannot be read;
+    loading them then fails, and says why)."""
+    digest = hashlib.sha256()
+    try:
+        for file in (cert, key):
+            digest.update(Path(file).read_bytes())
+            digest.update(b"\0")
+    except OSError:
+        return None
+    return digest.hexdigest()[:16]
 
 
 def llm_settings(spec: ServiceSpec) -> dict[str, Any]:

@@ -104,6 +104,9 @@ class Route:
     host: str = "127.0.0.1"
     tls_cert: str | None = None
     tls_key: str | None = None
+    # What the TLS files held when the daemon read them: a certificate replaced at the same
+    # path (a renewal) is a new listener at the next update, as a new path is.
+    tls_stamp: str | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
     ready: Mapping[int, str] | None = None
     versions: Mapping[int, int] = field(default_factory=dict)
@@ -118,7 +121,7 @@ class Route:
     def listener_key(self) -> str:
         """Settings that need a new listener when they change (everything but the ready set)."""
         return json.dumps(
-            [self.port, self.host, self.tls_cert, self.tls_key, dict(self.config)],
+            [self.port, self.host, self.tls_cert, self.tls_key, self.tls_stamp, dict(self.config)],
             sort_keys=True,
         )
 
@@ -129,14 +132,18 @@ class Route:
         if not (self.tls_cert and self.tls_key):
             return None
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.tls_cert, self.tls_key)
+        # A key with a passphrase is an error, never a prompt on the daemon's terminal (which
+        # would block its event loop).
+        context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
         return context
 
     def to_json(self) -> dict[str, Any]:
         return {
             "port": self.port,
             "host": self.host,
-            "tls": {"cert": self.tls_cert, "key": self.tls_key} if self.tls_cert else None,
+            "tls": {"cert": self.tls_cert, "key": self.tls_key, "stamp": self.tls_stamp}
+            if self.tls_cert
+            else None,
             "config": dict(self.config),
             "ready": None
             if self.ready is None
@@ -179,6 +186,7 @@ class Route:
             host=str(data.get("host") or "127.0.0.1"),
             tls_cert=tls.get("cert"),
             tls_key=tls.get("key"),
+            tls_stamp=tls.get("stamp"),
             config=dict(data.get("config") or {}),
             ready=ready,
             versions=versions,
@@ -200,3 +208,7 @@ def bucket_times(times: Iterable[float]) -> list[list[int]]:
             out.append([b, 1])
             last = b
     return out
+
+
+def _no_passphrase() -> bytes:
+    raise ssl.SSLError("the key is encrypted: give it without its passphrase")

@@ -103,9 +103,11 @@ def tls_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spec
     if tls is None:
         return []
     issues = []
+    readable = []
     for field, value in (("keyfile", tls.keyfile), ("certfile", tls.certfile)):
         where = Path(base_dir, Path(value).expanduser())
         if where.is_file() and os.access(where, os.R_OK):
+            readable.append(where)
             continue
         if where.is_file():
             what = "cannot be read"
@@ -120,7 +122,51 @@ def tls_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spec
                 "give the PEM file's path (absolute, or relative to where you run corral)",
             )
         )
+    if len(readable) == 2:
+        problem = tls_pair_problem(certfile=readable[1], keyfile=readable[0])
+        if problem is not None:
+            field, message, hint = problem
+            issues.append(SpecIssue(f"service.tls.{field}", message, spec.line_of("service"), hint))
     return issues
+
+
+class _Encrypted(Exception):
+    """OpenSSL asked for the key's passphrase: refused instead of prompting on a terminal."""
+
+
+def _no_passphrase() -> bytes:
+    raise _Encrypted
+
+
+def tls_pair_problem(certfile: Path, keyfile: Path) -> tuple[str, str, str] | None:
+    """Why the balancer could not serve with this certificate and key, as (field, message,
+    hint), or None: the workers load them only once the service exists, where a file that is
+    not PEM, a key of another certificate or a key with a passphrase would fail the service
+    (or, at an update, leave the old certificate in use until a restart fails it)."""
+    import ssl  # only when a spec has TLS: the CLI's other commands do not pay for it
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=str(certfile))
+    except (OSError, ssl.SSLError) as exc:
+        return "certfile", f"{certfile} holds no PEM certificate ({exc})", _PEM_HINT
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # not the system's CAs: not needed
+    try:
+        context.load_cert_chain(str(certfile), str(keyfile), password=_no_passphrase)
+    except _Encrypted:
+        return (
+            "keyfile",
+            f"{keyfile} is encrypted (it needs a passphrase, which corral has no way to give)",
+            "give the key without its passphrase (openssl pkey -in KEY -out PLAIN_KEY)",
+        )
+    except (OSError, ssl.SSLError) as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc):
+            message = f"{keyfile} is not the private key of certfile {certfile}"
+            return "keyfile", message, "give the key the certificate was made for"
+        return "keyfile", f"{keyfile} holds no PEM private key ({exc})", _PEM_HINT
+    return None
+
+
+_PEM_HINT = "give PEM files: certfile the certificate (chain), keyfile its private key"
 
 
 def validate_name(name: str) -> None:
