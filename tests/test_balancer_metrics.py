@@ -397,3 +397,27 @@ def test_a_carried_replica_the_live_balancers_forgot_is_not_brought_back() -> No
     carried.add("svc", gone)
     summed = carried.summed("svc", [live])
     assert list(summed["replicas"]) == ["2"] and summed["replicas"]["2"]["served"] == 4
+
+
+def test_the_engines_counters_are_counters_and_their_levels_gauges() -> None:
+    """An engine's prefix-cache hits and lookups and its generated tokens only grow (vLLM's
+    ``*_total``): exposed as gauges, rate() and increase() would not read an engine's restart
+    as a reset. Its queue, batch, KV-cache use and token rate are levels: gauges."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stats = merge_stats([_fake_stats("svc")])
+    stats["engines"] = {
+        "1": {
+            "waiting": 2, "running": 3, "kv_usage": 0.5, "tokens_per_second": 90.0,
+            "prefix_hits": 80.0, "prefix_queries": 100.0, "generation_tokens": 400.0,
+        },
+    }  # fmt: skip
+    text = render({"svc": stats}).decode()
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for key in ("prefix_hits", "prefix_queries", "generation_tokens"):
+        assert types[f"corral_engine_{key}"] == "counter", key
+    for key in ("waiting", "running", "kv_usage", "tokens_per_second"):
+        assert types[f"corral_engine_{key}"] == "gauge", key
+    assert sample(text, "corral_engine_prefix_hits_total", service="svc", replica="1") == 80
+    assert sample(text, "corral_engine_generation_tokens_total", service="svc", replica="1") == 400
+    assert sample(text, "corral_engine_waiting", service="svc", replica="1") == 2

@@ -1228,7 +1228,7 @@ def test_conversations_find_their_cache_through_corral_across_workers_and_a_daem
     assert all(r["llm"] and r["llm"]["running"] is not None for r in shown["replicas"])
     metrics = corral_home.api("GET", "/metrics").body.decode()
     assert 'corral_lb_ttft_seconds_count{service="chat"}' in metrics
-    assert "corral_engine_prefix_queries{" in metrics
+    assert "corral_engine_prefix_queries_total{" in metrics
     # The workers' shared conversation table, board of counts and engine readings (each
     # worker reads some engines and leaves what it read for the other) live with them, and go
     # with the service.

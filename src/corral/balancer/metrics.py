@@ -235,15 +235,17 @@ def counters_only(stats: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-# The engine signals (corral.dataplane.engines) published as gauges, with what each is.
-_ENGINE_GAUGES: Final = {
-    "waiting": "requests queued in the engine",
-    "running": "requests in its batch",
-    "kv_usage": "KV-cache use, 0 to 1",
-    "prefix_hits": "prefix-cache hits, tokens, since it started",
-    "prefix_queries": "prefix-cache queries, tokens, since it started",
-    "generation_tokens": "tokens generated since it started",
-    "tokens_per_second": "tokens generated per second, between the last two readings",
+# The engine signals (corral.dataplane.engines) published per replica: key -> (counter?, what).
+# The engine's own counters (vLLM's ``*_total``) stay counters, ``_total`` appended: as gauges,
+# rate() and increase() would not read an engine's restart as a reset.
+_ENGINE_SIGNALS: Final = {
+    "waiting": (False, "requests queued in the engine"),
+    "running": (False, "requests in its batch"),
+    "kv_usage": (False, "KV-cache use, 0 to 1"),
+    "prefix_hits": (True, "prefix-cache hits, tokens, since it started"),
+    "prefix_queries": (True, "prefix-cache queries, tokens, since it started"),
+    "generation_tokens": (True, "tokens generated since it started"),
+    "tokens_per_second": (False, "tokens generated per second, between the last two readings"),
 }
 
 
@@ -337,8 +339,9 @@ class _Collector(Collector):
         yield from self._engines()
 
     def _engines(self) -> Iterator[Metric]:
-        for key, what in _ENGINE_GAUGES.items():
-            family = GaugeMetricFamily(
+        for key, (counter, what) in _ENGINE_SIGNALS.items():
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            family = kind(
                 f"corral_engine_{key}",
                 f"What each replica's LLM engine reports ({what}), read by the balancer.",
                 labels=["service", "replica"],
