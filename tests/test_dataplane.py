@@ -264,6 +264,37 @@ def test_service_counters_do_not_go_down_when_workers_are_replaced(
     wait_for(lambda: requests_total(corral_home, "kept") >= 25, 10, "the update's requests")
 
 
+def test_service_counters_do_not_go_down_when_the_daemon_restarts(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A restarted daemon (stop and start, a SIGKILL) sums its live workers' reports with what
+    gone workers counted before it: those reports alone took corral_lb_requests_total down to
+    what the live workers counted, which Prometheus reads as counted since 0 (a spike)."""
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "2"
+    corral_home.env["CORRAL_DAEMON_RESPAWN"] = "1"
+    url = up(corral_home, tmp_path, "kept", 1)
+    for _ in range(20):
+        assert answers(url)
+    wait_for(lambda: requests_total(corral_home, "kept") == 20, 10, "the requests in /metrics")
+    old = corral_home.worker_pids()
+    corral_home.run("daemon", "restart-workers")  # what they counted is carried by the daemon
+    wait_for(lambda: not any(pid_alive(pid) for pid in old), 15, "the old workers to exit")
+    for _ in range(3):
+        assert answers(url)
+    wait_for(lambda: requests_total(corral_home, "kept") == 23, 10, "the new requests counted")
+    corral_home.run("daemon", "stop")
+    corral_home.run("daemon", "start")
+    corral_home.note_daemon()
+    wait_for(lambda: requests_total(corral_home, "kept") == 23, 20, "23 after a stop and start")
+    pid = corral_home.daemon_pid()
+    os.kill(pid, signal.SIGKILL)
+    new = wait_for(lambda: new_daemon(corral_home, pid), 30, "a worker to start a new daemon")
+    corral_home.daemon_pids.add(new)
+    wait_for(lambda: requests_total(corral_home, "kept") == 23, 20, "23 after a SIGKILL")
+    assert answers(url)
+    wait_for(lambda: requests_total(corral_home, "kept") == 24, 10, "counting on from there")
+
+
 def test_restart_workers_replaces_every_worker_under_load(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:
@@ -344,6 +375,58 @@ def finished_whole(done: dict[str, Any]) -> None:
     assert not done["thread"].is_alive()
     assert "error" not in done, done
     assert done["body"].rstrip().endswith(b"data: [DONE]"), done["body"][-200:]
+
+
+def replica_ttft_count(home: CorralHome, service: str, replica: int) -> float | None:
+    """corral_lb_replica_ttft_seconds_count of one replica in /metrics, None without one."""
+    text = http(
+        home.api_url + "/metrics", headers={"Authorization": f"Bearer {home.token}"}
+    ).body.decode()
+    name = f'corral_lb_replica_ttft_seconds_count{{replica="{replica}",service="{service}"}}'
+    found = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(found[0].rsplit(" ", 1)[1]) if found else None
+
+
+def test_a_leaving_replicas_ttft_does_not_go_down_while_a_worker_still_drains_it(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """Both workers timed streams of a replica; it leaves while one of them still relays a
+    stream from it. The other forgets it at once, and its part of the replica's histogram
+    must not leave the series with it (a counter going down part of the way, no process
+    restarted: rate() reads a reset), only when the last worker forgets the replica."""
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "2"
+    _, done = long_stream(corral_home, tmp_path, "leaving", 250)  # 8 s
+    url = str(corral_home.service("leaving")["endpoint"]) + "/v1/completions"
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1, "stream": True})
+
+    def short() -> None:  # a connection each: the kernel spreads them over both workers
+        ask = urllib.request.Request(
+            url, data=body.encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(ask, timeout=30) as answer:
+            answer.read()
+
+    shorts = [threading.Thread(target=short) for _ in range(16)]
+    for thread in shorts:
+        thread.start()
+    for thread in shorts:
+        thread.join(30)
+    counted = wait_for(
+        lambda: n if (n := replica_ttft_count(corral_home, "leaving", 1) or 0) >= 17 else None,
+        10,
+        "17 streams timed",
+    )
+    assert done["thread"].is_alive(), "the long stream ended before the replica left"
+    corral_home.run("down", "leaving", "--replica-id", "1", "-y")
+    seen = []
+    while done["thread"].is_alive():
+        now = replica_ttft_count(corral_home, "leaving", 1)
+        if now is None:
+            break
+        seen.append(now)
+        time.sleep(0.1)
+    assert seen and min(seen) >= counted, (counted, seen)
+    finished_whole(done)
 
 
 def test_a_stream_under_way_outlives_a_route_change(

@@ -8,12 +8,22 @@ to zero and ``rate()`` as a spike of every request since the start. So the worke
 its retired balancers counted, and the daemon what its gone workers last reported, and each
 adds it to the sums it makes (:func:`corral.balancer.metrics.counters_only`: the gauges at 0,
 each replica's counts kept too). What a worker counted after its last report is lost with it.
+
+The daemon's part outlives the daemon (``path``: a file in the home, written at each change):
+a daemon restarted (a SIGKILL, `daemon stop`/`start`, an upgrade) sums its live workers'
+reports with what its predecessors carried, rather than those reports alone, which would take
+``corral_lb_requests_total`` down to what the live workers counted: not a reset to 0, that
+Prometheus would take in its stride, but a drop to a value it would read as counted since 0.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from collections import defaultdict
 from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from corral.balancer.metrics import counters_only, merge_stats
@@ -27,12 +37,31 @@ class Carried:
     whose channel dropped and that reconnects, alive and still counting from where it was,
     takes its part back instead of being counted twice (:meth:`back`)."""
 
-    def __init__(self) -> None:
-        self._by: dict[str, dict[Hashable, dict[str, Any]]] = {}
+    def __init__(self, path: Path | None = None) -> None:
+        self._by: dict[str, dict[str, dict[str, Any]]] = {}
+        # service -> replica -> live worker -> its last counts of the replica (see _left)
+        self._last: dict[str, dict[str, dict[str, Mapping[str, Any]]]] = {}
+        self._path = path
+        if path is not None:
+            self._by = _load(path)
 
     def add(self, name: str, stats: Mapping[str, Any], source: Hashable = None) -> None:
         parts = self._by.setdefault(name, {})
-        parts[source] = merge_stats([parts.get(source, {}), counters_only(stats)])
+        key = _key(source)
+        parts[key] = merge_stats([parts.get(key, {}), counters_only(stats)])
+        self._save()
+
+    def _save(self) -> None:
+        """The whole of it to ``path`` (a new file, renamed over the old one), if any."""
+        if self._path is None:
+            return
+        with contextlib.suppress(OSError):
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = self._path.with_name(self._path.name + ".new")
+            fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(self._by, out, separators=(",", ":"))
+            os.replace(fresh, self._path)
 
     def gone(
         self,
@@ -53,16 +82,23 @@ class Carried:
     def back(self, source: Hashable) -> None:
         """``source`` reports again (a worker that reconnected): its counts are in its own
         reports from now on, not to be added a second time."""
+        key = _key(source)
+        if not any(key in parts for parts in self._by.values()):
+            return
         for name in list(self._by):
-            self._by[name].pop(source, None)
+            self._by[name].pop(key, None)
             if not self._by[name]:
                 del self._by[name]
+        self._save()
 
-    def summed(self, name: str, live: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """The ``live`` balancers' stats summed with what is carried of ``name``. A replica
-        none of them lists (it left and drained, and they forgot its counts) is not brought
-        back by what was carried of it: its series ends, as it would have."""
-        out = merge_stats([*live, *self.of(name)])
+    def summed(
+        self, name: str, live: Sequence[Mapping[str, Any]], left: Sequence[Mapping[str, Any]] = ()
+    ) -> dict[str, Any]:
+        """The ``live`` balancers' stats summed with what is carried of ``name`` (and ``left``,
+        see :meth:`_left`). A replica none of them lists (it left and drained, and they forgot
+        its counts) is not brought back by what was carried of it: its series ends, as it
+        would have."""
+        out = merge_stats([*live, *self.of(name), *left])
         listed = {str(rid) for one in live for rid in (one.get("replicas") or {})}
         out["replicas"] = {rid: rep for rid, rep in out["replicas"].items() if rid in listed}
         return out
@@ -74,33 +110,89 @@ class Carried:
 
     def drop(self, name: str) -> None:
         """The service was taken down: a later one of that name starts from 0."""
-        self._by.pop(name, None)
+        self._last.pop(name, None)
+        if self._by.pop(name, None) is not None:
+            self._save()
 
     def keep_only(self, names: Iterable[str]) -> None:
         keep = set(names)
-        for name in [n for n in self._by if n not in keep]:
+        gone = [n for n in self._by if n not in keep]
+        for name in gone:
             del self._by[name]
+        if gone:
+            self._save()
 
     def gathered(
         self,
-        reports: Iterable[Mapping[str, Mapping[str, Any]]],
+        reports: Mapping[Any, Mapping[str, Mapping[str, Any]]],
         names: Container[str],
         only: str | None = None,
     ) -> dict[str, dict[str, Any]]:
         """The services ``names`` (or ``only`` that one) as the daemon sums them: the workers'
-        latest ``reports`` (one mapping of service to report per worker) plus what is carried,
+        latest ``reports`` (by worker, a mapping of service to report) plus what is carried,
         with what the services' engines said last (to any worker)."""
         per: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
         engines: dict[str, dict[str, Any]] = defaultdict(dict)
-        for worker in reports:
+        for worker in reports.values():
             for name, report in worker.items():
                 if only is not None and name != only:
                     continue
                 if report.get("stats"):
                     per[name].append(report["stats"])
                 engines[name].update(report.get("engines") or {})
-        return {
-            name: {**self.summed(name, stats), "engines": engines[name]}
-            for name, stats in per.items()
-            if name in names
-        }
+        if only is None:
+            self._last = {n: kept for n, kept in self._last.items() if n in per}
+        out = {}
+        for name, stats in per.items():
+            if name in names:
+                by_worker = {
+                    _key(source): (worker.get(name) or {}).get("stats") or {}
+                    for source, worker in reports.items()
+                }
+                left = self._left(name, by_worker)
+                out[name] = {**self.summed(name, stats, left), "engines": engines[name]}
+        return out
+
+    def _left(self, name: str, by_worker: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The last counts of a replica that a live worker no longer lists (its balancer
+        forgot the replica once it left and drained there) while another worker still does
+        (a stream to it under way): without them its series would go down part of the way
+        until the last worker forgets it too. Kept per worker while any lists the replica."""
+        seen = self._last.setdefault(name, {})
+        listed: set[str] = set()
+        for source, stats in by_worker.items():
+            for rid, counts in (stats.get("replicas") or {}).items():
+                seen.setdefault(str(rid), {})[source] = counts
+                listed.add(str(rid))
+        left = []
+        for rid in list(seen):
+            if rid not in listed:
+                del seen[rid]
+                continue
+            for source in list(seen[rid]):
+                if source not in by_worker:  # a gone worker: its part is carried (gone())
+                    del seen[rid][source]
+                elif rid not in (by_worker[source].get("replicas") or {}):
+                    left.append(counters_only({"replicas": {rid: seen[rid][source]}}))
+        return left
+
+
+def _key(source: Hashable) -> str:
+    """A source as the file keeps it (a worker's ``(pid, created)``, or None): JSON text."""
+    return json.dumps(source)
+
+
+def _load(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """What a previous daemon carried; nothing when there is no such file or it is unreadable
+    (the sums then start from the live workers' reports, as they did before it was kept)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {
+        str(name): {str(k): dict(v) for k, v in parts.items() if isinstance(v, dict)}
+        for name, parts in data.items()
+        if isinstance(parts, dict)
+    }

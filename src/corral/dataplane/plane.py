@@ -90,7 +90,7 @@ class DataPlane:
         self.respawn = respawn
         self._env = dict(env if env is not None else os.environ)
         self.routes: dict[str, ServiceRoute] = {}
-        self._carried = Carried()  # the counters of workers that are gone
+        self._carried = Carried(home / "dataplane" / "carried.json")  # of gone workers
         self.slots = SlotBook(store)
         self.ports = PortWatch()
         self._conns: dict[int, _Conn] = {}  # by pid
@@ -479,7 +479,7 @@ class DataPlane:
     def stats(self, only: str | None = None) -> dict[str, dict[str, Any]]:
         """Every service's counters (or ``only`` that one's), summed over its workers, those
         gone included (dataplane.carried), with what its engines said last (to any worker)."""
-        reports = [conn.reports for conn in self._conns.values()]
+        reports = {(conn.pid, conn.created): conn.reports for conn in self._conns.values()}
         return self._carried.gathered(reports, self.routes, only)
 
     def bind_errors(self, name: str) -> list[str]:
