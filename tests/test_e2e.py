@@ -285,15 +285,16 @@ def test_down_during_launch(corral_home: CorralHome, tmp_path: Path) -> None:
 
 @needs_openssl
 def test_down_of_a_service_whose_controller_failed(corral_home: CorralHome, tmp_path: Path) -> None:
-    """A controller that cannot start (here: TLS files no longer PEM when the daemon starts
-    again; `up` refuses them) fails the service, and `corral down` still removes it instead of
-    waiting forever."""
+    """A controller that cannot start (here: the version's copy of its certificate damaged in
+    the home while the daemon was stopped; `up` refuses files that do not load) fails the
+    service, and `corral down` still removes it instead of waiting forever."""
     spec = app_spec(tmp_path, "nocert", 1)
     cert, key = make_cert(tmp_path, "nocert", "IP:127.0.0.1")
     spec.write_text(spec.read_text() + f"  tls:\n    keyfile: {key}\n    certfile: {cert}\n")
     corral_home.run("up", str(spec))
     corral_home.stop_daemon()
-    cert.write_text("not a certificate\n")
+    copy = corral_home.path / "services" / "nocert" / "versions" / "1" / "tls" / "cert.pem"
+    copy.write_text("not a certificate\n")
     corral_home.start_daemon()
     corral_home.wait_for(
         lambda: corral_home.status("nocert")["status"] == "CONTROLLER_FAILED",

@@ -56,7 +56,7 @@ from corral.servicecore import (
 )
 from corral.spec import ServiceSpec
 from corral.state import ReplicaRow, StateError, Store
-from corral.versionfiles import remove_service_files
+from corral.versionfiles import remove_service_files, version_tls
 from corral.views import service_view
 
 # Re-exported: the daemon builds its controllers' dependencies from these names.
@@ -276,7 +276,8 @@ class ServiceController:
 
     def _route(self, version: int, port: int) -> Route:
         row = self.svc.store.version(self.svc.name, version)
-        return route_of(self.spec(version), port, row.base_dir if row is not None else None)
+        copy = version_tls(self.svc.deps.home, self.svc.name, version)
+        return route_of(self.spec(version), port, row.base_dir if row is not None else None, copy)
 
     # -- reconcile ----------------------------------------------------------------------------
 

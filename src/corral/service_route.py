@@ -15,12 +15,18 @@ from corral.infra.local_rules import fixed_port
 from corral.spec import ServiceSpec
 
 
-def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route:
+def route_of(
+    spec: ServiceSpec,
+    port: int,
+    base_dir: str | None = None,
+    tls_copy: tuple[str, str] | None = None,
+) -> Route:
     """The data plane's route of a service (everything but the ready set) from its spec.
 
-    Relative TLS file paths are taken from the directory the CLI ran in (``base_dir``), as
-    ``workdir`` is (SkyPilot's rule): the workers run elsewhere, and the path must mean the
-    same file to them."""
+    The TLS files are the version's copies (``tls_copy``, :func:`corral.versionfiles.
+    version_tls`); for a version made before corral copied them, the spec's paths, relative
+    ones taken from the directory the CLI ran in (``base_dir``), as ``workdir`` is (SkyPilot's
+    rule): the workers run elsewhere, and the path must mean the same file to them."""
     lb = spec.service.load_balancer
     tls = spec.service.tls
 
@@ -32,6 +38,8 @@ def route_of(spec: ServiceSpec, port: int, base_dir: str | None = None) -> Route
 
     cert = path(tls.certfile) if tls is not None else None
     key = path(tls.keyfile) if tls is not None else None
+    if tls is not None and tls_copy is not None:
+        cert, key = tls_copy
     return Route(
         port=port,
         tls_cert=cert,

@@ -1,5 +1,5 @@
-"""A version's own files: the copy of its ``workdir`` that its replicas run from, and the env and
-secret values given at ``up``/``update``.
+"""A version's own files: the copy of its ``workdir`` that its replicas run from, the env and
+secret values given at ``up``/``update``, and a copy of its TLS certificate and key.
 
 Why a copy: SkyPilot copies the workdir to each replica at launch, so a version is what the
 directory held when it was deployed. Running replicas in the live directory instead meant that
@@ -65,6 +65,7 @@ __all__ = [
     "remove_service_files",
     "store_dir",
     "version_dir",
+    "version_tls",
 ]
 
 SKYIGNORE = ".skyignore"
@@ -72,6 +73,8 @@ GITIGNORE = ".gitignore"
 VALUES_FILE = "values.json"
 FINGERPRINT_FILE = "fingerprint"
 WORKDIR = "workdir"
+TLS_DIR = "tls"
+TLS_CERT, TLS_KEY = "cert.pem", "key.pem"
 _CHUNK = 1 << 20
 
 # Snapshots and garbage collection never overlap: a store file is created before it is linked,
@@ -242,6 +245,24 @@ def _write_values(directory: Path, envs: Mapping[str, str], secrets: Mapping[str
         handle.write(data)
 
 
+def _copy_tls(directory: Path, cert: Path, key: Path) -> None:
+    """The service's certificate and key, as they are now, into the version (0600, not in the
+    store: a private key is linked from nowhere else)."""
+    (directory / TLS_DIR).mkdir(mode=0o700)
+    for source, name in ((cert, TLS_CERT), (key, TLS_KEY)):
+        fd = os.open(directory / TLS_DIR / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(source.read_bytes())
+
+
+def version_tls(home: Path, service: str, version: int) -> tuple[str, str] | None:
+    """The copies of a version's certificate and key (see :func:`prepare_version`), or None for
+    a version without TLS or made by a corral that read them from their paths."""
+    tls = version_dir(home, service, version) / TLS_DIR
+    cert, key = tls / TLS_CERT, tls / TLS_KEY
+    return (str(cert), str(key)) if cert.is_file() and key.is_file() else None
+
+
 def read_values(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
     """The ``--env`` values and the secrets of a version (both empty when it has no file)."""
     try:
@@ -261,9 +282,16 @@ def prepare_version(
     secrets: Mapping[str, str],
     mounts: Mapping[str, Path] | None = None,
     spec_file: str | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> VersionFiles:
     """Make version ``version``'s directory: a copy of ``workdir`` (if any) with ``mounts``
     (a relative destination -> a local file or directory) copied into it, and its values.
+
+    ``tls``: the service's (certificate, key) files, copied too, so that what the balancer
+    serves with is the version's: a daemon restart no longer fails the service when those
+    files went bad or away since (a temp directory cleaned, a renewal half written), and a
+    rollback serves its own certificate again. Left out of the fingerprint: a renewed
+    certificate is the balancer's business and must not relaunch the replicas.
 
     ``spec_file``: where the spec itself lies in ``workdir`` (relative, ``/``-separated), if
     it does. It is copied, but left out of the fingerprint: an update that edits only the
@@ -289,6 +317,8 @@ def prepare_version(
                     workdir, mounts or {}, temp / WORKDIR, store, home
                 )
         _write_values(temp, envs, secrets)
+        if tls is not None:
+            _copy_tls(temp, *tls)
         values = json.dumps([sorted(envs.items()), sorted(secrets.items())])
         kept = [m for m in manifest if spec_file is None or not m.startswith(f"f {spec_file} ")]
         digest = hashlib.sha256("\n".join([values, *kept]).encode("utf-8", "surrogateescape"))
