@@ -301,6 +301,8 @@ def test_down_of_a_service_whose_controller_failed(corral_home: CorralHome, tmp_
         30,
         "the service to fail",
     )
+    # Its endpoint, were it fixed, is HTTPS: status said http:// for want of a route.
+    assert str(corral_home.status("nocert")["endpoint"]).startswith("https://")
 
     corral_home.run("down", "nocert", "--timeout", "20")
     assert corral_home.status() == []

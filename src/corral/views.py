@@ -66,7 +66,11 @@ def service_view(svc: ServiceCore, decision: Decision | None, failed: str | None
 
 
 def _endpoint(svc: ServiceCore, row: ServiceRow) -> str | None:
-    https = svc.balancer is not None and svc.balancer.url.startswith("https")
+    if svc.balancer is not None:
+        https = svc.balancer.url.startswith("https")
+    else:  # no route (its controller failed): what its spec, if read already, asks for
+        spec = svc.specs.get(row.current_version)
+        https = spec is not None and spec.service.tls is not None
     scheme = "https" if https else "http"
     return f"{scheme}://127.0.0.1:{row.lb_port}" if row.lb_port else None
 
