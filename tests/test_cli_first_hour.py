@@ -147,6 +147,53 @@ def test_after_a_daemon_crash_commands_wait_for_its_restart(
     assert RESPAWN_NOTE not in stopped.stderr
 
 
+def test_whether_to_wait_for_a_respawn_is_what_the_last_daemon_told_the_workers(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """The CLI guessed from a worker's environment whether it would restart a crashed daemon,
+    but workers outlive daemons and do as the last one that adopted them said: workers started
+    under CORRAL_DAEMON_RESPAWN=0, then adopted by a daemon without it, restart it while the
+    CLI told the user to start one; the other way round it waited for a daemon that was not
+    coming."""
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "1"  # one respawn (see the test above)
+    corral_home.env["CORRAL_DAEMON_RESPAWN"] = "0"
+    corral_home.run("up", str(write_spec(tmp_path / "p.yaml", spec_text("phoenix", 1))))
+    corral_home.run("daemon", "stop")  # the worker keeps serving, started with "0"
+    respawning = {**corral_home.env, "CORRAL_DAEMON_RESPAWN": "1"}
+    old = corral_home.start_daemon(env=respawning)  # adopts it: "restart me" now
+    greeted(corral_home)
+    os.kill(old, signal.SIGKILL)
+    corral_home.wait_for(lambda: finished(old), 10, "the daemon to die")
+    result = corral_home.run("status", "--json", env=respawning)
+    assert RESPAWN_NOTE in result.stderr, result.stderr
+    corral_home.wait_for(
+        lambda: (corral_home.note_daemon() or old) != old and corral_home.healthy(),
+        60,
+        "the worker to start a daemon again",
+    )
+    corral_home.run("daemon", "restart-workers")  # a worker started with "1"
+    corral_home.run("daemon", "stop")
+    last = corral_home.start_daemon()  # "0" again: the worker will not restart it
+    greeted(corral_home)
+    os.kill(last, signal.SIGKILL)
+    corral_home.wait_for(lambda: finished(last), 10, "the daemon to die")
+    result = corral_home.run("status", check=False)
+    assert RESPAWN_NOTE not in result.stderr, result.stderr
+    assert "corral daemon start" in result.stderr, result.stderr
+
+
+def greeted(home: CorralHome) -> None:
+    """Wait until the daemon has greeted its balancer worker (what it said about respawning
+    is then in the worker's socket, whatever happens to the daemon next)."""
+
+    def connected() -> bool:
+        info = json.loads(home.run("daemon", "status", "--json").stdout)
+        workers = info.get("balancer_workers") or []
+        return bool(workers) and all(w.get("connected") for w in workers)
+
+    home.wait_for(connected, 30, "the daemon to greet its worker")
+
+
 def test_validate_never_wraps_off_a_terminal(corral_home: CorralHome, tmp_path: Path) -> None:
     deep = tmp_path / ("a-directory-with-a-long-name-" * 4) / "and-another-one-below-it"
     spec = write_spec(deep / "service-spec-with-a-long-file-name.yaml", spec_text("wide", 1))

@@ -52,28 +52,17 @@ def _holders(locks: list[Path]) -> set[int] | None:
     return pids
 
 
-def _respawns(pid: int) -> bool:
-    """Whether the balancer worker ``pid`` starts a crashed daemon again: not when it was
-    started with CORRAL_DAEMON_RESPAWN=0 (as its daemon was: the worker inherits its env)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return True  # cannot tell: the wait is short, and a new daemon ends it
-    return b"CORRAL_DAEMON_RESPAWN=0" not in environ
-
-
 def respawn_expected(home: Path) -> bool:
     """The balancer workers of ``home`` will start its daemon again: one of them runs (it
-    holds its slot's lock), may respawn the daemon, and the daemon did not stop on purpose
-    (no ``daemon.stopped``)."""
+    holds its slot's lock), the last daemon told them to (no ``dataplane/no-respawn``), and it
+    did not stop on purpose (no ``daemon.stopped``)."""
     from corral.dataplane.locks import slot_lock_paths
-    from corral.dataplane.protocol import STOPPED_MARKER
+    from corral.dataplane.protocol import NO_RESPAWN_MARKER, STOPPED_MARKER
 
-    if (home / STOPPED_MARKER).exists():
+    if (home / STOPPED_MARKER).exists() or (home / NO_RESPAWN_MARKER).exists():
         return False
-    holders = _holders(slot_lock_paths(home))
     # No /proc/locks (not Linux): no telling, so no waiting (the message says what to do).
-    return any(_respawns(pid) for pid in holders or ())
+    return bool(_holders(slot_lock_paths(home)))
 
 
 def await_respawn(client: Client, say: Callable[[str], None], wait: float = RESPAWN_WAIT) -> bool:

@@ -36,6 +36,7 @@ from corral.dataplane.protocol import (
     Route,
     decode,
     encode,
+    note_respawn,
     socket_path,
 )
 from corral.dataplane.route import ServiceRoute, recent_times
@@ -119,6 +120,7 @@ class DataPlane:
         os.chmod(path, 0o600)
         with contextlib.suppress(OSError):
             (self.home / "dataplane").mkdir(exist_ok=True)
+            note_respawn(self.home, self.respawn is not None)  # for the CLI to read
         self._ensure_workers()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="corral-dataplane")
 

@@ -40,6 +40,7 @@ from typing import Any, Final
 __all__ = [
     "HISTORY_SECONDS",
     "MAX_MESSAGE",
+    "NO_RESPAWN_MARKER",
     "SOCKET_NAME",
     "STOPPED_MARKER",
     "TIME_BUCKET",
@@ -47,6 +48,7 @@ __all__ = [
     "bucket_times",
     "decode",
     "encode",
+    "note_respawn",
     "socket_path",
 ]
 
@@ -54,6 +56,11 @@ SOCKET_NAME: Final = "dataplane.sock"
 # Written by a daemon that stops on purpose (SIGTERM, `corral daemon stop`); workers do not
 # restart a daemon while it exists. A daemon that crashes or is SIGKILLed leaves none.
 STOPPED_MARKER: Final = "daemon.stopped"
+# Written by a daemon that tells its workers not to start it again (CORRAL_DAEMON_RESPAWN=0,
+# under a supervisor of one's own), removed by one that tells them to: workers do as the last
+# daemon said, whichever daemon started them, so this, not a worker's environment, is what the
+# CLI reads to know whether a crashed daemon is coming back.
+NO_RESPAWN_MARKER: Final = "dataplane/no-respawn"
 TIME_BUCKET: Final = 0.05
 HISTORY_SECONDS: Final = 600.0
 # A single message above this is a bug or an attack: the connection is dropped.
@@ -212,3 +219,12 @@ def bucket_times(times: Iterable[float]) -> list[list[int]]:
 
 def _no_passphrase() -> bytes:
     raise ssl.SSLError("the key is encrypted: give it without its passphrase")
+
+
+def note_respawn(home: Path, respawn: bool) -> None:
+    """Leave :data:`NO_RESPAWN_MARKER` as the daemon about to greet its workers decided."""
+    marker = home / NO_RESPAWN_MARKER
+    if respawn:
+        marker.unlink(missing_ok=True)
+    else:
+        marker.touch()
