@@ -488,12 +488,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     idle_exit = float(os.environ.get("CORRAL_WORKER_IDLE_EXIT") or IDLE_EXIT)
     worker = Worker(home, args.slot, watch=watch, idle_exit=idle_exit, slot_lock=lock)
-    try:
-        import uvloop
-    except ImportError:  # still correct on the stock loop, only slower
-        asyncio.run(worker.run())
-    else:
-        uvloop.run(worker.run())
+    import uvloop  # a dependency: the balancer's fast path is written for its transports
+
+    uvloop.run(worker.run())
 
 
 if __name__ == "__main__":
