@@ -176,6 +176,7 @@ def test_span_chunks_end_the_rotated_part_on_a_line_break(tmp_path: Path) -> Non
     assert b"".join(span_chunks(spans)) == b"cut sho\nnew and still wri"
     assert b"".join(span_chunks(spans[:-1], last_as_is=False)) == b"cut sho\n"
     assert b"".join(span_chunks([(tmp_path / "gone", 0), (log, 4)])) == b"and still wri"
+    assert b"".join(span_chunks([(log, 2**62)])) == b""  # no seek past what the system allows
     big = b"x" * 200_000 + b"\n"  # several chunks, the newline in the last
     log.write_bytes(big)
     assert b"".join(span_chunks([(log, 0)])) == big

@@ -57,10 +57,13 @@ def span_chunks(
             continue
         last = b"\n"
         with f:
-            f.seek(start)
-            while chunk := f.read(_BLOCK):
-                last = chunk[-1:]
-                yield chunk
+            # Past the end there is nothing (a client's offset may be 2**62: seek itself would
+            # fail with EINVAL, after the 200 went out).
+            if start < os.fstat(f.fileno()).st_size:
+                f.seek(start)
+                while chunk := f.read(_BLOCK):
+                    last = chunk[-1:]
+                    yield chunk
         if last != b"\n" and (n < len(spans) - 1 or not last_as_is):
             yield b"\n"
 
