@@ -165,3 +165,25 @@ def test_a_worker_that_reconnects_is_not_counted_twice(tmp_path: Path) -> None:
         asyncio.run(scenario())
     finally:
         replica.shutdown()
+
+
+def test_a_new_daemons_tables_come_after_every_table_of_the_one_before(tmp_path: Path) -> None:
+    """Workers judge a drain by the last table seq they applied: a daemon that started its
+    tables again below its predecessor's would see every worker past a table it had not sent
+    yet, and end drains before any worker dropped the replica. Each daemon's seq starts from
+    the clock (ms) and only grows."""
+    store = Store(tmp_path / "state.db")
+
+    async def last_seq_of_a_busy_daemon() -> int:
+        plane = DataPlane(tmp_path, store, workers=1, respawn=None)
+        seq = 0
+        for _ in range(500):  # far more changes than milliseconds pass
+            seq = plane.changed()
+            await asyncio.sleep(0)
+        return seq
+
+    async def first_seq_of_the_next() -> int:
+        return DataPlane(tmp_path, store, workers=1, respawn=None).changed()
+
+    before = asyncio.run(last_seq_of_a_busy_daemon())
+    assert asyncio.run(first_seq_of_the_next()) > before

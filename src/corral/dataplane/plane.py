@@ -34,6 +34,7 @@ from corral.dataplane.processes import WORKER_STOP_TIMEOUT, find_process, start_
 from corral.dataplane.protocol import (
     MAX_MESSAGE,
     Route,
+    clock_seq,
     decode,
     encode,
     note_respawn,
@@ -97,7 +98,7 @@ class DataPlane:
         self._conns: dict[int, _Conn] = {}  # by pid
         self._times: dict[str, dict[int, int]] = defaultdict(dict)  # service -> bucket -> n
         self._known_pids: set[int] = set()  # workers already heard from (history sent once)
-        self._seq = int(time.time() * 1000)
+        self._seq = clock_seq()
         self._sent_seq = 0
         self._open = False
         self._push_scheduled = False
@@ -435,7 +436,7 @@ class DataPlane:
         """Something in the table changed: push it soon (once per loop turn however many
         changes), and return the seq that table will carry."""
         if not self._push_scheduled:
-            self._seq = max(self._seq + 1, int(time.time() * 1000))
+            self._seq = max(self._seq + 1, clock_seq())
             self._push_scheduled = True
             asyncio.get_running_loop().call_soon(self._push)
         return self._seq

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ __all__ = [
     "TIME_BUCKET",
     "Route",
     "bucket_times",
+    "clock_seq",
     "decode",
     "encode",
     "note_respawn",
@@ -228,3 +230,11 @@ def note_respawn(home: Path, respawn: bool) -> None:
         marker.unlink(missing_ok=True)
     else:
         marker.touch()
+
+
+def clock_seq() -> int:
+    """A table seq from the clock, in microseconds: a daemon's seqs only grow, and a new daemon's
+    come after its predecessor's, which workers judge drains by. In milliseconds a busy daemon
+    (a change per loop turn) ran hundreds ahead of the clock, and one restarted within that
+    started below it."""
+    return int(time.time() * 1_000_000)
