@@ -115,7 +115,7 @@ class ClientConnection(asyncio.Protocol):
         self.deadline = 0.0
         self.deadline_kind = DL_HEAD
         # Back to waiting after an answer: a stopping balancer may close it (not a new one).
-        self.kept_alive = False
+        self.kept_alive, self.idle_since = False, 0.0  # since when it waits (close_if_idle)
         self._buf = b""
         self._fed = 0  # bytes of _buf already given to the parser
         self._parser: httptools.HttpRequestParser | None = None
@@ -382,13 +382,13 @@ class ClientConnection(asyncio.Protocol):
         self._set_paused(_PAUSE_UPSTREAM, False)
         if self._closing:
             return
-        if not keep_alive or self.lb._stopping:
-            if body_unread:
+        if not keep_alive:  # not when a stopping balancer sent the head before it stopped:
+            if body_unread:  # that said keep-alive, so the next request may be on its way
                 self._linger()
             else:
                 self._close()
             return
-        self.kept_alive = True
+        self.kept_alive, self.idle_since = True, time.monotonic()
         lb = self.lb  # a request waiting for it to read waits as long as a stream may go quiet
         self.set_deadline(DL_HEAD, lb._idle_timeout if self._write_paused else lb._header_timeout)
         self._set_paused(_PAUSE_PIPELINE, False)
@@ -434,11 +434,10 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def close_if_idle(self) -> None:
-        """The balancer stops: an idle keep-alive connection gets a lingering close, so a
-        request the client wrote as the FIN left is read and dropped instead of answered by a
-        reset."""
-        if self.kept_alive and not self.busy:
+    def close_if_idle(self, before: float) -> None:
+        """The balancer stops: a keep-alive connection idle since ``before`` gets a lingering
+        close, so a request written as the FIN left is read and dropped, not reset."""
+        if self.kept_alive and not self.busy and not self._lingering and self.idle_since <= before:
             self._linger()
 
     @property

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
         fast: FastState | None
         kept_alive: bool
+        idle_since: float
         _buf: bytes
         _paused: int
 
@@ -162,12 +163,15 @@ def finish(cl: StreamDownstream, conn: UpstreamConnection, last: bytes) -> None:
     lb._pool.put(conn)
     if closing:
         return
-    if not keep_alive or lb._stopping:
+    if not keep_alive:
         cl._close()
         return
+    # Kept alive even if the balancer stops now: the head, sent before (try_stream), promised
+    # it, and the client may be writing its next request already (answered Connection: close).
     cl.kept_alive = True
     cl.deadline_kind = DL_HEAD
-    cl.deadline = time.monotonic() + lb._header_timeout
+    cl.idle_since = now = time.monotonic()
+    cl.deadline = now + lb._header_timeout
     if cl._paused:
         cl._unpause()
     if cl._buf:

@@ -47,10 +47,13 @@ STREAM_WEIGHT: Final = 1 / 16
 def weigh_streams(
     candidates: Sequence[int], in_flight: Mapping[int, float], streams: Mapping[int, float]
 ) -> dict[int, float]:
-    """Each candidate's load with its streams under way weighing ``STREAM_WEIGHT``."""
+    """Each candidate's load with its streams under way weighing ``STREAM_WEIGHT``. A stream
+    is a request in flight, but counts read from shared boards may say more streams than
+    requests (a row read mid-update, or written by a worker and its successor in one slot
+    during restart-workers): never a negative load, which least_loaded cannot pick from."""
     get, streaming = in_flight.get, streams.get
     less = 1.0 - STREAM_WEIGHT
-    return {rid: get(rid, 0) - less * streaming(rid, 0) for rid in candidates}
+    return {rid: (n := get(rid, 0)) - less * min(streaming(rid, 0), n) for rid in candidates}
 
 
 class RequestView(NamedTuple):

@@ -247,9 +247,11 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         long an idle keep-alive connection is left open for its next request (served, then
         closed by the client's own hand); closing it at once races a request the client may
         be writing that instant, which then meets a reset. A worker handing its port to a new
-        one passes a grace; a service going away does not. ``hand_over`` (a route change gave
-        the service a new balancer): held requests go out at once, past the limit. After the
-        grace an idle keep-alive connection gets a lingering close (FIN, then what still
+        one (or a balancer to its successor) passes a grace; a service going away does not.
+        ``hand_over`` (a route change gave the service a new balancer): held requests go out at
+        once, past the limit. An answer whose head went out before the stop (a stream) said
+        keep-alive: its connection is idle from its end, and gets the grace from there. After
+        the grace an idle keep-alive connection gets a lingering close (FIN, then what still
         arrives is read and dropped); a new connection is left to send its first request.
         Whatever is still open after STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a
         stream under way gets what a leaving replica gets), is cut. Safe to call twice or
@@ -269,15 +271,13 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         idle_until = start + idle_grace
         waits = self._no_replica_wait if hand_over else 0.0  # a request held for a first one
         deadline = start + max(self.STOP_GRACE_SECONDS, self._drain, waits)
-        lingering = False
         while self._clients:
             now = time.monotonic()
             if now >= deadline:
                 break
-            if not lingering and now >= idle_until:
-                lingering = True
+            if now >= idle_until:  # idle ``idle_grace``, since the stop or since its last answer
                 for client in list(self._clients):
-                    client.close_if_idle()
+                    client.close_if_idle(now - idle_grace)
             await asyncio.sleep(0.02)
         self._stopped = True
         for client in list(self._clients):

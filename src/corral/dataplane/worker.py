@@ -295,7 +295,7 @@ class Worker:
 
         async def retire() -> None:
             try:
-                await lb.stop(hand_over=hand_over)
+                await lb.stop(idle_grace=IDLE_GRACE if hand_over else 0.0, hand_over=hand_over)
             finally:
                 self.retiring.remove(entry)
                 self._cursor.pop(id(lb), None)
