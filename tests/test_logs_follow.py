@@ -207,7 +207,7 @@ def test_an_error_after_the_answer_started_drops_the_connection(
     for name in ("controller", "log_path", "log_finished", "has_service"):
         setattr(daemon, name, getattr(fake, name))
     reads = 0
-    read_at = loglines._read_at
+    read_at = loglines.read_at
 
     def fails_second(path: Path, position: int, limit: int) -> bytes:
         nonlocal reads
@@ -216,7 +216,7 @@ def test_an_error_after_the_answer_started_drops_the_connection(
             raise RuntimeError("the disk went away")
         return read_at(path, position, limit)
 
-    monkeypatch.setattr(loglines, "_read_at", fails_second)
+    monkeypatch.setattr(loglines, "read_at", fails_second)
 
     async def main() -> tuple[int, bytes, str]:
         runner = web.AppRunner(api.make_app(daemon, "tok"), access_log=None)

@@ -237,7 +237,7 @@ class LogCursor:
         self.position = position  # in the live log
         # Where reading got to in the live log: a log found shorter was emptied. Not a place
         # past the log's end (a client's offset), which would read as an emptied log at once.
-        self._reached = position if position <= _size(path) else 0
+        self._reached = position if position <= file_size(path) else 0
         self._seen = _bytes_before(path, position)  # the last bytes read, up to _SEEN
         self._mark = rotation_mark(path)
         self._backup: tuple[int, int] | None = None  # (position, end) in .1 while draining it
@@ -261,7 +261,7 @@ class LogCursor:
             chunk = self._drain(limit)
             if chunk:
                 return chunk, False
-        chunk = _read_at(self.path, self.position, limit)
+        chunk = read_at(self.path, self.position, limit)
         now = rotation_mark(self.path)
         try:
             shorter = os.stat(self.path).st_size < self._reached
@@ -273,7 +273,7 @@ class LogCursor:
             self._mark = now
             older = backup_of(self.path)
             held = bool(self._seen) and _bytes_before(older, self.position) == self._seen
-            end = _size(older) if held else 0  # a .1 replaced meanwhile is not read on
+            end = file_size(older) if held else 0  # a .1 replaced meanwhile is not read on
             self._backup = (self.position, end)
             return self.read(limit)
         if chunk:
@@ -289,7 +289,7 @@ class LogCursor:
         assert self._backup is not None
         start, end = self._backup
         chunk = (
-            _read_at(backup_of(self.path), start, min(limit, end - start)) if start < end else b""
+            read_at(backup_of(self.path), start, min(limit, end - start)) if start < end else b""
         )
         if chunk:
             self._backup = (start + len(chunk), end)
@@ -303,7 +303,7 @@ class LogCursor:
         return b"\n" if cut else b""
 
 
-def _read_at(path: Path, position: int, limit: int) -> bytes:
+def read_at(path: Path, position: int, limit: int) -> bytes:
     """Up to ``limit`` bytes of ``path`` from ``position``; b"" past its end or when it is gone
     (never a seek past what the file system allows: EINVAL, found by fuzzing the API)."""
     try:
@@ -328,7 +328,8 @@ def _bytes_before(path: Path, position: int) -> bytes:
     return data if len(data) == position - start else b""
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """``path``'s size, 0 when it cannot be read (gone, not there yet)."""
     try:
         return os.stat(path).st_size
     except OSError:

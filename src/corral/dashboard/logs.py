@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
@@ -53,26 +52,13 @@ def _balancer_start(home: Path) -> dict[Path, int]:
     return {p: loglines.tail_offset(p, BALANCER_TAIL_LINES) for p in loglines.worker_logs(home)}
 
 
-def _size(path: Path) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
-
-
-def _read(path: Path, position: int, limit: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            f.seek(position)
-            return f.read(limit)
-    except OSError:
-        return b""
-
-
 def _before(path: Path, end: int) -> bytes:
     """The last TAIL_BYTES before ``end``, from the start of a line."""
     start = max(0, end - TAIL_BYTES)
-    data = _read(path, start, end - start)
+    try:
+        data = loglines.read_at(path, start, end - start)
+    except OSError:
+        return b""
     if start > 0:
         data = data[data.find(b"\n") + 1 :]
     return data
@@ -84,7 +70,7 @@ class Tail:
     def __init__(self, path: Path, closed: asyncio.Event) -> None:
         self.path = path
         self.closed = closed
-        self.position = _size(path)
+        self.position = loglines.file_size(path)
         self.listeners: set[asyncio.Queue[bytes | None]] = set()
         self.task: asyncio.Task[None] | None = None
 
