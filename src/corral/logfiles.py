@@ -71,6 +71,11 @@ def backup_of(path: Path) -> Path:
     return path.with_name(path.name + ".1")
 
 
+def backup_tmp_of(path: Path) -> Path:
+    """Where :func:`rotate_if_over` copies ``path`` before it becomes :func:`backup_of`."""
+    return path.with_name(path.name + ".1.tmp")
+
+
 def rotate_if_over(path: Path, max_bytes: int) -> Rotation | None:
     """Copy ``path`` to ``<path>.1`` and truncate it to 0 when it is larger than ``max_bytes``.
 
@@ -87,7 +92,7 @@ def rotate_if_over(path: Path, max_bytes: int) -> Rotation | None:
     except FileNotFoundError:
         return None
     backup = backup_of(path)
-    tmp = path.with_name(path.name + ".1.tmp")
+    tmp = backup_tmp_of(path)
     with src:
         limit = os.fstat(src.fileno()).st_size + max_bytes
         kept = 0

@@ -10,11 +10,12 @@ service (``balancer NAME ...``, ``service NAME: ...``), from every worker.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from corral.logfiles import backup_of, rotation_mark
+from corral.logfiles import backup_of, backup_tmp_of, rotation_mark
 
 _BLOCK = 1 << 16
 _READ_BLOCK = 1 << 20
@@ -217,6 +218,8 @@ def last_line(path: Path, limit: int = 300) -> str:
 
 # How many of the last bytes read a cursor keeps, to recognize its generation in ``.1``.
 _SEEN = 256
+# How long a rotation's copy (``<log>.1.tmp``) may take to be put in place as ``.1``.
+_ROTATING_SECONDS = 10.0
 
 
 class LogCursor:
@@ -267,6 +270,8 @@ class LogCursor:
             shorter = os.stat(self.path).st_size < self._reached
         except OSError:
             shorter = False
+        if now == self._mark and shorter and _rotating(self.path):
+            return b"", False  # emptied, its .1 not in place yet: the rest of it is read from there
         if now != self._mark or shorter:
             # A chunk read across the rotation may belong to either generation: dropped, and
             # read again from .1 when it was the old one.
@@ -291,6 +296,8 @@ class LogCursor:
         chunk = (
             read_at(backup_of(self.path), start, min(limit, end - start)) if start < end else b""
         )
+        if chunk and rotation_mark(self.path) != self._mark:
+            chunk = b""  # rotated again: that .1 is a later generation, not the rest of this one
         if chunk:
             self._backup = (start + len(chunk), end)
             self._seen = (self._seen + chunk[-_SEEN:])[-_SEEN:]
@@ -314,6 +321,15 @@ def read_at(path: Path, position: int, limit: int) -> bytes:
             return f.read(limit)
     except FileNotFoundError:
         return b""
+
+
+def _rotating(path: Path) -> bool:
+    """Whether ``corral.logfiles`` is between emptying ``path`` and putting its copy in place
+    as ``.1`` (a copy made in the last seconds: one left by a crash is not waited for)."""
+    try:
+        return time.time() - os.stat(backup_tmp_of(path)).st_mtime < _ROTATING_SECONDS
+    except OSError:
+        return False
 
 
 def _bytes_before(path: Path, position: int) -> bytes:

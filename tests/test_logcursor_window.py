@@ -1,0 +1,50 @@
+"""loglines.LogCursor read in the instant a rotation has emptied the log but not yet put its
+copy in place as ``.1`` (corral.logfiles.rotate_if_over: truncate, then rename): the follower
+must still send what it had not read of the old content, once, and the new content once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from corral import logfiles, loglines
+
+
+def test_a_read_between_truncate_and_rename_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "replica-1.log"
+    old = b"".join(b"old line %04d\n" % i for i in range(100))
+    log.write_bytes(old)
+    cursor = loglines.LogCursor(log, 0)
+    out = [cursor.read(100)[0]]
+    real_replace = os.replace
+
+    def replace(src: Path, dst: Path) -> None:
+        out.append(cursor.read(100)[0])  # the log is empty, its .1 not there yet
+        with open(log, "ab") as f:
+            f.write(b"new line\n")
+        out.append(cursor.read(100)[0])
+        real_replace(src, dst)
+
+    monkeypatch.setattr(logfiles.os, "replace", replace)
+    assert logfiles.rotate_if_over(log, 10) is not None
+    monkeypatch.setattr(logfiles.os, "replace", real_replace)
+    while chunk := cursor.read(100)[0]:
+        out.append(chunk)
+    assert b"".join(out) == old + b"new line\n"
+
+
+def test_a_copy_left_by_a_crash_is_not_waited_for(tmp_path: Path) -> None:
+    log = tmp_path / "replica-1.log"
+    log.write_bytes(b"a line\n" * 10)
+    cursor = loglines.LogCursor(log, 0)
+    assert cursor.read()[0] == b"a line\n" * 10
+    stale = logfiles.backup_tmp_of(log)
+    stale.write_bytes(b"half a copy")
+    os.utime(stale, (1, 1))
+    log.write_bytes(b"")  # emptied some other way
+    log.write_bytes(b"fresh\n")
+    assert cursor.read() == (b"fresh\n", True)
