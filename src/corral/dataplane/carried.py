@@ -22,9 +22,9 @@ import contextlib
 import json
 import os
 from collections import defaultdict
-from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from corral.balancer.metrics import counters_only, merge_stats
 
@@ -37,13 +37,34 @@ class Carried:
     whose channel dropped and that reconnects, alive and still counting from where it was,
     takes its part back instead of being counted twice (:meth:`back`)."""
 
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(
+        self, path: Path | None = None, alive: Callable[[list[Any]], bool] | None = None
+    ) -> None:
         self._by: dict[str, dict[str, dict[str, Any]]] = {}
         # service -> replica -> live worker -> its last counts of the replica (see _left)
         self._last: dict[str, dict[str, dict[str, Mapping[str, Any]]]] = {}
         self._path = path
+        self._alive = alive  # whether a worker ([pid, created]) still runs: _merge_the_dead
+        self._batch: bool | None = None  # in gone(): None, else whether a save was put off
         if path is not None:
             self._by = _load(path)
+            self._merge_the_dead()
+
+    def _runs(self, source: Any) -> bool:
+        """Whether the worker ``source`` (its ``[pid, created]``) still runs."""
+        return isinstance(source, list) and self._alive is not None and self._alive(source)
+
+    def _merge_the_dead(self) -> None:
+        """One part per service for every worker that no longer runs: only a live worker can
+        take its part back (:meth:`back`), so the dead need not be told apart, and what is kept
+        (in memory and in the file) grows with the live workers, not with every worker ever
+        replaced. Without ``alive`` (a worker's own retired balancers), nothing is merged."""
+        if self._alive is None:
+            return
+        for parts in self._by.values():
+            dead = [k for k in parts if k != _DEAD and not self._runs(json.loads(k))]
+            if dead:
+                parts[_DEAD] = merge_stats([parts.get(_DEAD, {}), *(parts.pop(k) for k in dead)])
 
     def add(self, name: str, stats: Mapping[str, Any], source: Hashable = None) -> None:
         parts = self._by.setdefault(name, {})
@@ -54,6 +75,9 @@ class Carried:
     def _save(self) -> None:
         """The whole of it to ``path`` (a new file, renamed over the old one), if any."""
         if self._path is None:
+            return
+        if self._batch is not None:  # once, at the end of gone(), not once per service
+            self._batch = True
             return
         with contextlib.suppress(OSError):
             self._path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,11 +97,18 @@ class Carried:
         (a service no longer among them drops what was kept of it). ``source`` replaces what
         was kept of that worker before (its reports are cumulative)."""
         keep = set(names)
-        self.back(source)
-        for name, report in reports.items():
-            if name in keep and report.get("stats"):
-                self.add(name, report["stats"], source)
-        self.keep_only(keep)
+        self._batch = False
+        try:
+            self.back(source)
+            for name, report in reports.items():
+                if name in keep and report.get("stats"):
+                    self.add(name, report["stats"], source)
+            self.keep_only(keep)
+            self._merge_the_dead()
+        finally:
+            changed, self._batch = self._batch, None
+        if changed:
+            self._save()
 
     def back(self, source: Hashable) -> None:
         """``source`` reports again (a worker that reconnected): its counts are in its own
@@ -175,6 +206,11 @@ class Carried:
                 elif rid not in (by_worker[source].get("replicas") or {}):
                     left.append(counters_only({"replicas": {rid: seen[rid][source]}}))
         return left
+
+
+# The key of what the workers that no longer run counted, merged (never a source's own key:
+# sources are a worker's ``[pid, created]`` or None).
+_DEAD: Final = json.dumps("gone")
 
 
 def _key(source: Hashable) -> str:

@@ -92,7 +92,9 @@ class DataPlane:
         self.respawn = respawn
         self._env = dict(env if env is not None else os.environ)
         self.routes: dict[str, ServiceRoute] = {}
-        self._carried = Carried(home / "dataplane" / "carried.json")  # of gone workers
+        self._carried = Carried(  # of gone workers; those that no longer run, merged
+            home / "dataplane" / "carried.json", alive=lambda s: find_process(*s) is not None
+        )
         self.slots = SlotBook(store)
         self.ports = PortWatch()
         self._conns: dict[int, _Conn] = {}  # by pid
