@@ -278,6 +278,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
             if now >= idle_until:  # idle ``idle_grace``, since the stop or since its last answer
                 for client in list(self._clients):
                     client.close_if_idle(now - idle_grace)
+                idle_until = now + 0.25  # not every client every 20 ms for the whole drain
             await asyncio.sleep(0.02)
         self._stopped = True
         for client in list(self._clients):
