@@ -59,3 +59,12 @@ def test_workers_that_no_longer_run_are_kept_as_one_part(tmp_path: Path) -> None
     again = carried.Carried(path, alive=lambda source: False)
     assert len(again._by["svc"]) == 1
     assert sum(part["requests"] for part in again.of("svc")) == sum(range(2, 21))
+
+
+def test_a_file_corral_did_not_write_is_no_crash(tmp_path: Path) -> None:
+    """The daemon reads carried.json at its start: a key or a part of another shape (a file
+    edited by hand, or made by something else) leaves the sums to the live workers, as before
+    the file was kept, instead of stopping the daemon."""
+    path = tmp_path / "carried.json"
+    path.write_text('{"svc": {"not json": {"requests": 3}}}')
+    assert carried.Carried(path, alive=lambda source: False).of("svc") == []

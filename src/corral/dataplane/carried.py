@@ -47,8 +47,11 @@ class Carried:
         self._alive = alive  # whether a worker ([pid, created]) still runs: _merge_the_dead
         self._batch: bool | None = None  # in gone(): None, else whether a save was put off
         if path is not None:
-            self._by = _load(path)
-            self._merge_the_dead()
+            try:
+                self._by = _load(path)
+                self._merge_the_dead()
+            except (ValueError, TypeError, KeyError):  # not what corral wrote: start from none
+                self._by = {}
 
     def _runs(self, source: Any) -> bool:
         """Whether the worker ``source`` (its ``[pid, created]``) still runs."""
