@@ -378,3 +378,31 @@ def test_the_dashboard_crosses_a_rotation_as_logs_follow_does(tmp_path: Path) ->
     numbers = [int(n) for n in re.findall(r"^line (\d+) x+$", text, re.M)]
     assert numbers == list(range(500)), "lines lost, repeated or out of order"
     assert events.count("rotated") == 1, events
+
+
+def test_a_tab_sees_a_log_emptied_before_its_tail_task_first_ran(tmp_path: Path) -> None:
+    """The dashboard's tail made its cursor when its task first ran: a log emptied between a
+    tab's join and that moment looked like a log that had always been that short, and the tab
+    never heard of the rotation nor of anything written after it (seen once in CI)."""
+    log = tmp_path / "replica_1.log"
+    log.write_bytes(b"before\n" * 10)
+
+    async def follow() -> list[bytes]:
+        closed = asyncio.Event()
+        tail = Tail(log, closed)
+        queue, _ = tail.join()  # its task is created, not yet run
+        log.write_bytes(b"")  # emptied in place, as the size cap does
+        log.write_bytes(b"after\n")
+        frames = []
+        try:
+            while not any(b"after" in frame for frame in frames):
+                frame = await asyncio.wait_for(queue.get(), 5)
+                assert frame is not None
+                frames.append(frame)
+        finally:
+            closed.set()
+            tail.leave(queue)
+        return frames
+
+    frames = asyncio.run(follow())
+    assert frames[0].startswith(b"event: rotated"), frames

@@ -71,6 +71,9 @@ class Tail:
         self.path = path
         self.closed = closed
         self.position = loglines.file_size(path)
+        # Made now, not when the task first runs: a log emptied in between would otherwise
+        # look like a log that was always this short, and the rotation would go unseen.
+        self._cursor = loglines.LogCursor(path, self.position)
         self.listeners: set[asyncio.Queue[bytes | None]] = set()
         self.task: asyncio.Task[None] | None = None
 
@@ -103,7 +106,7 @@ class Tail:
 
     async def _run(self) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        cursor = await asyncio.to_thread(loglines.LogCursor, self.path, self.position)
+        cursor = self._cursor
         while not self.closed.is_set():
             if cursor.moved():  # two stats on the loop; a read only when there is news
                 chunk, fresh = await asyncio.to_thread(cursor.read, CHUNK_BYTES)
