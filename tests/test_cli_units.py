@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from corral import cliview
+from corral.cli_wait import failed_text
 from corral.home import home_problem
 from corral.loglines import (
     balancer_lines,
@@ -301,3 +302,24 @@ def test_a_large_machines_memory_is_written_out_in_daemon_status() -> None:
     info = {"pid": 1, "inventory": {"source": "nvml", "cpus": 96, "memory": 2100 * 1024**3}}
     text = " ".join(value for _, value in daemon_rows(info, 0.0))
     assert "96 CPUs, 2100 GiB, 0 GPUs" in text and "e+" not in text, text
+
+
+def test_up_names_the_balancer_error_of_a_controller_failed_service() -> None:
+    """A service whose workers cannot listen on its port is CONTROLLER_FAILED with no failure
+    of its own: `corral up` said "is CONTROLLER_FAILED: " and nothing after it."""
+    service = {
+        "status": "CONTROLLER_FAILED",
+        "failure": None,
+        "balancer_errors": ["worker 0: cannot listen on 127.0.0.1:4000: address in use"],
+        "replicas": [{"id": 1, "status": "READY", "failure": None}],
+    }
+    text = failed_text("svc", service)
+    assert text == (
+        "service svc is CONTROLLER_FAILED: "
+        "worker 0: cannot listen on 127.0.0.1:4000: address in use"
+    )
+    failed = {**service, "status": "FAILED", "failure": "no replica became READY"}
+    failed["replicas"] = [{"id": 3, "status": "FAILED_PROVISION", "failure": "x"}]
+    assert failed_text("svc", failed) == (
+        "service svc is FAILED: no replica became READY; see `corral logs svc 3 --launch`"
+    )

@@ -1,11 +1,15 @@
-"""Ports handed out for replicas and services: never the same one twice from one daemon."""
+"""Ports handed out for replicas and services: never the same one twice from one daemon, and a
+service's port kept from everyone but its workers until they listen on it."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
-from corral.ports import free_port
+import pytest
+
+from corral.ports import free_port, reserved_port
 
 
 def kernel_pick() -> int:
@@ -29,3 +33,28 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
     assert len(set(picks)) == len(picks)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", picks[-1]))  # and each was free when handed out
+
+
+def test_a_reserved_port_admits_the_workers_and_no_other_bind() -> None:
+    """A service's port between its pick and its workers' listen: an app binding it (as a
+    replica of another home does, its port picked by bind(0) a moment before) is refused on
+    the loopback address and on the wildcard; balancer workers (SO_REUSEPORT, this user) join
+    and take every connection, also once the reservation ends."""
+    with contextlib.ExitStack() as stack:
+        with reserved_port() as port:
+            for address in ("127.0.0.1", "0.0.0.0"):
+                app = stack.enter_context(socket.socket())
+                app.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                with pytest.raises(OSError):
+                    app.bind((address, port))
+            worker = stack.enter_context(socket.socket())
+            worker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            worker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            worker.bind(("127.0.0.1", port))
+            worker.listen()
+            worker.settimeout(5)
+            for _ in range(8):  # none lands on the reservation, which does not listen
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    worker.accept()[0].close()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            worker.accept()[0].close()

@@ -122,14 +122,22 @@ def wait_ready(client: Client, name: str, timeout: float | None) -> None:
             )
             return
         if status in FAILED_SERVICE:
-            failed = [r for r in service["replicas"] if r.get("failure")]
-            hint = ""
-            if failed and "corral logs" not in (service.get("failure") or ""):
-                # The app's own output tells why it exited; the launch log, why it never started.
-                last = failed[-1]
-                launch = " --launch" if last["status"] == "FAILED_PROVISION" else ""
-                hint = f"; see `corral logs {name} {last['id']}{launch}`"
-            _fail(f"service {name} is {status}: {service.get('failure') or ''}{hint}")
+            _fail(failed_text(name, service))
+
+
+def failed_text(name: str, service: dict[str, Any]) -> str:
+    """Why ``corral up`` gave up on a failed service, from its API view."""
+    failed = [r for r in service["replicas"] if r.get("failure")]
+    hint = ""
+    if failed and "corral logs" not in (service.get("failure") or ""):
+        # The app's own output tells why it exited; the launch log, why it never started.
+        last = failed[-1]
+        launch = " --launch" if last["status"] == "FAILED_PROVISION" else ""
+        hint = f"; see `corral logs {name} {last['id']}{launch}`"
+    # A controller that runs while its workers cannot serve its port has no failure of its
+    # own: what the workers said is the reason (it was an empty one).
+    reason = service.get("failure") or "; ".join(service.get("balancer_errors") or ())
+    return f"service {name} is {service['status']}: {reason}{hint}"
 
 
 class _Swaps:

@@ -49,7 +49,7 @@ from corral.errors import (
     Unrunnable,
     VersionFilesGone,
 )
-from corral.ports import free_port
+from corral.ports import reserved_port
 from corral.spec import (
     ServiceSpec,
     SpecError,
@@ -140,26 +140,24 @@ class Daemon:
             stored = await asyncio.to_thread(
                 parse_spec, stored_text, source=source or "<request>", name=name
             )
-        async with self._deploy_lock(svc_name):
-            if svc_name in self.controllers or self.store.service(svc_name) is not None:
-                self._live_row(svc_name)  # one going away: "shutting down", `update` won't do
-                raise ServiceExists(f"service {svc_name!r} already exists")
-            # The version's files exist before its row does: a replica never finds them missing.
-            await self._prepare(svc_name, 1, spec, base_dir, envs, secrets, source)
-            try:
-                self.store.create_service(
-                    svc_name,
-                    stored_text,
-                    source=source,
-                    base_dir=base_dir,
-                    lb_port=free_port(),
-                )
-            except KeyError:
-                raise ServiceExists(f"service {svc_name!r} already exists") from None
-            await self._fresh_logs(svc_name)
-        controller = await self._start_controller(svc_name, stored)
-        if controller.balancer is not None and not await controller.balancer.wait_serving():
-            log.warning("service %s: not every balancer worker confirmed its port", spec.name)
+        # Held from its pick until the workers listen on it: no other bind can take it.
+        with reserved_port() as lb_port:
+            async with self._deploy_lock(svc_name):
+                if svc_name in self.controllers or self.store.service(svc_name) is not None:
+                    self._live_row(svc_name)  # one going away: "shutting down", `update` won't do
+                    raise ServiceExists(f"service {svc_name!r} already exists")
+                # The version's files exist before its row does: a replica never finds them missing.
+                await self._prepare(svc_name, 1, spec, base_dir, envs, secrets, source)
+                try:
+                    self.store.create_service(
+                        svc_name, stored_text, source=source, base_dir=base_dir, lb_port=lb_port
+                    )
+                except KeyError:
+                    raise ServiceExists(f"service {svc_name!r} already exists") from None
+                await self._fresh_logs(svc_name)
+            controller = await self._start_controller(svc_name, stored)
+            if controller.balancer is not None and not await controller.balancer.wait_serving():
+                log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
 
     async def _fresh_logs(self, name: str) -> None:

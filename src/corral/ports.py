@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Final
 
 import psutil
@@ -32,6 +33,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     bound; the local backend then keeps that process's answers from making a replica READY
     (see ``LocalInfra.endpoint_conflict``) and the replica fails and is replaced, which is
     cheaper than holding a socket open for every port handed out."""
+    with contextlib.closing(_pick(host, reuse_port=False)) as sock:
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A free port that stays taken for as long as the block runs: a socket bound to it (not
+    listening, so it takes no connection) with SO_REUSEPORT alone. The balancer workers, of
+    this user and binding with SO_REUSEPORT, join it; any other bind fails, and the kernel
+    offers it to no ``bind(0)``. A service's port is held so from its pick until its workers
+    listen: without it, a port picked at the same moment by another process (another home's
+    replica, between its pick and its app's bind) was bound first and the new service could
+    not listen on its own endpoint (seen in the suite: CONTROLLER_FAILED at `corral up`)."""
+    with contextlib.closing(_pick(host, reuse_port=True)) as sock:
+        yield int(sock.getsockname()[1])
+
+
+def _pick(host: str, *, reuse_port: bool) -> socket.socket:
+    """A socket bound to a free port of ``host`` that this process did not hand out lately."""
     held: list[socket.socket] = []
     try:
         with _lock:
@@ -46,11 +66,14 @@ def free_port(host: str = "127.0.0.1") -> int:
                 # cannot offer the same one twice.
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 held.append(sock)
+                if reuse_port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 sock.bind((host, 0))
                 port = int(sock.getsockname()[1])
                 if (host, port) not in _handed_out:
                     _handed_out[(host, port)] = now
-                    return port
+                    held.remove(sock)
+                    return sock
             raise OSError(
                 f"no port on {host} that this process did not hand out in the last "
                 f"{HANDED_OUT_SECONDS / 60:g} minutes"
