@@ -1119,18 +1119,23 @@ def test_on_drained_is_called_when_a_removed_replica_drains() -> None:
     run(main())
 
 
-def test_timestamps_after_is_incremental() -> None:
+def test_timestamps_since_is_incremental() -> None:
+    """What a worker reports: each request's time once, from a count of those reported."""
+
     async def main() -> None:
         async with cluster(1) as (lb, _, _), aiohttp.ClientSession() as s:
-            start = time.monotonic()
             for _ in range(3):
                 await get_json(s, lb.url + "/")
-            first = lb.timestamps_after(start)
-            assert len(first) == 3 and first == sorted(first)
-            assert lb.timestamps_after(first[-1]) == []  # strictly after
+            first, seen = lb.timestamps_since(0)
+            assert len(first) == 3 and first == sorted(first) and seen == 3
+            assert lb.timestamps_since(seen) == ([], 3)
             await get_json(s, lb.url + "/")
-            assert len(lb.timestamps_after(first[-1])) == 1
-            assert lb.timestamps_after(first[0]) == lb.request_timestamps(60)[1:]
+            later, seen = lb.timestamps_since(seen)
+            assert len(later) == 1 and later[0] >= first[-1] and seen == 4
+            assert first + later == lb.request_timestamps(60)
+            # Fewer kept than asked for (the deque's cap or horizon): all it keeps.
+            lb._timestamps.popleft()
+            assert lb.timestamps_since(0) == (lb.request_timestamps(60), 4)
 
     run(main())
 

@@ -79,11 +79,19 @@ class Counters:
         start = bisect.bisect_left(self._timestamps, time.monotonic() - window)
         return list(itertools.islice(self._timestamps, start, None))
 
-    def timestamps_after(self, t: float) -> list[float]:
-        """Accepted-request times strictly after ``t``, oldest first: what a worker reports
-        since its last report."""
-        start = bisect.bisect_right(self._timestamps, t)
-        return list(itertools.islice(self._timestamps, start, None))
+    def timestamps_since(self, seen: int) -> tuple[list[float], int]:
+        """The accepted-request times after this balancer's first ``seen`` requests, oldest
+        first, and the count to pass next time: what a worker reports since its last report
+        (0: every time still kept). Taken from the deque's end, in time proportional to what
+        is new: a bisect and a skip from the deque's start cost ~1 ms a report at 30k req/s,
+        ~1% of a worker's CPU (docs/benchmarks.md)."""
+        total = self._requests  # every request counted appends its time (fast.py too)
+        new = min(total - seen, len(self._timestamps))
+        if new <= 0:
+            return [], total
+        out = list(itertools.islice(reversed(self._timestamps), new))
+        out.reverse()
+        return out, total
 
     def qps(self, window: float = 60.0) -> float:
         """Accepted requests per second over the last ``window`` seconds."""

@@ -53,7 +53,6 @@ from corral.dataplane.daemon_restart import start_daemon
 from corral.dataplane.listeners import make_balancer
 from corral.dataplane.locks import claim_respawn, daemon_holds_lock, take_slot
 from corral.dataplane.protocol import (
-    HISTORY_SECONDS,
     MAX_MESSAGE,
     STOPPED_MARKER,
     Route,
@@ -120,7 +119,7 @@ class Worker:
         self.respawn: Mapping[str, Any] | None = None
         self.stop = asyncio.Event()
         self._writer: asyncio.StreamWriter | None = None
-        self._cursor: dict[int, float] = {}  # id(lb) -> last request time reported
+        self._cursor: dict[int, int] = {}  # id(lb) -> its requests reported so far
         self._history = False
         self._soon = asyncio.Event()  # a report is wanted now, not at the next interval
         self._disconnected_since = time.monotonic()
@@ -337,14 +336,10 @@ class Worker:
                 lbs.append(svc.lb)
             times: list[float] = []
             for lb in lbs:
-                got = (
-                    lb.request_timestamps(HISTORY_SECONDS)
-                    if history
-                    else lb.timestamps_after(self._cursor.get(id(lb), 0.0))
-                )
-                if got:
-                    self._cursor[id(lb)] = got[-1]
-                    times.extend(got)
+                # A daemon that asks for history gets all it keeps (TIMESTAMP_HORIZON, 600 s).
+                seen = 0 if history else self._cursor.get(id(lb), 0)
+                got, self._cursor[id(lb)] = lb.timestamps_since(seen)
+                times.extend(got)
             times.sort()
             services[name] = {
                 "stats": self.carried.summed(name, [lb.stats() for lb in lbs]) if lbs else None,
