@@ -71,13 +71,13 @@ Size: one algorithm, SkyServe's counting at every phase, told in full above; its
 rest, and a split would leave each half's rules in the other's docstring.
 """
 
-import bisect
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from corral.arrivals import Arrivals, as_arrivals
 from corral.autoscale_phases import PERIOD, PhaseFamily, PhaseMove, threshold
 from corral.spec import ReplicaPolicy
 
@@ -129,8 +129,9 @@ class Decision:
 class Autoscaler(Protocol):
     """What the controller needs: a target from load, a policy swap, and how often to ask."""
 
-    def decide(self, now: float, request_times: Sequence[float]) -> Decision:
-        """Target for ``now``, given the monotonic timestamps of recent requests (any order)."""
+    def decide(self, now: float, request_times: Sequence[float] | Arrivals) -> Decision:
+        """Target for ``now``, given the monotonic timestamps of recent requests (any order),
+        or their runs (what the data plane reports)."""
         ...
 
     def reset_policy(self, policy: ReplicaPolicy) -> None:
@@ -294,11 +295,10 @@ class _PolicyAutoscaler:
         ) != (policy.min_replicas, policy.max_replicas, policy.target_qps_per_replica):
             self._forget()
 
-    def decide(self, now: float, request_times: Sequence[float]) -> Decision:
+    def decide(self, now: float, request_times: Sequence[float] | Arrivals) -> Decision:
         """See the module docstring; correct whenever called, at whatever interval."""
-        # Callers pass them oldest first (sorting a sorted list is one linear pass in C), so
-        # everything below bisects instead of looping over tens of thousands of requests.
-        times = sorted(request_times)
+        # As runs, everything below bisects and loops over runs, never over each request.
+        times = as_arrivals(request_times)
         qps = self._measure(now, times)
         if self._phases is None:
             self._phases = PhaseFamily(self._target, now)
@@ -307,7 +307,7 @@ class _PolicyAutoscaler:
         finally:
             self._last_now = now
 
-    def _decide(self, now: float, qps: float, request_times: list[float]) -> Decision:
+    def _decide(self, now: float, qps: float, request_times: Arrivals) -> Decision:
         policy = self._policy
         if not policy.autoscaling:
             # min == max here (the spec enforces it when target_qps_per_replica is unset).
@@ -410,7 +410,7 @@ class _PolicyAutoscaler:
         self._seen, self._run, self._due, self._alert = None, None, None, None
 
     def _raws(
-        self, now: float, request_times: list[float], raw_now: int
+        self, now: float, request_times: Arrivals, raw_now: int
     ) -> list[tuple[float, int | None]]:
         """The raw target since the previous decision, piecewise: the one seen then, each
         change the requests date (a request arriving, or leaving the window), and ``now``'s."""
@@ -435,26 +435,26 @@ class _PolicyAutoscaler:
         ratio = qps / tq
         return max(0, math.ceil(ratio - ratio * _CEIL_SLACK))
 
-    def _count_changes(self, now: float, times: list[float]) -> list[tuple[float, int]]:
+    def _count_changes(self, now: float, times: Arrivals) -> list[tuple[float, int]]:
         """(instant, windowed count from it on) at each instant strictly between the previous
         decision and ``now`` where a request arrived or left the window, in order, skipping the
         first window (the meter's span was still growing there, so counts are not rates).
 
-        ``times`` is sorted. A request stamped ``s`` counts from ``s`` to ``s + window``
-        included, as in SkyServe's window; it leaves just after.
+        A request stamped ``s`` counts from ``s`` to ``s + window`` included, as in
+        SkyServe's window; it leaves just after.
         """
         prev, window = self._last_now, self._window
         if prev is None or now <= prev or self._watched_since is None:
             return []
-        count = bisect.bisect_right(times, prev) - bisect.bisect_left(times, prev - window)
+        count = times.count(times.left(prev - window), times.right(prev))
         changes: Counter[float] = Counter()
-        for t in times[bisect.bisect_right(times, prev) : bisect.bisect_left(times, now)]:
-            changes[t] += 1
+        for t, n in times.runs(times.right(prev), times.left(now)):
+            changes[t] += n
         low, high = prev - window, now - window
-        for t in times[bisect.bisect_left(times, low) : bisect.bisect_right(times, high)]:
+        for t, n in times.runs(times.left(low), times.right(high)):
             gone = math.nextafter(t + window, math.inf)
             if prev < gone < now:
-                changes[gone] -= 1
+                changes[gone] -= n
         start = self._watched_since + window
         out: list[tuple[float, int]] = []
         for instant in sorted(changes):
@@ -463,12 +463,11 @@ class _PolicyAutoscaler:
                 out.append((instant, count))
         return out
 
-    def _measure(self, now: float, times: list[float]) -> float:
-        """Requests per second over the last window, or over what has been watched of it
-        (``times`` sorted)."""
-        low = bisect.bisect_right(times, now - self._window)
-        count = bisect.bisect_right(times, now) - low
-        oldest = times[low] if count else now
+    def _measure(self, now: float, times: Arrivals) -> float:
+        """Requests per second over the last window, or over what has been watched of it."""
+        low = times.right(now - self._window)
+        count = times.count(low, times.right(now))
+        oldest = times.times[low] if count else now
         if self._watched_since is None or oldest < self._watched_since:
             self._watched_since = oldest
         floor = min(MIN_QPS_SPAN, self._window)

@@ -47,6 +47,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from corral.arrivals import Arrivals, as_arrivals
 from corral.autoscale import (
     DEFAULT_DECISION_INTERVAL,
     DEFAULT_ZERO_DECISION_INTERVAL,
@@ -144,10 +145,11 @@ class SampledAutoscaler:
         """The replicas the load asks for (before clipping) and what it is, in words."""
         raise NotImplementedError
 
-    def decide(self, now: float, request_times: Sequence[float]) -> Decision:
+    def decide(self, now: float, request_times: Sequence[float] | Arrivals) -> Decision:
         policy = self._policy
-        recent = [t for t in request_times if now - self._window < t <= now]
-        qps = len(recent) / self._window
+        times = as_arrivals(request_times)
+        recent = times.count(times.right(now - self._window), times.right(now))
+        qps = recent / self._window
         wanted, load = self._wanted(qps)
         raw = max(policy.min_replicas, min(policy.max_replicas, wanted))
         if recent:

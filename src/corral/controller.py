@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from corral import capture, fallback, plan
+from corral.arrivals import Arrivals
 from corral.autoscale import Autoscaler, Decision
 from corral.autoscale_queue import SampledAutoscaler, fits, make_scaler
 from corral.dataplane.plane import ServiceRoute
@@ -350,7 +351,7 @@ class ServiceController:
         if self._decision is None or now >= self._next_decision:
             # The window plus the time since the last decision: a crossing seen now is dated.
             lookback = self._autoscaler.lookback(now)
-            times = self.balancer.request_timestamps(lookback) if self.balancer else []
+            times = self.balancer.arrivals(lookback) if self.balancer else Arrivals()
             previous = self._decision
             if isinstance(self._autoscaler, SampledAutoscaler):
                 stats = self.balancer.stats() if self.balancer else None

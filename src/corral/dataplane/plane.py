@@ -5,7 +5,7 @@ ones a previous daemon left (by pid and creation time, recorded in SQLite, so a 
 starts a second set), restarts a worker that died, pushes the routing table to every worker the
 moment it changes, and keeps what the workers report. :class:`ServiceRoute` is one service's view
 of all that, with the methods the controller used on an in-process balancer (``set_ready``,
-``wait_drained``, ``request_timestamps``), so the controller does not know where traffic runs.
+``wait_drained``, ``arrivals``), so the controller does not know where traffic runs.
 
 Nothing is pushed before :meth:`DataPlane.open`: a restarted daemon first lets its controllers
 re-adopt their replicas, and until then the workers keep serving the table they had (a route
@@ -40,7 +40,7 @@ from corral.dataplane.protocol import (
     note_respawn,
     socket_path,
 )
-from corral.dataplane.route import ServiceRoute, recent_times
+from corral.dataplane.route import Arrivals, ServiceRoute, recent_arrivals
 from corral.dataplane.shared_ports import PortWatch
 from corral.dataplane.slots import SlotBook
 from corral.procfs import running as _running
@@ -478,8 +478,8 @@ class DataPlane:
                 return False
         return True
 
-    def request_times(self, name: str, window: float) -> list[float]:
-        return recent_times(self._times.get(name), window)
+    def arrivals(self, name: str, window: float) -> Arrivals:
+        return recent_arrivals(self._times.get(name), window)
 
     def stats(self, only: str | None = None) -> dict[str, dict[str, Any]]:
         """Every service's counters (or ``only`` that one's), summed over its workers, those

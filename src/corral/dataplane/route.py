@@ -1,7 +1,7 @@
 """One service's view of the data plane, with the methods the controller calls.
 
 :class:`ServiceRoute` is what the controller holds instead of an in-process balancer
-(``set_ready``, ``wait_drained``, ``request_timestamps``): it does not know where traffic runs.
+(``set_ready``, ``wait_drained``, ``arrivals``): it does not know where traffic runs.
 Kept apart from :mod:`corral.dataplane.plane` (which re-exports it), the daemon-side machinery
 it asks.
 """
@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from corral.arrivals import Arrivals as Arrivals  # re-exported for the plane
 from corral.dataplane.protocol import HISTORY_SECONDS, TIME_BUCKET, Route
 
 if TYPE_CHECKING:
@@ -89,8 +90,9 @@ class ServiceRoute:
         self._left.pop(replica_id, None)
         return True
 
-    def request_timestamps(self, window: float = 60.0) -> list[float]:
-        return self._plane.request_times(self.name, window)
+    def arrivals(self, window: float = 60.0) -> Arrivals:
+        """The service's requests of the last ``window`` seconds, as the autoscaler reads them."""
+        return self._plane.arrivals(self.name, window)
 
     def stats(self) -> dict[str, Any] | None:
         """This service's balancer counters and engine reports, or None before any report."""
@@ -114,17 +116,17 @@ class ServiceRoute:
         return await self._plane.wait_until(lambda: self._plane.applied(seq), timeout)
 
 
-def recent_times(times: dict[int, int] | None, window: float) -> list[float]:
-    """The request times of the last ``window`` seconds from a service's counts per time
-    bucket (as the workers report them), dropping buckets older than anyone asks for."""
+def recent_arrivals(times: dict[int, int] | None, window: float) -> Arrivals:
+    """The requests of the last ``window`` seconds from a service's counts per time bucket (as
+    the workers report them), each bucket a run at its middle, dropping buckets older than
+    anyone asks for."""
     if not times:
-        return []
+        return Arrivals()
     now = time.monotonic()
     horizon = int((now - HISTORY_SECONDS) / TIME_BUCKET)
     for bucket in [b for b in times if b < horizon]:
         del times[bucket]
     first = int((now - window) / TIME_BUCKET)
-    out: list[float] = []
-    for bucket in sorted(b for b in times if b >= first):
-        out.extend([(bucket + 0.5) * TIME_BUCKET] * times[bucket])
-    return out
+    return Arrivals(
+        ((bucket + 0.5) * TIME_BUCKET, times[bucket]) for bucket in sorted(times) if bucket >= first
+    )
