@@ -4,12 +4,19 @@ service's port kept from everyone but its workers until they listen on it."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from corral.ports import free_port, reserved_port
+from corral.ports import (
+    _diag_listening,
+    _proc_listening,
+    free_port,
+    listening_on,
+    reserved_port,
+)
 
 
 def kernel_pick() -> int:
@@ -58,3 +65,28 @@ def test_a_reserved_port_admits_the_workers_and_no_other_bind() -> None:
                     worker.accept()[0].close()
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             worker.accept()[0].close()
+
+
+def test_listeners_from_the_kernel_s_diagnostics_match_proc_net_tcp() -> None:
+    """The port check asks netlink for listeners only (proc net tcp writes out every socket of
+    the namespace, TIME_WAIT ones included); both tell the same listeners, with their inodes,
+    on IPv4 and IPv6, loopback and wildcard, and nothing that does not listen."""
+    with contextlib.ExitStack() as stack:
+        inodes: dict[int, tuple[str, int]] = {}
+        for family, address in (
+            (socket.AF_INET, "127.0.0.1"),
+            (socket.AF_INET, "0.0.0.0"),
+            (socket.AF_INET6, "::1"),
+            (socket.AF_INET6, "::"),
+        ):
+            sock = stack.enter_context(socket.socket(family))
+            sock.bind((address, 0))
+            sock.listen()
+            inodes[sock.getsockname()[1]] = (address, os.fstat(sock.fileno()).st_ino)
+        quiet = stack.enter_context(socket.socket())
+        quiet.bind(("127.0.0.1", 0))  # bound, not listening
+        client = stack.enter_context(socket.create_connection(("127.0.0.1", next(iter(inodes)))))
+        asked = {*inodes, quiet.getsockname()[1], client.getsockname()[1]}
+        from_diag = _diag_listening(asked)
+        assert from_diag == {port: [entry] for port, entry in inodes.items()}
+        assert from_diag == _proc_listening(asked) == listening_on(asked)

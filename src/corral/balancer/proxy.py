@@ -331,8 +331,8 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         return self._port
 
     def listener_inodes(self) -> list[int]:
-        """The inodes of its listening sockets: how the daemon tells, from /proc/net/tcp alone,
-        a listener of this home from another process's on the same port."""
+        """The inodes of its listening sockets: how the daemon tells, from the kernel's socket
+        table alone, a listener of this home from another process's on the same port."""
         inodes = []
         for listener in getattr(self._server, "sockets", ()):
             with contextlib.suppress(OSError):

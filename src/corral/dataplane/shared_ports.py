@@ -6,7 +6,7 @@ for it. So a program that bound a service's port while no corral process ran wou
 all of the service's traffic, with the service still READY. The workers bind the address
 clients use (the endpoint's, ``127.0.0.1`` by default), which a more specific bind cannot
 shadow, and the daemon compares, every ``PORT_CHECK_INTERVAL``, the sockets listening on each
-service's port (``/proc/net/tcp``, no descriptor of anyone's needed) with the socket inodes its
+service's port (``ports.listening_on``, no descriptor of anyone's needed) with the socket inodes its
 workers report holding. A listener that is not one of theirs, seen twice in a row (a worker
 just started has not reported its own yet), is the service's problem: in ``balancer_errors``,
 an event, the dashboard, and the service is not READY until it goes.
