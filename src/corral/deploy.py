@@ -23,6 +23,7 @@ from corral.spec import (
     SpecIssue,
     missing_values,
     path_issues,
+    tls_paths,
 )
 from corral.versionfiles import (
     VersionFiles,
@@ -117,18 +118,8 @@ def prepare(
         secrets={**spec.secrets, **secrets},
         mounts=mounts,
         spec_file=_inside(Path(base_dir or "/", source), workdir) if source else None,
-        tls=tls_files(spec, base_dir),
+        tls=tls_paths(spec, base_dir),
     )
-
-
-def tls_files(spec: ServiceSpec, base_dir: str | None) -> tuple[Path, Path] | None:
-    """The service's (certificate, key) files, relative paths taken from ``base_dir`` (the
-    directory the CLI ran in, as ``workdir`` is: SkyPilot's rule), or None without TLS."""
-    tls = spec.service.tls
-    if tls is None:
-        return None
-    cert, key = (Path(value).expanduser() for value in (tls.certfile, tls.keyfile))
-    return Path(base_dir or "/", cert), Path(base_dir or "/", key)
 
 
 def _inside(file: Path, workdir: Path | None) -> str | None:

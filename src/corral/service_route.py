@@ -12,7 +12,7 @@ from typing import Any
 
 from corral.dataplane.protocol import Route
 from corral.infra.local_rules import fixed_port
-from corral.spec import ServiceSpec
+from corral.spec import ServiceSpec, tls_paths
 
 
 def route_of(
@@ -28,17 +28,9 @@ def route_of(
     ones taken from the directory the CLI ran in (``base_dir``), as ``workdir`` is (SkyPilot's
     rule): the workers run elsewhere, and the path must mean the same file to them."""
     lb = spec.service.load_balancer
-    tls = spec.service.tls
-
-    def path(value: str) -> str:
-        file = Path(value).expanduser()
-        if not file.is_absolute() and base_dir:
-            file = Path(base_dir) / file
-        return str(file)
-
-    cert = path(tls.certfile) if tls is not None else None
-    key = path(tls.keyfile) if tls is not None else None
-    if tls is not None and tls_copy is not None:
+    files = tls_paths(spec, base_dir)
+    cert, key = (str(files[0]), str(files[1])) if files is not None else (None, None)
+    if files is not None and tls_copy is not None:
         cert, key = tls_copy
     return Route(
         port=port,

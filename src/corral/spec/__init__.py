@@ -59,6 +59,7 @@ from corral.spec.checks import (
     missing_values,
     path_issues,
     redact_secrets,
+    tls_paths,
     validate_name,
 )
 from corral.spec.errors import SpecError, SpecIssue
@@ -135,6 +136,7 @@ __all__ = [
     "qps_of_accelerator",
     "redact_secrets",
     "sorted_issues",
+    "tls_paths",
     "validate_name",
     "value_flag",
 ]

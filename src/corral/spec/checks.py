@@ -95,17 +95,30 @@ def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spe
     return issues
 
 
+def tls_paths(
+    spec: ServiceSpec, base_dir: str | os.PathLike[str] | None
+) -> tuple[Path, Path] | None:
+    """The service's (certificate, key) files, or None without TLS: ``~`` expanded, a relative
+    path taken from ``base_dir`` (the directory the CLI ran in, as ``workdir`` is: SkyPilot's
+    rule; ``/`` when it is not known). The one rule for ``validate``, the version's copies and
+    the balancer's route."""
+    tls = spec.service.tls
+    if tls is None:
+        return None
+    cert, key = (Path(base_dir or "/", Path(v).expanduser()) for v in (tls.certfile, tls.keyfile))
+    return cert, key
+
+
 def tls_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[SpecIssue]:
     """``service.tls.keyfile``/``certfile`` that are not readable files. The balancer loads
     them only once the service exists, so a missing one would fail the whole service
     (CONTROLLER_FAILED, a bare FileNotFoundError) instead of being refused here."""
-    tls = spec.service.tls
-    if tls is None:
+    files = tls_paths(spec, base_dir)
+    if files is None:
         return []
     issues = []
     readable = []
-    for field, value in (("keyfile", tls.keyfile), ("certfile", tls.certfile)):
-        where = Path(base_dir, Path(value).expanduser())
+    for field, where in (("keyfile", files[1]), ("certfile", files[0])):
         if where.is_file() and os.access(where, os.R_OK):
             readable.append(where)
             continue
