@@ -29,6 +29,7 @@ when missing, as bench/balancer.py does).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -107,9 +108,31 @@ def start_service(name: str, src: Path | None, workers: int, started: list[Servi
 
 
 def stop_service(svc: Service) -> None:
-    svc.cli("down", "--all", "-y", check=False)
-    svc.cli("daemon", "stop", "--all", check=False)
+    """Down, stop the daemon and workers, remove the home: whatever fails (a command timing
+    out), every process of the home left is stopped by pid, never orphaned in a removed home."""
+    procs: list[psutil.Process] = []
+    for pid in [pid for pid in (svc.daemon, *svc.workers) if pid > 0]:  # 0: not known
+        with contextlib.suppress(psutil.Error, ValueError):
+            proc = psutil.Process(pid)
+            procs += [proc, *proc.children(recursive=True)]  # the daemon's: its replicas
+    for args in (("down", "--all", "-y"), ("daemon", "stop", "--all")):
+        try:
+            svc.cli(*args, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            print(f"{svc.name}: corral {' '.join(args)}: {exc}", file=sys.stderr)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running():  # the same process (its start time), not a reused pid
+                stop_pid(proc.pid)
     shutil.rmtree(svc.home, ignore_errors=True)
+
+
+def quietly(step: Any, *args: Any) -> None:
+    """One cleanup step; a failure is told and the next step still runs."""
+    try:
+        step(*args)
+    except Exception as exc:  # whatever one step raised, the next runs
+        print(f"cleanup: {exc!r}", file=sys.stderr)
 
 
 @dataclass
@@ -223,7 +246,8 @@ def main() -> int:
     nginx = None
     scratch = Path(tempfile.mkdtemp(prefix="corral-bsvc-nginx-"))
     try:
-        trees: list[tuple[str, Path | None]] = [("corral", None)]
+        # This tree by PYTHONPATH too: run from a clone, the venv's corral may be another's.
+        trees: list[tuple[str, Path | None]] = [("corral", ROOT / "src")]
         trees += [(item.partition("=")[0], Path(item.partition("=")[2])) for item in args.compare]
         for name, src in trees:
             start_service(f"{name} service", src, n, services)
@@ -233,7 +257,11 @@ def main() -> int:
         bare_port = None if n == 1 else str(free_port())
         for i in range(n):
             extra = [] if bare_port is None else ["--port", bare_port, "--reuse-port"]
-            procs.append(start_python(f"bare#{i}", [str(HERE / "_lb_proxy.py"), *replicas, *extra]))
+            procs.append(
+                start_python(
+                    f"bare#{i}", [str(HERE / "_lb_proxy.py"), *replicas, *extra], src=ROOT / "src"
+                )
+            )
         targets = [
             Target("nginx", nginx.port, [nginx.popen.pid]),
             Target("corral bare", procs[0].port, [p.popen.pid for p in procs]),
@@ -247,11 +275,11 @@ def main() -> int:
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
         for proc in procs:
-            stop_pid(proc.popen.pid, proc.popen)
+            quietly(stop_pid, proc.popen.pid, proc.popen)
         if nginx is not None:
-            nginx.stop()
+            quietly(nginx.stop)
         for svc in services:
-            stop_service(svc)
+            quietly(stop_service, svc)
         shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(runs, [t.name for t in targets])
     print(table(summary, args.rounds, args.path))

@@ -206,7 +206,14 @@ def _diag_answers(
     at = 0
     while at + _HEADER.size <= len(data):
         length, kind = _HEADER.unpack_from(data, at)[:2]
-        if kind == _NLMSG_DONE:
+        if kind == _NLMSG_DONE:  # its payload: 0, or the error that cut the dump short
+            if (
+                int.from_bytes(
+                    data[at + _HEADER.size : at + _HEADER.size + 4], sys.byteorder, signed=True
+                )
+                < 0
+            ):
+                raise OSError("socket diagnostics ended the dump with an error")
             return True
         if kind == _NLMSG_ERROR or length < _HEADER.size:
             raise OSError("socket diagnostics refused the request")

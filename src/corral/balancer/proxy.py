@@ -4,7 +4,7 @@ The process hosting it (a balancer worker, several per service on one port with
 ``reuse_port=True``) tells it which replicas are ready by calling :meth:`LoadBalancer.set_ready`,
 so a replica that stops being ready gets no new request from the very next one, and reads load
 back through :meth:`LoadBalancer.in_flight`, :meth:`LoadBalancer.wait_drained`,
-:meth:`LoadBalancer.timestamps_after` and :meth:`LoadBalancer.stats`.
+:meth:`LoadBalancer.timestamps_since` and :meth:`LoadBalancer.stats`.
 
 Design points:
 

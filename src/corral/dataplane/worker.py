@@ -120,6 +120,7 @@ class Worker:
         self.stop = asyncio.Event()
         self._writer: asyncio.StreamWriter | None = None
         self._cursor: dict[int, int] = {}  # id(lb) -> its requests reported so far
+        self._leftover: dict[str, list[float]] = {}  # unreported times of retired balancers
         self._history = False
         self._soon = asyncio.Event()  # a report is wanted now, not at the next interval
         self._disconnected_since = time.monotonic()
@@ -179,13 +180,13 @@ class Worker:
                         }
                     )
                 )
-                self._writer = writer
                 # A daemon answered: the next crash may be answered at once again (the back-off
                 # only guards against a daemon that dies before it ever answers).
                 self._last_spawn = -RESPAWN_BACKOFF
                 log.info("connected to the daemon")
                 while True:
                     line = await reader.readuntil(b"\n")
+                    self._writer = writer  # no report before its hello: its history has them
                     await self._handle(decode(line))
             except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
                 pass
@@ -297,9 +298,10 @@ class Worker:
                 await lb.stop(idle_grace=IDLE_GRACE if hand_over else 0.0, hand_over=hand_over)
             finally:
                 self.retiring.remove(entry)
-                self._cursor.pop(id(lb), None)
+                seen = self._cursor.pop(id(lb), 0)
                 if name in self.services:  # a route change: its successor goes on counting
                     self.carried.add(name, lb.stats())
+                    self._leftover.setdefault(name, []).extend(lb.timestamps_since(seen)[0])
                 elif not any(n == name for n, _ in self.retiring):
                     self.carried.drop(name)  # the service was taken down
 
@@ -327,6 +329,7 @@ class Worker:
         if self._writer is None:
             return
         history, self._history = self._history, False
+        leftover, self._leftover = self._leftover, {}
         services: dict[str, Any] = {}
         names = set(self.services) | {name for name, _ in self.retiring} | set(self.errors)
         for name in names:
@@ -334,7 +337,7 @@ class Worker:
             svc = self.services.get(name)
             if svc is not None:
                 lbs.append(svc.lb)
-            times: list[float] = []
+            times: list[float] = leftover.get(name, [])
             for lb in lbs:
                 # A daemon that asks for history gets all it keeps (TIMESTAMP_HORIZON, 600 s).
                 seen = 0 if history else self._cursor.get(id(lb), 0)
