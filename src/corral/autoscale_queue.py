@@ -305,12 +305,14 @@ def make_scaler(
     decision_interval: float,
     qps_window: float,
     previous: Autoscaler | None = None,
+    running: int | None = None,
 ) -> Autoscaler:
     """The autoscaler a policy asks for: instance-aware, on the engines, or on request rate
     (:func:`corral.autoscale.make_autoscaler`). With ``previous`` (the autoscaler of the
     version before, of another kind), it goes on from that one's target, clipped into the new
     bounds, as :meth:`reset_policy` does for one of the same kind: a spec update that adds or
-    removes an engine target must not cut a loaded fleet to ``min_replicas`` at once."""
+    removes an engine target must not cut a loaded fleet to ``min_replicas`` at once. With
+    ``running`` (a restarted daemon's first: the target its live replicas make), from that."""
     scaler: Autoscaler
     if policy.target_qps_per_accelerator:
         scaler = InstanceAwareAutoscaler(
@@ -325,6 +327,8 @@ def make_scaler(
     kinds = (SampledAutoscaler, RequestRateAutoscaler, FixedAutoscaler)
     if isinstance(previous, kinds) and isinstance(scaler, kinds):
         scaler.start_at(previous.held_target)
+    elif running is not None and isinstance(scaler, kinds):
+        scaler.start_at(running)
     return scaler
 
 

@@ -45,6 +45,7 @@ from corral.replicas import (
     TeardownState,
     UpdateMode,
     failure_status,
+    is_live,
     replica_status,
 )
 from corral.service_route import route_of
@@ -55,7 +56,7 @@ from corral.servicecore import (
     handle_from_row,
     handle_to_json,
 )
-from corral.spec import ServiceSpec
+from corral.spec import ReplicaPolicy, ServiceSpec
 from corral.state import ReplicaRow, StateError, Store
 from corral.versionfiles import remove_service_files, version_tls
 from corral.views import service_view
@@ -71,6 +72,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("corral.controller")
+# How long a controller's first decision waits for every balancer worker's first report: a
+# restarted daemon's workers send the requests they kept, and without them the load reads 0.
+FIRST_REPORTS_TIMEOUT = 3.0
 
 
 class ServiceController:
@@ -158,6 +162,10 @@ class ServiceController:
             probe_task = asyncio.create_task(self.prober.run(), name=f"corral-probe-{self.name}")
             cap_task = asyncio.create_task(cap_logs(self.svc), name=f"corral-logs-{self.name}")
             try:
+                # A restarted daemon's first decision reads what the workers kept (history);
+                # a new service has no replica and nothing to wait for: it launches at once.
+                if self.balancer is not None and self.svc.store.replicas(self.svc.name):
+                    await self.balancer.wait_reported(FIRST_REPORTS_TIMEOUT)
                 await self._reconcile_loop()
             finally:
                 for task in (probe_task, cap_task):
@@ -340,6 +348,7 @@ class ServiceController:
                 decision_interval=self.svc.deps.decision_interval,
                 qps_window=self.svc.deps.qps_window,
                 previous=self._autoscaler,
+                running=None if self._autoscaler else self._running(version, policy),
             )
             self._policy_version = version
             self._next_decision = 0.0
@@ -367,6 +376,14 @@ class ServiceController:
                     self._decision.reason,
                 )
         return self._decision
+
+    def _running(self, version: int, policy: ReplicaPolicy) -> int:
+        """The target the replicas of ``version`` that count toward it make, without
+        overprovision: what a restarted daemon's autoscaler goes on from (min_replicas would
+        tear down a loaded fleet at once, and bring it back only after the upscale delay)."""
+        rows = self.svc.store.replicas(self.svc.name)
+        live = sum(1 for r in rows if r.version == version and is_live(r))
+        return max(0, live - policy.num_overprovision)
 
     def _reconcile(self) -> bool:
         """One step toward the wanted state. Returns True when the service is fully removed."""

@@ -1,11 +1,10 @@
 """The daemon's side of the data plane: workers kept alive, tables pushed, reports gathered.
 
-:class:`DataPlane` listens on the home's Unix socket, starts the balancer workers or adopts the
-ones a previous daemon left (by pid and creation time, recorded in SQLite, so a restart never
-starts a second set), restarts a worker that died, pushes the routing table to every worker the
-moment it changes, and keeps what the workers report. :class:`ServiceRoute` is one service's view
-of all that, with the methods the controller used on an in-process balancer (``set_ready``,
-``wait_drained``, ``arrivals``), so the controller does not know where traffic runs.
+:class:`DataPlane` listens on the home's Unix socket, starts the balancer workers or adopts
+those a previous daemon left (by pid and creation time, in SQLite: never a second set),
+restarts one that died, pushes the routing table to every worker when it changes, and keeps
+what they report. :class:`ServiceRoute` is one service's view of it: what the controller used
+on an in-process balancer (``set_ready``, ``wait_drained``, ``arrivals``).
 
 Nothing is pushed before :meth:`DataPlane.open`: a restarted daemon first lets its controllers
 re-adopt their replicas, and until then the workers keep serving the table they had (a route
@@ -128,8 +127,9 @@ class DataPlane:
         self._monitor = asyncio.create_task(self._monitor_loop(), name="corral-dataplane")
 
     def open(self) -> None:
-        """Start pushing tables (after the controllers re-adopted their replicas)."""
+        """Start pushing tables (the controllers re-adopted); times of routeless services go."""
         self._open = True
+        self._times = defaultdict(dict, {n: t for n, t in self._times.items() if n in self.routes})
         self.changed()
         self._schedule_notify()  # drains wait for this (ServiceRoute.wait_drained)
 
@@ -145,8 +145,7 @@ class DataPlane:
             self._server.close()
         for conn in list(self._conns.values()):
             conn.writer.close()
-        # Closing the connections ends their handlers (EOF); cancelling them instead would
-        # make asyncio's stream machinery log each cancellation as an error.
+        # Closing ends their handlers (EOF); cancelled, asyncio would log each as an error.
         handlers = list(self._handlers)
         if handlers:
             await asyncio.wait(handlers, timeout=2.0)
@@ -212,7 +211,6 @@ class DataPlane:
         try:
             self.slots.set(slot, child.pid, psutil.Process(child.pid).create_time())
         except psutil.Error as exc:
-            # It died at once: the next check sees the slot's worker gone.
             log.warning("balancer worker %d (pid %d) is gone already: %s", slot, child.pid, exc)
         log.info("started balancer worker %d (pid %d)", slot, child.pid)
         return child.pid
@@ -356,15 +354,14 @@ class DataPlane:
             if not isinstance(report, Mapping):
                 continue
             reports[str(name)] = dict(report)
-            if name not in self.routes:
-                continue  # a listener still retiring after its service left
+            if self._open and name not in self.routes:
+                continue  # a listener retiring after its service left (before: history, kept)
             times = self._times[str(name)]
             for bucket, count in report.get("times") or ():
                 times[int(bucket)] = times.get(int(bucket), 0) + int(count)
             self._note_bind(str(name), conn.slot, report.get("error"))
         if not conn.reports:
-            # A worker that reconnected, alive, counts on from where it was: what was carried
-            # of it is in this report (taken back only now, so the sums never dip meanwhile).
+            # A reconnected worker counts on: what was carried of it is in this report, now.
             self._carried.back((conn.pid, conn.created))
         conn.reports = reports
         self._schedule_notify()
@@ -477,6 +474,9 @@ class DataPlane:
             if int(replica.get("in_flight", 0)) > 0:
                 return False
         return True
+
+    def reported(self, name: str) -> bool:  # by every slot (a restarted daemon: its history)
+        return {c.slot for c in self._conns.values() if name in c.reports} >= set(range(self.size))
 
     def arrivals(self, name: str, window: float) -> Arrivals:
         return recent_arrivals(self._times.get(name), window)

@@ -94,6 +94,12 @@ class ServiceRoute:
         """The service's requests of the last ``window`` seconds, as the autoscaler reads them."""
         return self._plane.arrivals(self.name, window)
 
+    async def wait_reported(self, timeout: float) -> bool:
+        """Wait (bounded) until every worker has reported on the service to this daemon: a
+        restarted daemon's first report from each carries the requests it kept
+        (HISTORY_SECONDS), and a first decision made before them reads no load at all."""
+        return await self._plane.wait_until(lambda: self._plane.reported(self.name), timeout)
+
     def stats(self) -> dict[str, Any] | None:
         """This service's balancer counters and engine reports, or None before any report."""
         return self._plane.stats(self.name).get(self.name)
