@@ -219,6 +219,48 @@ def test_a_squatter_on_the_port_is_never_served_as_ours(
     assert corral_home.service("squat")["balancer_errors"] == []
 
 
+def answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def test_the_port_stays_the_services_while_no_worker_listens(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """While the daemon runs, a service's port is its own even in a moment when none of its
+    workers listens (here: every worker killed while the daemon is stopped by SIGSTOP, so
+    none is respawned yet): another program's bind on it fails. Then the workers come back."""
+    svc = up(corral_home, "kept")
+    port = int(str(svc["endpoint"]).rsplit(":", 1)[1])
+    daemon = corral_home.daemon_pid()
+    workers = corral_home.worker_pids()
+    assert workers
+    os.kill(daemon, signal.SIGSTOP)
+    try:
+        kill_pids(workers)
+        wait_for(lambda: not any(pid_alive(p) for p in workers), 10, "the workers gone")
+        for address in ("127.0.0.1", "0.0.0.0"):
+            with socket.socket() as other:
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                with pytest.raises(OSError):
+                    other.bind((address, port))
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+    wait_for(
+        lambda: len(set(corral_home.worker_pids()) - set(workers)) == len(workers),
+        30,
+        "the workers respawned",
+    )
+    wait_for(lambda: corral_home.service("kept")["status"] == "READY", 30, "READY again")
+    wait_for(lambda: answers(port), 30, "the respawned workers listening on the port")
+    corral_home.run("down", "kept", "-y")
+    with socket.socket() as after:  # down gives the port back
+        after.bind(("127.0.0.1", port))
+
+
 def test_workers_leave_when_nothing_is_left_to_serve(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:

@@ -52,6 +52,22 @@ def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
+def hold_port(host: str, port: int) -> socket.socket | None:
+    """A socket bound to ``host:port`` as :func:`reserved_port` binds one (SO_REUSEPORT alone,
+    not listening): while it is open, the balancer workers may join the port and no other
+    program's bind takes it, also in a moment when no worker listens (one replaced or
+    respawned). None when the port cannot be joined: another program holds it, which the
+    daemon's port check reports."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 def _pick(host: str, *, reuse_port: bool) -> socket.socket:
     """A socket bound to a free port of ``host`` that this process did not hand out lately."""
     held: list[socket.socket] = []

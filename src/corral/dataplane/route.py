@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral.arrivals import Arrivals as Arrivals  # re-exported for the plane
 from corral.dataplane.protocol import HISTORY_SECONDS, TIME_BUCKET, Route
+from corral.ports import hold_port
 
 if TYPE_CHECKING:
     from corral.dataplane.plane import DataPlane
@@ -28,6 +29,8 @@ class ServiceRoute:
         self.name = name
         self.route = route
         self._left: dict[int, int] = {}  # replica id -> seq of the first table without it
+        # The port stays the service's while this daemon runs, whatever its workers do.
+        self._hold = hold_port(route.host, route.port)
 
     @property
     def port(self) -> int:
@@ -118,6 +121,9 @@ class ServiceRoute:
         """The service is gone: take it out of the table and wait (bounded) until every
         connected worker has applied that table, i.e. closed the service's listener, so that
         `corral down` returning means the endpoint is closed. False if the wait timed out."""
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
         seq = self._plane.remove(self.name)
         return await self._plane.wait_until(lambda: self._plane.applied(seq), timeout)
 
