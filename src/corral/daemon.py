@@ -140,7 +140,7 @@ class Daemon:
             stored = await asyncio.to_thread(
                 parse_spec, stored_text, source=source or "<request>", name=name
             )
-        # Held from its pick until the workers listen on it: no other bind can take it.
+        # Held from its pick until its route holds it (ports.hold_port): no other bind takes it.
         with reserved_port() as lb_port:
             async with self._deploy_lock(svc_name):
                 if svc_name in self.controllers or self.store.service(svc_name) is not None:
@@ -156,8 +156,8 @@ class Daemon:
                     raise ServiceExists(f"service {svc_name!r} already exists") from None
                 await self._fresh_logs(svc_name)
             controller = await self._start_controller(svc_name, stored)
-            if controller.balancer is not None and not await controller.balancer.wait_serving():
-                log.warning("service %s: not every balancer worker confirmed its port", spec.name)
+        if controller.balancer is not None and not await controller.balancer.wait_serving():
+            log.warning("service %s: not every balancer worker confirmed its port", spec.name)
         return controller.snapshot()
 
     async def _fresh_logs(self, name: str) -> None:

@@ -44,10 +44,11 @@ def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
     """A free port that stays taken for as long as the block runs: a socket bound to it (not
     listening, so it takes no connection) with SO_REUSEPORT alone. The balancer workers, of
     this user and binding with SO_REUSEPORT, join it; any other bind fails, and the kernel
-    offers it to no ``bind(0)``. A service's port is held so from its pick until its workers
-    listen: without it, a port picked at the same moment by another process (another home's
-    replica, between its pick and its app's bind) was bound first and the new service could
-    not listen on its own endpoint (seen in the suite: CONTROLLER_FAILED at `corral up`)."""
+    offers it to no ``bind(0)``. A service's port is held so from its pick until its route
+    holds it (:func:`hold_port`): without it, a port picked at the same moment by another
+    process (another home's replica, between its pick and its app's bind) was bound first and
+    the new service could not listen on its own endpoint (seen in the suite: CONTROLLER_FAILED
+    at `corral up`)."""
     with contextlib.closing(_pick(host, reuse_port=True)) as sock:
         yield int(sock.getsockname()[1])
 
