@@ -36,7 +36,7 @@ demo-down: $(DEMO_STAMP)
 	CORRAL_HOME=$(DEMO_HOME) $(DEMO_PY) -m corral daemon stop --all
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --durations=25 tests  # the slowest 25: the run's budget is ~15 min
 
 # The long chaos suite (the default `make test` runs the short version of each chaos test).
 CHAOS_REPORT ?= $(CURDIR)/chaos-report.jsonl
