@@ -21,7 +21,13 @@ async def json_object(request: web.Request, timeout: float) -> dict[str, Any]:
             body = await request.json()
     except TimeoutError:
         raise RequestError(408, "timed out reading the request body") from None
-    except (ValueError, UnicodeDecodeError):
+    except web.RequestPayloadError:
+        # A body that is not what its Content-Encoding says (or ends early): aiohttp's own
+        # exception, not a ValueError; unhandled it was a 500.
+        raise RequestError(400, "the request body cannot be read (its Content-Encoding?)") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: arrays or objects nested past Python's recursion limit (json.loads
+        # raises it, not a ValueError); unhandled it was a 500.
         raise RequestError(400, "request body must be a JSON object") from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
