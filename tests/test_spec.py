@@ -174,7 +174,7 @@ def test_examples_details() -> None:
     ]
     multi = load_spec(EXAMPLES / "multi_node__single_node.yaml")
     assert multi.service.readiness_probe.post_data == {
-        "model": "$MODEL_NAME",
+        "model": "meta-llama/Llama-2-13b-chat-hf",  # envs filled in, as SkyPilot does
         "prompt": "Hello world,",
         "max_tokens": 7,
     }
@@ -997,3 +997,37 @@ def test_a_file_without_service_is_a_task_not_a_service(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as caught:
         load_spec(typo, require_service=True)
     assert [i.loc for i in caught.value.issues] == ["servce"]  # did you mean, not "missing"
+
+
+def test_envs_fill_in_the_service_section_as_skypilot_does(tmp_path: Path) -> None:
+    # SkyPilot fills `envs` into `service`, `workdir` and `file_mounts` ($VAR and ${VAR}):
+    # its LLM examples probe with `model: $MODEL_NAME`, and a probe that sent the text
+    # "$MODEL_NAME" would be a 404 from vLLM, so no replica would ever be READY.
+    (tmp_path / "app-7b").mkdir()
+    spec = load_spec(
+        write(
+            tmp_path,
+            f"""
+            envs:
+              MODEL_NAME: meta-llama/Llama-3.1-8B-Instruct
+              SIZE: 7
+            workdir: {tmp_path}/app-${{SIZE}}b
+            service:
+              readiness_probe:
+                path: /v1/chat/completions
+                post_data:
+                  model: $MODEL_NAME
+                  messages: [{{role: user, content: "cost: $5, ${{SIZE}}b, $UNKNOWN"}}]
+              replicas: 1
+            run: exec serve --port $PORT --model $MODEL_NAME
+            """,
+        )
+    )
+    probe = spec.service.readiness_probe
+    assert probe.post_data is not None
+    assert probe.post_data["model"] == "meta-llama/Llama-3.1-8B-Instruct"
+    # Only names `envs` gives are filled in; anything else stays as written.
+    assert probe.post_data["messages"][0]["content"] == "cost: $5, 7b, $UNKNOWN"
+    assert spec.workdir == f"{tmp_path}/app-7b"
+    # `run` is the shell's to expand, with the replica's own environment.
+    assert spec.run == "exec serve --port $PORT --model $MODEL_NAME"

@@ -2,6 +2,7 @@
 
 import difflib
 import os
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -111,6 +112,29 @@ def _accelerators_asked(spec: ServiceSpec) -> dict[str, str]:
     return {text.partition(":")[0].lower(): text.partition(":")[0] for text in texts}
 
 
+# `$NAME` or `${NAME}`, NAME as a shell variable's name.
+_ENV_REFERENCE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+# The fields SkyPilot fills `envs` into (Task.from_yaml_config's _fill_in_env_vars).
+ENV_FILLED_FIELDS = ("service", "workdir", "file_mounts")
+
+
+def _fill_in_envs(value: Any, envs: dict[str, str]) -> Any:
+    """``value`` with every ``$NAME``/``${NAME}`` of a name ``envs`` gives replaced by its value,
+    in text, keys and nested values alike; other references stay as written.
+
+    Why: SkyPilot does this for ``service``, ``workdir`` and ``file_mounts``, and SkyServe's LLM
+    examples rely on it (``post_data: {model: $MODEL_NAME}``): read as written, such a probe asks
+    the engine for a model named "$MODEL_NAME", and no replica ever becomes READY."""
+    if isinstance(value, str):
+        return _ENV_REFERENCE.sub(lambda m: envs.get(m[1] or m[2], m[0]), value)
+    if isinstance(value, dict):
+        return {_fill_in_envs(k, envs): _fill_in_envs(v, envs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill_in_envs(item, envs) for item in value]
+    return value
+
+
 def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSpec:
     issues: list[SpecIssue] = []
     if not isinstance(data, dict):
@@ -126,6 +150,10 @@ def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSp
             source,
         )
     keep_text_as_written(child_node(root, "envs"), data.get("envs"))
+    envs = data.get("envs")
+    if isinstance(envs, dict):
+        given = {str(k): str(v) for k, v in envs.items() if v is not None}
+        data.update({k: _fill_in_envs(data[k], given) for k in ENV_FILLED_FIELDS if k in data})
     service = data.get("service")
     if isinstance(service, dict) and isinstance(service.get("readiness_probe"), dict):
         probe = child_node(child_node(root, "service"), "readiness_probe")
