@@ -139,6 +139,15 @@ def _refusals(home: CorralHome) -> list[tuple[str, str, Any, int, dict[str, Any]
             400,
             {"error": "query parameter 'purge' must be true or false, got 'maybe'"},
         ),
+        (
+            # Read as "no" before: the daemon stopped, keeping the workers it was maybe asked
+            # to stop. Last, since a wrong answer here stops the daemon.
+            "POST",
+            "/v1/daemon/stop?all=maybe",
+            None,
+            400,
+            {"error": "query parameter 'all' must be true or false, got 'maybe'"},
+        ),
     ]
 
 

@@ -71,7 +71,8 @@ class Routes:
 
     async def stop(self, request: web.Request) -> web.Response:
         # ?all=1: the balancer workers stop too; without it they keep serving every service.
-        everything = request.query.get("all", "") in ("1", "true", "yes")
+        # Read by flag(), which refuses what is neither yes nor no, before anything stops.
+        everything = flag(request, "all")
         workers = self.daemon.request_stop(workers=everything)
         return json_answer({"stopping": True, "balancer_workers_stop": workers}, status=202)
 
