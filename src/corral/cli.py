@@ -17,6 +17,7 @@ import click
 from corral import __version__
 from corral.apiconn import ENV_API_URL
 from corral.cli_common import (
+    SECONDS,
     CorralGroup,
     client_error_text,
     client_of,
@@ -80,7 +81,7 @@ main.add_command(validate)
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-n", "--name", help="Service name (default: the spec's `name`, else a new one).")
 @click.option("-d", "--detach", is_flag=True, help="Return once the service is accepted.")
-@click.option("--timeout", type=float, default=None, help="Give up waiting after this many s.")
+@click.option("--timeout", type=SECONDS, default=None, help="Give up waiting after this many s.")
 @_yes_option("starting (corral does not ask: accepted as `sky serve up -y` is)")
 @values_options
 @click.pass_context
@@ -182,7 +183,7 @@ def _check_update_source(name: str, file: Path | None, to_version: int | None) -
 )
 @click.option("--to-version", type=int, help="Roll back: deploy a stored version's spec again.")
 @click.option("-d", "--detach", is_flag=True, help="Return once the new version is accepted.")
-@click.option("--timeout", type=float, default=None, help="Give up waiting after this many s.")
+@click.option("--timeout", type=SECONDS, default=None, help="Give up waiting after this many s.")
 @_yes_option("updating (corral does not ask: accepted as `sky serve update -y` is)")
 @values_options
 @click.pass_context
@@ -348,7 +349,7 @@ def _logs_on_disk(
 )
 @_yes_option("tearing down")
 @click.option("--wait/--no-wait", default=True, help="Wait until everything is torn down.")
-@click.option("--timeout", type=float, default=120.0, show_default=True)
+@click.option("--timeout", type=SECONDS, default=120.0, show_default=True)
 @click.pass_context
 def down(
     ctx: click.Context,

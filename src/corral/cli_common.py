@@ -8,6 +8,7 @@ module (http.client, ssl) only when a command asks for a client.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
@@ -20,6 +21,27 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from corral.client import Client, ClientError
+
+
+class _Seconds(click.ParamType[float]):
+    """A wait in seconds: a finite number above 0. click's float takes -1 (then "not READY after
+    -1s", once the service has started anyway) and nan (a wait that never ends)."""
+
+    name = "float"  # the help's metavar stays FLOAT (docs/cli.md)
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            self.fail(f"expected a number of seconds above 0, got {value!r}", param, ctx)
+        return seconds
+
+
+SECONDS = _Seconds()
 
 
 class _LazyConsole:
