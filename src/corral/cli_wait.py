@@ -113,16 +113,25 @@ def wait_ready(client: Client, name: str, timeout: float | None) -> None:
             )
             return
         if status == "NO_REPLICA" and service.get("target") == 0:
-            # Scale to zero (min_replicas: 0) with no traffic yet: this is its steady state,
-            # not a step on the way to READY.
-            out.print(
-                f"[green]service {name} is up with no replica[/green] (min_replicas: 0): "
-                f"the first request to {service['endpoint']} starts one",
-                soft_wrap=True,
-            )
+            out.print(zero_text(name, service), soft_wrap=True)
             return
         if status in FAILED_SERVICE:
             _fail(failed_text(name, service))
+
+
+def zero_text(name: str, service: dict[str, Any]) -> str:
+    """What `up` says of a service up with no replica: its steady state, not a step on the way
+    to READY. Scale to zero (min_replicas: 0) waits for traffic; a fixed size of 0 serves
+    nothing until an update gives it replicas, and must not promise one."""
+    if (service.get("policy") or {}).get("max_replicas") == 0:
+        return (
+            f"[green]service {name} is up with no replica[/green] (replicas: 0): it answers "
+            f"503 until `corral update {name} FILE` gives it replicas"
+        )
+    return (
+        f"[green]service {name} is up with no replica[/green] (min_replicas: 0): "
+        f"the first request to {service['endpoint']} starts one"
+    )
 
 
 def failed_text(name: str, service: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ def route_of(
     ones taken from the directory the CLI ran in (``base_dir``), as ``workdir`` is (SkyPilot's
     rule): the workers run elsewhere, and the path must mean the same file to them."""
     lb = spec.service.load_balancer
+    policy = spec.service.replica_policy
     files = tls_paths(spec, base_dir)
     cert, key = (str(files[0]), str(files[1])) if files is not None else (None, None)
     if files is not None and tls_copy is not None:
@@ -40,9 +41,11 @@ def route_of(
         config={
             "policy": spec.service.load_balancing_policy,
             # At zero replicas a request waits for the first one instead of a 503; so it does
-            # for a replica on a fixed port, which its successor can only replace in turn.
+            # for a replica on a fixed port, which its successor can only replace in turn. Not
+            # at a fixed size of 0 (`replicas: 0`): no replica ever comes to wait for.
             "no_replica_wait": 60.0
-            if spec.service.replica_policy.min_replicas == 0 or fixed_port(spec) is not None
+            if (policy.min_replicas == 0 and policy.max_replicas > 0)
+            or fixed_port(spec) is not None
             else 0.0,
             "connect_timeout": lb.connect_timeout_seconds,
             "first_byte_timeout": lb.first_byte_timeout_seconds or lb.stream_timeout_seconds,
