@@ -1031,3 +1031,26 @@ def test_envs_fill_in_the_service_section_as_skypilot_does(tmp_path: Path) -> No
     assert spec.workdir == f"{tmp_path}/app-7b"
     # `run` is the shell's to expand, with the replica's own environment.
     assert spec.run == "exec serve --port $PORT --model $MODEL_NAME"
+
+
+@pytest.mark.parametrize(
+    ("model", "said"),
+    [
+        ("{id: Qwen/Qwen2.5-0.5B, revision: main}", "'revision'"),
+        ("42", "expected text"),
+        ("''", "at least 1 character"),
+    ],
+)
+def test_a_bad_model_is_not_also_a_missing_run(tmp_path: Path, model: str, said: str) -> None:
+    # The writer of a model-first spec gave `model:`: telling them `run:` is required as well
+    # sends them to write an engine command they do not need.
+    error = errors_of(tmp_path, f"model: {model}\nservice:\n  replicas: 1\n")
+    assert [i.loc for i in error.issues] == ["model"], error
+    assert said in error.issues[0].message
+
+
+def test_a_bad_run_beside_a_model_is_still_reported(tmp_path: Path) -> None:
+    error = errors_of(tmp_path, "model: corral-llmsim\nrun: [a, b]\nservice:\n  replicas: 1\n")
+    assert [i.loc for i in error.issues] == ["run"]
+    error = errors_of(tmp_path, "model: 42\nrun: [a]\nservice:\n  replicas: 1\n")
+    assert sorted(i.loc for i in error.issues) == ["model", "run"]

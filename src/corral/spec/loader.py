@@ -135,6 +135,11 @@ def _fill_in_envs(value: Any, envs: dict[str, str]) -> Any:
     return value
 
 
+def _run_required(error: Any) -> bool:
+    """Whether pydantic's ``error`` is ServiceSpec's "run: is required"."""
+    return tuple(error["loc"]) == ("run",) and "is required" in str(error["msg"])
+
+
 def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSpec:
     issues: list[SpecIssue] = []
     if not isinstance(data, dict):
@@ -163,7 +168,12 @@ def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSp
         spec = ServiceSpec.model_validate(data)
     except ValidationError as exc:
         # Only what can be shown is located and explained (each costs a walk of the tree).
-        for error in exc.errors(include_url=False)[: MAX_ISSUES + 1]:
+        errors = exc.errors(include_url=False)
+        if any(tuple(e["loc"])[:1] == ("model",) for e in errors):
+            # A model that failed its own check is missing to `run`'s check, which then says
+            # "run: is required": the writer gave `model:`, and the problem is its value.
+            errors = [e for e in errors if not _run_required(e)]
+        for error in errors[: MAX_ISSUES + 1]:
             # The per-accelerator mapping is read from target_qps_per_replica.
             loc = tuple(
                 QPS_FIELD[2] if p == "target_qps_per_accelerator" else p for p in error["loc"]

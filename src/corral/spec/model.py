@@ -104,6 +104,12 @@ class ServiceSpec(Section):
         # SkyServe v2 also writes the model as a mapping of its id alone: `model: {id: ORG/NAME}`.
         if isinstance(value, dict) and set(value) == {"id"}:
             return value["id"]
+        if isinstance(value, dict) and "id" in value:
+            others = ", ".join(repr(str(k)) for k in value if k != "id")
+            raise ValueError(
+                f"takes the model's id alone ({{id: ...}}), not {others}: corral serves the "
+                "model as its engine loads it by default"
+            )
         if isinstance(value, dict):
             raise ValueError(f"expected the model's id as text, or {{id: ...}}; got {show(value)}")
         return value
