@@ -1054,3 +1054,24 @@ def test_a_bad_run_beside_a_model_is_still_reported(tmp_path: Path) -> None:
     assert [i.loc for i in error.issues] == ["run"]
     error = errors_of(tmp_path, "model: 42\nrun: [a]\nservice:\n  replicas: 1\n")
     assert sorted(i.loc for i in error.issues) == ["model", "run"]
+
+
+@pytest.mark.parametrize(
+    ("text", "loc", "line"),
+    [
+        ('run: "python3 -m http.server $PORT\\0"\nservice:\n  replicas: 1\n', "run", 1),
+        ('run: x\nsetup: "pip install a\\0"\nservice:\n  replicas: 1\n', "setup", 2),
+        ('run: x\nenvs:\n  A: "a\\x00b"\nservice:\n  replicas: 1\n', "envs.A", 3),
+        ('model: "org/m\\0"\nservice:\n  replicas: 1\n', "model", 1),
+        ('run: x\nfile_mounts:\n  "data\\0": ./x\nservice:\n  replicas: 1\n', "file_mounts", 3),
+    ],
+)
+def test_a_nul_character_is_refused_where_it_is(
+    tmp_path: Path, text: str, loc: str, line: int
+) -> None:
+    # YAML's "\0" escape makes one; no command, argument, path or environment value can hold
+    # it: `up` accepted such a spec and every launch then failed with a Python traceback
+    # ("ValueError: embedded null byte"), and `validate` crashed on a model path.
+    error = errors_of(tmp_path, text)
+    assert [(i.loc, i.line) for i in error.issues] == [(loc, line)], error
+    assert "NUL" in error.issues[0].message

@@ -38,8 +38,14 @@ def _check_size(node: Node, depth: int, count: int, source: str) -> None:
     raise SpecError([SpecIssue("", message, node.start_mark.line + 1)], source)
 
 
+# YAML's "\0" (or "\x00") escape makes a NUL, which no command, argument, path or environment
+# value can hold: accepted, it failed every launch with "ValueError: embedded null byte".
+NUL_MESSAGE = "holds a NUL character (\\0), which no command, path or value can carry"
+
+
 def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
-    """Flag duplicate keys (YAML silently keeps the last) and refuse absurdly large documents."""
+    """Flag duplicate keys (YAML silently keeps the last) and NUL characters, and refuse
+    absurdly large documents."""
     issues: list[SpecIssue] = []
     stack: list[tuple[Node, tuple[int | str, ...]]] = [(root, ())]
     checked: set[int] = set()
@@ -59,6 +65,8 @@ def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
                     stack.append((value_node, path))
                     continue
                 line = key_node.start_mark.line + 1
+                if "\0" in key_node.value:
+                    issues.append(SpecIssue(loc_text(path), NUL_MESSAGE, line))
                 ident = (key_node.tag, key_node.value)
                 if id(node) not in checked and ident in first_seen:
                     # The path is known here: searching the tree for it again per duplicate
@@ -76,6 +84,8 @@ def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
             checked.add(id(node))
         elif isinstance(node, SequenceNode):
             stack.extend((item, (*path, index)) for index, item in enumerate(node.value))
+        elif isinstance(node, ScalarNode) and "\0" in node.value:
+            issues.append(SpecIssue(loc_text(path), NUL_MESSAGE, node.start_mark.line + 1))
     return issues
 
 
