@@ -35,11 +35,13 @@ def check_spec(
     infras: Mapping[str, Infra],
     capacity: Capacity | None,
     base_dir: str | None = None,
+    envs: Mapping[str, str] | None = None,
 ) -> ServiceSpec:
-    """The spec as this daemon will run it. Takes up to a second on the largest spec the
-    parser accepts: call it off the event loop."""
+    """The spec as this daemon will run it, with ``envs`` (the ``--env`` values) filled in
+    where the spec's own are. Takes up to a second on the largest spec the parser accepts:
+    call it off the event loop."""
     try:
-        spec = parse_spec(spec_text, source=source or "<request>", name=name)
+        spec = parse_spec(spec_text, source=source or "<request>", name=name, envs=envs)
     except SpecError as exc:
         raise spec_refused(exc) from None
     if not spec.name:
@@ -79,6 +81,16 @@ def check_inputs(
         )
     except SpecError as exc:
         raise spec_refused(exc) from None
+
+
+def check_same_infra(current: ServiceSpec, spec: ServiceSpec) -> None:
+    """An update stays on its service's backend: its replicas, rows and balancer are that
+    backend's, and nothing moves them."""
+    if spec.infra != current.infra:
+        raise InvalidRequest(
+            f"an update cannot move a service from infra "
+            f"{current.infra!r} to {spec.infra!r}; bring up a new service",
+        )
 
 
 def check_update_room(name: str, mode: str, spec: ServiceSpec, capacity: Capacity | None) -> None:

@@ -130,7 +130,7 @@ class Daemon:
         secrets: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         envs, secrets = envs or {}, secrets or {}
-        spec = await self._check_off_loop(spec_text, source=source, name=name, base_dir=base_dir)
+        spec = await self._check_off_loop(spec_text, source, name, base_dir, envs)
         assert spec.name is not None
         admission.check_inputs(spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets)
         svc_name = spec.name
@@ -138,7 +138,7 @@ class Daemon:
         stored = spec  # as the controller keeps it: secret values live only in the values file
         if spec.secrets:
             stored = await asyncio.to_thread(
-                parse_spec, stored_text, source=source or "<request>", name=name
+                parse_spec, stored_text, source=source or "<request>", name=name, envs=envs
             )
         # Held from its pick until its route holds it (ports.hold_port): no other bind takes it.
         with reserved_port() as lb_port:
@@ -180,8 +180,11 @@ class Daemon:
         controller = self.controller(name)
         self._live_row(name)
         spec_text, source, base_dir = self._resolved(name, request)
-        spec = await self._check_off_loop(spec_text, source=source, name=name, base_dir=base_dir)
         envs, secrets = request.envs, request.secrets
+        reuse = request.from_version or request.files_of  # versions count from 1
+        # The values its replicas run with: a rollback's or a scale's are the reused version's.
+        fill = versionfiles.version_envs(self.home, name, reuse) if reuse else envs
+        spec = await self._check_off_loop(spec_text, source, name, base_dir, fill)
         if request.from_version is None and request.files_of is None:
             admission.check_inputs(
                 spec, source=source, base_dir=base_dir, envs=envs, secrets=secrets
@@ -191,21 +194,17 @@ class Daemon:
         if request.files_of not in (None, svc.current_version):  # it would undo what ran since
             raise Conflict(f"service {name!r} was updated meanwhile: scale it again")
         current = controller.spec(svc.current_version)
-        if spec.infra != current.infra:
-            raise InvalidRequest(
-                f"an update cannot move a service from infra "
-                f"{current.infra!r} to {spec.infra!r}; bring up a new service",
-            )
+        admission.check_same_infra(current, spec)
         admission.check_update_room(name, request.mode, spec, self.deps.capacity)
         next_version = max(v.version for v in self.store.versions(name)) + 1
-        if reuse := request.from_version or request.files_of:  # versions count from 1
+        if reuse:
             await self._reuse_files(name, reuse, next_version)
         else:
             await self._prepare(name, next_version, spec, base_dir, envs, secrets, source)
         # Off the loop, as every parse: the largest spec takes up to a second to read.
         stored_text = await asyncio.to_thread(redact_secrets, spec_text)
         stored_spec = await asyncio.to_thread(
-            parse_spec, stored_text, source=source or "<request>", name=name
+            parse_spec, stored_text, source=source or "<request>", name=name, envs=fill
         )
         same_replicas = self._same_replicas(
             name, svc.current_version, next_version, base_dir, current, stored_spec
@@ -297,13 +296,8 @@ class Daemon:
                 f"service {name}: cannot copy the workdir of version {version}: {exc}"
             ) from None
         if spec.workdir:
-            log.info(
-                "service %s: version %d: workdir copied (%d files, %d bytes)",
-                name,
-                version,
-                files.files,
-                files.bytes,
-            )
+            copied = f"{files.files} files, {files.bytes} bytes"
+            log.info("service %s: version %d: workdir copied (%s)", name, version, copied)
 
     async def _reuse_files(self, name: str, old: int, new: int) -> None:
         """A rollback's files: version ``old``'s, shared."""
@@ -344,7 +338,12 @@ class Daemon:
             versionfiles.collect_garbage(self.home)
 
     async def _check_off_loop(
-        self, spec_text: str, *, source: str | None, name: str | None, base_dir: str | None
+        self,
+        spec_text: str,
+        source: str | None,
+        name: str | None,
+        base_dir: str | None,
+        envs: Mapping[str, str],
     ) -> ServiceSpec:
         """:func:`corral.admission.check_spec` on a thread: the largest spec the parser accepts
         takes up to a second to read, and the event loop it would block also carries every
@@ -357,6 +356,7 @@ class Daemon:
             infras=self.deps.infras,
             capacity=self.deps.capacity,
             base_dir=base_dir,
+            envs=envs,
         )
 
     def controller(self, name: str) -> ServiceController:

@@ -29,6 +29,7 @@ from corral.plan import HOPELESS_EXIT_CODES
 from corral.replicas import replica_status
 from corral.spec import ServiceSpec, parse_spec, qps_of_accelerator
 from corral.state import FailureKind, ReplicaRow, StateError, Store
+from corral.versionfiles import version_envs
 
 log = logging.getLogger("corral.controller")
 
@@ -138,7 +139,9 @@ class ServiceCore:
             row = self.store.version(self.name, version)
             if row is None:
                 raise KeyError(f"service {self.name} has no version {version}")
-            spec = parse_spec(row.spec_yaml, source=row.source or "<stored spec>", name=self.name)
+            envs = version_envs(self.deps.home, self.name, version)  # filled in, as at `up`
+            source = row.source or "<stored spec>"
+            spec = parse_spec(row.spec_yaml, source=source, name=self.name, envs=envs)
             self.specs[version] = spec
         return spec
 

@@ -272,6 +272,16 @@ def read_values(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
     return dict(data.get("envs") or {}), dict(data.get("secrets") or {})
 
 
+def version_envs(home: Path, service: str, version: int) -> dict[str, str]:
+    """The ``--env`` values a version was given, for filling its spec again (after a daemon
+    restart, or for a rollback that reuses them): empty where it has none or they cannot be
+    read, as a spec parsed with none (a launch of that version then says what is wrong)."""
+    try:
+        return read_values(version_dir(home, service, version))[0]
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def prepare_version(
     home: Path,
     service: str,

@@ -3,6 +3,7 @@
 import difflib
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -140,7 +141,9 @@ def _run_required(error: Any) -> bool:
     return tuple(error["loc"]) == ("run",) and "is required" in str(error["msg"])
 
 
-def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSpec:
+def _validate(
+    data: Any, root: Node, source: str, name_given: bool, given: Mapping[str, str]
+) -> ServiceSpec:
     issues: list[SpecIssue] = []
     if not isinstance(data, dict):
         raise SpecError(
@@ -156,9 +159,12 @@ def _validate(data: Any, root: Node, source: str, name_given: bool) -> ServiceSp
         )
     keep_text_as_written(child_node(root, "envs"), data.get("envs"))
     envs = data.get("envs")
-    if isinstance(envs, dict):
-        given = {str(k): str(v) for k, v in envs.items() if v is not None}
-        data.update({k: _fill_in_envs(data[k], given) for k in ENV_FILLED_FIELDS if k in data})
+    if isinstance(envs, dict) or given:
+        # The spec's values, then those given at `up`/`update` over them, as SkyPilot merges
+        # `--env` before it fills.
+        spec_envs = envs.items() if isinstance(envs, dict) else ()
+        values = {str(k): str(v) for k, v in spec_envs if v is not None} | dict(given)
+        data.update({k: _fill_in_envs(data[k], values) for k in ENV_FILLED_FIELDS if k in data})
     service = data.get("service")
     if isinstance(service, dict) and isinstance(service.get("readiness_probe"), dict):
         probe = child_node(child_node(root, "service"), "readiness_probe")
@@ -218,8 +224,11 @@ def parse_spec(
     name: str | None = None,
     *,
     require_service: bool = False,
+    envs: Mapping[str, str] | None = None,
 ) -> ServiceSpec:
-    """Parse and validate a spec; ``name`` (e.g. from the command line) overrides ``name:``.
+    """Parse and validate a spec; ``name`` (e.g. from the command line) overrides ``name:``;
+    ``envs``, the values given at `up`/`update` (``--env``), override the spec's own where
+    they are filled into ``service``, ``workdir`` and ``file_mounts``.
 
     ``require_service``: refuse a spec without a ``service:`` section, as SkyServe does. Asked
     for what a person submits (`corral validate`, `up`, `update`); not for a spec already
@@ -236,7 +245,7 @@ def parse_spec(
         if name is not None and isinstance(data, dict):
             data = {**data, "name": name}
         try:
-            spec = _validate(data, root, source, name is not None)
+            spec = _validate(data, root, source, name is not None, envs or {})
         except SpecError as exc:
             raise SpecError(sorted_issues([*issues, *exc.issues]), source) from None
         if issues:
