@@ -1553,3 +1553,36 @@ def test_a_request_waiting_for_a_first_replica_is_served_across_an_update(
                     await asyncio.sleep(0.05)
 
     run(go())
+
+
+def test_a_session_stays_on_its_replica_when_another_joins(tmp_path: Path) -> None:
+    """docs/llm.md: a session "moves only when its replica leaves". Rendezvous hashing alone
+    gives a replica that joins (a scale-up, a replacement) about 1/n of every session, and
+    each session moved there computes its whole history again. Two workers sharing the
+    service's table (as listeners.make_balancer gives them), new requests dealt at random:
+    after a fourth replica joins, no session of the three that stay moves; the new replica
+    takes new sessions."""
+    from corral.balancer.routing import make_policy
+
+    table = str(tmp_path / "affinity-svc.bin")
+    workers = [
+        make_policy("least_load", session_header="X-Session-ID", affinity_file=table)
+        for _ in range(2)
+    ]
+    rng = random.Random(3)
+
+    def where(session: str, ready: tuple[int, ...]) -> int:
+        policy = rng.choice(workers)
+        policy.update(ready, {})
+        headers = f"Host: x\r\nX-Session-ID: {session}\r\n".encode()
+        rid = policy.select(ready, {}, RequestView(b"/v1/completions", b"{}", headers))
+        policy.commit(rid, policy.pending)
+        return rid
+
+    sessions = [f"user-{i}" for i in range(60)]
+    home = {s: where(s, (1, 2, 3)) for s in sessions}
+    assert len(set(home.values())) == 3
+    moved = [s for s in sessions if where(s, (1, 2, 3, 4)) != home[s]]
+    assert moved == [], f"{len(moved)} of {len(sessions)} sessions moved to the new replica"
+    fresh = {where(f"new-{i}", (1, 2, 3, 4)) for i in range(40)}
+    assert 4 in fresh  # new sessions do reach it

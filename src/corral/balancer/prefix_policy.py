@@ -341,7 +341,13 @@ class PrefixAffinity:
 class SessionAffinity:
     """A session (a header or cookie the spec names) stays on one replica, the same from every
     balancer worker (rendezvous hashing on the session's value, under the same load bound); a
-    request without one goes to ``inner``. A replica that leaves moves only its sessions."""
+    request without one goes to ``inner``. A replica that leaves moves only its sessions.
+
+    With the service's shared table (``table``, :mod:`corral.balancer.affinity`) a session
+    goes where its last request went while that replica is ready and under the bound: by
+    rendezvous alone a replica that joins (a scale-up, a replacement) took about 1/n of every
+    session, each of which then computed its history again there, and a session one worker
+    spilled went back once another worker took its next request."""
 
     reads_request = True
 
@@ -352,10 +358,12 @@ class SessionAffinity:
         header: str | None = None,
         cookie: str | None = None,
         balance: float = DEFAULT_BALANCE,
+        table: AffinityTable | None = None,
     ) -> None:
         if not header and not cookie:
             raise ValueError("session affinity needs a header or a cookie name")
         self.inner = inner
+        self.table = table
         self.weighs_streams: bool = inner.weighs_streams  # the loads are the inner policy's
         self.header = b"\r\n" + header.lower().encode() + b":" if header else None
         self.cookie = cookie.encode() + b"=" if cookie else None
@@ -372,7 +380,10 @@ class SessionAffinity:
         self.inner.defer = value  # what keeps records is the inner policy
 
     def commit(self, rid: int, record: object | None) -> None:
-        if record is not _SESSION:  # a choice of the inner policy's: its record
+        if isinstance(record, _Session):  # where the session went, for every worker
+            if self.table is not None:
+                self.table.put(record.key, rid)
+        else:  # a choice of the inner policy's: its record
             self.inner.commit(rid, record)
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
@@ -388,13 +399,18 @@ class SessionAffinity:
         request: RequestView | None = None,
     ) -> int:
         session = self._session(request.headers) if request is not None else None
-        if session is not None and len(candidates) > 1:
+        if session is not None:
+            key = stable_key(session)
             loads = {rid: float(in_flight.get(rid, 0)) for rid in candidates}
             limit = bound(loads, candidates, self.balance)
-            for rid in rendezvous_order(stable_key(session), candidates):
-                if loads[rid] < limit:
+            placed = self.table.get(key) if self.table is not None else None
+            order = rendezvous_order(key, candidates)
+            if placed in loads:
+                order.insert(0, placed)
+            for rid in order:
+                if loads[rid] < limit or len(candidates) == 1:
                     self.preferred = True
-                    self.pending = _SESSION
+                    self.pending = _Session(key)
                     return rid
         chosen: int = self.inner.select(candidates, in_flight, request)
         self.preferred = self.inner.preferred
@@ -419,8 +435,11 @@ class SessionAffinity:
         return f"SessionAffinity({self.inner!r})"
 
 
-# SessionAffinity's own choice: nothing of the inner policy's to record.
-_SESSION: Final = object()
+class _Session(NamedTuple):
+    """SessionAffinity's own choice (nothing of the inner policy's to record): the session's
+    key, kept in the shared table with the replica it went to."""
+
+    key: int
 
 
 def _header_value(low: bytes, headers: bytes, name: bytes) -> str | None:

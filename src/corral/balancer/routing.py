@@ -95,7 +95,8 @@ def make_policy(
             f"unknown load balancing policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}"
         )
     if session_header or session_cookie:
+        table = AffinityTable.open(Path(affinity_file)) if affinity_file else None
         policy = SessionAffinity(
-            policy, header=session_header, cookie=session_cookie, balance=balance
+            policy, header=session_header, cookie=session_cookie, balance=balance, table=table
         )
     return policy
