@@ -1586,3 +1586,33 @@ def test_a_session_stays_on_its_replica_when_another_joins(tmp_path: Path) -> No
     assert moved == [], f"{len(moved)} of {len(sessions)} sessions moved to the new replica"
     fresh = {where(f"new-{i}", (1, 2, 3, 4)) for i in range(40)}
     assert 4 in fresh  # new sessions do reach it
+
+
+def test_a_request_held_for_its_replica_takes_another_before_its_hold_bound() -> None:
+    """A patience as long as the hold's bound (hold_patience_seconds: 10 with
+    hold_timeout_seconds: 1) must not turn the wait for the cached replica into a 503 while
+    another replica sat idle, nor say "every replica had 1 request(s) in flight" then: the
+    question goes to the replica with room before its bound."""
+
+    async def go() -> None:
+        async with fleet(2) as replicas:
+            ready = {r.rid: r.url for r in replicas}
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 1, "hold_patience": 10}
+            doc = "The shared document. " * 100
+            async with (
+                balancer(ready, policy="prefix_affinity", routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
+                url = f"http://{HOST}:{lb.port}"
+                first = asyncio.create_task(http.post(url + "/hold", json={"prompt": doc + "Q0?"}))
+                await wait_until(lambda: sum(r.arrived for r in replicas) == 1, 10, "home busy")
+                home = next(r for r in replicas if r.arrived)
+                async with http.post(url + "/after", json={"prompt": doc + "Q1?"}) as answer:
+                    body = await answer.text()
+                    assert answer.status == 200, body
+                    assert json.loads(body)["replica"] != home.rid
+                home.gate.set()
+                assert (await first).status == 200
+                assert lb.stats()["held_expired"] == 0
+
+    run(go())

@@ -218,7 +218,10 @@ class Gate:
             return
         if home is not None:
             self._homes[home] += 1
-        self._held.append((now + self._hold_timeout, now + self._patience, home, ex))
+        # At most half the hold's bound waiting for the home: a patience as long as the bound
+        # turned the wait for the cache into a 503 while another replica sat idle.
+        patience = min(self._patience, self._hold_timeout / 2)
+        self._held.append((now + self._hold_timeout, now + patience, home, ex))
         self._held_total += 1
 
     def _readiness(self, any_ready: bool) -> None:
