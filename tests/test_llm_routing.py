@@ -1594,11 +1594,26 @@ def test_a_request_held_for_its_replica_takes_another_before_its_hold_bound() ->
     another replica sat idle, nor say "every replica had 1 request(s) in flight" then: the
     question goes to the replica with room before its bound."""
 
+
+def test_held_requests_whose_clients_left_stop_counting_as_their_replicas_load() -> None:
+    """Requests waiting for a replica count as its load in the policy's bound (see above), but
+    one whose client went away waits for nothing and must stop counting. Both replicas are at
+    their limit of 4 (a hot document's on one, other prompts on the other); one question of
+    the document waits for its replica, eight more are held behind that one and their clients
+    disconnect (a client timeout). The next question then waits for the document's replica,
+    as with one request waiting, not for the other replica (where its document would be
+    computed again), pushed there past the bound by eight requests that are gone: they were
+    dropped only when they reached the queue's head, behind a request that waits on."""
+
     async def go() -> None:
         async with fleet(2) as replicas:
             ready = {r.rid: r.url for r in replicas}
             routing = {"max_in_flight_per_replica": 1, "hold_timeout": 1, "hold_patience": 10}
             doc = "The shared document. " * 100
+
+
+            routing = {"max_in_flight_per_replica": 4, "hold_timeout": 30, "hold_patience": 20}
+            doc = "The hot document. " * 100
             async with (
                 balancer(ready, policy="prefix_affinity", routing=routing) as lb,
                 aiohttp.ClientSession() as http,
@@ -1614,5 +1629,47 @@ def test_a_request_held_for_its_replica_takes_another_before_its_hold_bound() ->
                 home.gate.set()
                 assert (await first).status == 200
                 assert lb.stats()["held_expired"] == 0
+
+
+                url = f"http://{HOST}:{lb.port}/hold"
+
+                def ask(prompt: str) -> asyncio.Task[aiohttp.ClientResponse]:
+                    return asyncio.create_task(http.post(url, json={"prompt": prompt}))
+
+                def arrived() -> int:
+                    return sum(r.arrived for r in replicas)
+
+                tasks = [ask(doc + "Q0?")]
+                await wait_until(lambda: arrived() == 1, 10, "the document sent")
+                home = next(r for r in replicas if r.arrived)
+                other = next(r for r in replicas if r is not home)
+                for q in range(1, 4):
+                    tasks.append(ask(doc + f"Q{q}?"))
+                    tasks.append(ask(f"unrelated prompt {q} " * 20))
+                    await wait_until(lambda q=q: arrived() == 2 * q + 1, 10, "sent")
+                tasks.append(ask("one more unrelated prompt " * 20))
+                await wait_until(lambda: arrived() == 8, 10, "both replicas full")
+                assert home.arrived == other.arrived == 4
+                tasks.append(ask(doc + "Q4?"))
+                await wait_until(lambda: lb.held() == 1, 10, "question 4 held")
+                gone = []
+                for q in range(5, 13):
+                    gone.append(ask(doc + f"Q{q}?"))
+                    await wait_until(lambda q=q: lb.held() == q - 3, 10, f"question {q} held")
+                for task in gone:
+                    task.cancel()
+                await wait_until(lambda: lb.held() == 1, 10, "the gone clients' requests dropped")
+                await wait_until(
+                    lambda: sum(lb._homes.values()) == 1,
+                    10,
+                    "the gone clients' requests no longer counted as the home's load",
+                )
+                tasks.append(ask(doc + "Q13?"))
+                await wait_until(lambda: lb.held() == 2, 10, "question 13 held")
+                assert lb._homes == {home.rid: 2}, "pushed off its replica by requests gone"
+                home.gate.set()
+                other.gate.set()
+                for task in tasks:
+                    assert (await task).status == 200
 
     run(go())

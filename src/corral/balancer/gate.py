@@ -312,10 +312,24 @@ class Gate:
                 "held_too_long",
                 extra=b"Retry-After: %d\r\n" % HELD_RETRY_AFTER,
             )
+        if self._homes and any(entry[3].done for entry in held):
+            self._drop_gone()
         if self._homes or (held and self._board is not None):
             # a patience may have ended: it may go anywhere now; or another worker's request
             # ended, which frees room this worker is not told of
             self._room_freed()
+
+    def _drop_gone(self) -> None:
+        """Requests held for a replica whose clients left wait for nothing: they stop counting
+        as its load at once, not when they reach the head of the queue (behind a request that
+        waits on, with every replica full, their weight pushed the replica's next requests
+        past the bound, to a replica without their cache)."""
+        kept = [entry for entry in self._held if not entry[3].done]
+        for _, _, home, ex in self._held:
+            if ex.done:
+                self._unwait(home)
+        self._held.clear()
+        self._held.extend(kept)
 
     def _answer_held(self) -> None:
         """The balancer stops: each held request (it reached no replica) gets 503 with
