@@ -40,10 +40,11 @@ INTERVAL: Final = 1.0
 TIMEOUT: Final = 0.8
 MAX_BYTES: Final = 4 << 20
 
-# The engines' names for each signal, first found wins (vLLM, then its older name, SGLang).
+# The engines' names for each signal, first found wins (vLLM, then its older name, SGLang,
+# TGI).
 SIGNALS: Final = {
-    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
-    "running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
+    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "tgi_queue_size"),
+    "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "tgi_batch_current_size"),
     "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
     "prefix_hits": ("vllm:prefix_cache_hits_total",),
     "prefix_queries": ("vllm:prefix_cache_queries_total",),
