@@ -1610,26 +1610,11 @@ def test_a_request_held_for_its_replica_takes_another_before_its_hold_bound() ->
     another replica sat idle, nor say "every replica had 1 request(s) in flight" then: the
     question goes to the replica with room before its bound."""
 
-
-def test_held_requests_whose_clients_left_stop_counting_as_their_replicas_load() -> None:
-    """Requests waiting for a replica count as its load in the policy's bound (see above), but
-    one whose client went away waits for nothing and must stop counting. Both replicas are at
-    their limit of 4 (a hot document's on one, other prompts on the other); one question of
-    the document waits for its replica, eight more are held behind that one and their clients
-    disconnect (a client timeout). The next question then waits for the document's replica,
-    as with one request waiting, not for the other replica (where its document would be
-    computed again), pushed there past the bound by eight requests that are gone: they were
-    dropped only when they reached the queue's head, behind a request that waits on."""
-
     async def go() -> None:
         async with fleet(2) as replicas:
             ready = {r.rid: r.url for r in replicas}
             routing = {"max_in_flight_per_replica": 1, "hold_timeout": 1, "hold_patience": 10}
             doc = "The shared document. " * 100
-
-
-            routing = {"max_in_flight_per_replica": 4, "hold_timeout": 30, "hold_patience": 20}
-            doc = "The hot document. " * 100
             async with (
                 balancer(ready, policy="prefix_affinity", routing=routing) as lb,
                 aiohttp.ClientSession() as http,
@@ -1646,7 +1631,28 @@ def test_held_requests_whose_clients_left_stop_counting_as_their_replicas_load()
                 assert (await first).status == 200
                 assert lb.stats()["held_expired"] == 0
 
+    run(go())
 
+
+def test_held_requests_whose_clients_left_stop_counting_as_their_replicas_load() -> None:
+    """Requests waiting for a replica count as its load in the policy's bound (see above), but
+    one whose client went away waits for nothing and must stop counting. Both replicas are at
+    their limit of 4 (a hot document's on one, other prompts on the other); one question of
+    the document waits for its replica, eight more are held behind that one and their clients
+    disconnect (a client timeout). The next question then waits for the document's replica,
+    as with one request waiting, not for the other replica (where its document would be
+    computed again), pushed there past the bound by eight requests that are gone: they were
+    dropped only when they reached the queue's head, behind a request that waits on."""
+
+    async def go() -> None:
+        async with fleet(2) as replicas:
+            ready = {r.rid: r.url for r in replicas}
+            routing = {"max_in_flight_per_replica": 4, "hold_timeout": 30, "hold_patience": 20}
+            doc = "The hot document. " * 100
+            async with (
+                balancer(ready, policy="prefix_affinity", routing=routing) as lb,
+                aiohttp.ClientSession() as http,
+            ):
                 url = f"http://{HOST}:{lb.port}/hold"
 
                 def ask(prompt: str) -> asyncio.Task[aiohttp.ClientResponse]:
@@ -1689,3 +1695,19 @@ def test_held_requests_whose_clients_left_stop_counting_as_their_replicas_load()
                     assert (await task).status == 200
 
     run(go())
+
+
+def test_a_tgi_engines_queue_and_batch_are_read() -> None:
+    """docs/llm.md counts "TGI's queue size" in the queue depth the autoscaler and the policy
+    weigh. TGI publishes it as ``tgi_queue_size`` and its batch as ``tgi_batch_current_size``
+    (its /metrics reference); read as nothing, a TGI engine was "a replica that publishes
+    none", its queue the balancer's in-flight count, running requests included."""
+    text = (
+        "# TYPE tgi_queue_size gauge\n"
+        "tgi_queue_size 3\n"
+        "# TYPE tgi_batch_current_size gauge\n"
+        "tgi_batch_current_size 4\n"
+        'tgi_request_count{method="POST"} 120\n'
+    )
+    got = engines.parse(text)
+    assert got.get("waiting") == 3.0 and got.get("running") == 4.0, got
