@@ -402,3 +402,30 @@ def test_a_client_that_sends_and_does_not_read_is_read_no_further_than_a_bound()
         writer.close()
 
     run(script, body)
+
+
+@pytest.mark.parametrize("method", [b"GET", b"DELETE", b"POST", b"PUT"])
+def test_an_asterisk_target_is_only_for_options(method: bytes) -> None:
+    """RFC 9112 section 3.2.4: the asterisk-form target is used only with OPTIONS. Any other
+    method with it is malformed (nginx answers 400); the balancer rewrote it to ``/``, so a
+    ``DELETE *`` reached the replica as a DELETE of its root, which no client asked for."""
+    got: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            got.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def body(lb: LoadBalancer) -> None:
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        writer.write(method + b" * HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")
+        status, text = await asyncio.wait_for(answer_of(reader), 10)
+        assert b" 400 " in status and b"OPTIONS" in text, (status, text)
+        writer.close()
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        writer.write(b"OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert (await asyncio.wait_for(answer_of(reader), 10))[1] == b"ok"
+        writer.close()
+
+    run(script, body)
+    assert [head.split(b" ", 1)[0] for head in got] == [b"OPTIONS"], got

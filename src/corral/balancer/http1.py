@@ -52,6 +52,10 @@ def parse_request_line(head: bytes) -> tuple[bytes, bytes, bool, int]:
         # rest would reach the replica as a header line of the client's making.
         raise BadRequest("invalid request line")
     method, target, version = parts
+    if target == b"*" and method != b"OPTIONS":
+        # RFC 9112 section 3.2.4: asterisk-form is OPTIONS's alone. Passed on, it became the
+        # origin-form "/" (origin_form): a "DELETE *" acted on the replica's root.
+        raise BadRequest("a '*' target is only for OPTIONS")
     if version == b"HTTP/1.1":
         return method, target, True, eol
     if version == b"HTTP/1.0":
