@@ -161,7 +161,9 @@ def _render(value: Any, tools: Any, chat: bool | None, limit: int | None) -> Pro
     if kinds == {str}:
         text = _BATCH.join(value)
     elif kinds == {int}:
-        text = _tokens(value)
+        # Each id renders to two characters at least, so ``limit`` of them reach past what is
+        # hashed; the rest cost a str() each (a 1 MiB prompt of ids: 66 ms of the event loop).
+        text = _tokens(value if limit is None else value[:limit])
     elif kinds == {list}:
         rendered = []
         size = 0
