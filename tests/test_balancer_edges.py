@@ -86,6 +86,39 @@ def test_an_upload_in_a_transfer_coding_other_than_chunked_is_a_501(coding: byte
     assert got == []
 
 
+@pytest.mark.parametrize("remembered", [False, True])
+def test_an_http10_request_with_transfer_encoding_is_a_400(remembered: bool) -> None:
+    """RFC 9112 section 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing,
+    and the connection MUST be closed after it (nginx answers 400). HTTP/1.0 has no transfer
+    codings, so a proxy in front may have framed the body otherwise (as none, or by its
+    Content-Length) and sent on as this body what the balancer took, on the kept-alive
+    connection, for a second request: the request smuggled in it reached the replica."""
+    got: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            got.append((await reader.readuntil(b"\r\n\r\n")).split(b"\r\n", 1)[0])
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def body(lb: LoadBalancer) -> None:
+        reader, writer = await asyncio.open_connection(HOST, lb.port)
+        if remembered:  # the fast path remembers this one (its lead, its Host line)
+            writer.write(b"POST /a HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n")
+            assert (await asyncio.wait_for(answer_of(reader), 10))[1] == b"ok"
+        writer.write(
+            b"POST /a HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            b"GET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n"
+        )
+        status, text = await asyncio.wait_for(answer_of(reader), 10)
+        assert b" 400 " in status and b"Transfer-Encoding" in text, (status, text)
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing more read
+        writer.close()
+
+    run(script, body)
+    assert got == ([b"POST /a HTTP/1.1"] if remembered else []), got
+
+
 @pytest.mark.parametrize(
     "request_bytes",
     [

@@ -26,10 +26,10 @@ import httptools
 from corral.balancer import fast, fast_stream
 from corral.balancer.exchange import DL_HEAD, DL_LINGER, DL_NONE, Exchange
 from corral.balancer.headers import (
+    coding_refusal,
     connection_tokens,
     forwarded,
     forwarded_host,
-    only_chunked,
     scan_request,
 )
 from corral.balancer.http1 import (
@@ -325,10 +325,9 @@ class ClientConnection(asyncio.Protocol):
         ex.expect = expect is not None and expect[0].lower() == b"100-continue"
         length = found.get(b"content-length")
         coding = found.get(b"transfer-encoding")  # llhttp accepts chunked only as the last
-        if coding is not None and not only_chunked(coding):
-            # The chunks come off here and the header is dropped: the replica would get the
-            # body still gzip'd (say) with nothing saying so. As nginx answers it:
-            self._reject(501, "a transfer coding other than chunked is not supported")
+        refusal = None if coding is None else coding_refusal(coding, http11)
+        if refusal is not None:
+            self._reject(*refusal)
             return
         chunked = coding is not None
         if chunked or length or upgrade:

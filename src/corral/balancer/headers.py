@@ -36,6 +36,7 @@ __all__ = [
     "RESPONSE_RE",
     "CommonScan",
     "Found",
+    "coding_refusal",
     "connection_tokens",
     "drop_keep_alive",
     "forwarded",
@@ -223,6 +224,24 @@ def _drop_named(block: bytes, values: list[bytes], already: frozenset[bytes]) ->
     if not extra:
         return block
     return _scan(block, _named_pattern(extra))[0]
+
+
+def coding_refusal(values: list[bytes], http11: bool) -> tuple[int, str] | None:
+    """Why a request's Transfer-Encoding (its header lines' values) is refused: (status,
+    detail), or None to carry the body. Both as nginx answers them:
+
+    * on an HTTP/1.0 request, 400: its framing is faulty (RFC 9112 section 6.1, "MUST ...
+      close the connection"). HTTP/1.0 has no transfer codings, so a proxy in front of the
+      balancer may have framed the body otherwise (by its Content-Length, or as none) and
+      sent on as this body what the balancer would take for a second request;
+    * a coding other than chunked alone, 501: the chunks come off here and the header is
+      dropped, so the replica would get the body still gzip'd (say) with nothing saying so.
+    """
+    if not http11:
+        return 400, "an HTTP/1.0 request with Transfer-Encoding"
+    if not only_chunked(values):
+        return 501, "a transfer coding other than chunked is not supported"
+    return None
 
 
 def only_chunked(values: list[bytes]) -> bool:
