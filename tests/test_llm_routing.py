@@ -1695,19 +1695,3 @@ def test_held_requests_whose_clients_left_stop_counting_as_their_replicas_load()
                     assert (await task).status == 200
 
     run(go())
-
-
-def test_a_tgi_engines_queue_and_batch_are_read() -> None:
-    """docs/llm.md counts "TGI's queue size" in the queue depth the autoscaler and the policy
-    weigh. TGI publishes it as ``tgi_queue_size`` and its batch as ``tgi_batch_current_size``
-    (its /metrics reference); read as nothing, a TGI engine was "a replica that publishes
-    none", its queue the balancer's in-flight count, running requests included."""
-    text = (
-        "# TYPE tgi_queue_size gauge\n"
-        "tgi_queue_size 3\n"
-        "# TYPE tgi_batch_current_size gauge\n"
-        "tgi_batch_current_size 4\n"
-        'tgi_request_count{method="POST"} 120\n'
-    )
-    got = engines.parse(text)
-    assert got.get("waiting") == 3.0 and got.get("running") == 4.0, got
