@@ -543,6 +543,28 @@ def install() -> None:
         _replaced_reported = False
 
 
+def hold_standard_fds() -> list[int]:
+    """Point descriptors 0, 1 and 2 at ``/dev/null`` where they are closed; return which were.
+
+    Why: a process started with them closed (``corral daemon run >&- 2>&-``, a supervisor that
+    closes them) hands those numbers to the next files it opens: the daemon's event loop, the
+    API's or the data plane's socket, a job's log. What still writes to fd 1/2 below the router
+    (a fatal error, C code, a child inheriting them) then writes into that socket or file.
+    Called first thing by ``corral daemon run``, before anything is opened.
+    """
+    held: list[int] = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            held.append(fd)
+    return held
+
+
 def _enable_faulthandler() -> None:
     for stream in (_stderr._fallback.stream, sys.__stderr__):
         try:

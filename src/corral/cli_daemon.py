@@ -64,6 +64,9 @@ def daemon_run(
     The API listens on 127.0.0.1. Any other address is reachable from elsewhere, so it needs
     HTTPS (--tls-cert and --tls-key): the bearer token must not cross a network in clear.
     """
+    from corral.capture import hold_standard_fds
+
+    hold_standard_fds()  # before anything opens a file that would take a closed 1 or 2
     home = (home_opt or home_of(ctx)).expanduser().resolve()
     if (tls_cert is None) != (tls_key is None):
         fail("--tls-cert and --tls-key go together: give both, or neither")
