@@ -270,6 +270,11 @@ class LogCursor:
             shorter = os.stat(self.path).st_size < self._reached
         except OSError:
             shorter = False
+        if chunk and not shorter:
+            # Emptied by something other than the cap (`: > log`, `truncate -s 0`) and written
+            # past this place before this read: its size no longer tells, but what was read
+            # last is no longer before this place. Read on, the start of the new content was lost.
+            shorter = not _bytes_before(self.path, self.position).endswith(self._seen)
         if now == self._mark and shorter and _rotating(self.path):
             return b"", False  # emptied, its .1 not in place yet: the rest of it is read from there
         if now != self._mark or shorter:
