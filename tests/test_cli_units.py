@@ -103,6 +103,21 @@ def test_row_names_the_version_taking_traffic() -> None:
     assert cliview.version_text(done) == "2" and cliview.ready_text(done) == "1/1"
 
 
+def test_a_failed_blue_green_version_is_not_said_to_get_traffic_soon() -> None:
+    """It never will: it gave up. The note said it would, next to the line that it failed."""
+    failed = _service(
+        replicas=[_replica(1, 1, "READY"), _replica(2, 2, "FAILED_INITIAL_DELAY")],
+        traffic_versions=[1],
+        traffic_held_for_version=2,
+        last_update_failure="version 2 never became ready and 3 replicas failed",
+    )
+    texts = [text for _, text in cliview.service_notes(failed)]
+    assert not any("gets traffic once" in text for text in texts)
+    assert any("update failed, traffic stays on version 1" in text for text in texts)
+    starting = _service(replicas=[_replica(1, 1, "READY")], traffic_held_for_version=2)
+    assert any("gets traffic once" in t for _, t in cliview.service_notes(starting))
+
+
 def test_failed_replicas_fold_after_the_newest_few() -> None:
     replicas = [_replica(i, 1, "FAILED") for i in range(1, 8)] + [_replica(8, 1, "READY")]
     shown, folded = cliview.shown_replicas(_service(replicas=replicas), verbose=False)

@@ -186,7 +186,8 @@ def service_notes(service: dict[str, Any]) -> list[tuple[str, str]]:
             ("", f"{name}: target {service['target']} at {scaler['qps']:g} QPS: {scaler['reason']}")
         )
     held = service.get("traffic_held_for_version")
-    if held is not None:
+    # A held version whose update failed never gets traffic: the failure line says so.
+    if held is not None and not service.get("last_update_failure"):
         notes.append(
             ("", f"{name}: version {held} (blue-green) gets traffic once enough of it is READY")
         )
