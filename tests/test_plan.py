@@ -241,6 +241,13 @@ def test_scale(rows: list[R], target: int, expected: list[plan.Action]) -> None:
             20.0,
             "launching 1 toward target 2",
         ),
+        # A READY replica that runs on ends the run however young: replicas lost together
+        # (a node, the OOM killer) come back as fast as the first replacement is READY.
+        (
+            [crashed(2, 10.0), crashed(3, 10.0), ready(4, at=11.0), crashed(5, 12.0)],
+            13.0,
+            "launching 1 toward target 2",
+        ),
         # Capped at 30 s however many failed.
         (
             [ready(1, at=0.0), *(crashed(i, 100.0 + i) for i in range(2, 12))],
@@ -743,3 +750,41 @@ def test_a_blue_green_version_that_never_becomes_ready_is_never_promoted() -> No
     assert sim.failure is not None and sim.failure.startswith("version 2 never became ready")
     assert sim.switches == [] and sim.serving() == 2
     assert sim.statuses(1) == [ReplicaStatus.READY] * 2
+
+
+def test_replicas_that_die_soon_after_ready_back_off_longer_each_time() -> None:
+    """A READY of a few seconds does not end a run of failures: an app that passes its first
+    probe and dies 3 s later is relaunched 1, 2, 4 ... 30 s apart, not every 1 s forever."""
+    sim = started(1)
+    sim.now = 2000.0  # replica 1 has served for 1000 s: its crash starts a new run
+    waits: list[float] = []
+    for _ in range(7):
+        (rid,) = (r.id for r in sim.rows.values() if failure_status(r) is None)
+        if replica_status(sim.rows[rid]) is not ReplicaStatus.READY:
+            sim.become_ready(rid)
+            sim.now += 3.0
+        sim.crash(rid)
+        sim.step()  # torn down now; backoff counts from here
+        died = sim.now
+        while not any(replica_status(r) is ReplicaStatus.STARTING for r in sim.rows.values()):
+            sim.now += 0.5
+            sim.step()
+        waits.append(sim.now - died)
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_a_replica_ready_for_a_minute_ends_the_run_of_failures() -> None:
+    sim = started(1)
+    sim.now = 2000.0
+    for stays in (3.0, 3.0, 3.0, 70.0):  # the last past STABLE_READY_SECONDS
+        (rid,) = (r.id for r in sim.rows.values() if failure_status(r) is None)
+        if replica_status(sim.rows[rid]) is not ReplicaStatus.READY:
+            sim.become_ready(rid)
+        sim.now += stays
+        sim.crash(rid)
+        sim.step()
+        note = sim.note
+        sim.now += 60.0
+        sim.step()
+    # three short READYs were one run (the third waited 4 s); a minute READY ends it
+    assert note == "waiting 1s before relaunching (backoff)"

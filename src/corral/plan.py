@@ -32,6 +32,7 @@ from corral.replicas import (
     UpdateMode,
     failure_status,
     is_live,
+    ready_held,
     replica_status,
     scale_down_victims,
 )
@@ -289,12 +290,10 @@ def teardown_retry_due(r: Row, now: float) -> bool:
 
 def relaunch_wait(current: Sequence[Row], now: float) -> float:
     """Seconds before relaunching after consecutive failures, so a crashing app is not
-    hammered. Failures before the newest READY do not count: they are not consecutive."""
+    hammered. Failures before the newest READY that held (:func:`ready_held`) do not count."""
     failures = [r for r in current if failure_status(r) is not None]
-    readies = [r.first_ready_at for r in current if r.first_ready_at]
-    if readies:
-        newest_ready = max(readies)
-        failures = [r for r in failures if r.updated_at > newest_ready]
+    if readies := [r.first_ready_at for r in current if r.first_ready_at and ready_held(r)]:
+        failures = [r for r in failures if r.updated_at > max(readies)]
     if not failures:
         return 0.0
     last = max(r.updated_at for r in failures)

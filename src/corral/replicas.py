@@ -82,6 +82,8 @@ class ReplicaFacts(Protocol):
     @property
     def first_ready_at(self) -> float | None: ...
     @property
+    def updated_at(self) -> float: ...
+    @property
     def ready(self) -> int: ...
     @property
     def app_failed(self) -> int: ...
@@ -129,6 +131,25 @@ def replica_status(r: ReplicaFacts) -> ReplicaStatus:
             return ReplicaStatus.READY
         return ReplicaStatus.NOT_READY if r.first_ready_at is not None else ReplicaStatus.STARTING
     return ReplicaStatus.UNKNOWN
+
+
+# How long a replica that failed had to stay READY for its READY to end a run of failures.
+STABLE_READY_SECONDS = 60.0
+
+
+def ready_held(r: ReplicaFacts) -> bool:
+    """Whether ``r``'s READY ends its version's run of failures for the relaunch backoff
+    (corral.plan): it still runs, or it failed at least :data:`STABLE_READY_SECONDS` after.
+
+    A READY of a few seconds that ended in a failure proves nothing: counted, an app that dies
+    soon after its first probe was relaunched every few seconds forever, never backing off
+    (Kubernetes' CrashLoopBackOff resets only after 10 minutes). A replica that runs on still
+    counts however young, so replicas lost together (a node, the OOM killer) come back as fast
+    as the first replacement is READY."""
+    if failure_status(r) is None:
+        return True
+    ready_at = r.first_ready_at
+    return ready_at is not None and r.updated_at - ready_at >= STABLE_READY_SECONDS
 
 
 def is_live(r: ReplicaFacts) -> bool:
