@@ -7,6 +7,12 @@ request hung 60 s for a 503, and `up` promised a replica that never came.
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from conftest import CorralHome, http, write_spec
+
 from corral.cli_wait import zero_text
 from corral.service_route import route_of
 from corral.spec import parse_spec
@@ -21,6 +27,8 @@ SCALES_FROM_ZERO = (
 def test_a_fixed_zero_service_answers_503_at_once() -> None:
     assert route_of(parse_spec(FIXED_ZERO), 8080).config["no_replica_wait"] == 0.0
     assert route_of(parse_spec(SCALES_FROM_ZERO), 8080).config["no_replica_wait"] == 60.0
+    gave_up = route_of(parse_spec(SCALES_FROM_ZERO), 8080, gave_up=True)
+    assert gave_up.config["no_replica_wait"] == 0.0  # nothing will be relaunched
 
 
 def test_up_does_not_promise_a_replica_to_a_fixed_zero_service() -> None:
@@ -28,3 +36,31 @@ def test_up_does_not_promise_a_replica_to_a_fixed_zero_service() -> None:
     assert "starts one" not in fixed and "corral update z" in fixed
     scaling = zero_text("z", {"endpoint": "http://e", "policy": {"max_replicas": 2}})
     assert "the first request to http://e starts one" in scaling
+
+
+def test_a_scale_to_zero_service_that_gave_up_answers_503_at_once(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A request to a service at zero waits for the replica the autoscaler starts, up to 60 s.
+    Once the controller gave up on the version (its replicas kept failing: nothing will be
+    relaunched), there is nothing to wait for: every request waited the 60 s for a 503."""
+    corral_home.env["CORRAL_DECISION_INTERVAL"] = "0.3"
+    text = (
+        'name: gone\nrun: "test -n $PORT && exit 3"\nservice:\n  readiness_probe: /\n'
+        "  replica_policy:\n    min_replicas: 0\n    max_replicas: 2\n"
+        "    target_qps_per_replica: 1\n"
+    )
+    corral_home.run("up", str(write_spec(tmp_path / "gone.yaml", text)))
+    endpoint = corral_home.status("gone")["endpoint"]
+    address = urlsplit(endpoint)
+    # The first request asks for a replica (each one launched exits at once); left waiting.
+    first = socket.create_connection((address.hostname, address.port), timeout=10)
+    try:
+        first.sendall(b"GET / HTTP/1.1\r\nHost: gone\r\n\r\n")
+        corral_home.wait_for(
+            lambda: corral_home.status("gone")["status"] == "FAILED", 60, "the controller gives up"
+        )
+        # Within its socket timeout, not after the 60 s wait for a replica that never comes.
+        assert http(endpoint, timeout=20).status == 503
+    finally:
+        first.close()

@@ -87,7 +87,8 @@ class ServiceController:
         self.executor = Executor(self.svc)
         self.prober = Prober(self.svc)
         self._on_removed = on_removed
-        self._route_version = 0  # the version whose `service:` settings the route carries
+        # The version whose `service:` settings the route carries, and whether it gave up.
+        self._route_key = (0, False)
         self.failed: str | None = None  # the controller itself crashed
         self._autoscaler: Autoscaler | None = None
         self._policy_version = 0
@@ -262,18 +263,19 @@ class ServiceController:
         if port is None:
             port = free_port()
             self.svc.store.update_service(self.svc.name, lb_port=port)
-        self._route_version = row.current_version
-        route = self._route(row.current_version, port)
+        self._route_key = (row.current_version, row.failure is not None)
+        route = self._route(*self._route_key, port)
         route.server_context()  # a missing or bad TLS file fails the service here
         self.svc.balancer = self.svc.deps.dataplane.route(self.svc.name, route)
 
-    def _follow_version(self, version: int) -> None:
-        """An update may change the balancer's settings (policy, timeouts, TLS): the workers
-        get the new ones with the next table (a new listener on the same port)."""
-        if self.balancer is None or version == self._route_version:
+    def _follow_version(self, version: int, gave_up: bool) -> None:
+        """An update may change the balancer's settings (policy, timeouts, TLS), and a version
+        that gave up has no replica to wait for: the workers get the new ones with the next
+        table (a new listener on the same port)."""
+        if self.balancer is None or (version, gave_up) == self._route_key:
             return
-        self._route_version = version
-        route = self._route(version, self.balancer.port)
+        self._route_key = (version, gave_up)
+        route = self._route(version, gave_up, self.balancer.port)
         try:
             route.server_context()
         except (OSError, ssl.SSLError) as exc:
@@ -283,10 +285,11 @@ class ServiceController:
             return
         self.balancer.configure(route)
 
-    def _route(self, version: int, port: int) -> Route:
+    def _route(self, version: int, gave_up: bool, port: int) -> Route:
         row = self.svc.store.version(self.svc.name, version)
         copy = version_tls(self.svc.deps.home, self.svc.name, version)
-        return route_of(self.spec(version), port, row.base_dir if row is not None else None, copy)
+        base_dir = row.base_dir if row is not None else None
+        return route_of(self.spec(version), port, base_dir, copy, gave_up=gave_up)
 
     # -- reconcile ----------------------------------------------------------------------------
 
@@ -394,7 +397,7 @@ class ServiceController:
         if svc.intent == "shutting_down":
             return self._reconcile_down(replicas, purge=bool(svc.purge))
         spec = self.spec(svc.current_version)
-        self._follow_version(svc.current_version)
+        self._follow_version(svc.current_version, svc.failure is not None)
         now = time.time()
         self.executor.apply(plan.upkeep(replicas, self.executor.busy(), now), replicas)
         # The chores wrote to the rows (a retired failure's teardown started now, which is

@@ -20,13 +20,17 @@ def route_of(
     port: int,
     base_dir: str | None = None,
     tls_copy: tuple[str, str] | None = None,
+    *,
+    gave_up: bool = False,
 ) -> Route:
     """The data plane's route of a service (everything but the ready set) from its spec.
 
     The TLS files are the version's copies (``tls_copy``, :func:`corral.versionfiles.
     version_tls`); for a version made before corral copied them, the spec's paths, relative
     ones taken from the directory the CLI ran in (``base_dir``), as ``workdir`` is (SkyPilot's
-    rule): the workers run elsewhere, and the path must mean the same file to them."""
+    rule): the workers run elsewhere, and the path must mean the same file to them.
+    ``gave_up``: the controller relaunches nothing (the version's replicas kept failing), so a
+    request finds no replica to wait for."""
     lb = spec.service.load_balancer
     policy = spec.service.replica_policy
     files = tls_paths(spec, base_dir)
@@ -42,10 +46,11 @@ def route_of(
             "policy": spec.service.load_balancing_policy,
             # At zero replicas a request waits for the first one instead of a 503; so it does
             # for a replica on a fixed port, which its successor can only replace in turn. Not
-            # at a fixed size of 0 (`replicas: 0`): no replica ever comes to wait for.
+            # at a fixed size of 0 (`replicas: 0`), nor once the controller gave up: no replica
+            # ever comes to wait for.
             "no_replica_wait": 60.0
-            if (policy.min_replicas == 0 and policy.max_replicas > 0)
-            or fixed_port(spec) is not None
+            if ((policy.min_replicas == 0 and policy.max_replicas > 0) or fixed_port(spec))
+            and not gave_up
             else 0.0,
             "connect_timeout": lb.connect_timeout_seconds,
             "first_byte_timeout": lb.first_byte_timeout_seconds or lb.stream_timeout_seconds,
