@@ -140,6 +140,21 @@ def _refusals(home: CorralHome) -> list[tuple[str, str, Any, int, dict[str, Any]
             {"error": "query parameter 'purge' must be true or false, got 'maybe'"},
         ),
         (
+            # Taken from the daemon's own working directory before (`workdir: .` copied it).
+            "POST",
+            "/v1/services",
+            {"spec": spec_text("rel", 1), "base_dir": "relative/dir"},
+            400,
+            {"error": "field 'base_dir' must be an absolute path, not 'relative/dir'"},
+        ),
+        (
+            "POST",
+            "/v1/services/pinned/versions",
+            {"spec": spec_text("pinned", 1), "base_dir": "."},
+            400,
+            {"error": "field 'base_dir' must be an absolute path, not '.'"},
+        ),
+        (
             # Read as "no" before: the daemon stopped, keeping the workers it was maybe asked
             # to stop. Last, since a wrong answer here stops the daemon.
             "POST",

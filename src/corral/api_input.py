@@ -74,6 +74,16 @@ def optional_str(body: dict[str, Any], key: str) -> str | None:
     return value
 
 
+def optional_dir(body: dict[str, Any], key: str) -> str | None:
+    """A directory field (``base_dir``: where the spec's relative paths are taken from), or
+    None. Absolute only: a relative one would be taken from the daemon's own working
+    directory, which no client means (`workdir: .` would copy the daemon's)."""
+    value = optional_str(body, key)
+    if value is not None and not os.path.isabs(value):
+        raise RequestError(400, f"field {key!r} must be an absolute path, not {value!r}")
+    return value
+
+
 def optional_version(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is not None and (

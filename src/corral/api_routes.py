@@ -19,6 +19,7 @@ from corral.api_input import (
     body_of,
     flag,
     int_param,
+    optional_dir,
     optional_str,
     optional_values,
     optional_version,
@@ -89,7 +90,7 @@ class Routes:
             raise RequestError(400, "field 'spec' (the service YAML as a string) is required")
         name = optional_str(body, "name")
         source = optional_str(body, "source")
-        base_dir = optional_str(body, "base_dir")
+        base_dir = optional_dir(body, "base_dir")
         service = await self.daemon.create(
             spec,
             name=name,
@@ -109,7 +110,7 @@ class Routes:
             mode=mode,
             from_version=optional_version(body, "from_version"),
             source=optional_str(body, "source"),
-            base_dir=optional_str(body, "base_dir"),
+            base_dir=optional_dir(body, "base_dir"),
             envs=optional_values(body, "envs"),
             secrets=optional_values(body, "secrets"),
         )
