@@ -125,7 +125,9 @@ def balancer_lines(
 ) -> tuple[list[bytes], dict[Path, int]]:
     """The complete lines naming ``service`` written to the workers' logs since ``positions``
     (file -> offset; empty: from the start), and the positions to ask from next time. A log
-    found shorter than its position was emptied or replaced: it is read again from 0."""
+    found shorter than its position was emptied or replaced: it is read again from 0, after
+    what the size cap moved to its ``.1`` past that position (lines written since the last
+    read, which were lost at each rotation)."""
     found: list[bytes] = []
     after = dict(positions)
     for path in worker_logs(home):
@@ -134,6 +136,7 @@ def balancer_lines(
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size < start:
+                    found += _naming(_rest_of(backup_of(path), start), service)
                     start = 0
                 f.seek(start)
                 # In blocks, keeping only this service's lines: a worker's log holds every
@@ -193,6 +196,17 @@ def _complete_end(f: BinaryIO, size: int) -> int:
             return start + newline + 1
         position = start
     return 0
+
+
+def _rest_of(path: Path, start: int) -> bytes:
+    """What ``path`` holds past ``start`` (b"" where it is missing or shorter: not the
+    generation read up to there)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _naming(data: bytes, service: str) -> list[bytes]:
