@@ -9,7 +9,7 @@ from corral import logfiles, loglines
 
 
 def _line(i: int) -> bytes:
-    return f"2026-12-07 07:00:{i:02d},000 INFO worker-0 corral.balancer: svc up {i}\n".encode()
+    return f"2026-12-07 07:00:{i:02d},000 INFO worker-0 balancer svc up {i}\n".encode()
 
 
 def test_balancer_follower_reads_what_the_cap_moved_to_dot_one(tmp_path: Path) -> None:
