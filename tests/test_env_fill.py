@@ -110,3 +110,27 @@ def test_the_probe_asks_for_the_model_given_at_up_before_and_after_a_restart(
         40,
         "version 2 (version 1 again) READY",
     )
+
+
+def test_the_cli_checks_a_workdir_given_by_env_with_that_value(tmp_path: Path) -> None:
+    """`workdir: $WD` with WD given at `update` (--env): the CLI checked the path as the spec
+    alone fills it ("$WD does not exist") and refused what the daemon would have run."""
+    from click.testing import CliRunner
+
+    from corral.cli import main
+
+    (tmp_path / "app").mkdir()
+    spec = tmp_path / "svc.yaml"
+    spec.write_text(
+        "name: wd\nenvs:\n  WD: null\nworkdir: $WD\n"
+        "service:\n  readiness_probe: /\n  replicas: 1\nrun: python -m http.server $PORT\n"
+    )
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        args = ["--home", str(tmp_path / "home"), "update", "wd", str(spec), "--env", "WD=app"]
+        result = CliRunner().invoke(main, args)
+    finally:
+        os.chdir(cwd)
+    assert "does not exist" not in result.output, result.output
+    assert "daemon" in result.output.lower(), result.output  # it got as far as asking one

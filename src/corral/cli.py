@@ -100,8 +100,8 @@ def up(
 
     Relative paths in FILE (workdir) are taken from the current directory, as in SkyPilot;
     the workdir is copied now, so later edits reach the service only with `corral update`."""
-    spec = load_or_exit(file, name, need_name=False)
     envs, secrets = given_values(env, env_file, secret)
+    spec = load_or_exit(file, name, need_name=False, envs=envs)
     check_deployable(file, spec, envs, secrets)
     refuse_model_before_starting(home_of(ctx), file, spec)
     try:
@@ -207,7 +207,7 @@ def update(
     text = source = base_dir = None
     envs, secrets = given_values(env, env_file, secret)
     if file is not None:
-        spec = load_or_exit(file, name)
+        spec = load_or_exit(file, name, envs=envs)
         check_deployable(file, spec, envs, secrets)
         text, source, base_dir = file.read_text(), str(file.resolve()), os.getcwd()
     elif envs or secrets:

@@ -182,11 +182,15 @@ def placement_here(spec: ServiceSpec) -> tuple[list[SpecIssue], list[str], str |
     return [], fit_warnings(resources, replicas, inventory), used
 
 
-def load_or_exit(file: Path, name: str | None, *, need_name: bool = True) -> ServiceSpec:
+def load_or_exit(
+    file: Path, name: str | None, *, need_name: bool = True, envs: dict[str, str] | None = None
+) -> ServiceSpec:
+    """The spec of `up`/`update`, its ``envs`` (the --env values) filled in as the daemon
+    fills them: checked with the spec's own, a `workdir: $DIR` given by --env was refused."""
     from corral.spec import SpecError, load_spec
 
     try:
-        spec = load_spec(file, name=name, require_service=True)
+        spec = load_spec(file, name=name, require_service=True, envs=envs)
     except SpecError as exc:
         err.print(str(exc), soft_wrap=True, markup=False)
         sys.exit(1)

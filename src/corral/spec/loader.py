@@ -262,10 +262,14 @@ def parse_spec(
 
 
 def load_spec(
-    path: str | os.PathLike[str], name: str | None = None, *, require_service: bool = False
+    path: str | os.PathLike[str],
+    name: str | None = None,
+    *,
+    require_service: bool = False,
+    envs: Mapping[str, str] | None = None,
 ) -> ServiceSpec:
-    """Read a spec file and parse it (see :func:`parse_spec`); unreadable files are SpecErrors
-    like any other problem."""
+    """Read a spec file and parse it (see :func:`parse_spec`, ``envs`` as there); unreadable
+    files are SpecErrors like any other problem."""
     source = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
 
     def fail(message: str, line: int | None = None) -> SpecError:
@@ -290,4 +294,4 @@ def load_spec(
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise fail("is not UTF-8 text (is it a binary file?)", line) from None
-    return parse_spec(text, source=source, name=name, require_service=require_service)
+    return parse_spec(text, source=source, name=name, require_service=require_service, envs=envs)
