@@ -31,6 +31,18 @@ def test_a_fixed_zero_service_answers_503_at_once() -> None:
     assert gave_up.config["no_replica_wait"] == 0.0  # nothing will be relaunched
 
 
+def test_a_fixed_zero_service_on_a_fixed_port_answers_503_at_once() -> None:
+    """A fixed port keeps a request waiting for the successor of the replica on it; at
+    `replicas: 0` there is none, and each request waited 60 s for a 503."""
+    text = (
+        "service:\n  replicas: 0\n  readiness_probe: /\nresources:\n  ports: 8081\n"
+        "run: exec python3 -m http.server 8081\n"
+    )
+    assert route_of(parse_spec(text), 8080).config["no_replica_wait"] == 0.0
+    fixed_one = text.replace("replicas: 0", "replicas: 1")
+    assert route_of(parse_spec(fixed_one), 8080).config["no_replica_wait"] == 60.0
+
+
 def test_up_does_not_promise_a_replica_to_a_fixed_zero_service() -> None:
     fixed = zero_text("z", {"endpoint": "http://e", "policy": {"max_replicas": 0}})
     assert "starts one" not in fixed and "corral update z" in fixed

@@ -47,9 +47,10 @@ def route_of(
             # At zero replicas a request waits for the first one instead of a 503; so it does
             # for a replica on a fixed port, which its successor can only replace in turn. Not
             # at a fixed size of 0 (`replicas: 0`), nor once the controller gave up: no replica
-            # ever comes to wait for.
+            # ever comes to wait for (a fixed port's successor included).
             "no_replica_wait": 60.0
-            if ((policy.min_replicas == 0 and policy.max_replicas > 0) or fixed_port(spec))
+            if (policy.min_replicas == 0 or fixed_port(spec) is not None)
+            and policy.max_replicas > 0
             and not gave_up
             else 0.0,
             "connect_timeout": lb.connect_timeout_seconds,
