@@ -8,6 +8,7 @@ request hung 60 s for a 503, and `up` promised a replica that never came.
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -76,3 +77,31 @@ def test_a_scale_to_zero_service_that_gave_up_answers_503_at_once(
         assert http(endpoint, timeout=20).status == 503
     finally:
         first.close()
+
+
+def test_a_request_waits_for_the_fallback_replica_after_an_update_gave_up(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """An update that gave up is not a service that relaunches nothing: the version that
+    served before it is relaunched (corral.fallback). A replica on a fixed port is retired
+    before its successor starts, so after a bad update the service has no replica until the
+    fallback's is READY; a request meanwhile waits for it, as at any other replacement on that
+    port, not a 503 at once."""
+    from corral.ports import free_port
+
+    corral_home.env["CORRAL_DECISION_INTERVAL"] = "0.3"
+    port = free_port()
+    serve = f"sleep 8; exec python3 -m http.server {port} --bind 127.0.0.1"
+    good = (
+        f"name: fb\nresources:\n  ports: {port}\nservice:\n  readiness_probe: /\n"
+        f"  replicas: 1\nrun: {serve}\n"
+    )
+    corral_home.run("up", str(write_spec(tmp_path / "v1.yaml", good)))
+    endpoint = corral_home.status("fb")["endpoint"]
+    bad = good.replace(serve, "exit 3")
+    # Returns once version 2 is given up; the fallback's replica then takes 8 s to listen.
+    corral_home.run("update", "fb", str(write_spec(tmp_path / "v2.yaml", bad)), check=False)
+    time.sleep(1.0)  # the route follows the failure at the next step (0.3 s)
+    replicas = corral_home.status("fb")["replicas"]
+    assert not any(r["status"] == "READY" for r in replicas), replicas
+    assert http(endpoint, timeout=40).status == 200

@@ -57,7 +57,7 @@ from corral.servicecore import (
     handle_to_json,
 )
 from corral.spec import ReplicaPolicy, ServiceSpec
-from corral.state import ReplicaRow, StateError, Store
+from corral.state import ReplicaRow, ServiceRow, StateError, Store
 from corral.versionfiles import remove_service_files, version_tls
 from corral.views import service_view
 
@@ -263,7 +263,7 @@ class ServiceController:
         if port is None:
             port = free_port()
             self.svc.store.update_service(self.svc.name, lb_port=port)
-        self._route_key = (row.current_version, row.failure is not None)
+        self._route_key = (row.current_version, self._relaunches_nothing(row))
         route = self._route(*self._route_key, port)
         route.server_context()  # a missing or bad TLS file fails the service here
         self.svc.balancer = self.svc.deps.dataplane.route(self.svc.name, route)
@@ -284,6 +284,14 @@ class ServiceController:
             self.svc.store.event(self.svc.name, "balancer.tls_failed", text)
             return
         self.balancer.configure(route)
+
+    def _relaunches_nothing(self, svc: ServiceRow) -> bool:
+        """The current version gave up and no older one was READY to serve in its place
+        (:mod:`corral.fallback`, which relaunches that one): no replica comes to wait for."""
+        versions = self.svc.store.versions(self.svc.name) if svc.failure is not None else []
+        return svc.failure is not None and not any(
+            v.version < svc.current_version and v.first_ready_at for v in versions
+        )
 
     def _route(self, version: int, gave_up: bool, port: int) -> Route:
         row = self.svc.store.version(self.svc.name, version)
@@ -397,7 +405,7 @@ class ServiceController:
         if svc.intent == "shutting_down":
             return self._reconcile_down(replicas, purge=bool(svc.purge))
         spec = self.spec(svc.current_version)
-        self._follow_version(svc.current_version, svc.failure is not None)
+        self._follow_version(svc.current_version, self._relaunches_nothing(svc))
         now = time.time()
         self.executor.apply(plan.upkeep(replicas, self.executor.busy(), now), replicas)
         # The chores wrote to the rows (a retired failure's teardown started now, which is
