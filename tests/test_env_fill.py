@@ -134,3 +134,18 @@ def test_the_cli_checks_a_workdir_given_by_env_with_that_value(tmp_path: Path) -
         os.chdir(cwd)
     assert "does not exist" not in result.output, result.output
     assert "daemon" in result.output.lower(), result.output  # it got as far as asking one
+
+
+def test_a_workdir_naming_an_env_without_a_value_says_where_its_value_comes_from(
+    tmp_path: Path,
+) -> None:
+    """`validate` takes no --env: a `workdir: $WD` whose WD is given only at `up` is missing
+    there, and the hint says so instead of asking for an absolute path."""
+    from corral.spec import path_issues
+
+    text = "envs:\n  WD: null\nworkdir: $WD\nservice:\n  replicas: 1\nrun: x $PORT\n"
+    (issue,) = path_issues(parse_spec(text), tmp_path)
+    assert issue.loc == "workdir" and "$WD does not exist" in issue.message
+    assert issue.hint is not None and "--env" in issue.hint
+    filled = parse_spec(text, envs={"WD": str(tmp_path)})
+    assert path_issues(filled, tmp_path) == []

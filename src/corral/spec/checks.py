@@ -82,14 +82,16 @@ def path_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spe
         where = Path(base_dir, Path(spec.workdir).expanduser())
         if not where.is_dir():
             what = "is not a directory" if where.exists() else "does not exist"
+            hint = "run corral from the directory the path is relative to, or give an absolute path"
+            if "$" in spec.workdir:  # an env with no value here: `up` fills it from --env
+                hint = "give the variable it names a value in envs, or with --env at up/update"
             issues.append(
                 SpecIssue(
                     "workdir",
                     f"{where} {what} (a relative workdir is taken from the directory corral "
                     f"is run in, {base_dir}, as in SkyPilot)",
                     spec.line_of("workdir"),
-                    "run corral from the directory the path is relative to, or give an "
-                    "absolute path",
+                    hint,
                 )
             )
     return issues
