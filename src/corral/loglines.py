@@ -136,7 +136,8 @@ def balancer_lines(
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size < start:
-                    found += _naming(_rest_of(backup_of(path), start), service)
+                    older = backup_of(path)  # the rest of the generation read up to start
+                    found += _naming(read_at(older, start, file_size(older) - start), service)
                     start = 0
                 f.seek(start)
                 # In blocks, keeping only this service's lines: a worker's log holds every
@@ -196,17 +197,6 @@ def _complete_end(f: BinaryIO, size: int) -> int:
             return start + newline + 1
         position = start
     return 0
-
-
-def _rest_of(path: Path, start: int) -> bytes:
-    """What ``path`` holds past ``start`` (b"" where it is missing or shorter: not the
-    generation read up to there)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _naming(data: bytes, service: str) -> list[bytes]:
