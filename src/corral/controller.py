@@ -288,10 +288,10 @@ class ServiceController:
     def _relaunches_nothing(self, svc: ServiceRow) -> bool:
         """The current version gave up and no older one was READY to serve in its place
         (:mod:`corral.fallback`, which relaunches that one): no replica comes to wait for."""
-        versions = self.svc.store.versions(self.svc.name) if svc.failure is not None else []
-        return svc.failure is not None and not any(
-            v.version < svc.current_version and v.first_ready_at for v in versions
-        )
+        if svc.failure is None:
+            return False
+        versions = self.svc.store.versions(self.svc.name)
+        return fallback.newest_ready_before(versions, svc.current_version) is None
 
     def _route(self, version: int, gave_up: bool, port: int) -> Route:
         row = self.svc.store.version(self.svc.name, version)

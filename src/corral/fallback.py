@@ -35,6 +35,12 @@ def fallback_version(
     when ``current`` gave up; None while ``current`` may still become READY."""
     if gave_up(current, version_ready, [r for r in rows if r.version == current]) is None:
         return None
+    return newest_ready_before(versions, current)
+
+
+def newest_ready_before(versions: Iterable[VersionFacts], current: int) -> int | None:
+    """The newest version older than ``current`` that was ever READY, or None: the one that
+    serves in ``current``'s place once it gave up."""
     older = [v.version for v in versions if v.version < current and v.first_ready_at]
     return max(older, default=None)
 
