@@ -1,25 +1,24 @@
-"""The stream pump (corral.balancer.pump, ``_speedups.Pump``): long live streams relayed by a
-thread of their own, on real sockets on 127.0.0.1, on uvloop as the balancer workers run.
+"""The stream pump (corral.balancer.pump, ``_speedups.Pump``): long live streams relayed by an
+epoll set of their own that the loop watches, with no Python per batch, on real sockets on
+127.0.0.1, on uvloop as the balancer workers run.
 
-A stream goes to the thread once it has relayed PUMP_LONG batches on the loop (or after its
+A stream goes to the pump once it has relayed PUMP_LONG batches on the loop (or after its
 first, when the last stream on that replica connection was that long), and comes back to the
 loop for anything but whole chunk data the client takes at once. These tests hold the pumped
 stream to what the loop does: every byte to the client in order, the replica connection kept
 for the next stream, and each way a stream ends early (client gone, replica lost, a slow
 client, a silent replica, the balancer stopping, framing only httptools reads) handled as on
-the loop, with the thread holding nothing afterwards.
+the loop, with the pump holding nothing afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 GET = b"GET /sse HTTP/1.1\r\nHost: svc\r\n\r\n"
-LONG = 50  # events: past PUMP_LONG (32), so the thread takes the stream
+LONG = 50  # events: past PUMP_LONG (32), so the pump takes the stream
 
 
 def event(i: int, size: int = 0) -> bytes:
@@ -77,7 +76,7 @@ def pump_of(lb: LoadBalancer) -> Any:
 
 
 def settled(lb: LoadBalancer) -> None:
-    """Nothing counted in flight or streaming, and no stream left with the thread."""
+    """Nothing counted in flight or streaming, and no stream left with the pump."""
     assert not any(lb._in_flight.values()), lb._in_flight
     assert not any(lb._streaming.values()), lb._streaming
     pump = getattr(lb, "_stream_pump", None)
@@ -95,7 +94,7 @@ def run(
 ) -> LoadBalancer:
     """``body`` against a balancer in front of one replica answering by ``script`` (over TLS
     with ``replica_tls``, whose certificate ``trust`` has), on uvloop (or asyncio's own
-    loop); the balancer, stopped, whose pump thread must have ended with it."""
+    loop); the balancer, stopped, whose pump must have been closed with it."""
     box: list[LoadBalancer] = []
 
     async def main() -> None:
@@ -112,7 +111,7 @@ def run(
             finally:
                 pump = getattr(lb, "_stream_pump", None)
                 await lb.stop()
-                assert pump is None or not pump.running, "the pump's thread outlived stop()"
+                assert pump is None or pump.closed, "the pump outlived stop()"
 
     (asyncio.run if stock_loop else uvloop.run)(asyncio.wait_for(main(), timeout))
     return box[0]
@@ -128,10 +127,10 @@ async def streams(port: int, count: int, events: int, size: int = 0) -> None:
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
-def test_long_streams_go_to_the_thread_and_arrive_whole(loop: str) -> None:
+def test_long_streams_go_to_the_pump_and_arrive_whole(loop: str) -> None:
     """Three long streams on one client connection: each reaches the client byte for byte,
-    the thread took every one, counted as the loop counts them, over one replica connection
-    kept between them; on asyncio's own loop as on uvloop. The first went to the thread after
+    the pump took every one, counted as the loop counts them, over one replica connection
+    kept between them; on asyncio's own loop as on uvloop. The first went to the pump after
     32 batches; the next ones, after a long one on the same replica connection, at once."""
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
@@ -158,7 +157,7 @@ def test_long_streams_go_to_the_thread_and_arrive_whole(loop: str) -> None:
 @pytest.mark.skipif(OPENSSL is None, reason="the openssl command is missing")
 @pytest.mark.parametrize("tls", ["tls replica", "tls client"])
 def test_tls_streams_stay_on_the_loop(tmp_path: Path, tls: str) -> None:
-    """The thread sends and reads raw sockets: a stream with TLS on either side stays on
+    """The pump sends and reads raw sockets: a stream with TLS on either side stays on
     the loop, whole."""
     cert, key = make_cert(tmp_path, "localhost", "IP:127.0.0.1")
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -206,16 +205,16 @@ def test_many_clients_at_once() -> None:
     run(stream_of(LONG), body, timeout=60)
 
 
-def test_framing_the_thread_leaves_to_the_loop() -> None:
-    """A chunk larger than the thread's buffer, then a size line cut across writes (the first
-    stream) or a chunk extension, httptools' to read (the second), while the thread relays:
-    the client gets the data as sent, and the thread gave each stream back to the loop at
+def test_framing_the_pump_leaves_to_the_loop() -> None:
+    """A chunk larger than the pump's buffer, then a size line cut across writes (the first
+    stream) or a chunk extension, httptools' to read (the second), while the pump relays:
+    the client gets the data as sent, and the pump gave each stream back to the loop at
     the framing it does not relay."""
     big = b"B" * 200_000
     split = frame(event(40))
     cut = [split[:1], split[1:3], split[3:]]  # "b\r\n..." in three writes
-    # an extension whose size line is cut too: what the thread relayed of a line it could
-    # not yet judge would be lost to httptools, so the thread relays no part of one
+    # an extension whose size line is cut too: what the pump relayed of a line it could
+    # not yet judge would be lost to httptools, so the pump relays no part of one
     extended = b"%x;note=1\r\n%b\r\n" % (len(event(40)), event(40))
     extension = [extended[:1], extended[1:]]
     expected = want(40) + big + want(50)[len(want(40)) :]
@@ -239,7 +238,7 @@ def test_framing_the_thread_leaves_to_the_loop() -> None:
         writer.close()
         pump = pump_of(lb)
         assert pump.taken == 2
-        # The first stream's cut line was the thread's to hold, and its end the loop's; the
+        # The first stream's cut line was the pump's to hold, and its end the loop's; the
         # second came back at its extension and stayed on the loop.
         assert pump.given_back["replayed"] == 2
         settled(lb)
@@ -249,17 +248,17 @@ def test_framing_the_thread_leaves_to_the_loop() -> None:
 
 def test_a_client_gone_mid_stream_ends_the_replicas_work() -> None:
     """The client reads part of a pumped stream and closes: the replica's connection is
-    closed (its work cancelled), and the thread holds nothing."""
+    closed (its work cancelled), and the pump holds nothing."""
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
         reader, writer = await asyncio.open_connection(HOST, lb.port)
         writer.write(GET)
         await reader.readuntil(b"\r\n\r\n")
-        await reader.readuntil(b"data: 40 ")  # the thread has it by now
+        await reader.readuntil(b"data: 40 ")  # the pump has it by now
         assert pump_of(lb).streams == 1
         writer.transport.abort()
         await asyncio.wait_for(replica.lost.wait(), 10)
-        await until(lambda: pump_of(lb).streams == 0, "the thread kept the stream")
+        await until(lambda: pump_of(lb).streams == 0, "the pump kept the stream")
         await until(lambda: not any(lb._in_flight.values()), "still in flight")
         settled(lb)
 
@@ -267,7 +266,7 @@ def test_a_client_gone_mid_stream_ends_the_replicas_work() -> None:
 
 
 def test_a_replica_lost_mid_stream_cuts_the_client_and_the_next_is_served() -> None:
-    """The replica's connection resets while the thread relays: the client is cut (no last
+    """The replica's connection resets while the pump relays: the client is cut (no last
     chunk), never left waiting; the next stream is served on a new replica connection."""
 
     async def script(n: int, writer: asyncio.StreamWriter) -> None:
@@ -299,8 +298,8 @@ def test_a_replica_lost_mid_stream_cuts_the_client_and_the_next_is_served() -> N
 
 
 def test_a_slow_client_gets_every_byte() -> None:
-    """A client with a small receive buffer that stops reading while the thread relays: the
-    thread cannot send a whole batch, the loop takes the stream back with what is unsent and
+    """A client with a small receive buffer that stops reading while the pump relays: the
+    pump cannot send a whole batch, the loop takes the stream back with what is unsent and
     holds the replica as it does on the loop, and once the client reads it gets every byte
     in order. 400 events of 30 kB: more than the kernel buffers between (tcp_wmem's 4 MB)."""
     size = 30_000
@@ -311,7 +310,7 @@ def test_a_slow_client_gets_every_byte() -> None:
         sock.connect((HOST, lb.port))
         reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 25)
         writer.write(GET)
-        raw = await reader.readuntil(b"data: 40 ")  # the thread has it by now
+        raw = await reader.readuntil(b"data: 40 ")  # the pump has it by now
         await asyncio.sleep(0.5)  # not reading: the replica writes on
         assert pump_of(lb).given_back["unsent"] == 1, pump_of(lb).given_back
         raw += await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
@@ -322,14 +321,14 @@ def test_a_slow_client_gets_every_byte() -> None:
     run(stream_of(400, gap=0.0005, size=size), body, timeout=60)
 
 
-def test_the_idle_timeout_runs_from_the_last_batch_the_thread_relayed() -> None:
-    """With a 0.6 s idle timeout: a stream the thread relays whose events come 0.3 s apart
+def test_the_idle_timeout_runs_from_the_last_batch_the_pump_relayed() -> None:
+    """With a 0.6 s idle timeout: a stream the pump relays whose events come 0.3 s apart
     for 2.4 s is never cut (each batch moves the deadline on); one whose replica then goes
-    silent is cut at the timeout, and the thread holds nothing."""
+    silent is cut at the timeout, and the pump holds nothing."""
 
     async def script(n: int, writer: asyncio.StreamWriter) -> None:
         writer.write(STREAM_HEAD)
-        for i in range(LONG):  # the thread takes it, after 32 quick ones
+        for i in range(LONG):  # the pump takes it, after 32 quick ones
             await writer.drain()
             await asyncio.sleep(0.001)
             writer.write(frame(event(i)))
@@ -352,15 +351,15 @@ def test_the_idle_timeout_runs_from_the_last_batch_the_thread_relayed() -> None:
             await asyncio.wait_for(read_answer(reader), 10)
         writer.close()
         assert pump_of(lb).taken == 2
-        await until(lambda: pump_of(lb).streams == 0, "the thread kept the stream")
+        await until(lambda: pump_of(lb).streams == 0, "the pump kept the stream")
         assert lb._aborted == 1
         settled(lb)
 
     run(script, body, idle_timeout=0.6)
 
 
-def test_the_balancer_stopping_mid_stream_ends_the_thread() -> None:
-    """``stop`` while the thread relays a stream: the client is cut, and the thread ends
+def test_the_balancer_stopping_mid_stream_closes_the_pump() -> None:
+    """``stop`` while the pump relays a stream: the client is cut, and the pump closes
     (``run`` checks it) without waiting for the stream."""
 
     async def body(lb: LoadBalancer, replica: Replica) -> None:
@@ -371,7 +370,7 @@ def test_the_balancer_stopping_mid_stream_ends_the_thread() -> None:
         pump = pump_of(lb)
         await asyncio.wait_for(lb.stop(), 10)
         assert pump.streams == 0
-        assert not pump.running
+        assert pump.closed
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
             await asyncio.wait_for(read_answer(reader), 10)
         writer.close()
@@ -397,30 +396,3 @@ def test_the_environment_turns_the_pump_off(monkeypatch: pytest.MonkeyPatch) -> 
         settled(lb)
 
     run(stream_of(LONG), body)
-
-
-def test_a_thread_that_cannot_start_leaves_streams_on_the_loop(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Where no thread can be started (a limit on threads or processes), long streams stay
-    on the loop, whole; the pump takes none, says so once, and the balancer stops cleanly."""
-    start = threading.Thread.start
-
-    def refuse(self: threading.Thread) -> None:
-        if self.name == "corral-stream-pump":
-            raise RuntimeError("can't start new thread")
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse)
-
-    async def body(lb: LoadBalancer, replica: Replica) -> None:
-        await streams(lb.port, 3, LONG)
-        pump = pump_of(lb)
-        assert (pump.taken, pump.streams, pump.running) == (0, 0, False)
-        assert lb._codes.get(200) == 3
-        settled(lb)
-
-    with caplog.at_level(logging.WARNING, logger="corral.balancer"):
-        run(stream_of(LONG), body)
-    said = [r for r in caplog.records if "could not start" in r.getMessage()]
-    assert len(said) == 1

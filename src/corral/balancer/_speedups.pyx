@@ -24,7 +24,6 @@ from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 import logging
-import threading
 
 _log = logging.getLogger("corral.balancer")
 
@@ -520,17 +519,23 @@ cdef class ChunkScan:
 
 # ---------------------------------------------------------------------------- stream pump
 
-# A long live stream's batches relayed by a thread of their own (Pump), off the event loop:
+# A long live stream's batches relayed by an epoll set of its own (Pump), nested in the loop's:
 # epoll, read, scan, send, and no Python at all per batch. Why: on uvloop each batch costs a
 # loop wake-up, a bytes object, a protocol call and a transport write, about 1.8 us of user
 # time per event against nginx's 1.0, whatever that protocol does (docs/benchmarks.md). The
-# thread takes a stream's replica socket (uvloop's reading paused meanwhile) and a duplicate
-# of its client's socket once the stream proves long (PUMP_LONG), relays only batches
-# that are whole chunk data, and hands anything else back to the loop before relaying it:
-# the batch that ends the answer, framing the scanner leaves to httptools, a client that does
-# not take a whole batch at once, the replica's end or error. The loop then runs that batch
-# as LiveChunks would have (LiveChunks.reclaim), so the stream's end, flow control and
-# failures keep the one code path they have.
+# pump takes a stream's replica socket (uvloop's reading paused meanwhile) and a duplicate of
+# its client's socket once the stream proves long (PUMP_LONG), relays only batches that are
+# whole chunk data, and hands anything else back to the loop before relaying it: the batch
+# that ends the answer, framing the scanner leaves to httptools, a client that does not take a
+# whole batch at once, the replica's end or error. The loop then runs that batch as LiveChunks
+# would have (LiveChunks.reclaim), so the stream's end, flow control and failures keep the one
+# code path they have.
+#
+# Why nested in the loop and not a thread of its own (as it was until 2026-12-07): the loop
+# watches the pump's set as one reader, and each wake-up relays every ready stream in one C
+# call. A thread cost two threads' wake-ups, a lock per batch and an eventfd per hand-back:
+# measured side by side, 440-450 us of the balancer's CPU per 50-event stream against 415
+# nested, and 1,370-1,390 us of the whole machine's against 1,310 (docs/benchmarks.md).
 
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
@@ -545,14 +550,10 @@ cdef extern from "<sys/epoll.h>" nogil:
     int epoll_ctl(int epfd, int op, int fd, epoll_event *event)
     int epoll_wait(int epfd, epoll_event *events, int maxevents, int timeout)
     int EPOLLIN
+    int EPOLLET
     int EPOLL_CTL_ADD
     int EPOLL_CTL_DEL
     int EPOLL_CLOEXEC
-
-cdef extern from "<sys/eventfd.h>" nogil:
-    int eventfd(unsigned int initval, int flags)
-    int EFD_NONBLOCK
-    int EFD_CLOEXEC
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t send(int sockfd, const void *buf, size_t n, int flags)
@@ -561,7 +562,6 @@ cdef extern from "<sys/socket.h>" nogil:
 
 cdef extern from "<unistd.h>" nogil:
     ssize_t c_read "read" (int fd, void *buf, size_t n)
-    ssize_t c_write "write" (int fd, const void *buf, size_t n)
     int c_close "close" (int fd)
 
 cdef extern from "<fcntl.h>" nogil:
@@ -573,43 +573,37 @@ cdef extern from "<errno.h>" nogil:
     int EAGAIN
     int EINTR
 
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
-
-cdef extern from "<pthread.h>" nogil:
-    ctypedef struct pthread_mutex_t:
-        pass
-    int pthread_mutex_init(pthread_mutex_t *mutex, void *attr)
-    int pthread_mutex_destroy(pthread_mutex_t *mutex)
-    int pthread_mutex_lock(pthread_mutex_t *mutex)
-    int pthread_mutex_unlock(pthread_mutex_t *mutex)
-
 cdef enum:
-    # A stream goes to the thread after PUMP_LONG batches on the loop, or after its first if
+    # A stream goes to the pump after PUMP_LONG batches on the loop, or after its first if
     # the last stream on the same replica connection had that many: handing one over and back
-    # costs about 24 us (two epoll changes, a duplicate socket, a wake-up of each thread),
-    # each batch the thread relays about 1.3 us less than the loop, so a stream pays back
-    # from about 20 batches on (docs/benchmarks.md).
+    # cost about 24 us with a thread (two epoll changes, a duplicate socket, a wake-up of each
+    # thread), each batch it relayed about 1.3 us less than the loop, so a stream paid back
+    # from about 20 batches on (docs/benchmarks.md). Nested, a hand-over costs less (no
+    # wake-ups); the bound was not tuned again.
     PUMP_LONG = 32
-    PUMP_HOLD = 24  # bytes of a size line cut by a batch's end the thread holds (15 digits, CR)
+    PUMP_HOLD = 24  # bytes of a size line cut by a batch's end the pump holds (15 digits, CR)
     PUMP_SLOTS = 4096  # streams one pump relays at once; more stay on the loop
     PUMP_BUF = 65536  # one read's bytes
     PUMP_EVENTS = 64
     # What a flow handed back to the loop (Flow.back).
-    BACK_NONE = 0  # nothing: the thread relays it
+    BACK_NONE = 0  # nothing: the pump relays it
     BACK_UNSENT = 1  # bytes scanned and partly sent: the rest go through the client transport
     BACK_REPLAY = 2  # a batch not relayed: LiveChunks takes it as uvloop would have given it
     BACK_END = 3  # the replica's end or error: uvloop reads it again once reading resumes
-    BACK_LOST = 4  # a batch the thread could not keep (no memory): the stream is cut
+    BACK_LOST = 4  # a batch the pump could not keep (no memory): the stream is cut
+    # What relaying a batch left (_pump_batch).
+    BATCH_DRAINED = 0  # the replica's socket is empty: wait for its next edge
+    BATCH_BACK = 1  # the flow is handed back (Flow.back)
+    BATCH_MORE = 2  # the read filled the buffer (or was interrupted): read again
 
 
 cdef struct Flow:
-    # One stream the thread relays; it lives in its LiveChunks, which the pump keeps alive.
+    # One stream the pump relays; it lives in its LiveChunks, which the pump keeps alive.
     int slot
     uint32_t gen
     # Duplicates of the replica's and the client's sockets (uvloop's reading of the replica
     # paused): a close by uvloop, which may come before the connection hears of it, cannot
-    # hand either number to another socket while the thread reads or sends on it.
+    # hand either number to another socket while the pump reads or sends on it.
     int up
     int down
     int state  # ChunkScan's framing, carried over and back
@@ -617,27 +611,21 @@ cdef struct Flow:
     long long size
     Py_ssize_t remaining
     double last  # when a batch was last relayed (the idle deadline runs from it)
-    int batches  # batches the thread relayed
-    bint busy  # the thread is reading or sending it: the loop waits to take it back
+    int batches  # batches the pump relayed
     int back
-    char *data  # BACK_UNSENT, BACK_REPLAY: the bytes, malloc'd by the thread
+    char *data  # BACK_UNSENT, BACK_REPLAY: the bytes, malloc'd by the pump
     Py_ssize_t ndata
     unsigned char held[PUMP_HOLD]  # a size line cut by the last batch's end, not relayed yet
     Py_ssize_t nheld
 
 
 cdef struct PumpCore:
-    pthread_mutex_t lock  # held by the thread per wake-up and by the loop to take or give back
-    int ep  # the thread's epoll set
-    int wake  # eventfd the loop reads: flows were handed back
-    int stop  # eventfd in ep: the thread is to end
-    bint stopping
-    bint orphaned  # the Pump went away before the thread ended: the thread frees this
+    int ep  # the pump's epoll set (a reader on the loop)
     Flow *table[PUMP_SLOTS]
     uint32_t gens[PUMP_SLOTS]
     int free_slots[PUMP_SLOTS]
     int nfree
-    uint64_t done[PUMP_SLOTS]  # flows handed back, as (gen << 32 | slot), until the loop drains
+    uint64_t done[PUMP_SLOTS]  # flows handed back, as (gen << 32 | slot), until given back
     int ndone
     unsigned char buf[PUMP_BUF]
 
@@ -715,21 +703,22 @@ cdef Py_ssize_t _scan_whole(Flow *f, const unsigned char *p, Py_ssize_t n) noexc
     return n
 
 
-cdef bint _hand_back(Flow *f, const unsigned char *p, Py_ssize_t n, int kind) noexcept nogil:
+cdef void _hand_back(Flow *f, const unsigned char *p, Py_ssize_t n, int kind) noexcept nogil:
     f.data = <char *>malloc(n if n > 0 else 1)
     if f.data == NULL:
         f.back = BACK_LOST
-        return True
+        return
     memcpy(f.data, p, n)
     f.ndata = n
     f.back = kind
-    return True
 
 
-cdef bint _pump_batch(PumpCore *c, Flow *f, double *sent) noexcept nogil:
-    """Relay what the replica sent; True: the flow is handed back (``f.back`` says why). A
-    size line held from the last batch goes in front of this one's bytes. ``sent``: when
-    bytes went to the client (0: none), for the caller to store under the lock."""
+cdef int _pump_batch(PumpCore *c, Flow *f, double *sent) noexcept nogil:
+    """Relay what the replica sent: BATCH_BACK if the flow is handed back (``f.back`` says
+    why), BATCH_MORE if the replica may have sent more than one read took (the set is
+    edge-triggered: read again now, no new edge will say so), else BATCH_DRAINED. A size
+    line held from the last batch goes in front of this one's bytes. ``sent``: when bytes
+    went to the client (0: none), for the caller to store under the lock."""
     cdef Py_ssize_t held = f.nheld
     cdef ssize_t r
     cdef ssize_t w
@@ -738,92 +727,63 @@ cdef bint _pump_batch(PumpCore *c, Flow *f, double *sent) noexcept nogil:
         memcpy(c.buf, f.held, held)
     r = c_read(f.up, c.buf + held, PUMP_BUF - held)
     if r < 0:
-        if errno == EAGAIN or errno == EINTR:
-            return False
+        if errno == EAGAIN:
+            return BATCH_DRAINED
+        if errno == EINTR:
+            return BATCH_MORE
         f.back = BACK_END  # the held line stays held: the loop takes it
-        return True
+        return BATCH_BACK
     if r == 0:
         f.back = BACK_END
-        return True
+        return BATCH_BACK
     n = held + r
     end = _scan_whole(f, c.buf, n)
     if end < 0:
         f.nheld = 0  # it is the batch's start
-        return _hand_back(f, c.buf, n, BACK_REPLAY)
+        _hand_back(f, c.buf, n, BACK_REPLAY)
+        return BATCH_BACK
     f.nheld = n - end
     memcpy(f.held, c.buf + end, n - end)
-    if end == 0:
-        return False
-    w = send(f.down, c.buf, end, MSG_NOSIGNAL | MSG_DONTWAIT)
-    if w > 0:
-        sent[0] = _now()
-    f.batches += 1
-    if w == end:
-        return False
-    if w < 0:
-        w = 0  # EAGAIN, or an error the client transport meets again and reports
-    return _hand_back(f, c.buf + w, end - w, BACK_UNSENT)
+    if end:
+        w = send(f.down, c.buf, end, MSG_NOSIGNAL | MSG_DONTWAIT)
+        if w > 0:
+            sent[0] = _now()
+        f.batches += 1
+        if w != end:
+            if w < 0:
+                w = 0  # EAGAIN, or an error the client transport meets again and reports
+            _hand_back(f, c.buf + w, end - w, BACK_UNSENT)
+            return BATCH_BACK
+    # A read shorter than the room it had emptied the socket (the next bytes make an edge).
+    return BATCH_MORE if r == PUMP_BUF - held else BATCH_DRAINED
 
 
-cdef void _pump_free(PumpCore *c) noexcept nogil:
-    c_close(c.ep)
-    c_close(c.wake)
-    c_close(c.stop)
-    pthread_mutex_destroy(&c.lock)
-    free(c)
-
-
-cdef void _pump_serve(PumpCore *c) noexcept nogil:
-    """The thread: wait, relay, hand back; until ``stopping``. The lock is held to look a flow
-    up and to hand it back, never across its read and send (``busy`` keeps the loop from
-    taking it back meanwhile), so the loop seldom waits for it."""
-    cdef epoll_event events[PUMP_EVENTS]
-    cdef uint64_t one = 1
+cdef bint _pump_events(PumpCore *c, epoll_event *events, int n) noexcept nogil:
+    """Relay the batches of the ``n`` flows the wait found ready; True if any was handed back
+    (its key added to ``done``, for the loop to take it back once this returns)."""
     cdef uint64_t key
-    cdef int n, i, slot
-    cdef bint signal, orphaned, handed
+    cdef int i, slot, done
+    cdef bint handed = False
     cdef double sent
     cdef Flow *f
-    while True:
-        n = epoll_wait(c.ep, events, PUMP_EVENTS, -1)
-        if n < 0:
-            if errno == EINTR:
-                continue
-            return  # cannot happen with a valid set; the flows left time out on the loop
-        if c.stopping:
-            pthread_mutex_lock(&c.lock)
-            orphaned = c.orphaned
-            pthread_mutex_unlock(&c.lock)
-            if orphaned:
-                _pump_free(c)
-            return
-        signal = False
-        for i in range(n):
-            key = events[i].data.u64
-            if (key & 0xFFFFFFFFU) >= PUMP_SLOTS:
-                continue  # the stop eventfd
-            slot = <int>(key & 0xFFFFFFFFU)
-            pthread_mutex_lock(&c.lock)
-            f = c.table[slot]
-            if f == NULL or f.gen != <uint32_t>(key >> 32) or f.back != BACK_NONE:
-                pthread_mutex_unlock(&c.lock)
-                continue  # given back, or taken back by the loop, since the wait returned
-            f.busy = True
-            pthread_mutex_unlock(&c.lock)
-            sent = 0.0
-            handed = _pump_batch(c, f, &sent)
-            pthread_mutex_lock(&c.lock)
-            f.busy = False
-            if sent != 0.0:
-                f.last = sent  # under the lock: the loop reads it to move the idle deadline
-            if handed:
-                epoll_ctl(c.ep, EPOLL_CTL_DEL, f.up, NULL)
-                c.done[c.ndone] = key
-                c.ndone += 1
-                signal = True
-            pthread_mutex_unlock(&c.lock)
-        if signal:
-            c_write(c.wake, &one, 8)
+    for i in range(n):
+        key = events[i].data.u64
+        slot = <int>(key & 0xFFFFFFFFU)
+        f = c.table[slot]
+        if f == NULL or f.gen != <uint32_t>(key >> 32) or f.back != BACK_NONE:
+            continue  # given back, or taken back, since the wait returned
+        sent = 0.0
+        done = BATCH_MORE
+        while done == BATCH_MORE:
+            done = _pump_batch(c, f, &sent)
+        if sent != 0.0:
+            f.last = sent  # the loop reads it to move the idle deadline
+        if done == BATCH_BACK:
+            epoll_ctl(c.ep, EPOLL_CTL_DEL, f.up, NULL)
+            c.done[c.ndone] = key
+            c.ndone += 1
+            handed = True
+    return handed
 
 
 cdef class Pump
@@ -854,9 +814,9 @@ cdef class LiveChunks:
     cdef object kind
     cdef bint first  # the answer's first body bytes are still to come (conn.raw_first)
     cdef Pump pumps  # the balancer's pump, for a stream that goes on (None: never)
-    cdef Pump pump  # not None: the pump's thread holds this stream (Flow below)
-    cdef int batches  # batches this stream relayed (the thread's counted when it gives back)
-    cdef int after  # ... when the thread takes it
+    cdef Pump pump  # not None: the pump holds this stream (Flow below)
+    cdef int batches  # batches this stream relayed (the pump's counted when it gives back)
+    cdef int after  # ... when the pump takes it
     cdef bint long_last  # the last stream on this connection was long (PUMP_LONG)
     cdef Flow flow
 
@@ -874,7 +834,7 @@ cdef class LiveChunks:
 
     @property
     def pumped(self):
-        """The pump's thread holds this stream: ``reclaim`` before touching either socket."""
+        """The pump holds this stream: ``reclaim`` before touching either socket."""
         return self.pump is not None
 
     def arm(self, ChunkScan scan not None, client, write, double idle, kind, bint first=False,
@@ -883,7 +843,7 @@ cdef class LiveChunks:
         moving its ``kind`` deadline ``idle`` seconds on with each batch. ``first``: none of
         the answer's body came yet; the batch that brings its first bytes calls the
         connection's ``raw_first`` (one Python call per stream: its time to first token).
-        ``pump``: the thread to hand the stream to once it proves long (PUMP_LONG)."""
+        ``pump``: the pump to hand the stream to once it proves long (PUMP_LONG)."""
         self.scan = scan
         self.client = client
         self.write = write
@@ -903,7 +863,7 @@ cdef class LiveChunks:
         self.pumps = None
 
     cdef _to_pump(self, ChunkScan scan, client):
-        """Hand the rest of this stream to the pump's thread, if nothing stands in the way:
+        """Hand the rest of this stream to the pump, if nothing stands in the way:
         a line held back, a client with bytes still queued, a paused replica, transports
         with no socket of their own (or not uvloop's: any error here leaves it on the loop)."""
         cdef Flow *f = &self.flow
@@ -940,7 +900,7 @@ cdef class LiveChunks:
         f.batches = 0
         f.nheld = 0
         try:
-            up.pause_reading()  # before the thread can read: one reader at a time
+            up.pause_reading()  # before the pump can read: one reader at a time
         except Exception:
             c_close(down)
             c_close(fd)
@@ -954,9 +914,9 @@ cdef class LiveChunks:
         client.pumped = self
 
     cpdef reclaim(self, bint replay):
-        """Take this stream back from the pump's thread. ``replay``: what the thread handed
-        back is run as uvloop would have given it (the loop drains it); False: dropped, for a
-        connection being closed or cut (the caller goes on to do that)."""
+        """Take this stream back from the pump. ``replay``: what the pump handed back is run
+        as uvloop would have given it; False: dropped, for a connection being closed or cut
+        (the caller goes on to do that)."""
         cdef Pump pump = self.pump
         cdef Flow *f = &self.flow
         cdef ChunkScan scan = self.scan
@@ -1002,7 +962,7 @@ cdef class LiveChunks:
                 self.write(data)
         elif back == BACK_REPLAY:
             self.data_received(data)
-            return  # a line the thread held is the start of that batch
+            return  # a line the pump held is the start of that batch
         elif back == BACK_LOST:
             self._disarm()
             try:
@@ -1014,12 +974,12 @@ cdef class LiveChunks:
             self.data_received(held)
 
     def extend(self):
-        """The client's deadline passed while the thread holds the stream: True, with the
+        """The client's deadline passed while the pump holds the stream: True, with the
         deadline moved, if a batch went within ``idle``; else False, taken back (dropped)."""
         cdef double due
         if self.pump is None:
             return False
-        due = self.pump.last_batch(&self.flow) + self.idle
+        due = self.flow.last + self.idle
         if due > _now():
             self.client.deadline = due
             return True
@@ -1081,25 +1041,22 @@ cdef class LiveChunks:
 
 
 cdef class Pump:
-    """The thread that relays long live streams for one balancer (see "stream pump" above).
+    """The epoll set that relays long live streams for one balancer (see "stream pump" above).
 
-    The loop hands it a stream (``take``, from LiveChunks) and takes it back (``release``)
-    under the core's lock; the thread tells the loop which streams it handed back through an
-    eventfd the loop reads (``_drain``). Created by corral.balancer.pump for a balancer with no
-    TLS on its client side; its thread starts with the first stream and ends in ``close``.
+    LiveChunks hands it a stream (``take``) and takes it back (``release``); the loop reads the
+    set as one reader (``_poll``), relays every ready stream's batch in C, and gives back at
+    once the streams whose batch is the loop's to run. Created by corral.balancer.pump for a
+    balancer with no TLS on its client side; it ends in ``close``.
     """
 
     cdef PumpCore *c
     cdef object loop
-    cdef object thread
     cdef dict owners  # slot: the LiveChunks whose flow it is (alive while taken)
-    cdef bint closed
-    cdef bint unstartable  # its thread could not be started: it takes nothing
-    cdef public long long taken  # streams handed to the thread, ever
+    cdef public bint closed
+    cdef public long long taken  # streams handed to the pump, ever
     cdef long long backs[5]  # streams it gave back (to end, or to go on), by why (Flow.back)
 
     def __cinit__(self):
-        cdef epoll_event ev
         cdef int i
         self.c = <PumpCore *>malloc(sizeof(PumpCore))
         if self.c == NULL:
@@ -1107,38 +1064,31 @@ cdef class Pump:
         c = self.c
         for i in range(5):
             self.backs[i] = 0
-        c.stopping = False
-        c.orphaned = False
         c.ndone = 0
         c.nfree = PUMP_SLOTS
         for i in range(PUMP_SLOTS):
             c.table[i] = NULL
             c.gens[i] = 0
             c.free_slots[i] = PUMP_SLOTS - 1 - i
-        pthread_mutex_init(&c.lock, NULL)
         c.ep = epoll_create1(EPOLL_CLOEXEC)
-        c.wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
-        c.stop = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
-        ev.events = EPOLLIN
-        ev.data.u64 = 0xFFFFFFFFU
-        if c.ep < 0 or c.wake < 0 or c.stop < 0 or epoll_ctl(c.ep, EPOLL_CTL_ADD, c.stop, &ev):
+        if c.ep < 0:
             self.c = NULL
-            _pump_free(c)
-            raise OSError(errno, "the stream pump's epoll set or eventfds could not be made")
+            free(c)
+            raise OSError(errno, "the stream pump's epoll set could not be made")
 
     def __init__(self, loop):
         self.loop = loop
         self.owners = {}
-        loop.add_reader(self.c.wake, self._drain)
+        loop.add_reader(self.c.ep, self._poll)
 
     @property
     def streams(self):
-        """How many streams the thread holds now (taken and not yet given back)."""
+        """How many streams the pump holds now (taken and not yet given back)."""
         return len(self.owners)
 
     @property
     def given_back(self):
-        """How many streams the thread gave back, by why: ``unsent`` (the client did not take
+        """How many streams the pump gave back, by why: ``unsent`` (the client did not take
         a whole batch), ``replayed`` (a batch it does not relay: the end, other framing),
         ``ended`` (the replica's end or error), ``lost`` (no memory for a batch)."""
         return {
@@ -1148,24 +1098,15 @@ cdef class Pump:
             "lost": self.backs[BACK_LOST],
         }
 
-    @property
-    def running(self):
-        """The thread was started and has not ended."""
-        return self.thread is not None and self.thread.is_alive()
-
     cdef bint take(self, LiveChunks front, int up, int down):
-        """Hand ``front``'s flow (its framing already in it) to the thread: ``up`` the
+        """Hand ``front``'s flow (its framing already in it) to the pump: ``up`` the
         replica's socket, ``down`` the client's, both duplicates. False: not taken (closed,
-        full, or no thread could be started: the stream stays on the loop)."""
+        or full: the stream stays on the loop)."""
         cdef PumpCore *c = self.c
         cdef Flow *f = &front.flow
         cdef epoll_event ev
         cdef int slot
-        if self.closed or not self._started():
-            return False
-        pthread_mutex_lock(&c.lock)
-        if c.nfree == 0:
-            pthread_mutex_unlock(&c.lock)
+        if self.closed or c.nfree == 0:
             return False
         c.nfree -= 1
         slot = c.free_slots[c.nfree]
@@ -1175,64 +1116,31 @@ cdef class Pump:
         f.up = up
         f.down = down
         f.back = BACK_NONE
-        f.busy = False
         f.data = NULL
         f.ndata = 0
         c.table[slot] = f
-        pthread_mutex_unlock(&c.lock)
-        ev.events = EPOLLIN
+        # Edge-triggered: a wait then reports a socket once per arrival, where a level one
+        # polls every ready socket again at the next wait (tcp_poll per flow per wake-up).
+        ev.events = EPOLLIN | EPOLLET
         ev.data.u64 = (<uint64_t>f.gen << 32) | <uint64_t>slot
         if epoll_ctl(c.ep, EPOLL_CTL_ADD, up, &ev):
-            pthread_mutex_lock(&c.lock)
             c.table[slot] = NULL
             c.free_slots[c.nfree] = slot
             c.nfree += 1
-            pthread_mutex_unlock(&c.lock)
             return False
         self.owners[slot] = front
         self.taken += 1
         return True
 
-    cdef bint _started(self):
-        """The thread runs (started with the first stream). One that cannot be started (a
-        limit on threads) leaves every stream on the loop, said once in the log."""
-        if self.thread is not None:
-            return True
-        if self.unstartable:
-            return False
-        thread = threading.Thread(target=self._serve, name="corral-stream-pump", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError as exc:
-            self.unstartable = True
-            _log.warning("balancer: the stream pump's thread could not start (%s): long "
-                         "streams stay on the event loop", exc)
-            return False
-        self.thread = thread
-        return True
-
-    cdef double last_batch(self, Flow *f) noexcept:
-        """When the thread last relayed a batch of ``f`` (it writes that time as it goes)."""
-        cdef double last
-        pthread_mutex_lock(&self.c.lock)
-        last = f.last
-        pthread_mutex_unlock(&self.c.lock)
-        return last
-
     cdef void release(self, Flow *f):
-        """The flow is the loop's again: out of the thread's set (or its list of flows handed
+        """The flow is the loop's again: out of the pump's set (or its list of flows handed
         back), its slot free for another."""
         cdef PumpCore *c = self.c
         cdef uint64_t key = (<uint64_t>f.gen << 32) | <uint64_t>f.slot
         cdef int i
-        cdef bint running
-        pthread_mutex_lock(&c.lock)
-        while f.busy:  # a read or send under way: a few microseconds
-            pthread_mutex_unlock(&c.lock)
-            sched_yield()
-            pthread_mutex_lock(&c.lock)
-        running = f.back == BACK_NONE
-        if not running:
+        if f.back == BACK_NONE:  # out of the set before the loop reads the socket again
+            epoll_ctl(c.ep, EPOLL_CTL_DEL, f.up, NULL)
+        else:
             for i in range(c.ndone):
                 if c.done[i] == key:
                     c.ndone -= 1
@@ -1241,89 +1149,60 @@ cdef class Pump:
         c.table[f.slot] = NULL
         c.free_slots[c.nfree] = f.slot
         c.nfree += 1
-        pthread_mutex_unlock(&c.lock)
-        if running:  # out of the set before the loop reads the socket again
-            epoll_ctl(c.ep, EPOLL_CTL_DEL, f.up, NULL)
         self.owners.pop(f.slot, None)
 
-    def _serve(self):
+    def _poll(self):
+        """The loop found the set ready: relay its streams' batches; give back what ends."""
         cdef PumpCore *c = self.c
-        with nogil:
-            _pump_serve(c)
-
-    def _drain(self):
-        """The thread handed flows back: each goes on as LiveChunks would have."""
-        cdef PumpCore *c = self.c
-        cdef uint64_t count
-        cdef uint64_t keys[PUMP_EVENTS]
-        cdef int n, i
-        cdef LiveChunks front
+        cdef epoll_event events[PUMP_EVENTS]
+        cdef int n
         if c == NULL:
             return
-        c_read(c.wake, &count, 8)
-        while True:
-            pthread_mutex_lock(&c.lock)
-            n = c.ndone if c.ndone < PUMP_EVENTS else PUMP_EVENTS
-            for i in range(n):
-                keys[i] = c.done[c.ndone - 1 - i]
-            c.ndone -= n
-            pthread_mutex_unlock(&c.lock)
-            if n == 0:
-                return
-            for i in range(n):
-                front = self.owners.get(<int>(keys[i] & 0xFFFFFFFFU))
-                # Taken back already while an earlier one ran (its slot may be another's now).
-                if front is None or front.flow.gen != <uint32_t>(keys[i] >> 32):
-                    continue
-                self.backs[front.flow.back] += 1
-                try:
-                    front.reclaim(True)
-                except Exception:  # a bug: the others still go on
-                    _log.exception("balancer: unexpected error taking a stream back")
+        n = epoll_wait(c.ep, events, PUMP_EVENTS, 0)
+        if n > 0 and _pump_events(c, events, n):
+            self._give_back()
+
+    cdef _give_back(self):
+        """Each flow handed back goes on as LiveChunks would have. One at a time from the
+        list: running one may take others back (a client cut, the balancer stopping)."""
+        cdef PumpCore *c = self.c
+        cdef uint64_t key
+        cdef LiveChunks front
+        while self.c != NULL and c.ndone:
+            c.ndone -= 1
+            key = c.done[c.ndone]
+            front = self.owners.get(<int>(key & 0xFFFFFFFFU))
+            if front is None or front.flow.gen != <uint32_t>(key >> 32):
+                continue
+            self.backs[front.flow.back] += 1
+            try:
+                front.reclaim(True)
+            except Exception:  # a bug: the others still go on
+                _log.exception("balancer: unexpected error taking a stream back")
 
     def close(self):
-        """Give every stream back (dropped: their connections are being closed) and end the
-        thread. Safe to call twice."""
+        """Give every stream back (dropped: their connections are being closed) and close
+        the set. Safe to call twice."""
         cdef PumpCore *c = self.c
-        cdef uint64_t one = 1
         if self.closed:
             return
         self.closed = True
         for front in list(self.owners.values()):
             (<LiveChunks>front).reclaim(False)
         try:
-            self.loop.remove_reader(c.wake)
+            self.loop.remove_reader(c.ep)
         except Exception:
             pass  # the loop is closed already: nothing of ours is in it any more
-        pthread_mutex_lock(&c.lock)
-        c.stopping = True
-        pthread_mutex_unlock(&c.lock)
-        c_write(c.stop, &one, 8)
-        if self.thread is not None:
-            self.thread.join(2.0)
-            if self.thread.is_alive():
-                pthread_mutex_lock(&c.lock)
-                c.orphaned = True  # it frees the core when it ends
-                pthread_mutex_unlock(&c.lock)
-                self.c = NULL
-                return
         self.c = NULL
-        _pump_free(c)
+        c_close(c.ep)
+        free(c)
 
     def __dealloc__(self):
         cdef PumpCore *c = self.c
-        cdef uint64_t one = 1
-        if c == NULL:
-            return
-        self.c = NULL
-        if self.thread is None:
-            _pump_free(c)
-            return
-        pthread_mutex_lock(&c.lock)
-        c.stopping = True
-        c.orphaned = True
-        pthread_mutex_unlock(&c.lock)
-        c_write(c.stop, &one, 8)
+        if c != NULL:
+            self.c = NULL
+            c_close(c.ep)
+            free(c)
 
 
 # ---------------------------------------------------------------------------- least load

@@ -126,7 +126,7 @@ class ClientConnection(asyncio.Protocol):
         self._paused = 0
         self._write_paused = False  # over the high-water mark: no next request starts (above)
         self._spliced: UpstreamConnection | None = None
-        # The LiveChunks whose stream to this client the pump's thread relays (corral.balancer.
+        # The LiveChunks whose stream to this client the stream pump relays (corral.balancer.
         # pump): taken back before this connection is closed, cut or timed out.
         self.pumped: Any = None
 
@@ -410,7 +410,7 @@ class ClientConnection(asyncio.Protocol):
         """The ticker found the deadline passed."""
         pumped = self.pumped
         if pumped is not None and pumped.extend():
-            return  # the pump's thread relayed a batch since: the deadline moved on
+            return  # the pump relayed a batch since: the deadline moved on
         self.deadline = 0.0
         if self.fast is not None:
             self.materialize()

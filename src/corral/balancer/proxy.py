@@ -11,7 +11,7 @@ Design points:
 * No framework on the hot path: asyncio Protocols on both sides (uvloop's, or the stock loop's),
   httptools to check request heads and parse answers, a keep-alive pool per replica. A request
   makes nginx's syscalls and costs 1.0-1.1x its CPU (docs/benchmarks.md); a long stream goes
-  on a thread of its own (:mod:`corral.balancer.pump`).
+  to an epoll set of its own, relayed with no Python per batch (:mod:`corral.balancer.pump`).
 * The common request (whole in one read, a pooled connection ready, a plain Content-Length
   answer, or a stream with a head seen before) takes the fast path (:mod:`corral.balancer.fast`,
   :mod:`corral.balancer.fast_stream`): no per-request object. Everything else, and every

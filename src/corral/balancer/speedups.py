@@ -104,7 +104,7 @@ StreamBatch: Any = None
 # de-chunks it and StreamBatch (or the relay's method) frames each batch again.
 ChunkScan: Any = None
 LiveChunks: Any = None
-# The thread that relays long live streams off the loop (corral.balancer.pump); None: none.
+# The epoll set that relays long live streams with no Python per batch (corral.balancer.pump).
 Pump: Any = None
 if _module is not None:
     lead_split = _module.lead_split

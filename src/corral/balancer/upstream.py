@@ -365,7 +365,7 @@ class UpstreamConnection(asyncio.Protocol):
         call per batch, and moves its ``kind`` deadline ``idle`` seconds on. Nothing changes
         when the framing was not followed, or it needs httptools (an extension, a trailer).
         ``first``: no body byte came yet (``raw_first`` is called when one does). A stream
-        that goes on is relayed by the balancer's pump thread (corral.balancer.pump) unless the
+        that goes on is relayed by the balancer's stream pump (corral.balancer.pump) unless the
         replica speaks TLS. True: armed."""
         chunks, transport = self.chunks, self.transport
         if LiveChunks is None or chunks is None or not chunks.open:
@@ -448,7 +448,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.write(data)
 
     def _reclaim(self, replay: bool) -> None:
-        """Take a live stream back from the pump's thread (``LiveChunks.reclaim``) before this
+        """Take a live stream back from the stream pump (``LiveChunks.reclaim``) before this
         connection's socket is touched: paused, closed or aborted."""
         front = self.front
         if front is not None and front.pumped:
