@@ -14,11 +14,16 @@ the loop, with the pump holding nothing afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import gc
 import os
 import socket
 import ssl
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -396,3 +401,82 @@ def test_the_environment_turns_the_pump_off(monkeypatch: pytest.MonkeyPatch) -> 
         settled(lb)
 
     run(stream_of(LONG), body)
+
+
+async def accept(srv: socket.socket) -> socket.socket:
+    """The next connection on the non-blocking listener ``srv``."""
+    while True:
+        try:
+            return srv.accept()[0]
+        except BlockingIOError:
+            await asyncio.sleep(0.005)
+
+
+def widen_balancer_end(up: socket.socket, size: int) -> None:
+    """Give the balancer's socket connected to ``up`` a ``size`` receive buffer."""
+    from corral.balancer.upstream import UpstreamConnection
+
+    ends = [
+        conn.transport.get_extra_info("socket")
+        for conn in gc.get_objects()
+        if isinstance(conn, UpstreamConnection) and conn.transport is not None
+    ]
+    for sock in ends:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # others, closed
+            if sock.getsockname() == up.getpeername():
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+
+
+def test_one_wake_up_relays_a_bounded_share_of_a_flow() -> None:
+    """A replica that has written megabytes the client can take at once: one wake-up of the
+    pump relays a few reads of it, not all (the set is edge-triggered, and a flow read until
+    its socket is empty held the loop as long as the replica kept ahead of the pump and the
+    client kept up: 0.3 s with one stream of small chunks), and the rest follows with no new
+    bytes from the replica, so no edge."""
+    big = 4 << 20
+
+    async def body(lb: LoadBalancer, replica: Replica) -> None:
+        srv = socket.create_server((HOST, 0))
+        srv.setblocking(False)
+        lb.set_ready({1: f"http://{HOST}:{srv.getsockname()[1]}"})
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, big)
+        client.connect((HOST, lb.port))
+        client.setblocking(False)
+        client.sendall(GET)
+        up = await accept(srv)
+        widen_balancer_end(up, big)  # room for what the replica writes
+        up.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, big)
+        got = bytearray()
+
+        def drain() -> None:
+            with contextlib.suppress(BlockingIOError):
+                while chunk := client.recv(1 << 20):
+                    got.extend(chunk)
+
+        up.sendall(STREAM_HEAD)
+        for i in range(40):  # the pump takes it after 32
+            up.sendall(frame(event(i)))
+            await asyncio.sleep(0.003)
+            drain()
+        size = 3 << 20
+        up.sendall(b"%x\r\n" % size)
+        await until(lambda: pump_of(lb).streams == 1, "the pump did not take the stream")
+        await asyncio.sleep(0.05)
+        drain()
+        before = len(got)
+        up.setblocking(False)
+        sent = 0
+        with contextlib.suppress(BlockingIOError):
+            while sent < size:
+                sent += up.send(b"x" * min(65536, size - sent))
+        assert sent > 1 << 20, sent  # megabytes wait on the balancer's replica socket
+        pump_of(lb)._poll()  # one wake-up, as the loop would call it
+        relayed = struct.unpack("i", fcntl.ioctl(client, termios.FIONREAD, b"\0\0\0\0"))[0]
+        assert relayed <= 512 << 10, relayed
+        await until(lambda: (drain(), len(got) - before >= sent)[1], "the rest stalled")
+        assert pump_of(lb).streams == 1
+        for sock in (client, up, srv):
+            sock.close()
+
+    run(stream_of(1), body)

@@ -553,6 +553,7 @@ cdef extern from "<sys/epoll.h>" nogil:
     int EPOLLET
     int EPOLL_CTL_ADD
     int EPOLL_CTL_DEL
+    int EPOLL_CTL_MOD
     int EPOLL_CLOEXEC
 
 cdef extern from "<sys/socket.h>" nogil:
@@ -585,6 +586,10 @@ cdef enum:
     PUMP_SLOTS = 4096  # streams one pump relays at once; more stay on the loop
     PUMP_BUF = 65536  # one read's bytes
     PUMP_EVENTS = 64
+    # Reads one flow gets per wake-up (256 KiB): a flow with more waiting is queued again
+    # behind the others and the loop's own callbacks (EPOLL_CTL_MOD re-reports a ready socket),
+    # so a replica faster than the pump cannot hold the loop for as long as its client reads.
+    PUMP_ROUNDS = 4
     # What a flow handed back to the loop (Flow.back).
     BACK_NONE = 0  # nothing: the pump relays it
     BACK_UNSENT = 1  # bytes scanned and partly sent: the rest go through the client transport
@@ -762,10 +767,11 @@ cdef bint _pump_events(PumpCore *c, epoll_event *events, int n) noexcept nogil:
     """Relay the batches of the ``n`` flows the wait found ready; True if any was handed back
     (its key added to ``done``, for the loop to take it back once this returns)."""
     cdef uint64_t key
-    cdef int i, slot, done
+    cdef int i, slot, done, rounds
     cdef bint handed = False
     cdef double sent
     cdef Flow *f
+    cdef epoll_event again
     for i in range(n):
         key = events[i].data.u64
         slot = <int>(key & 0xFFFFFFFFU)
@@ -774,11 +780,17 @@ cdef bint _pump_events(PumpCore *c, epoll_event *events, int n) noexcept nogil:
             continue  # given back, or taken back, since the wait returned
         sent = 0.0
         done = BATCH_MORE
-        while done == BATCH_MORE:
+        rounds = 0
+        while done == BATCH_MORE and rounds < PUMP_ROUNDS:
             done = _pump_batch(c, f, &sent)
+            rounds += 1
         if sent != 0.0:
             f.last = sent  # the loop reads it to move the idle deadline
-        if done == BATCH_BACK:
+        if done == BATCH_MORE:  # its turn is over, not its bytes: no edge will say so
+            again.events = EPOLLIN | EPOLLET
+            again.data.u64 = key
+            epoll_ctl(c.ep, EPOLL_CTL_MOD, f.up, &again)
+        elif done == BATCH_BACK:
             epoll_ctl(c.ep, EPOLL_CTL_DEL, f.up, NULL)
             c.done[c.ndone] = key
             c.ndone += 1
