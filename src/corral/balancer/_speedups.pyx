@@ -534,8 +534,8 @@ cdef class ChunkScan:
 # Why nested in the loop and not a thread of its own (as it was until 2026-12-07): the loop
 # watches the pump's set as one reader, and each wake-up relays every ready stream in one C
 # call. A thread cost two threads' wake-ups, a lock per batch and an eventfd per hand-back:
-# measured side by side, 440-450 us of the balancer's CPU per 50-event stream against 415
-# nested, and 1,370-1,390 us of the whole machine's against 1,310 (docs/benchmarks.md).
+# measured side by side, 440-458 us of the balancer's CPU per 50-event stream against 418-423
+# nested (docs/benchmarks.md, "The stream pump nested in the loop").
 
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
@@ -723,7 +723,7 @@ cdef int _pump_batch(PumpCore *c, Flow *f, double *sent) noexcept nogil:
     why), BATCH_MORE if the replica may have sent more than one read took (the set is
     edge-triggered: read again now, no new edge will say so), else BATCH_DRAINED. A size
     line held from the last batch goes in front of this one's bytes. ``sent``: when bytes
-    went to the client (0: none), for the caller to store under the lock."""
+    went to the client (0: none), for the caller to store in the flow."""
     cdef Py_ssize_t held = f.nheld
     cdef ssize_t r
     cdef ssize_t w
