@@ -126,8 +126,7 @@ class ClientConnection(asyncio.Protocol):
         self._paused = 0
         self._write_paused = False  # over the high-water mark: no next request starts (above)
         self._spliced: UpstreamConnection | None = None
-        # The LiveChunks whose stream to this client the stream pump relays (corral.balancer.
-        # pump): taken back before this connection is closed, cut or timed out.
+        # The LiveChunks whose stream the pump relays here: taken back before a close or cut.
         self.pumped: Any = None
 
     # ------------------------------------------------------------------ asyncio callbacks
@@ -192,8 +191,11 @@ class ClientConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         # A client that closes its side is treated as gone (as aiohttp and nginx do): the
-        # exchange is cancelled, so a replica does not work for nobody.
+        # exchange is cancelled, so a replica does not work for nobody. Cut where an answer
+        # waits for it: a close would wait for that to reach a client that may never read.
         self._eof = True
+        if (t := self.transport) is not None and self.busy and t.get_write_buffer_size():
+            t.abort()
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
