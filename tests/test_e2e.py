@@ -511,7 +511,17 @@ def test_daemon_restart_readopts(corral_home: CorralHome, tmp_path: Path) -> Non
     port = int(endpoint.rsplit(":", 1)[1])
     with socket.socket() as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not use
-        squatter.bind(("127.0.0.1", port))
+
+        def squat() -> bool:
+            # The workers are gone when `stop --all` returns, but a closing connection of
+            # theirs (or another test's ephemeral port) may hold the port a moment longer.
+            try:
+                squatter.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+            return True
+
+        wait_for(squat, 10, f"port {port} to be free after `daemon stop --all`")
         squatter.listen()
         corral_home.start_daemon()
         stuck = wait_for(
