@@ -283,8 +283,10 @@ class LogCursor:
             return b"", False  # emptied, its .1 not in place yet: the rest of it is read from there
         if now != self._mark or shorter:
             # A chunk read across the rotation may belong to either generation: dropped, and
-            # read again from .1 when it was the old one.
-            self._mark = now
+            # read again from .1 when it was the old one. The mark is taken again: ``now`` may
+            # predate the rename that ended this rotation (it runs in another thread), and a
+            # stale mark would make the drain below take this .1 for a later rotation's.
+            self._mark = rotation_mark(self.path)
             older = backup_of(self.path)
             held = bool(self._seen) and _bytes_before(older, self.position) == self._seen
             end = file_size(older) if held else 0  # a .1 replaced meanwhile is not read on
