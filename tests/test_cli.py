@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, CorralHome, LineReader, get_json, spec_text, write_spec
+from conftest import REPO, CorralHome, LineReader, get_json, pid_alive, spec_text, write_spec
 
 from corral import __version__
 from corral.state import Store
@@ -429,3 +429,15 @@ def test_up_waiting_for_a_service_another_shell_takes_down_says_so(
     said = waiting.communicate(timeout=60)[0].decode()
     assert waiting.returncode == 1, said
     assert "service 'mute' was taken down while this command waited for it" in said, said
+
+
+def test_daemon_stop_returns_once_the_daemon_has_exited(corral_home: CorralHome) -> None:
+    """The daemon's API closes first, then it ends its controllers and workers and removes
+    its replicas' scratch directory. `daemon stop` returned when the API stopped answering,
+    so a script that went on (deleting the home, checking what was left: a flaky
+    test_ownership) raced the daemon's last steps."""
+    for _ in range(3):  # the race was lost most times: three rounds make it certain
+        corral_home.start_daemon()
+        pid = corral_home.daemon_pid()
+        corral_home.run("daemon", "stop")
+        assert not pid_alive(pid)

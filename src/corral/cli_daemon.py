@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+import psutil
 
 from corral.cli_common import client_of, fail, home_of, out
 from corral.client import Client, UntrustedDaemon
 from corral.figures import gib
 from corral.home import EXIT_DAEMON_RUNNING, is_loopback
+from corral.procfs import running
 
 
 @click.group()
@@ -121,7 +123,7 @@ def daemon_start(ctx: click.Context) -> None:
 def daemon_stop(ctx: click.Context, everything: bool) -> None:
     """Stop the control plane. Services keep serving: the balancer workers and the replicas
     keep running, and the next daemon (any corral command starts one) adopts them. With no
-    service left, the balancer workers stop too."""
+    service left, the balancer workers stop too. Returns once the daemon has exited."""
     home = home_of(ctx)
     client = Client(home)
     if not client.health():
@@ -131,10 +133,12 @@ def daemon_stop(ctx: click.Context, everything: bool) -> None:
         if everything:
             _stop_orphan_workers(home)
         return
+    process = _daemon_process(home)
     workers = client.stop_daemon(workers=everything)
     deadline = time.monotonic() + 30
     while client.health() and time.monotonic() < deadline:
         time.sleep(0.1)
+    _wait_for_exit(process, deadline)
     if workers:
         _stop_orphan_workers(home)  # any the daemon could not reach
         if everything:
@@ -147,6 +151,34 @@ def daemon_stop(ctx: click.Context, everything: bool) -> None:
             "`corral daemon start` brings the control plane back; "
             "`corral daemon stop --all` stops the balancer workers too."
         )
+
+
+def _daemon_process(home: Path) -> psutil.Process | None:
+    """The home's daemon process, as its daemon.json names it; None when it runs elsewhere
+    (``$CORRAL_API_URL``) or cannot be told. Taken while it still runs, so that psutil knows
+    it by its start time too and a recycled pid is never mistaken for it."""
+    from corral.apiconn import ENV_API_URL
+    from corral.home import read_info
+
+    pid = (read_info(home) or {}).get("pid")
+    if os.environ.get(ENV_API_URL) or not isinstance(pid, int):
+        return None
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def _wait_for_exit(process: psutil.Process | None, deadline: float) -> None:
+    """Wait (until ``deadline``) for the daemon to exit. Its API closes first: a stop that
+    returned then left the daemon still ending its controllers and workers and removing its
+    replicas' scratch directory (with its lock held) while the caller went on: deleting the
+    home, starting another daemon, checking what was left."""
+    while process is not None and running(process):
+        if time.monotonic() > deadline:
+            out.print(f"the daemon (pid {process.pid}) is still shutting down")
+            return
+        time.sleep(0.05)
 
 
 @daemon.command("restore")
