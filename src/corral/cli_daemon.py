@@ -7,16 +7,17 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import psutil
 
 from corral.cli_common import client_of, fail, home_of, out
 from corral.client import Client, UntrustedDaemon
 from corral.figures import gib
 from corral.home import EXIT_DAEMON_RUNNING, is_loopback
-from corral.procfs import running
+
+if TYPE_CHECKING:
+    import psutil
 
 
 @click.group()
@@ -157,6 +158,8 @@ def _daemon_process(home: Path) -> psutil.Process | None:
     """The home's daemon process, as its daemon.json names it; None when it runs elsewhere
     (``$CORRAL_API_URL``) or cannot be told. Taken while it still runs, so that psutil knows
     it by its start time too and a recycled pid is never mistaken for it."""
+    import psutil  # here: `corral status` imports this module and must stay light
+
     from corral.apiconn import ENV_API_URL
     from corral.home import read_info
 
@@ -174,6 +177,8 @@ def _wait_for_exit(process: psutil.Process | None, deadline: float) -> None:
     returned then left the daemon still ending its controllers and workers and removing its
     replicas' scratch directory (with its lock held) while the caller went on: deleting the
     home, starting another daemon, checking what was left."""
+    from corral.procfs import running
+
     while process is not None and running(process):
         if time.monotonic() > deadline:
             out.print(f"the daemon (pid {process.pid}) is still shutting down")
