@@ -1325,6 +1325,35 @@ def test_a_new_document_goes_by_load_and_its_next_questions_follow_it() -> None:
         assert policy.select(ready, in_flight, view(body, b"/v1/completions")) == homes[d]
 
 
+def test_one_offs_do_not_crowd_a_documents_blocks_out_of_the_index() -> None:
+    """A prompt that shares nothing is recorded one block past its anchor, not whole: its
+    later prompts (if any) still follow it, and a stream of one-offs no longer evicts from
+    the bounded index the blocks of a document whose questions go on coming."""
+    from corral.balancer.prefix_policy import DEFAULT_ANCHOR_CHARS, PrefixAffinity
+
+    ready = (1, 2, 3, 4)
+    policy = PrefixAffinity(index_blocks=256)
+    policy.update(ready, {})
+    to_two = {1: 1, 2: 0, 3: 1, 4: 1}  # by load, everything goes to replica 2
+    doc = "The shared document. " + "Its text goes on. " * 200
+    for question in ("First?", "Second?"):
+        body = json.dumps({"prompt": doc + question}).encode()
+        assert policy.select(ready, to_two, view(body, b"/v1/completions")) == 2
+    held = policy.index.size(2)
+    rng = random.Random(7)
+    for _ in range(8):
+        one_off = " ".join(str(rng.random()) for _ in range(200))  # ~3,800 characters
+        before = policy.index.size(2)
+        policy.select(
+            ready, to_two, view(json.dumps({"prompt": one_off}).encode(), b"/v1/completions")
+        )
+        assert policy.index.size(2) - before == DEFAULT_ANCHOR_CHARS // 64 + 1
+    assert policy.index.size(2) == held + 8 * 17
+    # By load the question would go elsewhere; its document's blocks keep it on replica 2.
+    body = json.dumps({"prompt": doc + "Third?"}).encode()
+    assert policy.select(ready, {1: 0, 2: 1, 3: 0, 4: 0}, view(body, b"/v1/completions")) == 2
+
+
 def test_a_document_on_two_replicas_goes_to_the_less_loaded_of_them() -> None:
     """After a spill, two replicas hold a document: a question goes to whichever of them has
     less in flight (never to a replica without it), so the copies share the document's

@@ -44,7 +44,8 @@ How a replica is chosen (``prefix_affinity``; SGLang's and vLLM's routers call t
    spread over the replicas instead of meeting by chance on one (measured: with rendezvous
    alone, a RAG workload's busiest replica took 38-46% of requests, and prompts sharing
    nothing waited 1.6x longer than under round robin). The next prompt sharing its blocks
-   follows it there (step 5).
+   follows it there (step 5). It is hashed and recorded only one block past its anchor,
+   which is all that prompt needs to find it; that prompt records the whole chain.
    Chats always take step 2, which keeps a conversation together across workers.
 7. **A share of the requests** (:mod:`corral.balancer.recent_share`): a replica above
    SHARE_BALANCE times an even share of this worker's recent requests takes no new
@@ -72,7 +73,7 @@ from corral.balancer.policies import (
     weigh_streams,
 )
 from corral.balancer.prefix import PrefixIndex, rendezvous_order, stable_key
-from corral.balancer.prompt import read_prompt
+from corral.balancer.prompt import Prompt, read_prompt
 from corral.balancer.recent_share import RecentShare
 
 __all__ = ["DEFAULT_BALANCE", "PrefixAffinity", "SessionAffinity"]
@@ -254,20 +255,8 @@ class PrefixAffinity:
         prompt = read_prompt(path, request.body, self.prompt_field, self._read_limit)
         if prompt is None:
             return self._weighed(candidates, in_flight)
-        text = prompt.text
-        anchor = text[: prompt.anchor_end if prompt.chat else self.anchor_chars]
-        hashes = self.index.hashes(text)
-        # A cached match no longer than the anchor may be another conversation's (a shared
-        # system prompt): only one past it is this conversation's own.
-        # In blocks, which are of UTF-8 bytes: a CJK anchor spans three times its characters.
-        size = len(anchor) if anchor.isascii() else len(anchor.encode("utf-8", "surrogatepass"))
-        own = size // self.index.block_chars
-        matched = self.index.match(hashes) if hashes else {}
-        key = stable_key(anchor)
+        key, own, hashes, matched, placed = self._look_up(prompt, candidates)
         table = self.table
-        placed = table.get(key) if table is not None else None
-        if placed is not None and placed not in candidates:
-            placed = None  # a replica that left, or a collision's stale entry
         sticky, slack = None, SLACK if prompt.chat else self.doc_slack
         if prompt.chat and table is not None:
             # Every worker follows the table, so a new conversation may go where a shared
@@ -283,6 +272,12 @@ class PrefixAffinity:
             # (or a document's first question) goes by load, so new documents spread; the
             # next prompt that shares its blocks follows it here. Not bounded by share: no
             # cache pulls a one-off anywhere, and least load keeps such prompts' shares even.
+            # It is recorded as far as one block past its anchor only (``first``): that is
+            # what the next prompt sharing it needs to follow it (a match past the anchor
+            # counts, step 5), and that prompt records the whole chain. A one-off's every
+            # block cost the index an insert and, once full, an eviction of a block that
+            # some later prompt could have matched (measured: docs/benchmarks.md, "One-offs
+            # recorded as far as their anchor").
             chosen = self._weighed(candidates, in_flight)
         else:
             # Replicas over their share of recent requests take no new conversation or
@@ -295,6 +290,34 @@ class PrefixAffinity:
             chosen = self._choose(order, in_flight, matched, own, sticky, slack, hot)
         self.pending = _Record(key, placed, hashes)  # kept by commit, where it really goes
         return chosen
+
+    def _look_up(
+        self, prompt: Prompt, candidates: Sequence[int]
+    ) -> tuple[int, int, list[int], dict[int, int], int | None]:
+        """What is known of ``prompt``: its anchor's key, the anchor's whole blocks, its block
+        hashes, how far each replica holds them, and where the table placed its anchor."""
+        text = prompt.text
+        anchor = text[: prompt.anchor_end if prompt.chat else self.anchor_chars]
+        # A cached match no longer than the anchor may be another conversation's (a shared
+        # system prompt): only one past it is this conversation's own.
+        # In blocks, which are of UTF-8 bytes: a CJK anchor spans three times its characters.
+        size = len(anchor) if anchor.isascii() else len(anchor.encode("utf-8", "surrogatepass"))
+        own = size // self.index.block_chars
+        # A prompt that is not a chat is hashed at first only one block past its anchor (see
+        # the one-off in _select): most such prompts share nothing, and their whole chain is
+        # hashed, matched and recorded only when something of them was seen before.
+        first = None if prompt.chat else min(own + 1, self.index.max_request_blocks)
+        hashes = self.index.hashes(text, first)
+        matched = self.index.match(hashes) if hashes else {}
+        key = stable_key(anchor)
+        placed = self.table.get(key) if self.table is not None else None
+        if placed is not None and placed not in candidates:
+            placed = None  # a replica that left, or a collision's stale entry
+        if first is not None and len(hashes) == first and (matched or placed is not None):
+            hashes = self.index.hashes(text)
+            if matched:
+                matched = self.index.match(hashes)
+        return key, own, hashes, matched, placed
 
     def _choose(
         self,
