@@ -1358,7 +1358,7 @@ def test_a_document_on_two_replicas_goes_to_the_less_loaded_of_them() -> None:
     """After a spill, two replicas hold a document: a question goes to whichever of them has
     less in flight (never to a replica without it), so the copies share the document's
     questions. Taking the first of its order, as before, sent it to the busier one."""
-    from corral.balancer.prefix import rendezvous_order, stable_key
+    from corral.balancer.prefix import PrefixIndex, rendezvous_order
     from corral.balancer.prefix_policy import DEFAULT_ANCHOR_CHARS, PrefixAffinity
 
     ready = (1, 2, 3, 4)
@@ -1372,7 +1372,8 @@ def test_a_document_on_two_replicas_goes_to_the_less_loaded_of_them() -> None:
             policy.index.insert(rid, policy.index.hashes(doc))
         return policy.select(ready, in_flight, view(body, b"/v1/completions"))
 
-    order = rendezvous_order(stable_key(doc[:DEFAULT_ANCHOR_CHARS]), ready)
+    index = PrefixIndex()
+    order = rendezvous_order(index.anchor_key(doc[:DEFAULT_ANCHOR_CHARS], index.hashes(doc)), ready)
     assert choose({}) == order[0]  # idle: the first of its order, as every worker would choose
     # The first holder busier (under the bound); idle replicas without it are not taken.
     assert choose({order[0]: 1}) == order[1]

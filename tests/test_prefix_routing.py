@@ -301,12 +301,32 @@ def test_eviction_takes_leaves_so_a_prefix_stays_matchable() -> None:
 
 _PROBE = """
 import json, sys
-from corral.balancer.prefix import block_hashes, rendezvous_order, stable_key
+from corral.balancer.prefix import PrefixIndex, block_hashes, rendezvous_order, stable_key
 keys = [stable_key(f"conversation {i}") for i in range(200)]
 orders = [rendezvous_order(k, [3, 1, 4, 15, 9, 2, 6]) for k in keys]
 hashes = block_hashes("You are a helpful assistant. " * 40 + "\\u00e9\\ud800", 16)
-print(json.dumps([keys, orders, hashes]))
+index = PrefixIndex(block_chars=16)
+anchors = [index.anchor_key(a, index.hashes(a)) for a in ("", "ab", "\\u00e9" * 30, "x" * 64)]
+print(json.dumps([keys, orders, hashes, anchors]))
 """
+
+
+def test_an_anchor_key_names_the_anchor_from_the_hashes_of_any_text_it_starts() -> None:
+    """The policy keys an anchor from the block hashes of the prompt it starts (no second
+    hash over it): the same key whatever follows the anchor, and a different one for any
+    other anchor, its bytes past the last whole block included (trailing zero bytes too)."""
+    index = PrefixIndex(block_chars=16)
+    anchors = ["", "a", "a\x00", "a\x00\x00", "b", "x" * 16, "x" * 17, "x" * 32, "é" * 9, "é" * 8]
+    keys = {}
+    for anchor in anchors:
+        key = index.anchor_key(anchor, index.hashes(anchor))
+        assert 0 <= key < 1 << 64
+        for rest in ("", "y" * 5, "more text " * 20):
+            assert index.anchor_key(anchor, index.hashes(anchor + rest)) == key, (anchor, rest)
+        keys[key] = anchor
+    assert len(keys) == len(anchors)
+    # Hashes that stop short of the anchor (a bounded request): its stable key.
+    assert index.anchor_key("x" * 40, index.hashes("x" * 40, 1)) == stable_key("x" * 40)
 
 
 def test_choices_and_hashes_agree_across_processes() -> None:
@@ -319,6 +339,7 @@ def test_choices_and_hashes_agree_across_processes() -> None:
 
     mine = run("1")
     assert run("4242") == mine
+    assert len(set(mine[3])) == 4
     assert mine[2] == block_hashes("You are a helpful assistant. " * 40 + "\u00e9\ud800", 16)
     keys = [stable_key(f"conversation {i}") for i in range(200)]
     assert mine[1] == [rendezvous_order(k, [3, 1, 4, 15, 9, 2, 6]) for k in keys]

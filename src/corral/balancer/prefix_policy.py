@@ -309,7 +309,7 @@ class PrefixAffinity:
         first = None if prompt.chat else min(own + 1, self.index.max_request_blocks)
         hashes = self.index.hashes(text, first)
         matched = self.index.match(hashes) if hashes else {}
-        key = stable_key(anchor)
+        key = self.index.anchor_key(anchor, hashes)
         placed = self.table.get(key) if self.table is not None else None
         if placed is not None and placed not in candidates:
             placed = None  # a replica that left, or a collision's stale entry
