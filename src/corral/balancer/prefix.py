@@ -44,12 +44,12 @@ PYTHONHASHSEED salts per process):
   tuple of ints, which no seed salts, so the same in every process of one CPython build (all
   workers run the daemon's interpreter); not promised across Python versions or 32/64-bit. A
   block's hash names the whole prefix up to it, so ``hashes[k - 1]`` is a conversation anchor
-  key every worker agrees on (:meth:`PrefixIndex.anchor_key`, the policy's key). Chosen over blake2b for speed (about 2.5x faster per block).
-  The compiled build (:mod:`corral.balancer.speedups`) computes the same values in C, CPython's
-  int and tuple hashes written out, with no Python object per block: the policy runs this
-  once a request, and in a router on a busy machine from cold caches, where the loop cost
-  about 30 us of a 3,400-character prompt's ~150 (``bench/prefix_select.py``).
-"""
+  key every worker agrees on (:meth:`PrefixIndex.anchor_key`, the policy's key). Chosen over
+  blake2b for speed (about 2.5x faster per block). The compiled build
+  (:mod:`corral.balancer.speedups`) computes the same values in C, CPython's int and tuple
+  hashes written out, with no Python object per block: the policy runs this once a request, and
+  in a router on a busy machine from cold caches, where the loop cost about 30 us of a
+  3,400-character prompt's ~150 (``bench/prefix_select.py``)."""
 
 from __future__ import annotations
 
