@@ -5,8 +5,10 @@ write buffer, as ``ClientConnection.eof_received`` promises."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
+import pytest
 from chunked import HOST
 from test_balancer_pump import GET, run, stream_of, until
 
@@ -34,3 +36,29 @@ def test_a_half_closed_client_that_does_not_read_ends_the_replicas_work() -> Non
             sock.close()
 
     run(stream_of(400, gap=0.0005, size=30_000), body, timeout=60)
+
+
+def test_a_client_that_stops_reading_is_cut_for_it_not_blamed_on_the_replica(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that reads nothing of a stream for idle_timeout is cut, as before, but the
+    cut is the client's (``client_stalled``): the replica had data and the balancer had paused
+    it. It was counted as the replica's silence (``idle_timeout``) and logged against it."""
+
+    async def body(lb: LoadBalancer, replica: object) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (HOST, lb.port))
+        sock.sendall(GET)
+        try:
+            await asyncio.wait_for(replica.lost.wait(), 10)  # type: ignore[attr-defined]
+            await until(lambda: lb._aborted == 1, "the stream was never cut")
+        finally:
+            sock.close()
+
+    caplog.set_level(logging.WARNING)
+    lb = run(stream_of(400, gap=0.0005, size=30_000), body, timeout=60, idle_timeout=0.5)
+    reasons = lb.stats()["errors_by_reason"]
+    assert reasons.get("client_stalled") == 1 and "idle_timeout" not in reasons, reasons
+    assert "mid-response" not in caplog.text, caplog.text

@@ -459,6 +459,8 @@ class Exchange(ResponseRelay):
             if self.mode == _WHOLE:
                 msg = f"no whole answer within {lb._idle_timeout:g}s"
                 self._failed(Failure(504, msg, "idle_timeout", retryable=False))
+            elif self.client._write_paused:  # the replica's reading paused for the client
+                self._abort("client_stalled", f"read nothing for {lb._idle_timeout:g}s")
             else:
                 self._abort("idle_timeout", f"sent nothing for {lb._idle_timeout:g}s mid-response")
 
@@ -468,7 +470,7 @@ class Exchange(ResponseRelay):
         lb = self.lb
         lb._aborted += 1
         lb._count_reason(reason)
-        if self.rid is not None and reason != "client_timeout":
+        if self.rid is not None and reason not in CLIENT_FAULTS:
             target = self.target.decode("latin-1")
             lb._warn(self.rid, f"failed mid-response on {target}: {message}")
         conn, self.conn = self.conn, None

@@ -15,7 +15,9 @@ from typing import Final
 __all__ = ["CLIENT_FAULTS", "Failure", "describe", "refused"]
 
 # Failures that are the client's doing: they do not count against the replica.
-CLIENT_FAULTS: Final = frozenset({"body_too_large", "bad_request", "client_timeout"})
+CLIENT_FAULTS: Final = frozenset(
+    {"body_too_large", "bad_request", "client_timeout", "client_stalled"}
+)
 
 
 class Failure:

@@ -124,6 +124,7 @@ ERROR_REASONS: Final = {
     "header_too_large": "431: request line or a header above max_header_bytes, or too many headers",
     "bad_request": "400: malformed HTTP (request line, headers, chunked framing) or CONNECT",
     "client_timeout": "408: the client did not send its body within idle_timeout",
+    "client_stalled": "response cut: the client read nothing of it for idle_timeout",
     "too_many_connections": "503: the service's connection cap (max_connections) was reached",
     "stopped": "503: the balancer is stopping",
     "internal": "502: a bug in the balancer (logged with a traceback)",

@@ -95,6 +95,7 @@ class Downstream(Protocol):
 
     transport: asyncio.Transport | None
     _closing: bool
+    _write_paused: bool  # the client is not reading: its transport is over the high-water mark
     # The connection's one deadline (the balancer's ticker compares it with the clock) and what
     # it means (relay.DL_*): a live stream moves it per batch without a call.
     deadline: float
