@@ -1354,6 +1354,32 @@ def test_one_offs_do_not_crowd_a_documents_blocks_out_of_the_index() -> None:
     assert policy.select(ready, {1: 0, 2: 1, 3: 0, 4: 0}, view(body, b"/v1/completions")) == 2
 
 
+def test_after_a_spill_a_documents_first_replica_still_shares_its_questions() -> None:
+    """A document's first question (a one-off, recorded short) went to one replica, its second
+    spilled to another (recorded whole). Both hold the document: the less loaded takes the
+    next question. With the first copy known only as far as its anchor, the second took them
+    all until over its bound while the first, idle, held the document too."""
+    from corral.balancer.prefix_policy import PrefixAffinity
+
+    ready = (1, 2, 3, 4)
+    policy = PrefixAffinity(share_balance=100.0)  # the share bound aside: loads decide here
+    policy.update(ready, {})
+    doc = "The shared document. " + "Its text goes on. " * 200
+
+    def ask(question: str, in_flight: dict[int, int]) -> int:
+        body = json.dumps({"prompt": doc + question}).encode()
+        return policy.select(ready, in_flight, view(body, b"/v1/completions"))
+
+    assert ask("First?", {1: 1, 2: 0, 3: 1, 4: 1}) == 2  # a new document: by load
+    spilled = ask("Second?", {1: 0, 2: 30, 3: 0, 4: 0})  # replica 2 far over the bound
+    assert spilled != 2
+    for busier in (spilled, 2):
+        loads = {rid: 3 for rid in ready}
+        loads[busier] = 1
+        loads[2 if busier == spilled else spilled] = 0
+        assert ask("Next?", loads) == (2 if busier == spilled else spilled)
+
+
 def test_a_document_on_two_replicas_goes_to_the_less_loaded_of_them() -> None:
     """After a spill, two replicas hold a document: a question goes to whichever of them has
     less in flight (never to a replica without it), so the copies share the document's

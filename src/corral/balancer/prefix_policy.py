@@ -60,6 +60,7 @@ its index from traffic while the table and the anchors keep routing consistent m
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -118,6 +119,7 @@ STICKY: Final = 1.0
 # workers, docs/benchmarks.md): the busiest replica's share went from 0.30-0.43 to 0.26-0.30
 # at a hit rate at most 0.01 lower; 1.25 left it at 0.29-0.33.
 SHARE_BALANCE: Final = 1.15
+CUTS: Final = 4096  # how many one-offs recorded short are remembered (``_credit_cut``)
 _NONE: Final[frozenset[int]] = frozenset()
 
 
@@ -130,6 +132,10 @@ def bound(
     return max(math.ceil(balance * mean), mean + slack)
 
 
+def _utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 class _Record(NamedTuple):
     """What a request's prompt leaves where it is sent: its key in the shared table (and the
     replica the table named, if any), its blocks in the index."""
@@ -137,6 +143,7 @@ class _Record(NamedTuple):
     key: int
     placed: int | None
     hashes: list[int]
+    whole: int = 0  # a one-off recorded short: how many whole blocks it had
 
 
 class PrefixAffinity:
@@ -193,6 +200,7 @@ class PrefixAffinity:
         self.recent = RecentShare()
         self._ready: frozenset[int] = frozenset()
         self._waiting: dict[int, float] = {}
+        self._cuts: OrderedDict[int, tuple[int, int]] = OrderedDict()
 
     def update(self, ready: Sequence[int], engines: Mapping[int, EngineLoad]) -> None:
         now = frozenset(ready)
@@ -239,6 +247,10 @@ class PrefixAffinity:
         if self.table is not None and rid != record.placed:
             self.table.put(record.key, rid)
         self.index.insert(rid, record.hashes)
+        if record.whole > len(record.hashes):  # a one-off recorded short (_credit_cut)
+            self._cuts[record.hashes[-1]] = (rid, record.whole)
+            if len(self._cuts) > CUTS:
+                self._cuts.popitem(last=False)
 
     def _select(
         self,
@@ -257,7 +269,7 @@ class PrefixAffinity:
             return self._weighed(candidates, in_flight)
         key, own, hashes, matched, placed = self._look_up(prompt, candidates)
         table = self.table
-        sticky, slack = None, SLACK if prompt.chat else self.doc_slack
+        sticky, slack, whole = None, SLACK if prompt.chat else self.doc_slack, 0
         if prompt.chat and table is not None:
             # Every worker follows the table, so a new conversation may go where a shared
             # system prompt is cached: its later turns will find it there from any worker.
@@ -274,11 +286,14 @@ class PrefixAffinity:
             # cache pulls a one-off anywhere, and least load keeps such prompts' shares even.
             # It is recorded as far as one block past its anchor only (``first``): that is
             # what the next prompt sharing it needs to follow it (a match past the anchor
-            # counts, step 5), and that prompt records the whole chain. A one-off's every
-            # block cost the index an insert and, once full, an eviction of a block that
+            # counts, step 5), and that prompt records the whole chain where it goes; if that
+            # is elsewhere, the cut (``_cuts``) credits this replica as far as it. A one-off's
+            # every block cost the index an insert and, once full, an eviction of a block that
             # some later prompt could have matched (measured: docs/benchmarks.md, "One-offs
             # recorded as far as their anchor").
             chosen = self._weighed(candidates, in_flight)
+            size = _utf8_size(prompt.text) // self.index.block_chars
+            whole = min(size, self.index.max_request_blocks)
         else:
             # Replicas over their share of recent requests take no new conversation or
             # document question; a placed conversation's turns pass (``sticky``). Without the
@@ -288,7 +303,7 @@ class PrefixAffinity:
             order = rendezvous_order(key, candidates)
             self.preferred = True  # for this prompt's cache, unless _choose falls back to load
             chosen = self._choose(order, in_flight, matched, own, sticky, slack, hot)
-        self.pending = _Record(key, placed, hashes)  # kept by commit, where it really goes
+        self.pending = _Record(key, placed, hashes, whole)  # kept by commit, where it really goes
         return chosen
 
     def _look_up(
@@ -301,8 +316,7 @@ class PrefixAffinity:
         # A cached match no longer than the anchor may be another conversation's (a shared
         # system prompt): only one past it is this conversation's own.
         # In blocks, which are of UTF-8 bytes: a CJK anchor spans three times its characters.
-        size = len(anchor) if anchor.isascii() else len(anchor.encode("utf-8", "surrogatepass"))
-        own = size // self.index.block_chars
+        own = _utf8_size(anchor) // self.index.block_chars
         # A prompt that is not a chat is hashed at first only one block past its anchor (see
         # the one-off in _select): most such prompts share nothing, and their whole chain is
         # hashed, matched and recorded only when something of them was seen before.
@@ -316,8 +330,17 @@ class PrefixAffinity:
         if first is not None and len(hashes) == first and (matched or placed is not None):
             hashes = self.index.hashes(text)
             if matched:
-                matched = self.index.match(hashes)
+                matched = self._credit_cut(self.index.match(hashes), hashes, first)
         return key, own, hashes, matched, placed
+
+    def _credit_cut(self, matched: dict[int, int], hashes: list[int], cut: int) -> dict[int, int]:
+        """A replica whose match stops where a one-off sent there was recorded short (its
+        ``cut`` blocks) may hold more: as far as the longest match, up to the one-off's length
+        (else, after a spill, a document's copies no longer shared its questions)."""
+        found = self._cuts.get(hashes[cut - 1]) if cut < len(hashes) else None
+        if found is not None and matched.get(found[0]) == cut:
+            matched[found[0]] = max(cut, min(found[1], max(matched.values())))
+        return matched
 
     def _choose(
         self,
