@@ -1,6 +1,7 @@
-"""A client that half-closes (FIN) while it does not read a stream is gone: the replica's
-connection is closed (its work cancelled) even though the answer is stuck in the client's
-write buffer, as ``ClientConnection.eof_received`` promises."""
+"""A client that stops reading a stream: when it half-closes (FIN) it is gone, and the
+replica's connection is closed (its work cancelled) even though the answer is stuck in the
+client's write buffer, as ``ClientConnection.eof_received`` promises; when it only stops
+reading, it is cut at idle_timeout, and the cut is the client's, not the replica's."""
 
 from __future__ import annotations
 
@@ -15,13 +16,20 @@ from test_balancer_pump import GET, run, stream_of, until
 from corral.balancer import LoadBalancer
 
 
+async def _client_not_reading(lb: LoadBalancer) -> socket.socket:
+    """A raw client that asks for the stream and then reads nothing (a small receive window,
+    so the answer backs up into the balancer soon)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (HOST, lb.port))
+    sock.sendall(GET)
+    return sock
+
+
 def test_a_half_closed_client_that_does_not_read_ends_the_replicas_work() -> None:
     async def body(lb: LoadBalancer, replica: object) -> None:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, (HOST, lb.port))
-        sock.sendall(GET)
+        sock = await _client_not_reading(lb)
         await until(  # not reading: the answer backs up into the balancer's buffer
             lambda: any(
                 c.transport is not None and c.transport.get_write_buffer_size() for c in lb._clients
@@ -46,11 +54,7 @@ def test_a_client_that_stops_reading_is_cut_for_it_not_blamed_on_the_replica(
     it. It was counted as the replica's silence (``idle_timeout``) and logged against it."""
 
     async def body(lb: LoadBalancer, replica: object) -> None:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, (HOST, lb.port))
-        sock.sendall(GET)
+        sock = await _client_not_reading(lb)
         try:
             await asyncio.wait_for(replica.lost.wait(), 10)  # type: ignore[attr-defined]
             await until(lambda: lb._aborted == 1, "the stream was never cut")
