@@ -3,10 +3,13 @@ spec, and through a real daemon in front of simulated engines."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import socket
 import sys
 import threading
-import urllib.request
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -158,20 +161,27 @@ def test_a_service_scales_out_when_its_engines_fill(
     )
     corral_home.run("up", str(write_spec(tmp_path / "grow.yaml", text)), "-y", timeout=120)
     svc = corral_home.wait_replicas("grow", 1, timeout=60)
-    url = str(svc["endpoint"]) + "/v1/completions"
+    endpoint = urllib.parse.urlsplit(str(svc["endpoint"]))
     body = json.dumps({"model": "m", "prompt": "write", "max_tokens": 400}).encode()
+    clients = [http.client.HTTPConnection(endpoint.netloc, timeout=120) for _ in range(6)]
 
-    def generate() -> None:
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "x/json"})
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            answer.read()
+    def generate(client: http.client.HTTPConnection) -> None:
+        try:
+            client.request("POST", "/v1/completions", body, {"Content-Type": "x/json"})
+            client.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            pass  # cut below once the service has grown: the rest would take ~30 s
 
-    threads = [threading.Thread(target=generate, daemon=True) for _ in range(6)]
+    threads = [threading.Thread(target=generate, args=(c,), daemon=True) for c in clients]
     for thread in threads:
         thread.start()
     grown = corral_home.wait_replicas("grow", 2, timeout=90, exact=False)
     events = corral_home.api("GET", "/v1/services/grow/events").json()["events"]
     assert any("request(s) waiting in engines" in str(e) for e in events), events
     assert grown["target"] == 2
+    for client in clients:  # the clients leave: the balancer cancels their generations
+        if client.sock is not None:
+            with contextlib.suppress(OSError):
+                client.sock.shutdown(socket.SHUT_RDWR)
     for thread in threads:
         thread.join(120)
