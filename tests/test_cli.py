@@ -431,6 +431,48 @@ def test_up_waiting_for_a_service_another_shell_takes_down_says_so(
     assert "service 'mute' was taken down while this command waited for it" in said, said
 
 
+def test_daemon_stop_fails_for_a_stuck_daemon_instead_of_calling_it_gone(
+    corral_home: CorralHome,
+) -> None:
+    """A daemon that holds the home but neither answers nor exits (here SIGSTOPped) was
+    reported as "no daemon running", exit 0: a script went on to delete the home or start a
+    second daemon. It is a failure that names the pid; a daemon only slow to end (after an
+    earlier stop, its API closed) is waited for."""
+    corral_home.start_daemon()
+    pid = corral_home.daemon_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stuck = corral_home.run("daemon", "stop", "--timeout", "1", check=False)
+        assert stuck.returncode == 1, stuck.stdout + stuck.stderr
+        said = " ".join((stuck.stdout + stuck.stderr).split())
+        assert f"the daemon (pid {pid}) holds this home but neither answers nor exits" in said
+        assert pid_alive(pid)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    corral_home.run("daemon", "stop")
+    assert not pid_alive(pid)
+
+
+def test_waiting_for_the_daemon_to_exit_gives_up_at_its_deadline() -> None:
+    """`daemon stop` fails, not "stopped", when the daemon outlives the wait: the wait
+    says whether it ended (a real process stands in for the daemon)."""
+    import time
+
+    import psutil
+
+    from corral.cli_daemon import _wait_for_exit
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        proc = psutil.Process(child.pid)
+        assert _wait_for_exit(proc, time.monotonic() + 0.3) is False
+        child.terminate()
+        assert _wait_for_exit(proc, time.monotonic() + 10) is True
+    finally:
+        child.kill()
+        child.wait(10)
+
+
 def test_daemon_stop_returns_once_the_daemon_has_exited(corral_home: CorralHome) -> None:
     """The daemon's API closes first, then it ends its controllers and workers and removes
     its replicas' scratch directory. `daemon stop` returned when the API stopped answering,

@@ -120,26 +120,41 @@ def daemon_start(ctx: click.Context) -> None:
     is_flag=True,
     help="Stop the balancer workers too: every service's endpoint stops answering.",
 )
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for the daemon to exit; past them the command fails (exit 1).",
+)
 @click.pass_context
-def daemon_stop(ctx: click.Context, everything: bool) -> None:
+def daemon_stop(ctx: click.Context, everything: bool, timeout: float) -> None:
     """Stop the control plane. Services keep serving: the balancer workers and the replicas
     keep running, and the next daemon (any corral command starts one) adopts them. With no
-    service left, the balancer workers stop too. Returns once the daemon has exited."""
+    service left, the balancer workers stop too. Returns once the daemon has exited, or fails
+    if it has not within ``--timeout``: a script going on from there would race a daemon
+    still ending its controllers with its lock held."""
     home = home_of(ctx)
     client = Client(home)
     if not client.health():
         if isinstance(client.last_error, UntrustedDaemon):
             fail(str(client.last_error))
-        out.print("no daemon running")
+        _stop_silent_daemon(home, timeout)
         if everything:
             _stop_orphan_workers(home)
         return
     process = _daemon_process(home)
     workers = client.stop_daemon(workers=everything)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while client.health() and time.monotonic() < deadline:
         time.sleep(0.1)
-    _wait_for_exit(process, deadline)
+    if not _wait_for_exit(process, deadline) or client.health():
+        who = f"the daemon (pid {process.pid})" if process is not None else "the daemon"
+        fail(
+            f"{who} has not exited within {timeout:g} s of the stop request; it is still "
+            f"shutting down (its log: {home / 'daemon.log'}). Run `corral daemon stop` again "
+            "to wait for it."
+        )
     if workers:
         _stop_orphan_workers(home)  # any the daemon could not reach
         if everything:
@@ -152,6 +167,27 @@ def daemon_stop(ctx: click.Context, everything: bool) -> None:
             "`corral daemon start` brings the control plane back; "
             "`corral daemon stop --all` stops the balancer workers too."
         )
+
+
+def _stop_silent_daemon(home: Path, timeout: float) -> None:
+    """No daemon answers. "No daemon running" unless one holds the home's lock all the same:
+    one ending after an earlier stop (its API closes first), which this waits for as a stop
+    would, or one that hangs, which a stop cannot reach and which must not pass for gone
+    (a script would then delete the home or start a second daemon beside it)."""
+    from corral.dataplane.locks import daemon_holds_lock
+    from corral.procfs import running
+
+    process = _daemon_process(home)
+    if process is None or not daemon_holds_lock(home) or not running(process):
+        out.print("no daemon running")
+        return
+    if not _wait_for_exit(process, time.monotonic() + timeout):
+        fail(
+            f"the daemon (pid {process.pid}) holds this home but neither answers nor exits "
+            f"within {timeout:g} s; it is stuck (its log: {home / 'daemon.log'}). End it with "
+            f"`kill {process.pid}`: its services keep serving and the next daemon adopts them."
+        )
+    out.print(f"daemon stopped (pid {process.pid} did not answer; it has exited)")
 
 
 def _daemon_process(home: Path) -> psutil.Process | None:
@@ -172,18 +208,18 @@ def _daemon_process(home: Path) -> psutil.Process | None:
         return None
 
 
-def _wait_for_exit(process: psutil.Process | None, deadline: float) -> None:
-    """Wait (until ``deadline``) for the daemon to exit. Its API closes first: a stop that
-    returned then left the daemon still ending its controllers and workers and removing its
-    replicas' scratch directory (with its lock held) while the caller went on: deleting the
-    home, starting another daemon, checking what was left."""
+def _wait_for_exit(process: psutil.Process | None, deadline: float) -> bool:
+    """Wait (until ``deadline``) for the daemon to exit; False if it still runs then. Its API
+    closes first: a stop that returned then left the daemon still ending its controllers and
+    workers and removing its replicas' scratch directory (with its lock held) while the
+    caller went on: deleting the home, starting another daemon, checking what was left."""
     from corral.procfs import running
 
     while process is not None and running(process):
         if time.monotonic() > deadline:
-            out.print(f"the daemon (pid {process.pid}) is still shutting down")
-            return
+            return False
         time.sleep(0.05)
+    return True
 
 
 @daemon.command("restore")
