@@ -91,7 +91,12 @@ def test_a_request_waits_for_the_fallback_replica_after_an_update_gave_up(
 
     corral_home.env["CORRAL_DECISION_INTERVAL"] = "0.3"
     port = free_port()
-    serve = f"sleep 8; exec python3 -m http.server {port} --bind 127.0.0.1"
+    # Only a relaunch is slow: the fallback's replica takes 8 s to listen, the first at once.
+    launched = tmp_path / "launched"
+    serve = (
+        f"if test -e {launched}; then sleep 8; fi; touch {launched}; "
+        f"exec python3 -m http.server {port} --bind 127.0.0.1"
+    )
     good = (
         f"name: fb\nresources:\n  ports: {port}\nservice:\n  readiness_probe: /\n"
         f"  replicas: 1\nrun: {serve}\n"
