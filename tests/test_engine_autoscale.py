@@ -284,3 +284,35 @@ def test_a_reason_says_when_the_hold_has_passed_but_no_look_moved_yet() -> None:
     moved = short.decide(5000.0, [])
     assert moved.target == 3 and "s ago moved from 1)" in moved.reason, moved.reason
     assert "5000" not in moved.reason, moved.reason
+
+
+def test_llama_cpp_servers_metrics_are_read() -> None:
+    """corral starts `llama-server --metrics` for a model-first spec on CPUs: its queue, batch,
+    KV-cache use and token counter, in llama.cpp's own names, are the engine's load (they were
+    not read, so a queue_depth or kv_cache_usage target never scaled such a service)."""
+    text = (
+        "# TYPE llamacpp:tokens_predicted_total counter\n"
+        "llamacpp:tokens_predicted_total 3469\n"
+        "llamacpp:prompt_tokens_total 6886\n"
+        "llamacpp:kv_cache_usage_ratio 0.9\n"
+        "llamacpp:requests_processing 4\n"
+        "llamacpp:requests_deferred 7\n"
+    )
+    got = engines.parse(text)
+    assert got == {
+        "waiting": 7.0,
+        "running": 4.0,
+        "kv_usage": 0.9,
+        "generation_tokens": 3469.0,
+        "prompt_tokens": 6886.0,
+    }, got
+    p = policy(
+        "  replica_policy:\n    min_replicas: 1\n    max_replicas: 4\n"
+        "    target_queue_per_replica: 2\n"
+    )
+    scaler = EngineAutoscaler(p)
+    signals = engines.with_rate(got, None, 1.0)
+    scaler.sample(
+        {"replicas": {"1": {"ready": True, "in_flight": 0}}, "engines": {"1": signals}}, lambda: []
+    )
+    assert scaler.decide(0.0, []).raw_target == 4  # ceil(7 deferred / 2)

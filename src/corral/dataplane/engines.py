@@ -41,15 +41,33 @@ TIMEOUT: Final = 0.8
 MAX_BYTES: Final = 4 << 20
 
 # The engines' names for each signal, first found wins (vLLM, then its older name, SGLang,
-# TGI).
+# TGI, llama.cpp's server). llama.cpp's are there because corral itself starts
+# `llama-server --metrics` for a model-first spec on CPUs (corral.model_engines): without
+# them its queue (`requests_deferred`), batch, KV-cache use and token counter were unread,
+# so status showed nothing of it and a queue, KV or tokens/s target never scaled it.
 SIGNALS: Final = {
-    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "tgi_queue_size"),
-    "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "tgi_batch_current_size"),
-    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
+    "waiting": (
+        "vllm:num_requests_waiting",
+        "sglang:num_queue_reqs",
+        "tgi_queue_size",
+        "llamacpp:requests_deferred",
+    ),
+    "running": (
+        "vllm:num_requests_running",
+        "sglang:num_running_reqs",
+        "tgi_batch_current_size",
+        "llamacpp:requests_processing",
+    ),
+    "kv_usage": (
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:token_usage",
+        "llamacpp:kv_cache_usage_ratio",
+    ),
     "prefix_hits": ("vllm:prefix_cache_hits_total",),
     "prefix_queries": ("vllm:prefix_cache_queries_total",),
-    "generation_tokens": ("vllm:generation_tokens_total",),
-    "prompt_tokens": ("vllm:prompt_tokens_total",),
+    "generation_tokens": ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total"),
+    "prompt_tokens": ("vllm:prompt_tokens_total", "llamacpp:prompt_tokens_total"),
     "cache_hit_rate": ("sglang:cache_hit_rate",),
     "gen_throughput": ("sglang:gen_throughput",),
 }
