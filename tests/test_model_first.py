@@ -370,3 +370,14 @@ def test_a_whole_safetensors_checkpoint_beside_the_bin_index_is_whole(tmp_path: 
     assert "lacks" in (weights_problem(tmp_path) or "")
     (tmp_path / shards[1]).write_bytes(b"w")
     assert weights_problem(tmp_path) is None
+
+
+def test_a_model_beside_a_run_is_warned_of_not_ignored_silently() -> None:
+    """With `run:` the replicas run that command: `model:` picks no engine and brings none of
+    the model-first defaults. A spec with both validated clean, so its writer could believe
+    corral served the model with prefix_affinity and /health while it ran least_load on /."""
+    both = parse_spec("model: corral-llmsim\nrun: exec python3 app.py --port $PORT\n")
+    assert both.service.load_balancing_policy == "least_load"  # the defaults do not apply
+    assert [w for w in both.warnings if w.startswith("model: not used")], both.warnings
+    alone = parse_spec("model: corral-llmsim\n")
+    assert not [w for w in alone.warnings if w.startswith("model:")], alone.warnings

@@ -174,6 +174,17 @@ class ServiceSpec(Section):
             f"{value_flag(field)} {field.split('.', 1)[1]}=VALUE"
             for field in self._unset
         ]
+        if self.model and self.run:
+            # `run:` is what starts each replica; the model-first path (the engine corral
+            # picks, /health readiness, prefix_affinity) is not taken, and nothing else reads
+            # `model:`. Said, so a spec that meant the model-first defaults is not served
+            # silently without them.
+            notes.append(
+                "model: not used: `run:` starts each replica, so corral neither picks an "
+                "engine for the model nor applies the model-first defaults (readiness_probe "
+                "/health, load_balancing_policy prefix_affinity); remove `run:` to have "
+                "corral start the model, or `model:` to silence this"
+            )
         if self.infra == "kubernetes":  # read, as SkyPilot's, but no backend runs it yet
             notes.append(
                 "infra: kubernetes has no corral backend yet: `corral up` refuses it (infra "
