@@ -678,6 +678,25 @@ def test_bad_replica_counts(tmp_path: Path, yaml_value: str, words: str) -> None
     assert words in issue.message
 
 
+def test_a_number_yaml_reads_as_text_says_so(tmp_path: Path) -> None:
+    """YAML 1.1 reads `2e3` as the text '2e3' (a float needs a dot and a signed exponent), so
+    the bare "expected a number, got '2e3'" contradicted what the writer sees: a number. The
+    message says why, and how to write it."""
+    error = errors_of(
+        tmp_path,
+        "run: x\nservice:\n  replicas: 1\n  max_replicas: 3\n  autoscaling:\n"
+        "    metrics:\n      - type: tokens_per_second\n        target: 2e3\n"
+        "  load_balancer:\n    hold_timeout_seconds: 1.5e1\n    max_in_flight_per_replica: 6.4e1\n",
+    )
+    issues = by_loc(error)
+    target = issues["service.autoscaling.metrics[0].target"].message
+    assert target == "expected a number, got '2e3' (YAML reads 2e3 as text: write 2000)"
+    assert "write 15)" in issues["service.load_balancer.hold_timeout_seconds"].message
+    assert "write 64)" in issues["service.load_balancer.max_in_flight_per_replica"].message
+    plain = by_loc(errors_of(tmp_path, "run: x\nservice:\n  replicas: '2'\n"))
+    assert "YAML reads" not in plain["service.replicas"].message  # text that is no exponent
+
+
 def test_bad_durations(tmp_path: Path) -> None:
     error = errors_of(
         tmp_path,

@@ -6,6 +6,7 @@ and an unknown field is matched against every section's fields before it is call
 """
 
 import difflib
+import math
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -163,7 +164,7 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
             return f"names here must be text, got {show(got)}"
         if loc in (("run",), ("setup",)) and isinstance(got, dict):
             return f"{plain[kind]}, got {show(got)}; {command_block_hint(str(loc[0]))}"
-        return f"{plain[kind]}, got {show(got)}"
+        return f"{plain[kind]}, got {show(got)}{_exponent_hint(got)}"
     if kind in ("too_short", "too_long") and isinstance(got, list | tuple):
         bound = ctx.get("min_length" if kind == "too_short" else "max_length")
         words = "at least" if kind == "too_short" else "at most"
@@ -180,6 +181,29 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
         words, key = bounds[kind]
         return f"must be {words} {show(ctx.get(key))}, got {show(got)}"
     return f"{error['msg']}; got {show(got)}"
+
+
+# A number in exponent form as YAML 1.1 (PyYAML's, so SkyPilot's and corral's) does NOT read
+# it: no dot, or an exponent without its sign (`2e3`, `1.5e3`). It arrives as text.
+_EXPONENT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _exponent_hint(got: Any) -> str:
+    """Why `target: 2e3` is "not a number": YAML 1.1 reads a float only with a dot and a
+    signed exponent (1.0e+3), so `2e3` is the text '2e3', and "expected a number, got '2e3'"
+    alone reads as a contradiction. Says so, with the value written the way YAML reads it."""
+    if not isinstance(got, str) or not _EXPONENT_TEXT.fullmatch(got.strip()):
+        return ""
+    value = float(got)
+    if not math.isfinite(value):
+        return f" (YAML reads {got} as text; {got} is beyond any number a spec takes)"
+    if value.is_integer() and abs(value) < 1e15:
+        written = str(int(value))
+    else:
+        mantissa, _, exponent = repr(value).partition("e")
+        dot = mantissa if "." in mantissa else mantissa + ".0"
+        written = f"{dot}e{'' if exponent[:1] in '+-' else '+'}{exponent}" if exponent else dot
+    return f" (YAML reads {got} as text: write {written})"
 
 
 # The parts of a message that say what to do, shown as the issue's hint.
