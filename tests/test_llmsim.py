@@ -559,3 +559,27 @@ def test_the_command_line_serves_until_sigterm_and_the_example_spec_runs_it() ->
     finally:
         shell.terminate()
         assert shell.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--port", "99999"], "--port must be 0 to 65535, got 99999"),
+        (["--port", "-1"], "--port must be 0 to 65535, got -1"),
+        (["--host", "256.1.1.1", "--port", "0"], "cannot listen on 256.1.1.1:0"),
+        (["--prefill-per-token-ms", "inf"], "prefill_per_token_ms must be a finite number"),
+        (["--speed", "inf"], "speed must be a finite number above 0"),
+    ],
+)
+def test_the_command_refuses_what_it_cannot_serve_in_one_line(argv: list[str], said: str) -> None:
+    """`--port 99999` listened on 34463 (the OS takes it modulo 65536) and printed so, a
+    script connecting to 99999 never found it; `-1` and a host that is no address ended in a
+    traceback; an infinite prefill cost made every prompt wait forever."""
+    run = subprocess.run(
+        [sys.executable, "-m", "corral.llmsim", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode != 0 and said in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "listening" not in run.stdout

@@ -63,7 +63,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     if args.default_max_tokens < 1:
         parser.error("--default-max-tokens must be at least 1")
-    uvloop.run(serve(config, args))
+    if not 0 <= args.port <= 65535:  # the OS would take 99999 modulo 65536, -1 as an error
+        parser.error(f"--port must be 0 to 65535, got {args.port}")
+    try:
+        uvloop.run(serve(config, args))
+    except OSError as exc:  # the address is not this machine's, or the port is taken
+        parser.exit(1, f"corral.llmsim: cannot listen on {args.host}:{args.port}: {exc}\n")
 
 
 if __name__ == "__main__":

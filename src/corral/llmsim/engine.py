@@ -29,6 +29,7 @@ import asyncio
 import bisect
 import contextlib
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -70,10 +71,10 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("step_base_ms", "step_per_seq_ms", "prefill_per_token_ms"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be 0 or more")
-        if not self.speed > 0:
-            raise ValueError("speed must be above 0")
+            if not 0 <= getattr(self, name) < math.inf:  # inf: every prompt waits forever
+                raise ValueError(f"{name} must be a finite number, 0 or more")
+        if not 0 < self.speed < math.inf:
+            raise ValueError("speed must be a finite number above 0")
 
     def step_seconds(self, batch: int, prefill_tokens: int) -> float:
         ms = self.step_base_ms + self.step_per_seq_ms * batch
