@@ -217,7 +217,15 @@ def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
     assert sum(1 for fields in outcomes.values() if fields == ["run"]) == 14
     assert outcomes["minimal.yaml"] == []
     assert outcomes["http_server__task.yaml"] == ["run"]
-    assert outcomes["stable_diffusion_service.yaml"] == ["resources.load_balancing_policy"]
+    # Every problem at once: behind the misplaced field, the absolute mount, the V100 this
+    # server lacks and two replicas on one fixed port (`run`).
+    assert outcomes["stable_diffusion_service.yaml"] == [
+        "file_mounts./stable_diffusion",
+        "resources",
+        "resources.load_balancing_policy",
+        "run",
+    ]
+    assert outcomes["policy__spot_hedge.yaml"] == ["run", "service.replica_policy.init_replicas"]
     assert outcomes["auth-server.yaml"] == ["service.auth_key"]
 
 

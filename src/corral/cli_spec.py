@@ -53,7 +53,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         unrunnable, engine = model_check(spec)
         issues = sorted_issues(issues + fit + unrunnable)
     except SpecError as exc:
-        issues = exc.issues
+        issues = sorted_issues(exc.issues + issues_behind(file, name, exc.issues))
     source = str(file)
     if as_json:
         document = {
@@ -83,6 +83,43 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         out.print(f"  {key}: {json.dumps(value, default=str)}", soft_wrap=True)
     if engine is not None:
         out.print(f"  engine (on this machine): {engine}", soft_wrap=True, markup=False)
+
+
+def issues_behind(file: Path, name: str | None, found: list[SpecIssue]) -> list[SpecIssue]:
+    """The problems the checks after parsing (workdir, `run` and $PORT, resources, model) find
+    once the fields ``found`` names are taken out of the file: `validate` promises every
+    problem at once, and SkyServe's examples often have a misspelt field *and* a `run` on a
+    fixed port, or a GPU this machine lacks; naming only the first sends the user back for the
+    next. Each field found is blanked out with its block (line numbers kept); when one cannot
+    be told apart from its line, or the rest still does not parse, nothing is added."""
+    from corral.spec import SpecError, parse_spec
+
+    try:
+        lines = file.read_text(encoding="utf-8-sig").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    for issue in found:
+        key = issue.loc.rpartition(".")[2]
+        first = (issue.line or 0) - 1
+        if not key or not 0 <= first < len(lines):
+            return []
+        text = lines[first].strip().removeprefix("- ")
+        if not text.startswith(f"{key}:"):
+            return []  # the issue is not that line's own key (a field left out, a flow map)
+        indent = len(lines[first]) - len(lines[first].lstrip())
+        end = first + 1
+        while end < len(lines) and (
+            not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent
+        ):
+            end += 1
+        lines[first:end] = [""] * (end - first)
+    try:
+        spec = parse_spec("\n".join(lines), str(file), name, require_service=True)
+        later = deploy_issues(spec) + placement_here(spec)[0] + model_check(spec)[0]
+    except SpecError:
+        return []
+    named = {issue.loc for issue in found}
+    return [issue for issue in later if issue.loc not in named]
 
 
 def deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:

@@ -1,0 +1,62 @@
+"""`corral validate` reports every problem of a file at once, also those its later checks
+(workdir, `run` on a fixed port, resources) find behind a field the parser refuses.
+
+SkyServe's policy examples spell a field SkyServe no longer reads (`init_replicas`,
+`base_on_demand_fallback_replicas`) *and* start several replicas on one fixed port: naming only
+the field sent the user back to `validate` to learn about the port.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from corral.cli import main
+
+SPEC = """\
+service:
+  readiness_probe: /health
+  replica_policy:
+    min_replicas: 1
+    max_replicas: 3
+    target_qps_per_replica: 1
+    init_replicas: 2
+resources:
+  ports: 8081
+run: python3 server.py
+"""
+
+
+def _validate(tmp_path: Path, text: str) -> dict[str, Any]:
+    spec = tmp_path / "svc.yaml"
+    spec.write_text(text)
+    args = ["--home", str(tmp_path / "home"), "validate", "--json", str(spec)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    document: dict[str, Any] = json.loads(result.stdout)
+    return document
+
+
+def test_validate_names_the_port_problem_behind_an_unknown_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    document = _validate(tmp_path, SPEC)
+    lines = {e["field"]: e["line"] for e in document["errors"]}
+    assert lines.get("service.replica_policy.init_replicas") == 7, document["errors"]
+    assert lines.get("run") == 10, document["errors"]  # the file's own line, kept
+    run = next(e["message"] for e in document["errors"] if e["field"] == "run")
+    assert "$PORT" in run and "8081" in run
+
+
+def test_nothing_is_guessed_when_a_field_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    text = SPEC.replace("    max_replicas: 3\n", "").replace("    init_replicas: 2\n", "")
+    document = _validate(tmp_path, text)
+    assert [e["field"] for e in document["errors"]] == ["service.replica_policy.max_replicas"]
