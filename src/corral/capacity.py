@@ -44,7 +44,7 @@ from corral.infra.placement import (
     Holder,
     NoFit,
     ask_of,
-    never_fits,
+    misfits,
     place,
     share_warnings,
 )
@@ -94,8 +94,7 @@ def fit_problem(resources: Mapping[str, Any], inventory: Inventory) -> str | Non
         ask = ask_of(resources)
     except AskError as exc:
         return str(exc)  # malformed: whatever the machine has
-    problem = never_fits(ask, inventory)
-    return None if problem is None else str(problem)
+    return "; ".join(str(problem) for problem in misfits(ask, inventory)) or None
 
 
 def fit_warnings(resources: Mapping[str, Any], replicas: int, inventory: Inventory) -> list[str]:

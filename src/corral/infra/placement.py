@@ -52,6 +52,7 @@ __all__ = [
     "NoFit",
     "Option",
     "ask_of",
+    "misfits",
     "model_matches",
     "never_fits",
     "place",
@@ -363,28 +364,46 @@ def _held_by(holders: Sequence[Holder], amount: Any) -> str:
 
 
 def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
-    """Why ``ask`` cannot fit even on this machine with nothing running, naming the field and
-    what the machine has of that resource (not every device: a refusal stays one line), and
-    which inventory that was; None when it can."""
+    """The first of :func:`misfits`, or None when ``ask`` can fit."""
+    problems = misfits(ask, inventory)
+    return problems[0] if problems else None
+
+
+def misfits(ask: Ask, inventory: Inventory) -> list[AskError]:
+    """Why ``ask`` cannot fit even on this machine with nothing running, each naming the field
+    and what the machine has of that resource (not every device: a refusal stays one line), and
+    which inventory that was; empty when it can.
+
+    Every resource that cannot fit, not the first: a spec that asks too much memory and a GPU
+    the machine lacks must hear both at once, or fixing the memory only reveals the GPU at the
+    next `validate` (SkyServe's llama2 example asks `memory: 32+` and a T4)."""
     source = f"(inventory from {inventory.source})"
+    problems = []
     if ask.exclusive and ask.cpus > inventory.cpus + _EPS:
-        return AskError(
-            "resources.cpus",
-            f"needs {ask.cpus:g} CPUs of its own; the machine has {inventory.cpus:g} {source}",
+        problems.append(
+            AskError(
+                "resources.cpus",
+                f"needs {ask.cpus:g} CPUs of its own; the machine has {inventory.cpus:g} {source}",
+            )
         )
     if ask.memory > inventory.memory:
-        return AskError(
-            "resources.memory",
-            f"needs {gib(ask.memory)}; the machine has {gib(inventory.memory)} {source}",
+        problems.append(
+            AskError(
+                "resources.memory",
+                f"needs {gib(ask.memory)}; the machine has {gib(inventory.memory)} {source}",
+            )
         )
     if ask.options and not any(_choose(o, inventory.gpus, {}) for o in ask.options):
         wants = " or ".join(o.describe() for o in ask.options)
-        why = "; ".join(_why_not(o, inventory, ()) for o in ask.options)
-        return AskError(
-            "resources.accelerators",
-            f"needs {wants}: {why}; its GPUs: {inventory.gpu_summary()} {source}",
+        # Once each: `{A100:4, A100:8}` lacks the same model twice, and says it once.
+        why = "; ".join(dict.fromkeys(_why_not(o, inventory, ()) for o in ask.options))
+        problems.append(
+            AskError(
+                "resources.accelerators",
+                f"needs {wants}: {why}; its GPUs: {inventory.gpu_summary()} {source}",
+            )
         )
-    return None
+    return problems
 
 
 def share_warnings(ask: Ask, replicas: int, inventory: Inventory) -> list[str]:

@@ -1,0 +1,51 @@
+"""`corral validate` names every resource a machine can never give, not only the first.
+
+SkyServe's llama2 example asks `memory: 32+` and a T4: on a machine with neither, naming only
+the memory sends the user back to `validate` to learn about the GPU after fixing it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from corral.cli import main
+from corral.infra.inventory import Inventory
+from corral.infra.placement import ask_of
+
+GiB = 1024**3
+SMALL = Inventory((), 2, 8 * GiB, cpu_ids=(0, 1), source="test: 2 cores")
+
+
+def test_misfits_names_memory_and_accelerators() -> None:
+    from corral.infra.placement import misfits  # new with the fix
+
+    ask = ask_of({"memory": "64+", "accelerators": ["A100:4", "A100:8"]})
+    problems = misfits(ask, SMALL)
+    assert [p.field for p in problems] == ["resources.memory", "resources.accelerators"]
+    # two options of one missing model: said once
+    assert str(problems[1]).count("the machine has no A100") == 1, problems[1]
+
+
+def test_validate_reports_every_resource_that_never_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inventory = tmp_path / "small.yaml"
+    inventory.write_text("gpus: []\ncpus: 2\nmemory: 8\n")
+    monkeypatch.setenv("CORRAL_INVENTORY", str(inventory))
+    monkeypatch.delenv("CORRAL_GPUS", raising=False)
+    spec = tmp_path / "svc.yaml"
+    spec.write_text(
+        "service:\n  readiness_probe: /\n  replicas: 1\n"
+        "resources:\n  memory: 32+\n  accelerators: T4:1\n"
+        "run: python3 -m http.server $PORT\n"
+    )
+    args = ["--home", str(tmp_path / "home"), "validate", "--json", str(spec)]
+    document = json.loads(CliRunner().invoke(main, args).stdout)
+    assert not document["valid"]
+    message = " ".join(e["message"] for e in document["errors"])
+    assert "resources.memory: needs 32 GiB" in message, message
+    assert "resources.accelerators: needs 1x T4" in message, message
