@@ -91,11 +91,16 @@ def _fetch(client: Client, names: tuple[str, ...], as_json: bool) -> list[dict[s
     try:
         return matching(client, names) if names else client.services()
     except DaemonUnreachable as exc:
-        if as_json:
+        if as_json and not names:
             # Nothing answers, so no service is known to be running (the balancers may
             # still serve: `corral daemon start` brings them under control again).
             err.print(f"note: {exc}", soft_wrap=True, markup=False)
             return []
+        if as_json:
+            # Services asked for by name cannot be looked up: an empty list with exit 0 would
+            # tell a script they do not exist while their replicas and balancers still serve.
+            click.echo(json.dumps({"services": [], "error": str(exc)}, indent=2))
+            sys.exit(1)
         fail(str(exc))
     except ClientError as exc:
         if as_json:
