@@ -167,7 +167,14 @@ class ServiceSpec(Section):
             p for p in self._placement_set("") if not (p == "file_mounts" and self.infra == "local")
         ]
         notes = [f"{path}: {meaningless}" for path in top]
-        notes += [f"{path}: {meaningless}" for path in self.resources._placement_set("resources.")]
+        placed = self.resources.gpus_from_alternatives()
+        notes += [
+            f"{path}: its accelerators are asked as alternatives (any one of "
+            f"{', '.join(self.resources.accelerators)}); the rest {meaningless}"
+            if placed and path in ("resources.any_of", "resources.ordered")
+            else f"{path}: {meaningless}"
+            for path in self.resources._placement_set("resources.")
+        ]
         notes += self.service._notes(meaningless)
         notes += [
             f"{field}: has no value in the spec: give it at `corral up`/`update` with "

@@ -4,7 +4,7 @@ import math
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from corral.spec.section import Section
 from corral.spec.values import PortRange, positive_number, show
@@ -155,6 +155,64 @@ class Resources(Section):
             shown = str(int(number)) if number.is_integer() else str(number)
             options.append(f"{match.group(1)}:{shown}")
         return options
+
+    @field_validator("any_of", "ordered")
+    @classmethod
+    def _alternatives(cls, value: Any) -> Any:
+        """SkyPilot's alternatives: a list of resource mappings, each one's ``accelerators`` in
+        the normal form (placement reads them: :meth:`_place_alternatives`)."""
+        if value is None:
+            return None
+        if not isinstance(value, list) or not value or not all(isinstance(e, dict) for e in value):
+            got = "an empty list" if value == [] else show(value)
+            raise ValueError(
+                f"expected a list of resource mappings, one per alternative, got {got}"
+            )
+        entries = []
+        for number, entry in enumerate(value, 1):
+            if entry.get("accelerators") is not None:
+                try:
+                    own = Resources(accelerators=entry["accelerators"]).accelerators
+                except ValidationError as exc:
+                    message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+                    raise ValueError(f"alternative {number}'s accelerators: {message}") from None
+                entry = {**entry, "accelerators": own}
+            entries.append(entry)
+        return entries
+
+    @model_validator(mode="before")
+    @classmethod
+    def _place_alternatives(cls, data: Any) -> Any:
+        """The GPUs of ``any_of`` / ``ordered`` are asked as ``accelerators`` options are: any
+        one of them (in order for ``ordered``, as placement tries options). They were kept as
+        where-to-run notes, so a GPU asked this way was dropped and the replica ran with none,
+        while the same ask written as ``accelerators: {H100: 1, A100: 1}`` was placed or
+        refused. An alternative without its own takes the base ``accelerators`` (SkyPilot's
+        override); one that asks none at all means no GPU is needed. The rest of each entry
+        (clouds, regions, zones) says where to run and stays a note. Malformed alternatives
+        are left to :meth:`_alternatives`, which names them."""
+        if not isinstance(data, dict):
+            return data
+        alternatives = data.get("any_of") if data.get("any_of") is not None else data.get("ordered")
+        if not isinstance(alternatives, list) or not alternatives:
+            return data
+        try:
+            base = Resources(accelerators=data.get("accelerators") or []).accelerators
+            options: dict[str, None] = {}
+            for entry in alternatives:
+                own = entry.get("accelerators") if isinstance(entry, dict) else None
+                chosen = base if own is None else Resources(accelerators=own).accelerators
+                if not chosen:
+                    return data  # an alternative with no GPU: the replica needs none
+                options.update(dict.fromkeys(chosen))
+        except ValidationError:
+            return data
+        return {**data, "accelerators": list(options)}
+
+    def gpus_from_alternatives(self) -> bool:
+        """Whether ``accelerators`` holds the GPUs of ``any_of`` / ``ordered`` (see
+        :meth:`_place_alternatives`): their note then says so."""
+        return bool(self.any_of or self.ordered) and bool(self.accelerators)
 
     def port_numbers(self) -> list[int]:
         """Every port opened, ranges expanded, in the order given (duplicates dropped)."""
