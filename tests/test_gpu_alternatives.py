@@ -66,3 +66,15 @@ def test_validate_refuses_alternatives_the_machine_has_none_of(
     assert not document["valid"], document
     message = " ".join(e["message"] for e in document["errors"])
     assert "needs 1x H100 or 1x A100" in message, message
+
+
+def test_a_container_image_is_refused_not_run_on_the_host() -> None:
+    """`image_id: docker:IMAGE` makes SkyPilot run the commands inside that image; kept as a
+    note, corral ran them on the host instead. A VM image stays a where-to-run note."""
+    with pytest.raises(SpecError) as caught:
+        parse_spec(HEAD + "resources:\n  image_id: docker:vllm/vllm-openai:latest\n")
+    (issue,) = caught.value.issues
+    assert issue.loc == "resources.image_id", issue
+    assert "runs each replica inside that container image" in issue.message, issue
+    vm = parse_spec(HEAD + "resources:\n  image_id: projects/deeplearning-platform/img\n")
+    assert "resources.image_id: has no meaning" in " ".join(vm.warnings)

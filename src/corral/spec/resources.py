@@ -156,6 +156,21 @@ class Resources(Section):
             options.append(f"{match.group(1)}:{shown}")
         return options
 
+    @field_validator("image_id")
+    @classmethod
+    def _no_container(cls, value: Any) -> Any:
+        """``docker:IMAGE`` says what runs (SkyPilot runs ``setup`` and ``run`` inside that
+        image), not where: kept as a note, ``run`` ran on the host with whatever the host has
+        under those names. No backend here runs containers, so it is refused; a cloud VM
+        image (any other value) is a where-to-run note like ``cloud``."""
+        if isinstance(value, str) and value.strip().lower().startswith("docker:"):
+            raise ValueError(
+                f"{value.strip()} runs each replica inside that container image; corral's "
+                "backends (local processes, Ray) run `setup` and `run` on the machine itself, "
+                "without Docker. Remove image_id to run them with what this machine has"
+            )
+        return value
+
     @field_validator("any_of", "ordered")
     @classmethod
     def _alternatives(cls, value: Any) -> Any:
