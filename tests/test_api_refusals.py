@@ -45,7 +45,11 @@ def _refusals(home: CorralHome) -> list[tuple[str, str, Any, int, dict[str, Any]
             "/v1/services",
             {"spec": spec_text("elsewhere", 1, extra="infra: ray\n")},
             400,
-            {"error": "infra 'ray' is not available in this daemon (available: local)"},
+            {
+                "error": "infra 'ray' is not available in this daemon (available: local): start "
+                "the daemon with RAY_ADDRESS in its environment and Ray installed "
+                "(docs/troubleshooting.md)"
+            },
         ),
         (
             "POST",

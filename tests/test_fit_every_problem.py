@@ -49,3 +49,24 @@ def test_validate_reports_every_resource_that_never_fits(
     message = " ".join(e["message"] for e in document["errors"])
     assert "resources.memory: needs 32 GiB" in message, message
     assert "resources.accelerators: needs 1x T4" in message, message
+
+
+def test_up_is_refused_for_every_reason_at_once() -> None:
+    """The daemon's admission (what `up` and the API run) raised on the first of the model,
+    the port and the fit: a spec with a fixed port and a GPU the machine lacks named only the
+    port, and the GPU came out at the next `up`."""
+    from types import SimpleNamespace
+
+    from corral.admission import check_spec
+    from corral.errors import Unrunnable
+
+    spec = (
+        "name: both\nservice:\n  readiness_probe: /\n  replicas: 2\n"
+        "resources:\n  ports: 8081\n  accelerators: T4:1\nrun: python3 -m http.server 8081\n"
+    )
+    capacity = SimpleNamespace(inventory=SMALL)
+    with pytest.raises(Unrunnable) as refused:
+        check_spec(spec, source=None, name=None, infras={"local": object()}, capacity=capacity)  # type: ignore[dict-item,arg-type]
+    said = str(refused.value)
+    assert said.startswith("run: the replicas serve on port 8081"), said
+    assert "resources.accelerators: needs 1x T4" in said, said

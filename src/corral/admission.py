@@ -47,22 +47,34 @@ def check_spec(
     if not spec.name:
         raise InvalidRequest("the service needs a name: set `name:` in the spec or pass -n")
     if spec.infra not in infras:
+        hint = (
+            ": start the daemon with RAY_ADDRESS in its environment and Ray "
+            "installed (docs/troubleshooting.md)"
+            if spec.infra == "ray"
+            else ""
+        )
         raise Unrunnable(
             f"infra {spec.infra!r} is not available in this daemon "
-            f"(available: {', '.join(sorted(infras))})"
+            f"(available: {', '.join(sorted(infras))}){hint}"
         )
+    # Every reason at once, as `corral validate` gives them: one at a time, each `up` showed
+    # the next only once the last was fixed.
+    problems = []
     if spec.model and not spec.run:
         try:
             engine_command(spec, base_dir)  # an engine and weights this machine has, or why not
         except ModelUnavailable as exc:
-            raise Unrunnable(str(exc)) from None
+            problems.append(str(exc))
     if spec.infra == "local":
-        problem = local_port_problem(spec)
-        if not problem and capacity is not None:
-            resources = spec.resources.model_dump(exclude_none=True)
-            problem = fit_problem(resources, capacity.inventory)
-        if problem:
-            raise Unrunnable(problem)
+        port = local_port_problem(spec)
+        if port:
+            problems.append(f"run: {port}")
+        if capacity is not None:
+            fit = fit_problem(spec.resources.model_dump(exclude_none=True), capacity.inventory)
+            if fit:
+                problems.append(fit)
+    if problems:
+        raise Unrunnable("; ".join(problems))
     return spec
 
 
