@@ -471,6 +471,32 @@ def test_a_prompt_of_token_ids_renders_no_further_than_its_limit() -> None:
     assert whole.text.startswith(got.text)
 
 
+@pytest.mark.parametrize("user", ["none", "last"])
+def test_a_chat_with_no_early_user_message_is_rendered_only_so_far(user: str) -> None:
+    """A chat whose first user message never comes, or comes last, was rendered whole to find
+    its anchor: a 1 MiB body of tool calls cost the event loop 3x one whose user message comes
+    first. It stops ANCHOR_LIMITS limits in, the same place for every turn of it."""
+    from corral.balancer.prompt import ANCHOR_LIMITS
+
+    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages: list[dict[str, object]] = [
+        {"role": "assistant", "content": f"step {i}", "tool_calls": call} for i in range(8500)
+    ]
+    if user == "last":
+        messages.append({"role": "user", "content": "and now?"})
+    body = _body({"messages": messages})
+    assert len(body) > 900_000
+    got = read_prompt(CHAT, body, None, 65536)
+    assert got is not None and got.chat
+    piece = max(len(json.dumps(m)) for m in messages[:10]) * 2  # one message's rendering, roomy
+    assert len(got.text) <= ANCHOR_LIMITS * 65536 + piece, len(got.text)
+    assert got.anchor_end == len(got.text)
+    again = read_prompt(
+        CHAT, _body({"messages": [*messages[:-1], {"role": "user", "content": "x"}]}), None, 65536
+    )
+    assert again is not None and again.text[: again.anchor_end] == got.text[: got.anchor_end]
+
+
 def test_a_system_prompt_longer_than_the_limit_keeps_each_conversations_anchor() -> None:
     """The rendering may stop past its limit, but not before the first user message: the
     anchor (through it) tells conversations apart even under a system prompt longer than
