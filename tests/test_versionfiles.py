@@ -208,7 +208,8 @@ def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
     server.write_text("gpus: [NVIDIA L4]\ncpus: 64\nmemory: 512\n")
     result = runner.invoke(main, ["validate", "--json", str(EXAMPLES / "gorilla__gorilla.yaml")])
     refused = {e["field"]: e["message"] for e in json.loads(result.stdout)["errors"]}
-    assert "A100" in refused["resources"] and "NVIDIA L4" in refused["resources"], refused
+    gpus = refused["resources.accelerators"]
+    assert "A100" in gpus and "NVIDIA L4" in gpus, refused
     assert not (tmp_path / "home").exists()
     # Those that fail do so for a field corral cannot honour here, or one SkyPilot itself no
     # longer reads (with "did you mean"); a fixed port for several replicas on one machine is
@@ -221,7 +222,7 @@ def test_every_skyserve_example_validates_or_names_what_corral_cannot_honour(
     # server lacks and two replicas on one fixed port (`run`).
     assert outcomes["stable_diffusion_service.yaml"] == [
         "file_mounts./stable_diffusion",
-        "resources",
+        "resources.accelerators",
         "resources.load_balancing_policy",
         "run",
     ]

@@ -198,8 +198,9 @@ def placement_here(spec: ServiceSpec) -> tuple[list[SpecIssue], list[str], str |
     inventory, not this shell's, is the one that counts, and it refuses what never fits (400).
     Except when ``up`` refuses a model-first spec before it starts a daemon: that daemon would
     run here, so this shell's verdict is its verdict too."""
-    from corral.capacity import fit_problem, fit_warnings  # psutil, pynvml: only here
+    from corral.capacity import fit_warnings  # psutil, pynvml: only here
     from corral.infra.inventory import InventoryError, load_inventory
+    from corral.infra.placement import AskError, ask_of, misfits
     from corral.spec import SpecIssue
 
     if spec.infra != "local":
@@ -212,9 +213,18 @@ def placement_here(spec: ServiceSpec) -> tuple[list[SpecIssue], list[str], str |
         return [SpecIssue("resources", why, line)], [], None
     resources = spec.resources.model_dump(exclude_none=True)
     used = f"this shell's inventory, {inventory.source} (a daemon uses its own)"
-    problem = fit_problem(resources, inventory)
-    if problem:
-        return [SpecIssue("resources", problem, line)], [], used
+    try:
+        problems = misfits(ask_of(resources), inventory)
+    except AskError as exc:
+        problems = [exc]
+    if problems:
+        # Each under its own field (it was "resources: resources.memory: needs ..."), at the
+        # line of `resources:` (the spec knows the lines of top-level fields only).
+        return (
+            [SpecIssue(p.field, str(p).removeprefix(f"{p.field}: "), line) for p in problems],
+            [],
+            used,
+        )
     replicas = spec.service.replica_policy.max_replicas
     return [], fit_warnings(resources, replicas, inventory), used
 
