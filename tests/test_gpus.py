@@ -311,6 +311,10 @@ def test_sigkill_during_a_launch_keeps_its_devices(gpu_home: CorralHome, tmp_pat
         y["waiting"] == f"needs 1x A100; the machine has 2 A100, both held by svc-x replica {x_id}"
     )
     assert held_claims(home) == Counter(A100)
+    # Its log does not exist yet, and the answer says why (it pointed at the launch log,
+    # which did not exist either).
+    said = home.run("logs", "svc-y", str(y["id"]), "--no-follow", check=False)
+    assert said.returncode == 1 and f"(it is PENDING: it waits: {y['waiting']})" in said.stderr
 
 
 def test_rolling_update_on_a_full_machine_completes(gpu_home: CorralHome, tmp_path: Path) -> None:

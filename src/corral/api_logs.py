@@ -46,6 +46,7 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
             404,
             f"no {kind} log yet for service {name!r}"
             + (f" replica {replica_id}" if replica_id is not None else "")
+            + _why_no_log(daemon, name, replica_id)
             # A replica that failed in setup (or before) never had a log of its own.
             + (f"; its launch log: `corral logs {name} {replica_id} --launch`" if launch else ""),
         )
@@ -61,6 +62,23 @@ async def logs(request: web.Request, daemon: Daemon) -> web.StreamResponse:
     except ConnectionResetError:
         pass  # the reader left (Ctrl-C on `corral logs`): nothing to answer, nothing to log
     return response
+
+
+def _why_no_log(daemon: Daemon, name: str, replica_id: int | None) -> str:
+    """The replica's state where it explains the missing log: one PENDING (a port, a GPU, a
+    CPU it waits for) has started nothing, and the two "no log yet" answers pointed from one
+    missing log to the other without saying so."""
+    if replica_id is None:
+        return ""
+    try:
+        replicas = daemon.service(name).get("replicas") or ()
+    except Exception:  # a hint only: the 404 stands without it
+        return ""
+    for replica in replicas:
+        if replica.get("id") == replica_id and replica.get("status"):
+            waits = f": it waits: {replica['waiting']}" if replica.get("waiting") else ""
+            return f" (it is {replica['status']}{waits})"
+    return ""
 
 
 async def _send(response: web.StreamResponse, chunks: Generator[bytes, None, None]) -> None:
