@@ -144,6 +144,10 @@ def test_deleted_homes_leave_no_process_behind(
                 return not left
 
             wait_for(none_left, GONE_WITHIN, "every process of the deleted homes to end", 0.5)
+            # Nor their replicas' scratch directories: one per home, whichever way its daemon
+            # went (with it stopped or killed, its workers were the last to know of the home).
+            left = [str(scratch_root(m)) for m, _ in results if scratch_root(m).exists()]
+            assert not left, left
     finally:
         kill_pids(seen)
         for home in homes:

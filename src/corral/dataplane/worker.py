@@ -429,10 +429,13 @@ class Worker:
         log.warning("%s: this balancer worker exits", reason)
         marker = self.watch.home_id if self.watch is not None else None
         if self._writer is None and marker is not None:
+            from corral.infra.base import leave_scratch
             from corral.infra.local_scan import end_home
 
             for line in await asyncio.to_thread(end_home, marker, ORPHAN_GRACE):
                 log.warning("home gone: %s", line)
+            if not self.home.exists():  # deleted, not replaced: nothing will run there again
+                await asyncio.to_thread(leave_scratch, marker, True)
         self.stop.set()
         return True
 
