@@ -103,6 +103,8 @@ def test_an_update_of_a_replica_on_a_fixed_port_replaces_it_in_turn(
         client.join(70)
     said = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 0, said
+    # Why the old replica stops first is the port, not "no spare capacity" (a full machine).
+    assert f"no room for version 2 beside the old replicas (binds port {port} itself" in said
     svc = corral_home.wait_replicas("onport", 1)
     assert [(r["version"], r["status"]) for r in svc["replicas"]] == [(2, "READY")], svc
     with urllib.request.urlopen(endpoint + "/", timeout=10) as reply:

@@ -313,6 +313,9 @@ class Capacity:
         if ready_new == 0 and len(old) < target:
             return None  # one replaced already; the next once the new version proved itself
         new = waiting[0]
+        # What it waits for (a device, CPUs, the fixed port it binds): "no spare capacity"
+        # alone read as a full machine when a port was the reason.
+        why = self.waiting.get(new.id)
         victim = self.room(new.id, resources, [r.id for r in old])
         if victim is None:
             return None
@@ -320,9 +323,10 @@ class Capacity:
         self.store.event(
             gone.service,
             "update.no_room",
-            f"no spare capacity for version {version} beside the old replicas: replica "
-            f"{gone.seq or gone.id} stops first, then replica {new.seq or new.id} starts in its "
-            f"place; {max(0, target - 1)} of {target} serve meanwhile",
+            f"no room for version {version} beside the old replicas"
+            + (f" ({why})" if why else "")
+            + f": replica {gone.seq or gone.id} stops first, then replica {new.seq or new.id} "
+            f"starts in its place; {max(0, target - 1)} of {target} serve meanwhile",
             replica_id=gone.id,
         )
         return gone, new
