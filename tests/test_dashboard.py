@@ -303,6 +303,11 @@ def test_actions_need_the_pages_header_and_origin(corral_home: CorralHome, tmp_p
             port, "POST", "/ui/api/services/a/scale", headers=page, body=bad
         )
         assert 400 <= status < 500 and b"error" in answer, (bad, status, answer)
+    # The range said is the real one (it read "0 to 9223372036854775807", the limit 10000).
+    status, _, answer = request(
+        port, "POST", "/ui/api/services/a/scale", headers=page, body=b'{"replicas": "3"}'
+    )
+    assert status == 400 and b"a whole number from 0 to 10000" in answer, answer
     status, _, answer = request(
         port, "POST", "/ui/api/services/a/rollback", headers=page, body=b'{"version": 9}'
     )

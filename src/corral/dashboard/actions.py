@@ -17,8 +17,7 @@ import yaml
 
 from corral.api_errors import RequestError
 from corral.daemon import UpdateRequest
-from corral.errors import Conflict, InvalidRequest
-from corral.spec import MAX_REPLICAS
+from corral.errors import Conflict
 
 if TYPE_CHECKING:
     from corral.daemon import Daemon
@@ -64,8 +63,6 @@ async def scale(daemon: Daemon, name: str, replicas: int) -> dict[str, Any]:
             f"service {name!r} autoscales between {policy.min_replicas} and "
             f"{policy.max_replicas} replicas: change its replica_policy with `corral update`",
         )
-    if replicas > MAX_REPLICAS:
-        raise InvalidRequest(f"field 'replicas' must be at most {MAX_REPLICAS}")
     text = scaled_spec(row.spec_yaml, replicas)
     # Over the running version's files and values: its source directory may hold other code
     # by now (or be gone), and the stored spec's secrets are '<redacted>'.

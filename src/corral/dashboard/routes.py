@@ -31,6 +31,7 @@ from corral.dashboard.logs import Followers
 from corral.dashboard.resources import Usage
 from corral.dashboard.session import CODE_SECONDS, SESSIONS_FILE, Sessions, cookie_name
 from corral.httpbody import json_object
+from corral.spec import MAX_REPLICAS
 
 if TYPE_CHECKING:
     from corral.daemon import Daemon
@@ -269,7 +270,7 @@ class Dashboard:
     async def scale(self, request: web.Request) -> web.Response:
         self._need_action(request)
         body = await _body(request)
-        replicas = actions.count_field(body, "replicas", 0, MAX_ID)
+        replicas = actions.count_field(body, "replicas", 0, MAX_REPLICAS)
         service = await actions.scale(self.daemon, request.match_info["name"], replicas)
         return web.json_response(service, status=201, dumps=_dumps)
 
