@@ -30,25 +30,49 @@ def test_misfits_names_memory_and_accelerators() -> None:
     assert str(problems[1]).count("the machine has no A100") == 1, problems[1]
 
 
-def test_validate_reports_every_resource_that_never_fits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def validate_on_a_small_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str
+) -> dict[str, str]:
+    """`corral validate --json` of ``text`` on a machine of 2 CPUs, 8 GB and no GPU: its
+    errors, field -> message (it must be refused)."""
     inventory = tmp_path / "small.yaml"
     inventory.write_text("gpus: []\ncpus: 2\nmemory: 8\n")
     monkeypatch.setenv("CORRAL_INVENTORY", str(inventory))
     monkeypatch.delenv("CORRAL_GPUS", raising=False)
     spec = tmp_path / "svc.yaml"
-    spec.write_text(
-        "service:\n  readiness_probe: /\n  replicas: 1\n"
-        "resources:\n  memory: 32+\n  accelerators: T4:1\n"
-        "run: python3 -m http.server $PORT\n"
-    )
+    spec.write_text(text)
     args = ["--home", str(tmp_path / "home"), "validate", "--json", str(spec)]
     document = json.loads(CliRunner().invoke(main, args).stdout)
-    assert not document["valid"]
-    errors = {e["field"]: e["message"] for e in document["errors"]}
+    assert not document["valid"], document
+    return {e["field"]: e["message"] for e in document["errors"]}
+
+
+def test_validate_reports_every_resource_that_never_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    errors = validate_on_a_small_machine(
+        tmp_path,
+        monkeypatch,
+        "service:\n  readiness_probe: /\n  replicas: 1\n"
+        "resources:\n  memory: 32+\n  accelerators: T4:1\n"
+        "run: python3 -m http.server $PORT\n",
+    )
     assert errors["resources.memory"].startswith("needs 32 GiB"), errors
     assert errors["resources.accelerators"].startswith("needs 1x T4"), errors
+
+
+def test_validate_refuses_gpu_alternatives_the_machine_has_none_of(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SkyPilot's `any_of` alternatives are placed as `accelerators` options are
+    (tests/test_gpu_alternatives.py): refused where none can fit."""
+    errors = validate_on_a_small_machine(
+        tmp_path,
+        monkeypatch,
+        "service:\n  readiness_probe: /\n  replicas: 1\nrun: python3 -m http.server $PORT\n"
+        "resources:\n  any_of:\n    - accelerators: H100\n    - accelerators: A100\n",
+    )
+    assert errors["resources.accelerators"].startswith("needs 1x H100 or 1x A100"), errors
 
 
 def test_up_is_refused_for_every_reason_at_once() -> None:
