@@ -51,7 +51,7 @@ from corral.infra.placement import (
 from corral.replicas import ReplicaStatus, is_live, replica_status, scale_down_victims
 from corral.state import HeldClaim, ReplicaRow, Store
 
-__all__ = ["Capacity", "Grant", "fit_problem", "fit_warnings", "replica_env"]
+__all__ = ["Capacity", "Grant", "fit_problem", "fit_problems", "fit_warnings", "replica_env"]
 
 log = logging.getLogger("corral.capacity")
 
@@ -87,14 +87,20 @@ def replica_env(claim: Claim, inventory: Inventory) -> dict[str, str]:
     return env
 
 
-def fit_problem(resources: Mapping[str, Any], inventory: Inventory) -> str | None:
-    """Why a local spec's ``resources`` can never run on this machine (the field named, with
-    what the machine has of it), or None."""
+def fit_problems(resources: Mapping[str, Any], inventory: Inventory) -> list[AskError]:
+    """Why a local spec's ``resources`` can never run on this machine: each resource that
+    cannot fit (its field, with what the machine has of it), or the value placement cannot
+    read; empty when they can."""
     try:
         ask = ask_of(resources)
     except AskError as exc:
-        return str(exc)  # malformed: whatever the machine has
-    return "; ".join(str(problem) for problem in misfits(ask, inventory)) or None
+        return [exc]  # malformed: whatever the machine has
+    return misfits(ask, inventory)
+
+
+def fit_problem(resources: Mapping[str, Any], inventory: Inventory) -> str | None:
+    """:func:`fit_problems` as one line (the daemon's refusal), or None."""
+    return "; ".join(str(problem) for problem in fit_problems(resources, inventory)) or None
 
 
 def fit_warnings(resources: Mapping[str, Any], replicas: int, inventory: Inventory) -> list[str]:

@@ -198,9 +198,8 @@ def placement_here(spec: ServiceSpec) -> tuple[list[SpecIssue], list[str], str |
     inventory, not this shell's, is the one that counts, and it refuses what never fits (400).
     Except when ``up`` refuses a model-first spec before it starts a daemon: that daemon would
     run here, so this shell's verdict is its verdict too."""
-    from corral.capacity import fit_warnings  # psutil, pynvml: only here
+    from corral.capacity import fit_problems, fit_warnings  # psutil, pynvml: only here
     from corral.infra.inventory import InventoryError, load_inventory
-    from corral.infra.placement import AskError, ask_of, misfits
     from corral.spec import SpecIssue
 
     if spec.infra != "local":
@@ -213,10 +212,7 @@ def placement_here(spec: ServiceSpec) -> tuple[list[SpecIssue], list[str], str |
         return [SpecIssue("resources", why, line)], [], None
     resources = spec.resources.model_dump(exclude_none=True)
     used = f"this shell's inventory, {inventory.source} (a daemon uses its own)"
-    try:
-        problems = misfits(ask_of(resources), inventory)
-    except AskError as exc:
-        problems = [exc]
+    problems = fit_problems(resources, inventory)
     if problems:
         # Each under its own field (it was "resources: resources.memory: needs ..."), at the
         # line of `resources:` (the spec knows the lines of top-level fields only).
