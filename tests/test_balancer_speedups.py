@@ -190,7 +190,8 @@ def test_the_fast_path_tests_pass_on_the_pure_build_too() -> None:
         pytest.skip("this whole run is on the pure build")
     env = {**os.environ, "CORRAL_BALANCER_PURE": "1"}
     env.pop("PYTEST_XDIST_WORKER", None)
-    args = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "tests/test_balancer_fastpath.py"]
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    args += ["tests/test_balancer_fastpath.py", "tests/test_shared_load.py"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", *args],
         env=env,
@@ -425,3 +426,90 @@ def test_insert_blocks_takes_any_sequence_and_refuses_a_limit_past_it() -> None:
     assert list(lru) == [4, 3] and owners == {3: 1, 4: 1}
     with pytest.raises(ValueError, match="past"):
         compiled.insert_blocks(lru, owners, [3], 2, 1, 10)
+
+
+# ------------------------------------------------------------------ the load board
+
+
+@needs_compiled
+@settings(max_examples=60, deadline=None)
+@given(
+    ready=st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=70, unique=True),
+    writes=st.lists(
+        st.tuples(st.integers(0, 1), st.integers(0, 69), st.integers(0, 40)), max_size=30
+    ),
+    own=st.dictionaries(st.integers(1, 300), st.integers(0, 9), max_size=8),
+    streams=st.dictionaries(st.integers(1, 300), st.integers(0, 9), max_size=8),
+    stale=st.booleans(),
+)
+def test_the_load_board_reads_and_writes_as_its_pure_twin(
+    ready: list[int],
+    writes: list[tuple[int, int, int]],
+    own: dict[int, int],
+    streams: dict[int, int],
+    stale: bool,
+) -> None:
+    """A pure worker (slot 0) and a compiled one (slot 1) write the same board and its streams
+    board; a third worker (slot 2) reads both through either build and gets the same totals
+    and the same weighed loads: one layout, whichever build wrote or reads it."""
+    import tempfile
+
+    from corral.balancer import load_board
+    from corral.balancer.shared_file import map_shared
+
+    ids = tuple(sorted(ready))
+    size = load_board.ROWS * load_board.COLUMNS * 8
+    with tempfile.TemporaryDirectory() as d:
+
+        def pair(build: Any, slot: int) -> list[Any]:
+            """A worker's board of counts and board of streams, each on a map of its own."""
+            return [build(map_shared(Path(d) / f, size, "test"), slot, 3) for f in ("c", "s")]
+
+        builds = (load_board.LoadBoard, compiled.LoadBoard)
+        writers = [pair(build, slot) for slot, build in enumerate(builds)]
+        readers = [pair(build, 2) for build in builds]
+        for slot, (counts, stream_counts) in enumerate(writers):
+            # a worker that has not applied the latest table names other replicas
+            counts.arrange(ids[1:] if stale and slot else ids, {})
+            stream_counts.arrange(ids, {})
+        for slot, column, count in writes:
+            rid = ids[column % len(ids)]
+            writers[slot][0].publish(rid, count)
+            writers[slot][1].publish(rid, min(count, 3))
+        answers = []
+        for counts, stream_counts in readers:
+            counts.arrange(ids, own)
+            counts.streams = stream_counts
+            candidates = ids[: len(ids) // 2 + 1]
+            answers.append((counts.totals(candidates, own), counts.loads(candidates, own, streams)))
+        assert answers[1] == answers[0]
+        for boards in [*writers, *readers]:
+            for board in boards:
+                board.close()
+
+
+@needs_compiled
+def test_a_closed_compiled_board_refuses_to_be_written() -> None:
+    import tempfile
+
+    from corral.balancer import load_board
+
+    with tempfile.TemporaryDirectory() as d:
+        board = load_board.LoadBoard.open(Path(d) / "b.bin", 0, 2)
+        assert board is not None
+        board.arrange((1, 2), {1: 1})
+        board.close()
+        with pytest.raises(ValueError, match="closed"):
+            board.publish(1, 2)
+        with pytest.raises(ValueError, match="closed"):
+            board.totals((1,), {})
+
+
+def test_the_load_board_runs_the_chosen_build(tmp_path: Path) -> None:
+    from corral.balancer import load_board
+
+    board = load_board.LoadBoard.open(tmp_path / "b.bin", 0, 2)
+    expected = compiled.LoadBoard if speedups.ACCELERATED == "compiled" else load_board.LoadBoard
+    assert type(board) is expected
+    assert board is not None
+    board.close()

@@ -4,8 +4,9 @@ stream's end of batch (StreamBatch), the relay's one Python call per streamed ev
 stream of plain chunks relayed as framed, with no Python call per event (ChunkScan, LiveChunks);
 and the fast path's common request and answer (twins of corral.balancer.fast's try_request,
 _send and try_response), which read the connections' and the balancer's slots at fixed offsets
-(wire); and a prompt's chained block hashes and their record in the prefix index
-(corral.balancer.prefix.block_hashes, insert_blocks).
+(wire); a prompt's chained block hashes and their record in the prefix index
+(corral.balancer.prefix.block_hashes, insert_blocks); and the board of counts the balancer
+workers share (corral.balancer.load_board.LoadBoard).
 
 Same answers as ``corral.balancer.lead.lead_split`` byte for byte (tests/test_balancer_speedups.py
 holds them to it; tests/test_balancer_fastpath.py runs on whichever build is installed), with
@@ -1397,6 +1398,133 @@ def insert_blocks(lru not None, dict owners not None, hashes, Py_ssize_t limit, 
             extra -= 1
 
 
+
+# ---------------------------------------------------------------------------- the load board
+
+from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+
+cdef enum:
+    _BOARD_COLUMNS = 64  # load_board.COLUMNS
+cdef uint64_t _COUNT_BITS = 0xFFFFFFFF
+cdef double _LESS = 1.0 - 1.0 / 16  # 1 - policies.STREAM_WEIGHT
+
+
+cdef class LoadBoard:
+    """``load_board.LoadBoard``, compiled: the same cells, read and written through a pointer
+    into the map (one aligned 64-bit load or store each, where the pure class unpacks a whole
+    row per worker), so a load policy's pick and a request's count and release cost no Python
+    per worker. Little-endian machines only, as the pure layout is (``load_board`` offers it
+    nowhere else)."""
+
+    cdef Py_buffer view
+    cdef uint64_t *cells
+    cdef Py_ssize_t slot, rows
+    cdef dict column
+    cdef object mapped
+    cdef public object streams  # the board of streams under way beside this one, or None
+
+    def __init__(self, mapped not None, Py_ssize_t slot, Py_ssize_t rows):
+        if rows < 1 or not 0 <= slot < 16:
+            raise ValueError("a board has rows 1..16 and slots 0..15")
+        PyObject_GetBuffer(mapped, &self.view, PyBUF_WRITABLE)
+        if self.view.len < 16 * _BOARD_COLUMNS * 8:
+            PyBuffer_Release(&self.view)
+            raise ValueError("the board's map is smaller than its rows")
+        self.cells = <uint64_t *>self.view.buf
+        self.mapped = mapped
+        self.slot = slot
+        self.rows = rows
+        self.column = {}
+        self.streams = None
+
+    def __dealloc__(self):
+        if self.cells != NULL:
+            self.cells = NULL
+            PyBuffer_Release(&self.view)
+
+    cdef inline uint64_t *_row(self) except NULL:
+        if self.cells == NULL:
+            raise ValueError("the load board is closed")
+        return self.cells + self.slot * _BOARD_COLUMNS
+
+    def arrange(self, ready, in_flight):
+        cdef uint64_t *row = self._row()
+        cdef Py_ssize_t i = 0
+        cdef dict column = {}
+        cells = [0] * _BOARD_COLUMNS
+        for rid in ready[:_BOARD_COLUMNS]:
+            column[rid] = i
+            cells[i] = _cell(rid, in_flight.get(rid, 0))
+            i += 1
+        self.column = column
+        for i in range(_BOARD_COLUMNS):
+            row[i] = <uint64_t>cells[i]
+
+    cpdef publish(self, rid, count):
+        cdef uint64_t *row = self._row()
+        i = self.column.get(rid)
+        if i is not None:
+            row[<Py_ssize_t>i] = _cell(rid, count)
+
+    cdef object _others(self, rid, i):
+        """What the other workers' rows say ``rid`` carries (``i``: its column)."""
+        cdef Py_ssize_t at = i, r
+        cdef uint64_t cell, want = <uint64_t>rid
+        cdef uint64_t n = 0
+        for r in range(self.rows):
+            if r != self.slot:
+                cell = self.cells[r * _BOARD_COLUMNS + at]
+                if cell >> 32 == want:
+                    n += cell & _COUNT_BITS
+        return n
+
+    def totals(self, candidates, own):
+        self._row()
+        cdef dict totals = {}, column = self.column
+        for rid in candidates:
+            value = own.get(rid, 0)
+            i = column.get(rid)
+            if i is not None:
+                n = self._others(rid, i)
+                if n:
+                    value = value + n
+            totals[rid] = value
+        return totals
+
+    def loads(self, candidates, own, own_streams):
+        """``load_board.LoadBoard.loads``: every worker's counts, streams weighed."""
+        cdef dict totals = self.totals(candidates, own)
+        streams = self.streams
+        counts = own_streams if streams is None else streams.totals(candidates, own_streams)
+        for rid in candidates:
+            if counts.get(rid, 0):
+                break
+        else:
+            return totals
+        return {
+            rid: (n := totals[rid]) - _LESS * min(counts.get(rid, 0), n) for rid in candidates
+        }
+
+    def clear(self):
+        cdef uint64_t *row = self._row()
+        cdef Py_ssize_t i
+        for i in range(_BOARD_COLUMNS):
+            row[i] = 0
+        self.column = {}
+
+    def close(self):
+        if self.cells != NULL:
+            self.cells = NULL
+            PyBuffer_Release(&self.view)
+        self.mapped.close()
+
+
+cdef inline uint64_t _cell(rid, count) except? 0:
+    """A cell as ``load_board`` packs it: the id above, the count's low 32 bits below."""
+    cdef int64_t c = count
+    return (<uint64_t>rid << 32) | (<uint64_t>c & _COUNT_BITS)
+
+
 # ---------------------------------------------------------------------------- the fast path's state
 
 # The compiled fast path reads the connections' and the balancer's state through the slots
@@ -1629,6 +1757,7 @@ def try_response(cl, conn, bytes data not None):
     if not closing:
         _get(cl, OFF[C_TRANSPORT]).write(out)
     cdef dict in_flight = _get(lb, OFF[B_IN_FLIGHT])
+    board = _get(lb, OFF[B_BOARD])
     count = in_flight.get(rid, 0)
     if (
         (
@@ -1640,9 +1769,11 @@ def try_response(cl, conn, bytes data not None):
             )
         )
         and not _get(lb, OFF[B_HELD])
-        and _get(lb, OFF[B_BOARD]) is None
+        and (board is None or isinstance(board, LoadBoard))
     ):
-        in_flight[rid] = count - 1  # what lb._release does when nothing waits and none reads
+        in_flight[rid] = count - 1  # what lb._release does when nothing waits
+        if board is not None:
+            (<LoadBoard>board).publish(rid, count - 1)
     else:
         lb._release(rid)
     pool = _get(lb, OFF[B_POOL])
@@ -1730,8 +1861,16 @@ cdef object _send(cl, lb, method, target, bint http11, bint keep_alive, kept, xf
     rid = None
     conn = None
     transport = None
+    board = _get(lb, OFF[B_BOARD])
     if ids:
-        loads = lb._loads(ids) if _get(lb, OFF[B_STREAMING]) else _get(lb, OFF[B_IN_FLIGHT])
+        if board is None:
+            loads = lb._loads(ids) if _get(lb, OFF[B_STREAMING]) else _get(lb, OFF[B_IN_FLIGHT])
+        elif isinstance(board, LoadBoard):  # every worker's: what lb._loads reads
+            loads = (<LoadBoard>board).loads(
+                ids, _get(lb, OFF[B_IN_FLIGHT]), _get(lb, OFF[B_STREAMING])
+            )
+        else:
+            loads = lb._loads(ids)
         pick = lb._healthy(ids) if _get(lb, OFF[B_EJECTED]) else ids
         rid = _get(lb, OFF[B_POLICY]).select(pick, loads)
     if ids and rid is not None:
@@ -1765,11 +1904,13 @@ cdef object _send(cl, lb, method, target, bint http11, bint keep_alive, kept, xf
         )
     _put(lb, OFF[B_REQUESTS], _get(lb, OFF[B_REQUESTS]) + 1)
     _get(lb, OFF[B_TIMESTAMPS]).append(now)  # what lb._count_request does, without the call
-    if _get(lb, OFF[B_BOARD]) is None:
+    if board is None or isinstance(board, LoadBoard):
         in_flight = <dict?>_get(lb, OFF[B_IN_FLIGHT])
-        in_flight[rid] = in_flight.get(rid, 0) + 1
+        count = in_flight[rid] = in_flight.get(rid, 0) + 1
+        if board is not None:
+            (<LoadBoard>board).publish(rid, count)  # the other workers see it
     else:
-        lb._acquire(rid)  # and the other workers see it on the board
+        lb._acquire(rid)
     if body is None:
         tail = _CRLF
     else:
@@ -1797,3 +1938,4 @@ cdef object _send(cl, lb, method, target, bint http11, bint keep_alive, kept, xf
     _put(cl, OFF[C_DEADLINE_KIND], _DL_FIRST_BYTE)
     _put(cl, OFF[C_DEADLINE], now + <double>_get(lb, OFF[B_FIRST_BYTE_TIMEOUT]))
     return True
+

@@ -282,7 +282,7 @@ def _send(
         ids = () if rid is None else ids
         wait = rid is None and lb._full(())
     elif ids:
-        loads = lb._loads(ids) if lb._streaming else lb._in_flight
+        loads = lb._loads(ids) if lb._streaming or lb._board is not None else lb._in_flight
         rid = lb._policy.select(lb._healthy(ids) if lb._ejected else ids, loads)
     if ids and rid is not None:
         idle = lb._ready[rid].idle

@@ -107,8 +107,12 @@ class Gate:
         self._weighs = self._policy.weighs_streams
 
     def _loads(self, candidates: Sequence[int]) -> Mapping[int, float]:
-        """Each candidate's load as the policy weighs it (see "What a load is" above): the
-        counts in flight themselves while no stream is under way."""
+        """Each candidate's load as the policy weighs it (see "What a load is" above): every
+        worker's where they share a board; the counts in flight themselves while no stream
+        is under way."""
+        board = self._board
+        if board is not None and self._weighs:
+            return board.loads(candidates, self._in_flight, self._streaming)
         if not self._streaming or not self._weighs:
             return self._in_flight
         return weigh_streams(candidates, self._in_flight, self._streaming)

@@ -1,11 +1,16 @@
 """Every balancer worker's requests in flight per replica, shared by the workers of a service.
 
-A policy that bounds load (``prefix_affinity``: a replica is passed over at ``balance`` times
-the mean) sees, by itself, only the requests of the worker it runs in: with two workers on a
-port, half of what each replica carries, and a replica the other worker has just filled looks
-idle. The engines' own queue figures arrive once a second, which near saturation is too late.
+A policy that weighs load (``least_load``, ``power_of_two``, ``instance_aware_least_load``, and
+``prefix_affinity``'s bound: a replica is passed over at ``balance`` times the mean) sees, by
+itself, only the requests of the worker it runs in: with two workers on a port, half of what
+each replica carries, and a replica the other worker has just filled looks idle (two
+concurrent requests accepted by different workers reached the same idle replica half the
+time). The engines' own queue figures arrive once a second, which near saturation is too late.
 So the workers of a service publish their counts in a file they all map, and a policy reads
-the sum of every worker's. A second board of the same layout (:func:`streams_path`) holds their
+the sum of every worker's (``round_robin`` reads no load and shares nothing). The compiled
+build (``_speedups.LoadBoard``) reads and writes the same cells through a pointer, so plain
+HTTP under a load policy pays a few stores and loads per request, not a row unpacked per
+worker. A second board of the same layout (:func:`streams_path`) holds their
 streamed answers under way, which a choice by load weighs less (``corral.balancer.gate``).
 
 The layout is one row per worker slot and one column per ready replica (its rank among the
@@ -22,10 +27,13 @@ from __future__ import annotations
 
 import mmap
 import struct
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+from corral.balancer import speedups
+from corral.balancer.policies import weigh_streams
 from corral.balancer.shared_file import map_shared
 
 ROWS: Final = 16  # worker slots a board has room for; a worker past them keeps its own view
@@ -61,6 +69,7 @@ class LoadBoard:
         self._slot = slot
         self._rows = rows
         self._column: dict[int, int] = {}
+        self.streams: LoadBoard | None = None  # the board of streams beside this one
 
     @classmethod
     def open(cls, path: str | Path | None, slot: int, workers: int) -> LoadBoard | None:
@@ -73,7 +82,8 @@ class LoadBoard:
         mapped = map_shared(path, size, "load board")
         if mapped is None:
             return None
-        return cls(mapped, slot, min(workers, ROWS))
+        board: LoadBoard = _BUILD(mapped, slot, min(workers, ROWS))
+        return board
 
     def arrange(self, ready: Sequence[int], in_flight: Mapping[int, int]) -> None:
         """A new ready set (sorted ids, as every worker has them): each replica takes the
@@ -107,6 +117,20 @@ class LoadBoard:
                     totals[rid] += cell & _COUNT_MASK
         return totals
 
+    def loads(
+        self, candidates: Sequence[int], own: Mapping[int, float], own_streams: Mapping[int, int]
+    ) -> Mapping[int, float]:
+        """What a load policy weighs (``corral.balancer.gate``, "What a load is"): each
+        candidate's requests in flight from every worker, a stream under way (every worker's,
+        from :attr:`streams`) weighing ``STREAM_WEIGHT``. ``own``, ``own_streams``: this
+        worker's counts."""
+        totals = self.totals(candidates, own)
+        boards = self.streams
+        counts = own_streams if boards is None else boards.totals(candidates, own_streams)
+        if not any(counts.get(rid, 0) for rid in candidates):
+            return totals
+        return weigh_streams(candidates, totals, counts)
+
     def clear(self) -> None:
         """This worker stops: its requests no longer count anywhere."""
         _ROW.pack_into(self._map, self._slot * _ROW.size, *([0] * COLUMNS))
@@ -114,3 +138,8 @@ class LoadBoard:
 
     def close(self) -> None:
         self._map.close()
+
+
+# The class :meth:`LoadBoard.open` builds: the compiled twin where there is one (the same
+# cells, without a row unpacked per read), which assumes the little-endian layout.
+_BUILD: Any = (speedups.twin("LoadBoard") if sys.byteorder == "little" else None) or LoadBoard

@@ -182,8 +182,8 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         :mod:`corral.balancer.affinity`), ``load_file`` and ``slot`` (their counts in flight,
         :mod:`corral.balancer.load_board`, and this worker's row in it)."""
         workers = int(routing.get("workers", 1))
-        # Only a policy that bounds load by the mean reads the other workers' counts; the rest
-        # pay one None test per request's acquire and release.
+        # Only a policy that weighs load reads the other workers' counts; round robin pays
+        # one None test per request's acquire and release.
         board = routing.get("load_file") if shares_load(self._policy_name) else None
         slot = int(routing.get("slot", 0))
         self._board = LoadBoard.open(board, slot, workers)
@@ -193,6 +193,8 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         self._stream_board = (
             LoadBoard.open(streams_path(board), slot, workers) if board and self._board else None
         )
+        if self._board is not None:
+            self._board.streams = self._stream_board  # what a choice by load weighs less
         # ValueError on a bad name or option, before anything binds.
         self._policy = make_policy(
             self._policy_name,

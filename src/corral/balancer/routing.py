@@ -37,9 +37,10 @@ ALIASES: Final = {"cache_aware": "prefix_affinity", "prefix_aware": "prefix_affi
 
 
 def shares_load(name: str) -> bool:
-    """Whether the policy ``name`` bounds a replica's load by the fleet's mean, and so weighs
-    every balancer worker's counts (:mod:`corral.balancer.load_board`) where they share one."""
-    return ALIASES.get(name, name) == "prefix_affinity"
+    """Whether the policy ``name`` weighs a replica's load (choosing by it, or bounding it by
+    the fleet's mean), and so every balancer worker's counts
+    (:mod:`corral.balancer.load_board`) where they share one: every policy but round robin."""
+    return ALIASES.get(name, name) in POLICY_NAMES and name != "round_robin"
 
 
 def make_policy(

@@ -13,7 +13,9 @@ stream of plain chunks relayed as the replica framed them, each batch handled wh
 is the relay's general live path: httptools de-chunks, each batch is framed again), and a
 prompt's chained block hashes for ``prefix_affinity`` (:func:`corral.balancer.prefix.block_hashes`,
 through :func:`twin`, the same values) and their record in its index
-(:func:`corral.balancer.prefix.insert_blocks`, the same changes in the same order). The pure
+(:func:`corral.balancer.prefix.insert_blocks`, the same changes in the same order), and the
+board of counts the balancer workers share (:class:`corral.balancer.load_board.LoadBoard`,
+read and written through a pointer into the map: the same cells). The pure
 module stays the reference and the fallback; the tests run on both.
 
 Compiling ``fast.py`` whole, as it was, ran *slower* than CPython 3.11: the compiled code read
@@ -89,8 +91,8 @@ def _compiled() -> tuple[ModuleType | None, str]:
     module.configure(REQUEST_DROP)
     return module, (
         "compiled (Cython): the fast path's request and answer, the request split under a"
-        " remembered lead, a live stream's batches, chunks relayed as framed (long streams by a"
-        " thread of their own), prompt block hashes and their index"
+        " remembered lead, a live stream's batches, chunks relayed as framed (long streams by an"
+        " epoll set of their own), prompt block hashes and their index, the workers' shared counts"
     )
 
 

@@ -1,0 +1,229 @@
+"""Load policies weigh every balancer worker's requests (corral.balancer.load_board).
+
+``least_load``, ``power_of_two`` and ``instance_aware_least_load`` once read only the requests of
+the worker they run in: with two workers on a port, two concurrent requests accepted by
+different workers reached the same idle replica about half the time. Now the workers of a
+service share their counts on a board, as ``prefix_affinity`` already did, and a load policy
+reads every worker's; ``round_robin`` reads no load and shares nothing.
+
+In-process tests run a real balancer (corral.balancer.LoadBalancer) in slot 0 of 2 in front of
+real aiohttp replicas, and stand for the other worker by writing its row of the board; the last
+test brings a service up through the CLI with two real worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from corral.balancer import LoadBalancer
+from corral.balancer.load_board import LoadBoard, board_path, streams_path
+
+HOST = "127.0.0.1"
+
+
+class Replica:
+    """Answers its own id; ``/hold`` only once ``gate`` opens (``arrived`` counts those)."""
+
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+        self.gate = asyncio.Event()
+        self.arrived = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> Replica:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, HOST, 0).start()
+        self.url = f"http://{HOST}:{self._runner.addresses[0][1]}"
+        return self
+
+    async def handle(self, request: web.Request) -> web.Response:
+        await request.read()
+        if request.path == "/hold":
+            self.arrived += 1
+            await self.gate.wait()
+        return web.json_response({"replica": self.rid})
+
+
+async def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def worker_of_two(
+    tmp_path: Path, policy: str, n: int = 2
+) -> AsyncIterator[tuple[LoadBalancer, list[Replica], LoadBoard]]:
+    """A balancer in slot 0 of 2 under ``policy`` in front of ``n`` replicas (ids 1..n), and
+    the row of the board that the worker in slot 1 writes."""
+    path = board_path(tmp_path, "svc")
+    replicas = [await Replica(i + 1).start() for i in range(n)]
+    lb = LoadBalancer(
+        name="svc", policy=policy, routing={"load_file": str(path), "slot": 0, "workers": 2}
+    )
+    await lb.start()
+    ready = {r.rid: r.url for r in replicas}
+    lb.set_ready(ready)
+    other = LoadBoard.open(path, 1, 2)
+    assert other is not None
+    other.arrange(tuple(sorted(ready)), {})
+    try:
+        yield lb, replicas, other
+    finally:
+        other.close()
+        await lb.stop()
+        for r in replicas:
+            assert r._runner is not None
+            await r._runner.cleanup()
+
+
+@pytest.mark.parametrize("policy", ["least_load", "power_of_two", "instance_aware_least_load"])
+def test_a_load_policy_passes_over_a_replica_the_other_worker_filled(
+    tmp_path: Path, policy: str
+) -> None:
+    """The other worker has 3 requests in flight on replica 1: every request this worker
+    sends, on a new replica connection (the general path) or a pooled one (the fast path),
+    goes to replica 2. Alone, least_load rotates between the two idle replicas."""
+
+    async def go() -> None:
+        async with (
+            worker_of_two(tmp_path, policy) as (lb, _, other),
+            aiohttp.ClientSession() as http,
+        ):
+            other.publish(1, 3)
+            url = f"http://{HOST}:{lb.port}/"
+            went = [(await (await http.get(url)).json())["replica"] for _ in range(6)]
+            assert went == [2] * 6
+            other.publish(1, 0)  # its requests ended: both idle again, both used
+            went = [(await (await http.get(url)).json())["replica"] for _ in range(6)]
+            assert set(went) == {1, 2}
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_round_robin_shares_no_board(tmp_path: Path) -> None:
+    """Round robin reads no load: its requests pay no board."""
+
+    async def go() -> None:
+        async with worker_of_two(tmp_path, "round_robin") as (lb, _, _):
+            assert lb._board is None and lb._stream_board is None
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_a_request_under_least_load_is_on_the_board_while_in_flight(tmp_path: Path) -> None:
+    """From the moment it is sent until its answer is back, on the general path and the fast
+    path alike, a request counts on the board the other workers read; and a choice by load
+    weighs the other worker's streams as this worker's (streams board beside it)."""
+
+    async def go() -> None:
+        async with (
+            worker_of_two(tmp_path, "least_load", n=1) as (lb, replicas, other),
+            aiohttp.ClientSession() as http,
+        ):
+            replica = replicas[0]
+            assert lb._board is not None and lb._board.streams is lb._stream_board
+            url = f"http://{HOST}:{lb.port}"
+            for sent in range(1, 3):  # the first on a new connection, the second pooled
+                held = asyncio.create_task(http.get(url + "/hold"))
+                await wait_until(lambda s=sent: replica.arrived == s, 10, "the request sent")  # type: ignore[misc]
+                assert other.totals((1,), {}) == {1: 1}
+                replica.gate.set()
+                assert (await held).status == 200
+                await wait_until(lambda: lb.in_flight(1) == 0, 10, "the answer back")
+                assert other.totals((1,), {}) == {1: 0}
+                replica.gate = asyncio.Event()
+            assert streams_path(board_path(tmp_path, "svc")).exists()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+# ------------------------------------------------------------------ two real worker processes
+
+HOLD_APP = """
+import os, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+MARKS = Path(os.environ["MARKS"])
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        if self.path.startswith("/hold/"):
+            key = self.path.rsplit("/", 1)[1]
+            me = os.environ["CORRAL_REPLICA_ID"]
+            (MARKS / f"{key}-{me}-{time.monotonic_ns()}").touch()
+            deadline = time.monotonic() + 20
+            while not (MARKS / f"{key}-go").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        body = os.environ["CORRAL_REPLICA_ID"].encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
+"""
+
+
+def test_two_workers_send_two_concurrent_requests_to_two_replicas(
+    corral_home: Any, tmp_path: Path
+) -> None:
+    """Two balancer worker processes, least_load (the default), two replicas. In each round a
+    request is held by its replica, then a second is sent on a new connection (which either
+    worker may accept): it goes to the other replica, every round. Each worker alone chose by
+    its own requests, and the second request went to the busy replica in about a quarter of
+    the rounds (half of them reach the other worker, whose idle view was a coin toss)."""
+    from conftest import spec_text, write_spec
+
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "2"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "hold.py").write_text(HOLD_APP)
+    run = f"exec {sys.executable} hold.py"
+    text = spec_text("pair", 2, run=run, workdir=tmp_path, envs={"MARKS": str(marks)})
+    corral_home.run("up", str(write_spec(tmp_path / "pair.yaml", text)), "-y", timeout=120)
+    url = str(corral_home.wait_replicas("pair", 2, timeout=60)["endpoint"])
+    assert len(corral_home.worker_pids()) == 2
+
+    def held_on(key: str, count: int) -> list[str]:
+        corral_home.wait_for(
+            lambda: len(list(marks.glob(f"{key}-*"))) >= count or None, 20, f"{count} at {key}"
+        )
+        return sorted(p.name.split("-")[1] for p in marks.glob(f"{key}-*"))
+
+    def get(key: str, answers: list[str]) -> None:
+        with urllib.request.urlopen(f"{url}/hold/{key}", timeout=30) as answer:
+            answers.append(answer.read().decode())
+
+    for round_ in range(10):
+        key = f"r{round_}"
+        answers: list[str] = []
+        sent = [threading.Thread(target=get, args=(key, answers)) for _ in range(2)]
+        sent[0].start()
+        held_on(key, 1)
+        sent[1].start()
+        replicas = held_on(key, 2)
+        (marks / f"{key}-go").touch()
+        for thread in sent:
+            thread.join(30)
+        assert len(set(replicas)) == 2, (round_, replicas)
+        assert sorted(answers) == replicas
+    corral_home.run("down", "pair", timeout=60)
