@@ -191,7 +191,7 @@ http {{
     scgi_temp_path {prefix}/scgi;
     keepalive_requests 1000000;
     upstream replicas {{
-        {servers}
+        {servers}{balance}
         keepalive 64;
         keepalive_requests 1000000;
     }}
@@ -213,8 +213,18 @@ http {{
 """
 
 
+# What each proxy calls least_load. nginx's least_conn counts each worker's connections alone
+# unless the upstream has a shared memory zone; HAProxy's threads share their counts.
+NGINX_LEAST = "\n        least_conn;\n        zone replicas 64k;"
+
+
 def start_nginx(
-    binary: str, prefix: Path, replica_ports: list[int], workers: int, name: str = "nginx"
+    binary: str,
+    prefix: Path,
+    replica_ports: list[int],
+    workers: int,
+    name: str = "nginx",
+    policy: str = "round_robin",
 ) -> Peer:
     prefix.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -227,6 +237,7 @@ def start_nginx(
             host=HOST,
             port=port,
             servers="\n        ".join(f"server {HOST}:{p};" for p in replica_ports),
+            balance=NGINX_LEAST if policy == "least_load" else "",
         )
     )
     base = [binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
@@ -260,20 +271,25 @@ frontend fe
     default_backend replicas
 
 backend replicas
-    balance roundrobin
+    balance {balance}
     {servers}
 
 # what nginx's proxy_buffering off is to a stream: without http-no-delay HAProxy sends the
 # first chunk of a response still in progress with MSG_MORE, and the kernel holds it ~200 ms
 backend streams
-    balance roundrobin
+    balance {balance}
     option http-no-delay
     {servers}
 """
 
 
 def start_haproxy(
-    binary: str, prefix: Path, replica_ports: list[int], threads: int, name: str = "haproxy"
+    binary: str,
+    prefix: Path,
+    replica_ports: list[int],
+    threads: int,
+    name: str = "haproxy",
+    policy: str = "round_robin",
 ) -> Peer:
     prefix.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -281,6 +297,7 @@ def start_haproxy(
     conf.write_text(
         HAPROXY_CONF.format(
             threads=threads,
+            balance="leastconn" if policy == "least_load" else "roundrobin",
             prefix=prefix,
             host=HOST,
             port=port,

@@ -5,8 +5,8 @@ request, which needs the balancer to be the only thing in its process. It runs o
 balancer workers do in production (``--asyncio`` for the stock loop).
 
 Run: ``python bench/_lb_proxy.py --replica http://127.0.0.1:P1 ... [--metrics] [--policy P]
-[--port N] [--reuse-port] [--env NAME=VALUE]``; prints ``PORT <n>`` once listening, serves until
-SIGTERM/SIGINT.
+[--port N] [--reuse-port] [--board PATH --slot I --workers N] [--env NAME=VALUE]``; prints
+``PORT <n>`` once listening, serves until SIGTERM/SIGINT.
 Listens on 127.0.0.1 only. With ``--reuse-port`` several of these can serve one port.
 """
 
@@ -33,7 +33,17 @@ from corral.balancer import LoadBalancer, merge_stats, render  # noqa: E402
 
 async def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING)
-    lb = LoadBalancer(name="bench", port=args.port, policy=args.policy, reuse_port=args.reuse_port)
+    # With --board, the processes on one port share their counts, as a service's workers do.
+    routing = (
+        {"load_file": args.board, "slot": args.slot, "workers": args.workers} if args.board else {}
+    )
+    lb = LoadBalancer(
+        name="bench",
+        port=args.port,
+        policy=args.policy,
+        reuse_port=args.reuse_port,
+        routing=routing,
+    )
     await lb.start()
     lb.set_ready({i + 1: url for i, url in enumerate(args.replica)})
     print(f"PORT {lb.port}", flush=True)
@@ -61,6 +71,9 @@ def cli() -> None:
     parser.add_argument("--policy", default="round_robin")
     parser.add_argument("--metrics", action="store_true", help="render the metrics at the end")
     parser.add_argument("--reuse-port", action="store_true", help="bind with SO_REUSEPORT")
+    parser.add_argument("--board", help="the load board shared with the other processes")
+    parser.add_argument("--slot", type=int, default=0, help="this process's row on the board")
+    parser.add_argument("--workers", type=int, default=1, help="processes sharing the board")
     parser.add_argument("--asyncio", action="store_true", help="stock asyncio loop, not uvloop")
     parser.add_argument(
         "--env", action="append", default=[], help="NAME=VALUE set before corral is imported"

@@ -12,7 +12,8 @@ What runs (everything on 127.0.0.1, every load bounded in time):
 
 1. 4 replicas: bench/_lb_replica.py, a raw-asyncio HTTP/1.1 server, one process each (fast
    enough that the proxy is the bottleneck).
-2. Targets, all round robin over the 4 replicas with upstream keep-alive (bench/_lb_peers.py):
+2. Targets, all round robin over the 4 replicas (``--policy least_load``: least connections,
+   counted across each proxy's workers) with upstream keep-alive (bench/_lb_peers.py):
    ``direct`` (no proxy: wrk at replica 1), ``nginx`` (Debian's package, 1 worker),
    ``haproxy`` (Debian's package, one process, ``nbthread 1``, ``http-reuse always``) and
    ``corral`` (bench/_lb_proxy.py: corral's balancer alone in a process). Then N workers each
@@ -22,7 +23,7 @@ What runs (everything on 127.0.0.1, every load bounded in time):
    ``--variant NAME=ARGS`` adds more corral rows (``_lb_proxy.py ARGS``) to the one-worker
    phases, to compare an option of the proxy in the same run; ``--compare NAME=SRC`` adds one
    running the engine from another source tree (a worktree of an earlier commit), to compare
-   commits side by side.
+   commits side by side (and ``NAME xN`` to the N-worker phase).
 3. Rounds: each round runs three phases, every target of a phase back to back in an order that
    rotates by round, each run after a short warm-up: ``wrk -t1 -c64`` against the one-worker
    targets, ``wrk -t1 -c1`` against them, and ``wrk -t1 -c64`` against the N-worker targets. Every
@@ -199,9 +200,17 @@ def start_corral(
     procs: list[Proc],
     src: Path | None = None,
     extra_env: dict[str, str] | None = None,
+    board: Path | None = None,
 ) -> list[Proc]:
-    """``workers`` _lb_proxy.py processes on one port (SO_REUSEPORT when more than one)."""
+    """``workers`` _lb_proxy.py processes on one port (SO_REUSEPORT when more than one),
+    sharing their counts on ``board`` as a service's workers do (where the policy reads them)."""
     args = [str(proxy), *(a for url in replica_urls for a in ("--replica", url)), *extra]
+
+    def shared(slot: int) -> list[str]:
+        if board is None:
+            return []
+        return ["--board", str(board), "--slot", str(slot), "--workers", str(workers)]
+
     if workers == 1:
         started = [start_python(name, args, src=src, extra_env=extra_env)]
     else:
@@ -211,7 +220,7 @@ def start_corral(
             started.append(
                 start_python(
                     f"{name}#{i + 1}",
-                    [*args, "--port", str(port), "--reuse-port"],
+                    [*args, "--port", str(port), "--reuse-port", *shared(i)],
                     src=src,
                     extra_env=extra_env,
                 )
@@ -963,6 +972,13 @@ def main() -> int:
         help="run only the streamed-answers phase (CPU per stream), to measure the stream relay"
         " without the other phases' minutes",
     )
+    parser.add_argument(
+        "--policy",
+        choices=["round_robin", "least_load"],
+        default="round_robin",
+        help="every proxy's policy: round_robin (default), or least_load (nginx least_conn with"
+        " a shared zone, HAProxy leastconn, corral least_load on the board its workers share)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     # A run cut short by SIGTERM leaves through the same cleanup as a finished one (every replica,
@@ -989,7 +1005,7 @@ def main() -> int:
             "requests": args.requests,
             "replicas": N_REPLICAS,
             "workers": workers,
-            "policy": "round robin everywhere",
+            "policy": f"{args.policy} everywhere",
             "variants": {k: shlex.join(v) for k, v in variants.items()},
             "compare": {k: {"src": str(v), "commit": source_commit(v)} for k, v in compare.items()},
             "sse_events": SSE_EVENTS,
@@ -1050,7 +1066,9 @@ def main() -> int:
                 return None
             start = start_nginx if kind == "nginx" else start_haproxy
             try:
-                p = start(binary, Path(tmp) / name.replace(" ", ""), replica_ports, n, name)
+                p = start(
+                    binary, Path(tmp) / name.replace(" ", ""), replica_ports, n, name, args.policy
+                )
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
                 log(f"{name} did not start ({exc}): its rows are skipped")
                 report.skipped.append(f"{name}: {exc}")
@@ -1069,7 +1087,17 @@ def main() -> int:
             proxy: Path | None = None,
         ) -> Target | None:
             try:
-                started = start_corral(proxy or args.proxy, name, urls, n, extra, procs, src, env)
+                started = start_corral(
+                    proxy or args.proxy,
+                    name,
+                    urls,
+                    n,
+                    [*extra, "--policy", args.policy] if proxy is None else extra,
+                    procs,
+                    src,
+                    env,
+                    Path(tmp) / f"board-{name.replace(' ', '')}.bin" if proxy is None else None,
+                )
             except RuntimeError as exc:
                 log(f"{name} did not start ({exc}): its rows are skipped")
                 report.skipped.append(f"{name}: {exc}")
@@ -1098,6 +1126,10 @@ def main() -> int:
                     t = corral(f"corral x{workers}", workers, [])
                     if t is not None:
                         many.append(t)
+                    for name, src in compare.items():
+                        t = corral(f"{name} x{workers}", workers, [], src)
+                        if t is not None:
+                            many.append(t)
                     if args.pure:
                         t = corral(f"corral pure x{workers}", workers, [], None, pure_env)
                         if t is not None:

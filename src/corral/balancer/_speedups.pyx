@@ -1466,11 +1466,17 @@ cdef class LoadBoard:
         if i is not None:
             row[<Py_ssize_t>i] = _cell(rid, count)
 
-    cdef object _others(self, rid, i):
-        """What the other workers' rows say ``rid`` carries (``i``: its column)."""
-        cdef Py_ssize_t at = i, r
-        cdef uint64_t cell, want = <uint64_t>rid
-        cdef uint64_t n = 0
+    cdef Py_ssize_t _at(self, rid) except -2:
+        """``rid``'s column, or -1: none (not ready when the row was arranged)."""
+        found = PyDict_GetItemWithError(self.column, rid)
+        if found == NULL:
+            return -1
+        return <Py_ssize_t><object>found
+
+    cdef uint64_t _others(self, uint64_t want, Py_ssize_t at) noexcept:
+        """What the other workers' rows say replica ``want`` (in column ``at``) carries."""
+        cdef Py_ssize_t r
+        cdef uint64_t cell, n = 0
         for r in range(self.rows):
             if r != self.slot:
                 cell = self.cells[r * _BOARD_COLUMNS + at]
@@ -1478,29 +1484,49 @@ cdef class LoadBoard:
                     n += cell & _COUNT_BITS
         return n
 
-    def totals(self, candidates, own):
+    cpdef dict totals(self, candidates, own):
         self._row()
-        cdef dict totals = {}, column = self.column
+        cdef dict totals = {}
+        cdef bint exact = type(own) is dict
+        cdef Py_ssize_t at
+        cdef uint64_t n
         for rid in candidates:
-            value = own.get(rid, 0)
-            i = column.get(rid)
-            if i is not None:
-                n = self._others(rid, i)
+            value = (<dict>own).get(rid, 0) if exact else own.get(rid, 0)
+            at = self._at(rid)
+            if at >= 0:
+                n = self._others(<uint64_t>rid, at)
                 if n:
                     value = value + n
             totals[rid] = value
         return totals
 
     def loads(self, candidates, own, own_streams):
-        """``load_board.LoadBoard.loads``: every worker's counts, streams weighed."""
+        """``load_board.LoadBoard.loads``: every worker's counts, streams weighed. No stream
+        under way among the candidates (plain HTTP) builds one dict, as ``totals``."""
         cdef dict totals = self.totals(candidates, own)
         streams = self.streams
-        counts = own_streams if streams is None else streams.totals(candidates, own_streams)
-        for rid in candidates:
-            if counts.get(rid, 0):
-                break
+        cdef LoadBoard board = streams if isinstance(streams, LoadBoard) else None
+        cdef Py_ssize_t at
+        if board is None and streams is not None:  # a pure board beside a compiled one
+            counts = streams.totals(candidates, own_streams)
+            for rid in candidates:
+                if counts.get(rid, 0):
+                    break
+            else:
+                return totals
         else:
-            return totals
+            if board is not None:
+                board._row()  # refuses a closed board
+            for rid in candidates:
+                if own_streams.get(rid, 0):
+                    break
+                if board is not None:
+                    at = board._at(rid)
+                    if at >= 0 and board._others(<uint64_t>rid, at):
+                        break
+            else:
+                return totals
+            counts = own_streams if board is None else board.totals(candidates, own_streams)
         return {
             rid: (n := totals[rid]) - _LESS * min(counts.get(rid, 0), n) for rid in candidates
         }
