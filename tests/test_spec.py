@@ -105,7 +105,7 @@ EXPECTED: dict[str, tuple[str, object]] = {
     ),
     "policy__spot_hedge.yaml": (
         "error",
-        {"service.replica_policy.init_replicas": (8, "did you mean 'min_replicas'?")},
+        {"service.replica_policy.init_replicas": (8, "a service starts with min_replicas")},
     ),
     "quickstart.yaml": ("ok", ["resources.cloud"]),
     "qwen-7b.yaml": ("ok", ["service.autoscaling"]),  # queue_depth alone

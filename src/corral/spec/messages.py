@@ -69,6 +69,12 @@ _UNSUPPORTED = {
         "command as `run:` (e.g. `python -m vllm.entrypoints.openai.api_server --model M "
         "--port $PORT --max-model-len 4096`)"
     ),
+    # In SkyServe's spot-hedge example beside min_replicas: "did you mean" sent the user to
+    # a key the mapping already had.
+    "init_replicas": (
+        "a service starts with min_replicas (SkyServe reads no init_replicas either) and "
+        "scales from there; remove it, or raise min_replicas"
+    ),
     "pool": "SkyPilot worker pools are not supported; size a service with replicas",
     "workers": "SkyPilot worker pools are not supported; size a service with replicas",
 }
