@@ -87,6 +87,18 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
         time.sleep(interval)
 
 
+async def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> None:
+    """:func:`wait_for` inside an event loop: polls every 10 ms without blocking the loop (the
+    balancer under test runs in it)."""
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs. A zombie is dead: in a container whose PID 1 does not reap,
     orphans of a killed daemon stay zombies forever and ``pid_exists`` would still say yes."""

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 from aiohttp import web
+from conftest import wait_until
 
 from corral.balancer import LoadBalancer, merge_stats, render
 from corral.balancer.policies import EngineLoad, RequestView
@@ -109,14 +110,6 @@ async def balancer(replicas: dict[int, str], **kwargs: Any) -> AsyncIterator[Loa
         yield lb
     finally:
         await lb.stop()
-
-
-async def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 # -- holding requests while every replica is at its limit ----------------------------------------

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from conftest import wait_until
 
 from corral.balancer import LoadBalancer
 from corral.balancer.load_board import LoadBoard, board_path, streams_path
@@ -57,14 +58,6 @@ class Replica:
             self.arrived += 1
             await self.gate.wait()
         return web.json_response({"replica": self.rid})
-
-
-async def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 @asynccontextmanager
