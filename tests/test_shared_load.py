@@ -220,3 +220,57 @@ def test_two_workers_send_two_concurrent_requests_to_two_replicas(
         assert len(set(replicas)) == 2, (round_, replicas)
         assert sorted(answers) == replicas
     corral_home.run("down", "pair", timeout=60)
+
+
+def test_a_route_change_leaves_the_new_balancers_counts_on_the_board(tmp_path: Path) -> None:
+    """An update of a balancer setting (here the policy) gives the service a new balancer in
+    the worker, in the same slot and so the same row of the board, and retires the old one.
+    The old one once rewrote that row from its own counts (the worker tells it the ready set)
+    and cleared it at its end: either way the other workers lost sight of the new balancer's
+    requests in flight."""
+    from test_balancer import closed_port
+
+    from corral.dataplane.worker import Worker
+
+    async def go() -> None:
+        replica = await Replica(1).start()
+        (tmp_path / "dataplane").mkdir()  # the daemon makes it
+        worker = Worker(tmp_path, 0)
+        worker.fleet = 2
+        port = closed_port()
+        other = None
+
+        def route(policy: str) -> dict[str, Any]:
+            ready = {"1": {"url": replica.url, "version": 1}}
+            return {"port": port, "host": HOST, "config": {"policy": policy}, "ready": ready}
+
+        try:
+            await worker._apply({"svc": route("least_load")})
+            old = worker.services["svc"].lb
+            other = LoadBoard.open(board_path(tmp_path / "dataplane", "svc"), 1, 2)
+            assert other is not None
+            other.arrange((1,), {})
+            url = f"http://{HOST}:{port}/hold"
+            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
+                on_old = asyncio.create_task(first.get(url))
+                await wait_until(lambda: replica.arrived == 1, 10, "a request on the old one")
+                await worker._apply({"svc": route("power_of_two")})  # the update
+                assert worker.services["svc"].lb is not old and worker.retiring
+                on_new = asyncio.create_task(second.get(url))
+                await wait_until(lambda: replica.arrived == 2, 10, "a request on the new one")
+                on_old.cancel()  # its client leaves: the old balancer's request ends, then it
+                await first.close()
+                await wait_until(lambda: not worker.retiring, 20, "the old balancer gone")
+                assert other.totals((1,), {}) == {1: 1}  # the new balancer's, still there
+                replica.gate.set()
+                assert (await on_new).status == 200
+        finally:
+            replica.gate.set()
+            await worker._apply({})
+            await wait_until(lambda: not worker.retiring, 20, "every balancer gone")
+            if other is not None:
+                other.close()
+            assert replica._runner is not None
+            await replica._runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))

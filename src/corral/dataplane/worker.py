@@ -292,6 +292,8 @@ class Worker:
         in the reports, so drains wait for them)."""
         entry = (name, lb)
         self.retiring.append(entry)
+        if hand_over:
+            lb.leave_boards()  # now, before the ready set it is told next
 
         async def retire() -> None:
             try:
