@@ -351,10 +351,12 @@ def queue_depth(stats: Mapping[str, Any] | None) -> float:
     """The requests waiting for a slot, from the balancer's merged stats
     (corral.dataplane.plane): in each ready engine's queue as it reports it (not those it
     runs), the balancer's in-flight count for a replica that reports neither, plus the requests
-    held in the balancer."""
+    held in the balancer and those waiting there for a first ready replica (at zero no engine
+    reports a queue: without them a burst at zero asked for one replica, and the rest waited
+    for it through the upscale hold)."""
     stats = stats or {}
     engines: Mapping[str, Mapping[str, Any]] = stats.get("engines") or {}
-    depth = float(stats.get("held") or 0)
+    depth = float(stats.get("held") or 0) + float(stats.get("awaiting") or 0)
     for rid, replica in (stats.get("replicas") or {}).items():
         if not replica.get("ready"):
             continue

@@ -40,6 +40,7 @@ class Counters:
     _streaming: dict[int, int]
     _held_total: int
     _held_expired: int
+    _awaiting: int
 
     if TYPE_CHECKING:  # the balancer's own, which stats() reads
 
@@ -202,6 +203,7 @@ class Counters:
             "held": self.held(),
             "held_total": self._held_total,
             "held_expired": self._held_expired,
+            "awaiting": self._awaiting,
             "replicas": {
                 str(rid): {
                     "ready": rid in self._ready,

@@ -305,7 +305,12 @@ class Exchange(ResponseRelay):
         return RequestView(self.target, b"".join(self.body) if whole else None, self.fwd)
 
     async def _wait_ready(self) -> None:
-        await self.lb._wait_for_ready(self.lb._no_replica_wait)
+        lb = self.lb
+        lb._awaiting += 1
+        try:
+            await lb._wait_for_ready(lb._no_replica_wait)
+        finally:
+            lb._awaiting -= 1
         self.task = None
         self.next_attempt()
 

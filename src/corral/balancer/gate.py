@@ -102,6 +102,9 @@ class Gate:
         self._anywhere = False  # _pick for a request past its patience: any replica with room
         self._held_total = 0
         self._held_expired = 0
+        # Requests waiting for a first ready replica (no_replica_wait): the queue an engine
+        # autoscaler scales on from zero, where no engine has a queue to report yet.
+        self._awaiting = 0
         self._handed_over = False  # stopped for a successor: held requests go out (stop)
         self._wake_scheduled = False
         self._weighs = self._policy.weighs_streams

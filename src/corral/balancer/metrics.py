@@ -189,6 +189,7 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "held": 0,
         "held_total": 0,
         "held_expired": 0,
+        "awaiting": 0,
         "replicas": {},
     }
     ready: set[int] = set()
@@ -203,7 +204,7 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         _add_counts(out["codes"], one.get("codes"))
         _add_histogram(out["latency"], one.get("latency"))
         _add_histogram(out["ttft"], one.get("ttft"))
-        for key in ("held", "held_total", "held_expired"):
+        for key in ("held", "held_total", "held_expired", "awaiting"):
             out[key] += one.get(key, 0)
         for rid, rep in (one.get("replicas") or {}).items():
             mine = out["replicas"].setdefault(
@@ -219,7 +220,7 @@ def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 # The parts of stats() that only grow (the rest are gauges: what is under way now).
-_GAUGES: Final = ("in_flight", "streaming", "held")
+_GAUGES: Final = ("in_flight", "streaming", "held", "awaiting")
 
 
 def counters_only(stats: Mapping[str, Any]) -> dict[str, Any]:

@@ -139,6 +139,7 @@ class Balancer(Protocol):
     _first_byte_timeout: float
     _idle_timeout: float
     _no_replica_wait: float
+    _awaiting: int  # requests waiting for a first ready replica (corral.balancer.gate)
 
     @property
     def EJECT_SECONDS(self) -> float: ...

@@ -120,7 +120,10 @@ class Feed:
         stats = self.daemon.balancer_stats()
         names = list(self.daemon.controllers)
         for name in names:
-            self.readings.add(name, Reading.of(now, stats.get(name)))
+            # No counters yet (a new daemon before its workers' first reports) is no reading:
+            # taken as zeros, the next one charted the service's whole past as one interval.
+            if name in stats:
+                self.readings.add(name, Reading.of(now, stats[name]))
         self.readings.keep_only(names)
         self.history.keep_only(names)
         due = [n for n in names if now - self._last_point.get(n, 0.0) >= SAMPLE_SECONDS - 0.5]
@@ -138,8 +141,13 @@ class Feed:
         figures = self.readings.since(name, SAMPLE_SECONDS)
         ready = sum(1 for r in service["replicas"] if r["status"] == "READY")
         llm = service.get("llm") or {}
-        # SGLang reports its hit rate itself (no counters to take a difference of).
         hit_rate = figures.hit_rate if figures else None
+        reading = self.readings.latest(name)
+        if hit_rate is None and not (reading and reading.lookups):
+            # SGLang reports its hit rate itself (no counters to take a difference of). Engines
+            # that count lookups (vLLM) and looked up nothing in these 5 s have no rate for
+            # them: their rate since they started, in its place, was charted as this interval's.
+            hit_rate = llm.get("prefix_hit_rate")
         self.history.add(
             name,
             Point(
@@ -152,7 +160,7 @@ class Feed:
                 target=service.get("target"),
                 ttft_p50=figures.ttft_p50 if figures else None,
                 ttft_p99=figures.ttft_p99 if figures else None,
-                hit_rate=hit_rate if hit_rate is not None else llm.get("prefix_hit_rate"),
+                hit_rate=hit_rate,
                 waiting=llm.get("queue"),
                 running=llm.get("running"),
                 held=llm.get("held"),

@@ -164,6 +164,10 @@ class Readings:
             old = reading
         return figures(old if old is not newest else None, newest)
 
+    def latest(self, name: str) -> Reading | None:
+        ring = self._recent.get(name)
+        return ring[-1] if ring else None
+
     def keep_only(self, names: Iterable[str]) -> None:
         keep = set(names)
         for name in list(self._recent):
