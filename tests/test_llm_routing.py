@@ -1576,6 +1576,48 @@ def test_held_requests_go_out_when_an_update_changes_the_balancer(tmp_path: Path
     run(go())
 
 
+def test_held_requests_go_out_when_their_worker_is_replaced(tmp_path: Path) -> None:
+    """``corral daemon restart-workers`` (an upgrade) stops each old worker while a new one
+    serves the port: what the old one held (every replica at its limit, as an LLM fleet at
+    saturation is) goes to a replica, as on a route change, not a 503 for a request no
+    replica had seen while the streams under way drain."""
+    from test_balancer import closed_port
+
+    from corral.dataplane.worker import Worker
+
+    async def go() -> None:
+        async with fleet(1) as (one,):
+            worker = Worker(tmp_path, 0)
+            port = closed_port()
+            routing = {"max_in_flight_per_replica": 1, "hold_timeout": 20}
+            ready = {"1": {"url": one.url, "version": 1}}
+            route = {"port": port, "host": HOST, "config": {"routing": routing}, "ready": ready}
+            await worker._apply({"llm": route})
+            lb = worker.services["llm"].lb
+            url = f"http://{HOST}:{port}"
+            running = asyncio.create_task(worker.run())
+            try:
+                async with aiohttp.ClientSession() as http:
+                    busy = asyncio.create_task(http.get(url + "/hold"))
+                    await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
+                    late = asyncio.create_task(http.get(url + "/late"))
+                    await wait_until(lambda: lb.held() == 1, 10, "the second request held")
+                    worker.stop.set()  # what the daemon's "exit" (or SIGTERM) does
+                    answer = await asyncio.wait_for(late, 10)
+                    assert answer.status == 200, await answer.text()
+                    assert (await answer.json())["replica"] == 1
+                    one.gate.set()
+                    assert (await busy).status == 200
+                await asyncio.wait_for(running, 20)
+            finally:
+                one.gate.set()
+                worker.stop.set()
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(running, 20)
+
+    run(go())
+
+
 def test_a_request_waiting_for_a_first_replica_is_served_across_an_update(
     tmp_path: Path,
 ) -> None:

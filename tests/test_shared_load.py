@@ -34,11 +34,13 @@ HOST = "127.0.0.1"
 
 
 class Replica:
-    """Answers its own id; ``/hold`` only once ``gate`` opens (``arrived`` counts those)."""
+    """Answers its own id; ``/hold`` only once ``gate`` opens, ``/hold/NAME`` once the gate of
+    that name in ``gates`` does (``arrived`` counts both)."""
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
         self.gate = asyncio.Event()
+        self.gates: dict[str, asyncio.Event] = {}
         self.arrived = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -57,6 +59,9 @@ class Replica:
         if request.path == "/hold":
             self.arrived += 1
             await self.gate.wait()
+        elif request.path.startswith("/hold/"):
+            self.arrived += 1
+            await self.gates.setdefault(request.path[6:], asyncio.Event()).wait()
         return web.json_response({"replica": self.rid})
 
 
@@ -268,6 +273,65 @@ def test_a_route_change_leaves_the_new_balancers_counts_on_the_board(tmp_path: P
             replica.gate.set()
             await worker._apply({})
             await wait_until(lambda: not worker.retiring, 20, "every balancer gone")
+            if other is not None:
+                other.close()
+            assert replica._runner is not None
+            await replica._runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_worker_replaced_in_its_slot_leaves_the_row_to_its_successor(tmp_path: Path) -> None:
+    """``corral daemon restart-workers`` starts a new worker process in each slot, then stops
+    the old one, which drains its requests. The old one kept writing the slot's row (each of
+    its requests that ended published its count, and its end cleared the row), wiping the new
+    worker's counts from the other workers' view. Two workers of one slot in this process
+    stand for the two processes."""
+    from test_balancer import closed_port
+
+    from corral.dataplane.worker import Worker
+
+    async def go() -> None:
+        replica = await Replica(1).start()
+        (tmp_path / "dataplane").mkdir()  # the daemon makes it
+        old, new = Worker(tmp_path, 0), Worker(tmp_path, 0)
+        port = closed_port()
+        ready = {"1": {"url": replica.url, "version": 1}}
+        route = {"svc": {"port": port, "host": HOST, "config": {}, "ready": ready}}
+        other = None
+        running = None
+        try:
+            old.fleet = new.fleet = 2
+            await old._apply(route)
+            other = LoadBoard.open(board_path(tmp_path / "dataplane", "svc"), 1, 2)
+            assert other is not None
+            other.arrange((1,), {})
+            url = f"http://{HOST}:{port}/hold/"
+            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
+                on_old = asyncio.create_task(first.get(url + "old"))
+                await wait_until(lambda: replica.arrived == 1, 10, "a request on the old one")
+                await new._apply(route)  # the new worker binds the port too
+                running = asyncio.create_task(old.run())
+                old.stop.set()  # the daemon's "exit": it stops listening, then drains
+                lb = old.services["svc"].lb
+                await wait_until(lambda: lb._server is None, 10, "the old one's listener closed")
+                on_new = asyncio.create_task(second.get(url + "new"))
+                await wait_until(lambda: replica.arrived == 2, 10, "a request on the new one")
+                assert other.totals((1,), {}) == {1: 1}
+                replica.gates["old"].set()  # the old one's request ends, and the old one
+                assert (await on_old).status == 200
+                await asyncio.wait_for(running, 20)
+                assert other.totals((1,), {}) == {1: 1}  # the new one's, still there
+                replica.gates["new"].set()
+                assert (await on_new).status == 200
+        finally:
+            for gate in ("old", "new"):
+                replica.gates.setdefault(gate, asyncio.Event()).set()
+            old.stop.set()
+            if running is not None:
+                await asyncio.wait_for(running, 20)
+            await new._apply({})
+            await wait_until(lambda: not new.retiring, 20, "every balancer gone")
             if other is not None:
                 other.close()
             assert replica._runner is not None

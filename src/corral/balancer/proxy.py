@@ -253,21 +253,22 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         SO_REUSEPORT a client cannot know its connection landed on the one closing. Requests
         on open connections are still served, each answer saying ``Connection: close``; held
         ones (no replica had room) get a 503 with Retry-After at once. ``idle_grace``: how
-        long an idle keep-alive connection is left open for its next request (served, then
-        closed by the client's own hand); closing it at once races a request the client may
-        be writing that instant, which then meets a reset. A worker handing its port to a new
-        one (or a balancer to its successor) passes a grace; a service going away does not.
-        ``hand_over`` (a route change gave the service a new balancer): held requests go out at
-        once, past the limit. An answer whose head went out before the stop (a stream) said
-        keep-alive: its connection is idle from its end, and gets the grace from there. After
-        the grace an idle keep-alive connection gets a lingering close (FIN, then what still
-        arrives is read and dropped); a new connection is left to send its first request.
-        Whatever is still open after STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a
-        stream under way gets what a leaving replica gets), is cut. Safe to call twice or
-        before start."""
+        long an idle keep-alive connection is left open for its next request; closing it at
+        once races a request the client may be writing that instant, which meets a reset. A
+        worker handing its port to a new one (or a balancer to its successor) passes a
+        grace; a service going away does not. ``hand_over`` (a new balancer or worker takes
+        over): held requests go out at once, past the limit; the boards are the successor's.
+        An answer whose head went out before the stop (a stream) said keep-alive: its
+        connection is idle from its end, and gets the grace from there. After the grace an
+        idle keep-alive connection gets a lingering close (FIN, then what still arrives is
+        read and dropped); a new connection is left to send its first request. Whatever is
+        still open after STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a stream under
+        way gets what a leaving replica gets), is cut. Safe to call twice or before start."""
         if self._stopping:
             return
         self._stopping = True
+        if hand_over:
+            self.leave_boards()
         (self._release_held if hand_over else self._answer_held)()
         server, self._server = self._server, None
         adopting: list[asyncio.Task[Any]] = []

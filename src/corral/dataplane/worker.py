@@ -146,9 +146,9 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.gather(
-            # Keep-alive clients may send one more request here (Connection: close), not meet
-            # a close: after a restart-workers or an upgrade, a new worker serves these ports.
-            *(svc.lb.stop(idle_grace=IDLE_GRACE) for svc in self.services.values()),
+            # Keep-alive clients may send one more request here (Connection: close), not meet a
+            # close, and what is held goes out (hand_over): a new worker serves these ports.
+            *(svc.lb.stop(idle_grace=IDLE_GRACE, hand_over=True) for svc in self.services.values()),
             *(lb.stop() for _, lb in self.retiring),
             return_exceptions=True,
         )
