@@ -15,7 +15,7 @@ import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
-from corral.infra.local_rules import local_mount_issues, local_mounts
+from corral.infra.local_rules import local_mount_issues, local_mounts, reads_port
 from corral.model_engines import ModelUnavailable, engine_command
 from corral.spec import (
     ServiceSpec,
@@ -33,7 +33,7 @@ from corral.versionfiles import (
     version_dir,
 )
 
-__all__ = ["KEEP_VERSIONS", "check", "launch_inputs", "prepare", "workdir_of"]
+__all__ = ["KEEP_VERSIONS", "check", "launch_inputs", "launch_port", "prepare", "workdir_of"]
 
 # Versions whose files are kept for `corral update --to-version N` besides those with replicas.
 KEEP_VERSIONS = 10
@@ -161,3 +161,10 @@ def run_command(spec: ServiceSpec, base_dir: str | None = None) -> str:
         return engine_command(spec, base_dir)
     except ModelUnavailable as exc:
         return f"echo {shlex.quote(str(exc))} >&2; exit 78"
+
+
+def launch_port(spec: ServiceSpec, run: str) -> int | None:
+    """The port a replica running ``run`` is launched on: None (a free one, in ``$PORT``) when
+    ``run`` reads ``$PORT``, else the spec's own, which the app binds itself and the probe and
+    the balancer must reach (:func:`corral.infra.local_rules.fixed_port` reads it the same)."""
+    return None if reads_port(run) else spec.replica_port()

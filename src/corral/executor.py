@@ -182,7 +182,7 @@ class Executor:
         )
         replica_dir = scratch_root(self.svc.deps.home_marker) / self.svc.name / str(r.id)
         run = deploy.run_command(spec, vrow.base_dir if vrow else None)  # as admission read it
-        port = None if "PORT" in run else spec.replica_port()
+        port = deploy.launch_port(spec, run)
         request = LaunchRequest(
             service=self.svc.name,
             replica_id=r.id,

@@ -25,10 +25,18 @@ __all__ = [
     "local_mount_issues",
     "local_mounts",
     "local_port_problem",
+    "reads_port",
 ]
 
 # $PORT or ${PORT...}: anything that hands the assigned port to the command.
 _PORT_REF_RE = re.compile(r"\$\{?PORT(?![A-Za-z0-9_])")
+
+
+def reads_port(run: str) -> bool:
+    """Whether ``run`` hands the assigned port to the command (``$PORT``, ``${PORT}``). One
+    rule for the check and the launch: the launch once took any "PORT" in the text
+    (``$APP_PORT``) for it, gave such a fixed-port app a free port, and probed that port."""
+    return _PORT_REF_RE.search(run) is not None
 
 
 def local_port_problem(spec: ServiceSpec) -> str | None:
@@ -59,7 +67,7 @@ def fixed_port(spec: ServiceSpec) -> int | None:
     (:func:`claim_resources`): a rolling update retires the old replica before its successor
     starts, and a blue-green one, which needs both at once, is refused."""
     port = spec.replica_port()
-    if spec.infra != "local" or port is None or _PORT_REF_RE.search(spec.run or ""):
+    if spec.infra != "local" or port is None or reads_port(spec.run or ""):
         return None
     if spec.model and not spec.run:
         return None  # the engine corral starts listens on $PORT (corral.model_engines)
