@@ -12,7 +12,7 @@ import fnmatch
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -40,7 +40,8 @@ def matching(client: Client, patterns: tuple[str, ...]) -> list[dict[str, Any]]:
         else:
             match = [s for s in services if fnmatch.fnmatchcase(s["name"], pattern)]
             if not match:
-                fail(f"no service matches {pattern!r} (see `corral status`)")
+                # Raised, not printed: `status --json` answers it as JSON, as a missing name.
+                raise ClientError(f"no service matches {pattern!r} (see `corral status`)")
         for s in match:
             chosen.setdefault(s["name"], s)
     return list(chosen.values())
@@ -71,7 +72,9 @@ def status(
     client = client_of(ctx, start=False)
     if serviceless(client):
         if names:
-            fail(f"no service matches {' '.join(names)}: {home_of(ctx)} has no services")
+            _no_match(
+                f"no service matches {' '.join(names)}: {home_of(ctx)} has no services", as_json
+            )
         services: list[dict[str, Any]] = []
     else:
         services = _fetch(client, names, as_json)
@@ -85,6 +88,15 @@ def status(
         click.echo("no services")  # plain text: rich is not even imported for it
         return
     _print_tables(services, verbose)
+
+
+def _no_match(message: str, as_json: bool) -> NoReturn:
+    """Services named but none there: with --json still a JSON document (a script parses
+    stdout whatever happened), with the error in it, and exit code 1."""
+    if as_json:
+        click.echo(json.dumps({"services": [], "error": message}, indent=2))
+        sys.exit(1)
+    fail(message)
 
 
 def _fetch(client: Client, names: tuple[str, ...], as_json: bool) -> list[dict[str, Any]]:
