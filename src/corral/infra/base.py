@@ -67,6 +67,21 @@ def leave_scratch(home_marker: str, lost: bool) -> None:
             root.rmdir()
 
 
+def drop_replica_scratch(key: object) -> None:
+    """A replica torn down for good (ids are never reused): its working directory (a spec
+    without workdir) and what it wrote over its view of the workdir (``ID.writes``) go, as a
+    Ray replica's node-local directory goes with its actor. They were kept until the whole
+    service went down: one more for every replica replaced, scaled away or updated, however
+    much each had written. ``key``: the replica's key (``marker/service/id``)."""
+    parts = key.split("/") if isinstance(key, str) else []
+    if len(parts) != 3 or any(part in ("", ".", "..") for part in parts):
+        return  # not a key this backend made: nothing of it is touched
+    marker, service, replica = parts
+    place = scratch_root(marker) / service
+    for name in (replica, f"{replica}.writes"):
+        shutil.rmtree(place / name, ignore_errors=True)
+
+
 @dataclass
 class LaunchRequest:
     service: str

@@ -26,7 +26,7 @@ import psutil
 
 from corral import jobs, procfs
 from corral.infra import cgroups, confine
-from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle
+from corral.infra.base import LaunchRequest, Liveness, ReplicaHandle, drop_replica_scratch
 from corral.infra.local_env import (
     announce,
     chain,
@@ -316,7 +316,13 @@ class LocalInfra:
         its own is torn down through it instead
         (:func:`~corral.infra.local_scan.terminate_cgroup`): nothing escapes, and nothing is
         scanned. Raises RuntimeError when something of the replica is still alive afterwards.
+        Once nothing of it runs, its scratch directory goes too (:func:`drop_replica_scratch`).
         """
+        self._stop(handle, grace)
+        drop_replica_scratch(handle.data.get("key"))
+
+    def _stop(self, handle: ReplicaHandle, grace: float) -> None:
+        """:meth:`terminate`'s signals and scans: every process of the replica stopped."""
         info = handle_info(handle)
         child = REGISTRY.find(info.ident)
         group = handle.data.get("cgroup")
