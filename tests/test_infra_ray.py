@@ -138,6 +138,7 @@ class Harness:
         workdir: Path | None = EXAMPLES,
         envs: dict[str, str] | None = None,
         display_id: int | None = None,
+        setup_timeout: float | None = None,
     ) -> Launched:
         rid = self.next_id
         self.next_id += 1
@@ -157,6 +158,7 @@ class Harness:
             home_marker=self.marker,
             on_started=handles.append,
             display_id=display_id,
+            setup_timeout=setup_timeout,
         )
         log = self.tmp / f"replica_{rid}_launch.log"
         job = self.pool.submit(self.infra.launch, request, log=log, name=f"launch-{rid}")
@@ -640,6 +642,19 @@ def test_cancel_mid_setup_leaves_no_actor_and_no_process(harness: Harness) -> No
     assert item.job.cancel()
     assert item.job.wait(30)
     assert item.job.state is jobs.JobState.CANCELLED
+    harness.assert_gone(item.handle)
+    wait_for(lambda: not harness.keyed(), 10, "setup's processes to be gone")
+
+
+def test_a_setup_past_its_timeout_fails_and_leaves_nothing(harness: Harness) -> None:
+    """service.setup_timeout_seconds holds on Ray as locally (docs/spec.md, `setup`): a hung
+    setup fails its launch and goes with its actor, instead of holding a launch slot forever."""
+    item = harness.launch(setup="echo setting up; sleep 120", setup_timeout=2.0)
+    assert item.job.wait(45), "a setup past its timeout still runs"
+    assert item.job.state is jobs.JobState.FAILED
+    assert "setup did not finish within 2s (service.setup_timeout_seconds)" in str(
+        item.job.exception()
+    )
     harness.assert_gone(item.handle)
     wait_for(lambda: not harness.keyed(), 10, "setup's processes to be gone")
 

@@ -409,7 +409,7 @@ class RayInfra:
         jobs.checkpoint()
         if request.setup and request.setup.strip():
             print(f"[corral] setup: {request.setup}", flush=True)
-            code = self._run_setup(actor, request.setup, env, workdir)
+            code = self._run_setup(actor, request.setup, env, workdir, request.setup_timeout)
             if code != 0:
                 raise jobs.SetupFailed(code)
             print("[corral] setup done", flush=True)
@@ -460,10 +460,20 @@ class RayInfra:
                 print(f"[corral] waiting for the cluster to place actor {name}...", flush=True)
                 next_note = now + 30.0
 
-    def _run_setup(self, actor: Any, command: str, env: dict[str, str], workdir: str | None) -> int:
-        """Run setup on the node, echoing its output into the launch log as it comes."""
+    def _run_setup(
+        self,
+        actor: Any,
+        command: str,
+        env: dict[str, str],
+        workdir: str | None,
+        timeout: float | None = None,
+    ) -> int:
+        """Run setup on the node, echoing its output into the launch log as it comes. Past
+        ``timeout`` (service.setup_timeout_seconds) it fails, as on the local backend, and the
+        launch's abort removes the actor with setup: a hung setup held its launch slot forever."""
         ref = actor.run_setup.remote(command, env, workdir)
         echo = _Echo()
+        deadline = None if timeout is None else time.monotonic() + timeout
 
         def pull(final: bool = False) -> None:
             while True:
@@ -481,6 +491,11 @@ class RayInfra:
                 code: int = ray.get(ref, timeout=self.call_timeout)
                 return code
             jobs.checkpoint()
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"setup did not finish within {timeout:g}s "
+                    "(service.setup_timeout_seconds); it was stopped"
+                )
 
     def _abort(self, name: str, actor: Any | None) -> None:
         """Remove the actor of an abandoned launch (looked up by name when its creation did not
