@@ -11,6 +11,7 @@ import sqlite3
 import stat
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -403,3 +404,37 @@ def test_a_failed_update_after_one_that_kept_the_replicas_names_the_version_serv
     events = corral_home.api("GET", "/v1/services/kept/events").json()["events"]
     gave_up = [e["reason"] for e in events if e["action"] == "service.failed"]
     assert gave_up and all(r.endswith("; traffic stays on version 2") for r in gave_up), gave_up
+
+
+def probe_path_spec(path: str) -> str:
+    """A server that answers 404 off its files: the probe's path decides whether it passes."""
+    return (
+        f"run: exec {sys.executable} -m http.server $PORT --bind 127.0.0.1\n"
+        "service:\n  readiness_probe:\n"
+        f"    path: {path}\n    period_seconds: 0.2\n    initial_delay_seconds: 2\n"
+        "  replicas: 1\n"
+    )
+
+
+def test_an_update_of_what_the_probe_asks_is_proven_on_new_replicas(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A service-section update that changes the probe's path keeps no replica: the running
+    ones, relabelled, failed the new probe all at once and the service answered 503, while
+    `update` said the version served all traffic. Proven on new replicas instead, as any
+    rolling update: they never pass, the version is not promoted, the old replica serves."""
+    spec = write_spec(tmp_path / "probed.yaml", probe_path_spec("/"))
+    corral_home.run("up", str(spec), "-n", "probed", cwd=tmp_path)
+    before = corral_home.wait_replicas("probed", 1)
+    write_spec(spec, probe_path_spec("/missing"))
+    failed = corral_home.run("update", "probed", str(spec), cwd=tmp_path, timeout=90, check=False)
+    said = " ".join((failed.stdout + failed.stderr).split())
+    assert failed.returncode == 1, said
+    assert "version 2 not promoted" in said, said
+    svc = corral_home.service("probed")
+    assert svc is not None and svc["status"] == "READY", svc
+    assert svc["traffic_versions"] == [1], svc
+    serving = [r for r in svc["replicas"] if r["status"] == "READY"]
+    assert {r["pid"] for r in serving} == {r["pid"] for r in before["replicas"]}, svc
+    with urllib.request.urlopen(svc["endpoint"] + "/", timeout=10) as answer:
+        assert answer.status == 200

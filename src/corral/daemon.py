@@ -318,8 +318,8 @@ class Daemon:
         new_spec: ServiceSpec,
     ) -> bool:
         """Whether version ``new`` differs from ``current`` only in the `service:` section
-        (policy, probe): then the running replicas are kept, relabelled. The same files
-        (workdir copy, env and secret values) are part of "the same"."""
+        (policy, probe timing; not what the probe asks): then the running replicas are kept,
+        relabelled. The same files (workdir copy, env and secret values) are part of it."""
         row = self.store.version(name, current)
         fingerprint = versionfiles.fingerprint
         return (
@@ -328,6 +328,7 @@ class Daemon:
             and fingerprint(self.home, name, new) == fingerprint(self.home, name, current)
             and new_spec.model_dump(exclude={"service"})
             == current_spec.model_dump(exclude={"service"})
+            and deploy.probes_alike(new_spec, current_spec)
         )
 
     def _prune_files(self, name: str) -> None:

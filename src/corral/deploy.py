@@ -168,3 +168,18 @@ def launch_port(spec: ServiceSpec, run: str) -> int | None:
     ``run`` reads ``$PORT``, else the spec's own, which the app binds itself and the probe and
     the balancer must reach (:func:`corral.infra.local_rules.fixed_port` reads it the same)."""
     return None if reads_port(run) else spec.replica_port()
+
+
+# What decides whether a readiness probe passes: a version that changes one of them must prove
+# it on new replicas, as a rolling update does, before the old ones leave (its timing does not).
+PROBE_ASKS = frozenset({"path", "post_data", "headers"})
+
+
+def probes_alike(new: ServiceSpec, current: ServiceSpec) -> bool:
+    """Whether the running replicas, kept for ``new`` (relabelled: only its `service:` section
+    changed), would answer its probe as they answer ``current``'s. A new path they answered
+    404 was promoted at once, and every replica fell out of the balancer together: a rolling
+    update took the whole service down, with nothing left to fall back on."""
+    asks = set(PROBE_ASKS)
+    before = current.service.readiness_probe.model_dump(include=asks)
+    return new.service.readiness_probe.model_dump(include=asks) == before
