@@ -115,6 +115,8 @@ def test_unusable_home_is_one_line_and_exit_78(corral_home: CorralHome, tmp_path
         ("CORRAL_QPS_WINDOW", "0", "must be between 0 and 3600 seconds"),
         ("CORRAL_LAUNCHES_PER_SERVICE", "many", "must be a whole number"),
         ("CORRAL_LOG_MAX_BYTES", "lots", ""),
+        ("CORRAL_DAEMON_RESPAWN", "false", "must be 0 or 1, not 'false'"),
+        ("CORRAL_CONFINE", "no", "must be auto or off, not 'no'"),
     ],
 )
 def test_a_bad_setting_stops_the_daemon_before_it_starts_anything(

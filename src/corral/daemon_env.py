@@ -37,6 +37,18 @@ def check_read_elsewhere() -> None:
     reads its idle exit (``1m`` made every worker fail at its start, so nothing was served)."""
     env_seconds("CORRAL_API_HEADER_TIMEOUT", 10.0)
     env_seconds("CORRAL_WORKER_IDLE_EXIT", 60.0, top=7 * 86400)
+    env_choice("CORRAL_DAEMON_RESPAWN", ("0", "1"))
+    env_choice("CORRAL_CONFINE", ("auto", "off"))
+
+
+def env_choice(name: str, allowed: tuple[str, ...]) -> None:
+    """A switch read as "is it exactly this word" (``CORRAL_DAEMON_RESPAWN`` is off only at
+    ``0``, ``CORRAL_CONFINE`` only at ``off``): any other word kept the default in silence, so
+    ``CORRAL_DAEMON_RESPAWN=false`` left the workers restarting the daemon the user's own
+    supervisor was meant to restart."""
+    value = os.environ.get(name)
+    if value and value not in allowed:
+        raise DaemonError(f"${name} must be {' or '.join(allowed)}, not {value!r}")
 
 
 def env_bytes(name: str) -> int:
