@@ -1094,3 +1094,19 @@ def test_a_nul_character_is_refused_where_it_is(
     error = errors_of(tmp_path, text)
     assert [(i.loc, i.line) for i in error.issues] == [(loc, line)], error
     assert "NUL" in error.issues[0].message
+
+
+def test_labels_are_no_note_on_ray_where_they_select_the_nodes() -> None:
+    """`resources.labels` is Ray's label_selector (tests/test_infra_ray.py pins a replica by
+    it); `validate` said it had "no meaning on infra ray", so a user would drop the one field
+    that places the replicas."""
+    text = (
+        "run: python3 -m http.server $PORT\n"
+        "resources: {labels: {zone: a}}\nservice: {replicas: 1}\n"
+    )
+    ray = parse_spec("infra: ray\n" + text)
+    assert not [w for w in ray.warnings if w.startswith("resources.labels")], ray.warnings
+    local = parse_spec(text)
+    assert [w for w in local.warnings if w.startswith("resources.labels")] == [
+        "resources.labels: has no meaning on infra local; kept but not used"
+    ]

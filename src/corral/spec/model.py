@@ -169,12 +169,15 @@ class ServiceSpec(Section):
         ]
         notes = [f"{path}: {meaningless}" for path in top]
         placed = self.resources.gpus_from_alternatives()
+        # On Ray, labels select the nodes (label_selector, corral.infra._ray_resources).
+        honoured = {"resources.labels"} if self.infra == "ray" else set()
         notes += [
             f"{path}: its accelerators are asked as alternatives (any one of "
             f"{', '.join(self.resources.accelerators)}); the rest {meaningless}"
             if placed and path in ("resources.any_of", "resources.ordered")
             else f"{path}: {meaningless}"
             for path in self.resources._placement_set("resources.")
+            if path not in honoured
         ]
         notes += self.service._notes(meaningless)
         notes += unread_balancer_settings(self.service)
