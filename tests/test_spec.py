@@ -1110,3 +1110,25 @@ def test_labels_are_no_note_on_ray_where_they_select_the_nodes() -> None:
     assert [w for w in local.warnings if w.startswith("resources.labels")] == [
         "resources.labels: has no meaning on infra local; kept but not used"
     ]
+
+
+def test_several_accelerator_options_on_ray_say_only_the_first_is_asked() -> None:
+    """A Ray actor is one request (corral.infra._ray_resources takes the first option): validate
+    called them "any one of" the options on Ray too, as locally, and said nothing of a plain
+    `{H100: 1, A100: 1}`, so a cluster with A100 nodes alone never placed a replica."""
+    run = "run: python3 -m http.server $PORT\nservice: {replicas: 1}\n"
+    plain = parse_spec(f"infra: ray\n{run}resources: {{accelerators: {{H100: 1, A100: 1}}}}\n")
+    said = [w for w in plain.warnings if w.startswith("resources.accelerators")]
+    assert said == [
+        "resources.accelerators: on infra ray only the first, H100:1, is asked; A100:1 never "
+        "(a Ray actor is one request)"
+    ], plain.warnings
+    alternatives = "resources: {any_of: [{accelerators: H100:1}, {accelerators: A100:1}]}\n"
+    any_of = parse_spec(f"infra: ray\n{run}{alternatives}")
+    (note,) = [w for w in any_of.warnings if w.startswith("resources.any_of")]
+    assert "only the first, H100:1, is asked" in note and "any one of" not in note, note
+    local = parse_spec(f"{run}{alternatives}")
+    (note,) = [w for w in local.warnings if w.startswith("resources.any_of")]
+    assert "any one of H100:1, A100:1" in note, note
+    one = parse_spec(f"infra: ray\n{run}resources: {{accelerators: H100:1}}\n")
+    assert not [w for w in one.warnings if w.startswith("resources.accelerators")]

@@ -33,7 +33,15 @@ from corral.versionfiles import (
     version_dir,
 )
 
-__all__ = ["KEEP_VERSIONS", "check", "launch_inputs", "launch_port", "prepare", "workdir_of"]
+__all__ = [
+    "KEEP_VERSIONS",
+    "check",
+    "launch_inputs",
+    "launch_port",
+    "prepare",
+    "probes_alike",
+    "workdir_of",
+]
 
 # Versions whose files are kept for `corral update --to-version N` besides those with replicas.
 KEEP_VERSIONS = 10

@@ -172,8 +172,8 @@ class ServiceSpec(Section):
         # On Ray, labels select the nodes (label_selector, corral.infra._ray_resources).
         honoured = {"resources.labels"} if self.infra == "ray" else set()
         notes += [
-            f"{path}: its accelerators are asked as alternatives (any one of "
-            f"{', '.join(self.resources.accelerators)}); the rest {meaningless}"
+            f"{path}: its accelerators are asked as alternatives ({self._options_asked()}); "
+            f"the rest {meaningless}"
             if placed and path in ("resources.any_of", "resources.ordered")
             else f"{path}: {meaningless}"
             for path in self.resources._placement_set("resources.")
@@ -197,12 +197,26 @@ class ServiceSpec(Section):
                 "/health, load_balancing_policy prefix_affinity); remove `run:` to have "
                 "corral start the model, or `model:` to silence this"
             )
+        options = self.resources.accelerators
+        if self.infra == "ray" and len(options) > 1 and not placed:
+            notes.append(f"resources.accelerators: {self._options_asked()}")
         if self.infra == "kubernetes":  # read, as SkyPilot's, but no backend runs it yet
             notes.append(
                 "infra: kubernetes has no corral backend yet: `corral up` refuses it (infra "
                 "'kubernetes' is not available in this daemon); use local or ray"
             )
         return notes
+
+    def _options_asked(self) -> str:
+        """Which accelerator options a replica is placed on: any one of them locally; on Ray the
+        first alone (an actor is one request: corral.infra._ray_resources), which validate
+        called "any one of" them, so a Ray node with only the second never got a replica."""
+        options = self.resources.accelerators
+        if self.infra == "ray" and len(options) > 1:
+            rest = ", ".join(options[1:])
+            first = f"on infra ray only the first, {options[0]}, is asked"
+            return f"{first}; {rest} never (a Ray actor is one request)"
+        return f"any one of {', '.join(options)}"
 
     def replica_port(self) -> int | None:
         """The port a replica serves on: ``service.ports``, else the one ``resources`` port."""
