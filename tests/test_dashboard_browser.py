@@ -391,4 +391,9 @@ def test_an_llm_service_shows_its_engine_figures(
     queue = charts.filter(has_text="Queue").locator("svg")
     expect(queue).to_have_attribute("aria-label", re.compile(r"now: waiting 0, running 0, held 0"))
     page.screenshot(path=str(shots(tmp_path) / "llm.png"), full_page=True)
+    # A slow service's axis labels fit the charts' margin: "50000 ms" was cut to "0000 ms".
+    shown = page.evaluate(
+        "import('/ui/static/dom.js').then(m => [0.25, 9.5, 50, 120].map(m.fmt.ms))"
+    )
+    assert shown == ["250 ms", "9500 ms", "50.0 s", "120 s"]
     assert errors == []

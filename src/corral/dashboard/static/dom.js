@@ -58,6 +58,8 @@ export const fmt = {
   ms(seconds) {
     if (seconds === null || seconds === undefined) return "—";
     const ms = seconds * 1000;
+    // From 10 s, seconds: "50000 ms" did not fit a chart's axis margin and read "0000 ms".
+    if (ms >= 10000) return `${seconds >= 100 ? seconds.toFixed(0) : seconds.toFixed(1)} s`;
     return ms >= 100 ? `${ms.toFixed(0)} ms` : ms >= 10 ? `${ms.toFixed(1)} ms` : `${ms.toFixed(2)} ms`;
   },
   pct(v) {
