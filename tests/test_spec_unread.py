@@ -48,3 +48,21 @@ def test_settings_read_by_the_policy_are_not_warned() -> None:
     assert _unread("least_load", session + "hold_patience_seconds: 1") == []
     assert _unread("round_robin", "max_in_flight_per_replica: 4, hold_timeout_seconds: 5") == []
     assert _unread("round_robin", "stream_timeout_seconds: 60") == []  # defaults never warn
+
+
+def test_a_target_with_no_room_to_scale_is_warned() -> None:
+    """min_replicas equal to max_replicas leaves a target nothing to do (docs/spec.md: a field
+    without effect is said); a range, a fixed size without a target, and the per-accelerator
+    map (instance_aware_least_load's weights) are not warned."""
+
+    def said(service: str) -> list[str]:
+        spec = parse_spec(f"{RUN}service:\n  readiness_probe: /\n{service}")
+        return [w.split(":", 1)[0] for w in spec.warnings if "no target scales" in w]
+
+    fixed = "  replica_policy: {min_replicas: 2, max_replicas: 2, target_qps_per_replica: 3}\n"
+    assert said(fixed) == ["service.replica_policy.target_qps_per_replica"]
+    metrics = "  autoscaling:\n    metrics: [{type: queue_depth, target: 4}]\n"
+    assert said(f"  replicas: 2\n  max_replicas: 2\n{metrics}") == ["service.autoscaling"]
+    assert said(f"  replicas: 2\n  max_replicas: 3\n{metrics}") == []
+    assert said("  replicas: 2\n") == []
+    assert said(fixed.replace("max_replicas: 2", "max_replicas: 4")) == []

@@ -14,7 +14,7 @@ from pydantic import (
 from corral.spec.resources import Resources
 from corral.spec.section import Section
 from corral.spec.service import ServiceSection
-from corral.spec.unread import unread_balancer_settings
+from corral.spec.unread import unread_balancer_settings, unread_scaling_targets
 from corral.spec.values import EnvName, EnvValue, InfraName, format_range, name_problem, show
 
 
@@ -181,6 +181,7 @@ class ServiceSpec(Section):
         ]
         notes += self.service._notes(meaningless)
         notes += unread_balancer_settings(self.service)
+        notes += unread_scaling_targets(self.service)
         notes += [
             f"{field}: has no value in the spec: give it at `corral up`/`update` with "
             f"{value_flag(field)} {field.split('.', 1)[1]}=VALUE"

@@ -1,4 +1,5 @@
-"""Warnings for ``service.load_balancer`` settings a spec gives but its policy never reads.
+"""Warnings for settings a spec gives that nothing will act on: ``service.load_balancer``
+settings its policy never reads, and autoscaling targets with no room to scale.
 
 Each of these is read only under some policy or with another setting (docs/llm.md): a
 ``prompt_field`` only by ``prefix_affinity``, ``balance_factor`` only by ``prefix_affinity`` and
@@ -15,7 +16,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from corral.spec.service import ServiceSection
 
-__all__ = ["unread_balancer_settings"]
+__all__ = ["unread_balancer_settings", "unread_scaling_targets"]
+
+# Autoscaling targets that act only between min_replicas and max_replicas. Not the per-accelerator
+# map: instance_aware_least_load weighs replicas by it whatever the bounds.
+_TARGETS = (
+    "target_qps_per_replica",
+    "target_queue_per_replica",
+    "target_kv_cache_usage",
+    "target_tokens_per_second_per_replica",
+)
 
 
 def unread_balancer_settings(service: ServiceSection) -> list[str]:
@@ -39,3 +49,22 @@ def unread_balancer_settings(service: ServiceSection) -> list[str]:
         why = "a held request waits for a preferred replica only under prefix_affinity or"
         unread.append(("hold_patience_seconds", f"{why} session affinity, not {policy}"))
     return [f"service.load_balancer.{field}: has no effect: {why}" for field, why in unread]
+
+
+def unread_scaling_targets(service: ServiceSection) -> list[str]:
+    """A target with min_replicas equal to max_replicas scales nothing, and was accepted in
+    silence (SkyServe is as silent). The form with no max_replicas at all is said by the
+    service section itself (``ServiceSection._notes``)."""
+    policy = service.replica_policy
+    given = [name for name in _TARGETS if getattr(policy, name) is not None]
+    if not given or policy.min_replicas != policy.max_replicas:
+        return []
+    scaling = service.autoscaling
+    if scaling is not None and service.max_replicas is None and scaling.max_replicas is None:
+        return []  # said already: no max_replicas
+    where = "service.autoscaling" if scaling is not None else f"service.replica_policy.{given[0]}"
+    return [
+        f"{where}: has no effect: min_replicas and max_replicas are both "
+        f"{policy.min_replicas}, so no target scales the service; raise max_replicas to let "
+        "it grow"
+    ]
