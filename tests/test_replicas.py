@@ -97,3 +97,17 @@ def test_service_status() -> None:
         ServiceStatus.CONTROLLER_INIT
     )
     assert replace(Facts(), id=9).id == 9
+
+
+def test_a_backends_runtime_error_is_shown_in_its_own_words() -> None:
+    """A replica's failure in `status` says what the backend said ("setup did not finish
+    within 2s ..."), not "RuntimeError('setup did not finish ...')"; any other type keeps its
+    name, the clue to an error nobody meant to raise."""
+    from corral.errors import in_words
+
+    assert in_words(RuntimeError("setup did not finish within 2s")) == (
+        "setup did not finish within 2s"
+    )
+    assert in_words(KeyError("x")) == "KeyError('x')"
+    assert in_words(RuntimeError()) == "RuntimeError()"
+    assert in_words(None) == "None"

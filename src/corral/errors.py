@@ -78,3 +78,12 @@ class VersionFilesGone(Conflict):
 class HomeUnwritable(Refused):
     """The home's disk is full or read-only: the daemon's trouble, not the request's; nothing
     was changed and the same request may succeed later."""
+
+
+def in_words(exc: BaseException | None) -> str:
+    """An exception for a user's eyes (a replica's failure in ``status``). A backend says what
+    went wrong in a RuntimeError's message, which ``repr`` wrapped in ``RuntimeError('...')``;
+    any other type is kept, as the clue to an error nobody meant to raise."""
+    if type(exc) is RuntimeError and str(exc):
+        return str(exc)
+    return repr(exc)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from corral import deploy, plan
 from corral.capacity import Grant
+from corral.errors import in_words
 from corral.infra.base import Infra, LaunchRequest, ReplicaHandle, scratch_root, terminate_told
 from corral.infra.local_rules import claim_resources
 from corral.jobs import Job, JobState
@@ -284,19 +285,13 @@ class Executor:
             return
         if job.state is JobState.SUCCEEDED:
             self.svc.store.mark_launch(replica_id, LaunchState.SUCCEEDED)
-            self.svc.store.event(
-                self.svc.name, "replica.launched", r.endpoint, replica_id=replica_id
-            )
+            self.svc.event(replica_id, "replica.launched", r.endpoint)
             if job.log_error:
                 # Running, but its launch output was lost (a full disk): say so where users look.
-                self.svc.store.event(
-                    self.svc.name, "replica.log_error", job.log_error, replica_id=replica_id
-                )
+                self.svc.event(replica_id, "replica.log_error", job.log_error)
         elif job.state is JobState.CANCELLED:
             self.svc.store.mark_launch(replica_id, LaunchState.CANCELLED)
-            self.svc.store.event(
-                self.svc.name, "replica.launch_cancelled", None, replica_id=replica_id
-            )
+            self.svc.event(replica_id, "replica.launch_cancelled", None)
         elif isinstance(job.exception(), StateError):
             # The state file refused one of the launch's own writes (locked for longer than a
             # job waits): not the app's failure, so not counted against the version. Whatever
@@ -311,12 +306,10 @@ class Executor:
             self.svc.wake_event.set()
             return
         else:
-            seq = self.svc.seq_of(replica_id)
-            detail = f"{job.exception()!r}; see `corral logs {self.svc.name} {seq} --launch`"
+            seq, said = self.svc.seq_of(replica_id), in_words(job.exception())
+            detail = f"{said}; see `corral logs {self.svc.name} {seq} --launch`"
             self.svc.store.mark_launch(replica_id, LaunchState.FAILED, failure=detail)
-            self.svc.store.event(
-                self.svc.name, "replica.launch_failed", detail, replica_id=replica_id
-            )
+            self.svc.event(replica_id, "replica.launch_failed", detail)
         r = self.svc.store.replica(replica_id)
         if r is not None and r.launch_state is LaunchState.CANCELLED:
             self.retire(r, "launch cancelled")
@@ -427,9 +420,7 @@ class Executor:
         )
         self.svc.rt.hung[replica_id] = job
         if self.svc.deps.pool.abandon(job, error):  # runs _teardown_done (FAILED_CLEANUP) next
-            self.svc.store.event(
-                self.svc.name, "replica.teardown_hung", str(error), replica_id=replica_id
-            )
+            self.svc.event(replica_id, "replica.teardown_hung", str(error))
             log.error(
                 "service %s: replica %d: %s", self.svc.name, self.svc.seq_of(replica_id), error
             )
@@ -471,7 +462,8 @@ class Executor:
                 self.svc.store.delete_replica(replica_id)
             self._freed()
         else:
-            detail = f"teardown failed: {job.exception()!r}; see {self.svc.launch_log(r.seq)}"
+            said = in_words(job.exception())
+            detail = f"teardown failed: {said}; see {self.svc.launch_log(r.seq)}"
             # The replica's own failure stays in the text: it is why it was torn down.
             original = _replica_failure(r.failure)
             self.svc.store.mark_teardown(
@@ -480,9 +472,7 @@ class Executor:
                 attempts=r.teardown_attempts + 1,
                 failure=detail if original is None else f"{detail}{_BEFORE}{original}",
             )
-            self.svc.store.event(
-                self.svc.name, "replica.teardown_failed", detail, replica_id=replica_id
-            )
+            self.svc.event(replica_id, "replica.teardown_failed", detail)
             log.error("service %s: replica %d %s", self.svc.name, r.seq, detail)
         self.svc.wake_event.set()
 
