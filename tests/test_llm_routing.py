@@ -683,7 +683,10 @@ def test_a_request_on_the_fast_path_is_on_the_board_while_in_flight(tmp_path: Pa
     run(go())
 
 
-def test_the_limit_counts_every_workers_requests_where_they_share_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["prefix_affinity", "least_load"])
+def test_the_limit_counts_every_workers_requests_where_they_share_them(
+    tmp_path: Path, policy: str
+) -> None:
     """Two workers share ``max_in_flight_per_replica: 4`` (2 each by their own counts), but
     connections reach the workers unevenly: with the board they share, the limit is every
     worker's requests to the replica. A worker with 2 in flight while the other has none sends
@@ -704,7 +707,7 @@ def test_the_limit_counts_every_workers_requests_where_they_share_them(tmp_path:
                 "hold_timeout": 20,
             }
             async with (
-                balancer({1: replica.url}, policy="prefix_affinity", routing=routing) as lb,
+                balancer({1: replica.url}, policy=policy, routing=routing) as lb,
                 aiohttp.ClientSession() as http,
             ):
                 other = LoadBoard.open(path, 1, 2)
