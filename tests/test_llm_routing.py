@@ -1536,6 +1536,17 @@ def test_ttft_quantiles_are_interpolated_not_the_buckets_upper_bound() -> None:
     assert 0.05 < figures["ttft_p50_seconds"] <= 0.1
 
 
+async def _busy_and_held(
+    http: aiohttp.ClientSession, url: str, one: Replica, lb: LoadBalancer
+) -> tuple[asyncio.Task[aiohttp.ClientResponse], asyncio.Task[aiohttp.ClientResponse]]:
+    """With a limit of 1: a request the replica holds, and a second one the balancer holds."""
+    busy = asyncio.create_task(http.get(url + "/hold"))
+    await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
+    late = asyncio.create_task(http.get(url + "/late"))
+    await wait_until(lambda: lb.held() == 1, 10, "the second request held")
+    return busy, late
+
+
 def test_held_requests_go_out_when_an_update_changes_the_balancer(tmp_path: Path) -> None:
     """An update of a balancer setting (here the limit itself, 1 -> 8) gives the service a new
     balancer in each worker and retires the old one: what the old one held (every replica at
@@ -1559,10 +1570,7 @@ def test_held_requests_go_out_when_an_update_changes_the_balancer(tmp_path: Path
             url = f"http://{HOST}:{port}"
             try:
                 async with aiohttp.ClientSession() as http:
-                    busy = asyncio.create_task(http.get(url + "/hold"))
-                    await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
-                    late = asyncio.create_task(http.get(url + "/late"))
-                    await wait_until(lambda: lb.held() == 1, 10, "the second request held")
+                    busy, late = await _busy_and_held(http, url, one, lb)
                     await worker._apply({"llm": route(8)})  # the update: a new balancer
                     assert worker.services["llm"].lb is not lb
                     answer = await asyncio.wait_for(late, 10)
@@ -1601,10 +1609,7 @@ def test_held_requests_go_out_when_their_worker_is_replaced(tmp_path: Path) -> N
             running = asyncio.create_task(worker.run())
             try:
                 async with aiohttp.ClientSession() as http:
-                    busy = asyncio.create_task(http.get(url + "/hold"))
-                    await wait_until(lambda: one.arrived == 1, 10, "the replica busy")
-                    late = asyncio.create_task(http.get(url + "/late"))
-                    await wait_until(lambda: lb.held() == 1, 10, "the second request held")
+                    busy, late = await _busy_and_held(http, url, one, lb)
                     worker.stop.set()  # what the daemon's "exit" (or SIGTERM) does
                     answer = await asyncio.wait_for(late, 10)
                     assert answer.status == 200, await answer.text()
