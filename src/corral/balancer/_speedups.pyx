@@ -1398,7 +1398,6 @@ def insert_blocks(lru not None, dict owners not None, hashes, Py_ssize_t limit, 
             extra -= 1
 
 
-
 # ---------------------------------------------------------------------------- the load board
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
@@ -1502,31 +1501,23 @@ cdef class LoadBoard:
 
     def loads(self, candidates, own, own_streams):
         """``load_board.LoadBoard.loads``: every worker's counts, streams weighed. No stream
-        under way among the candidates (plain HTTP) builds one dict, as ``totals``."""
+        under way among the candidates (plain HTTP) builds one dict, as ``totals``. Its board
+        of streams is of this build too (``load_board`` builds both)."""
         cdef dict totals = self.totals(candidates, own)
-        streams = self.streams
-        cdef LoadBoard board = streams if isinstance(streams, LoadBoard) else None
+        cdef LoadBoard board = self.streams
         cdef Py_ssize_t at
-        if board is None and streams is not None:  # a pure board beside a compiled one
-            counts = streams.totals(candidates, own_streams)
-            for rid in candidates:
-                if counts.get(rid, 0):
-                    break
-            else:
-                return totals
-        else:
+        if board is not None:
+            board._row()  # refuses a closed board
+        for rid in candidates:
+            if own_streams.get(rid, 0):
+                break
             if board is not None:
-                board._row()  # refuses a closed board
-            for rid in candidates:
-                if own_streams.get(rid, 0):
+                at = board._at(rid)
+                if at >= 0 and board._others(<uint64_t>rid, at):
                     break
-                if board is not None:
-                    at = board._at(rid)
-                    if at >= 0 and board._others(<uint64_t>rid, at):
-                        break
-            else:
-                return totals
-            counts = own_streams if board is None else board.totals(candidates, own_streams)
+        else:
+            return totals
+        counts = own_streams if board is None else board.totals(candidates, own_streams)
         return {
             rid: (n := totals[rid]) - _LESS * min(counts.get(rid, 0), n) for rid in candidates
         }
@@ -1964,4 +1955,3 @@ cdef object _send(cl, lb, method, target, bint http11, bint keep_alive, kept, xf
     _put(cl, OFF[C_DEADLINE_KIND], _DL_FIRST_BYTE)
     _put(cl, OFF[C_DEADLINE], now + <double>_get(lb, OFF[B_FIRST_BYTE_TIMEOUT]))
     return True
-

@@ -239,10 +239,11 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         return self._port
 
     def leave_boards(self) -> None:
-        """A successor in this worker (a route change) writes the same rows of the shared
-        boards from now on: this balancer's counts, a row arranged from them (the worker tells
-        a retiring balancer of the ready set) or cleared at its end, would wipe the
-        successor's. Its own requests stop counting there; its policy may still read."""
+        """A successor in this slot (a new balancer after a route change, a new worker process
+        after restart-workers) writes the same rows of the shared boards from now on: this
+        balancer's counts, a row arranged from them (the worker tells a retiring balancer of
+        the ready set) or cleared at its end, would wipe the successor's. Its own requests stop
+        counting there; its policy may still read."""
         self._board = self._stream_board = None
 
     async def stop(self, idle_grace: float = 0.0, hand_over: bool = False) -> None:
