@@ -22,7 +22,7 @@ from conftest import SKYSERVE_EXAMPLES, skyserve_example_files
 
 from corral.cli import main
 from corral.infra.inventory import Inventory
-from corral.infra.placement import Claim, Holder, ask_of, never_fits, place
+from corral.infra.placement import Claim, Holder, ask_of, misfits, place
 from corral.spec import Resources, SpecError, load_spec
 
 EXAMPLES = SKYSERVE_EXAMPLES
@@ -84,12 +84,13 @@ def test_every_example_runs_its_replica_count_or_is_refused_with_the_reason(
         assert not parsed or "small.yaml" in document["inventory"], document  # says which
         resources, count = asked(path)
         cpu_asks += "cpus" in resources
-        problem = never_fits(ask_of(resources), SMALL)
-        if problem is not None:
-            # refused before launch, naming the resource (never the CPUs: they are shared)
-            assert problem.field in ("resources.accelerators", "resources.memory"), problem
-            if parsed:
-                assert errors[problem.field], (path.name, errors)  # under the resource's field
+        problems = misfits(ask_of(resources), SMALL)
+        if problems:
+            for problem in problems:
+                # refused before launch, naming the resource (never the CPUs: they are shared)
+                assert problem.field in ("resources.accelerators", "resources.memory"), problem
+                if parsed:
+                    assert errors[problem.field], (path.name, errors)  # under its field
             refused.append(path.name)
             continue
         # the daemon places every replica it asks for, side by side and unpinned

@@ -17,8 +17,8 @@ from corral.infra.placement import (
     Holder,
     NoFit,
     ask_of,
+    misfits,
     model_matches,
-    never_fits,
     place,
     share_warnings,
 )
@@ -180,7 +180,7 @@ def test_shared_cpus_never_wait_nor_pin(cpus: Any) -> None:
     """SkyPilot's `cpus: 2+` sizes a VM; on one machine replicas share its cores: four of them
     on two cores all run, none pinned (issue: the second one stayed PENDING for good)."""
     ask = ask_of({"cpus": cpus, "memory": "4+"})
-    assert never_fits(ask, TWO_CORES) is None
+    assert misfits(ask, TWO_CORES) == []
     holders: list[Holder] = []
     for n in range(4):
         claim = place(ask, TWO_CORES, holders)
@@ -197,8 +197,7 @@ def test_shared_cpus_never_wait_nor_pin(cpus: Any) -> None:
 def test_memory_of_a_large_machine_is_said_without_an_exponent() -> None:
     """A GPU server's memory in TiB was written as "2.05e+03 GiB" in refusals and warnings."""
     server = Inventory((), 64, 2048 * GiB, source="test")
-    problem = never_fits(ask_of({"memory": "4096"}), server)
-    assert problem is not None
+    (problem,) = misfits(ask_of({"memory": "4096"}), server)
     assert "needs 4096 GiB; the machine has 2048 GiB" in str(problem), str(problem)
     (warning,) = share_warnings(ask_of({"memory": "1000+"}), 4, server)
     assert "4 replicas x 1000 GiB asked, the machine has 2048 GiB" in warning, warning
@@ -213,8 +212,8 @@ def test_exclusive_cpus_wait_and_warn() -> None:
     assert isinstance(second, NoFit) and "needs 2 CPUs of its own" in second.reason
     (warning,) = share_warnings(ask, 2, TWO_CORES)
     assert "1 run at once, the others wait" in warning
-    too_many = never_fits(ask_of({"cpus": 3, "cpu_pinning": "exclusive"}), TWO_CORES)
-    assert too_many is not None and too_many.field == "resources.cpus"
+    (too_many,) = misfits(ask_of({"cpus": 3, "cpu_pinning": "exclusive"}), TWO_CORES)
+    assert too_many.field == "resources.cpus"
 
 
 @pytest.mark.parametrize(
@@ -241,11 +240,11 @@ def test_exclusive_needs_whole_cpus(resources: dict[str, Any], field: str) -> No
         ({"memory": "128"}, "resources.memory", "needs 128 GiB"),
     ],
 )
-def test_never_fits_names_field_and_lists_inventory(
+def test_a_misfit_names_field_and_lists_inventory(
     resources: dict[str, Any], field: str, text: str
 ) -> None:
-    problem = never_fits(ask_of(resources), MACHINE)
-    assert problem is not None and problem.field == field
+    (problem,) = misfits(ask_of(resources), MACHINE)
+    assert problem.field == field
     message = str(problem)
     assert message.startswith(f"{field}: ") and text in message
     assert message.endswith("(inventory from test)")
@@ -256,8 +255,8 @@ def test_never_fits_names_field_and_lists_inventory(
 
 
 def test_an_alternative_that_exists_fits() -> None:
-    assert never_fits(ask_of({"accelerators": ["H100:1", "L4:1"]}), MACHINE) is None
-    assert never_fits(ask_of({"accelerators": ["A100:2"], "cpus": 8}), MACHINE) is None
+    assert misfits(ask_of({"accelerators": ["H100:1", "L4:1"]}), MACHINE) == []
+    assert misfits(ask_of({"accelerators": ["A100:2"], "cpus": 8}), MACHINE) == []
 
 
 @pytest.mark.parametrize("bad", ["A100:1.5", "A100:2.25"])

@@ -54,7 +54,6 @@ __all__ = [
     "ask_of",
     "misfits",
     "model_matches",
-    "never_fits",
     "place",
     "share_warnings",
 ]
@@ -361,12 +360,6 @@ def _held_by(holders: Sequence[Holder], amount: Any) -> str:
     if not holders:
         return "nothing held"
     return "held: " + ", ".join(f"{amount(h)} by {h.service} replica {h.shown}" for h in holders)
-
-
-def never_fits(ask: Ask, inventory: Inventory) -> AskError | None:
-    """The first of :func:`misfits`, or None when ``ask`` can fit."""
-    problems = misfits(ask, inventory)
-    return problems[0] if problems else None
 
 
 def misfits(ask: Ask, inventory: Inventory) -> list[AskError]:
