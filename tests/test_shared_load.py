@@ -263,6 +263,8 @@ def test_a_route_change_leaves_the_new_balancers_counts_on_the_board(tmp_path: P
                 assert worker.services["svc"].lb is not old and worker.retiring
                 on_new = asyncio.create_task(second.get(url))
                 await wait_until(lambda: replica.arrived == 2, 10, "a request on the new one")
+                # The old one's request still loads the replica: it counts, on the hand-over row.
+                assert other.totals((1,), {}) == {1: 2}
                 on_old.cancel()  # its client leaves: the old balancer's request ends, then it
                 await first.close()
                 await wait_until(lambda: not worker.retiring, 20, "the old balancer gone")
@@ -317,7 +319,7 @@ def test_a_worker_replaced_in_its_slot_leaves_the_row_to_its_successor(tmp_path:
                 await wait_until(lambda: lb._server is None, 10, "the old one's listener closed")
                 on_new = asyncio.create_task(second.get(url + "new"))
                 await wait_until(lambda: replica.arrived == 2, 10, "a request on the new one")
-                assert other.totals((1,), {}) == {1: 1}
+                assert other.totals((1,), {}) == {1: 2}  # the old one's too, while it runs
                 replica.gates["old"].set()  # the old one's request ends, and the old one
                 assert (await on_old).status == 200
                 await asyncio.wait_for(running, 20)
@@ -338,3 +340,88 @@ def test_a_worker_replaced_in_its_slot_leaves_the_row_to_its_successor(tmp_path:
             await replica._runner.cleanup()
 
     asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_route_change_keeps_the_limit_while_the_old_balancers_requests_run(
+    tmp_path: Path,
+) -> None:
+    """With ``max_in_flight_per_replica`` 1 and the retired balancer's request still on the
+    one replica, the new balancer holds its request until that one ends: before, the retired
+    balancer's requests counted nowhere and the replica took both."""
+    from test_balancer import closed_port
+
+    from corral.dataplane.worker import Worker
+
+    async def go() -> None:
+        replica = await Replica(1).start()
+        (tmp_path / "dataplane").mkdir()  # the daemon makes it
+        worker = Worker(tmp_path, 0)
+        worker.fleet = 2
+        port = closed_port()
+
+        def route(policy: str) -> dict[str, Any]:
+            ready = {"1": {"url": replica.url, "version": 1}}
+            config = {"policy": policy, "routing": {"max_in_flight_per_replica": 1}}
+            return {"port": port, "host": HOST, "config": config, "ready": ready}
+
+        try:
+            await worker._apply({"svc": route("least_load")})
+            url = f"http://{HOST}:{port}/hold/"
+            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
+                on_old = asyncio.create_task(first.get(url + "old"))
+                await wait_until(lambda: replica.arrived == 1, 10, "a request on the old one")
+                await worker._apply({"svc": route("power_of_two")})  # the update
+                new = worker.services["svc"].lb
+                on_new = asyncio.create_task(second.get(url + "new"))
+                await wait_until(lambda: new._held, 10, "the new one's request held")
+                assert replica.arrived == 1
+                replica.gates["old"].set()  # the old one's request ends: room for the new one
+                assert (await on_old).status == 200
+                await wait_until(lambda: replica.arrived == 2, 10, "the held request sent")
+                replica.gates["new"].set()
+                assert (await on_new).status == 200
+        finally:
+            for gate in ("old", "new"):
+                replica.gates.setdefault(gate, asyncio.Event()).set()
+            await worker._apply({})
+            await wait_until(lambda: not worker.retiring, 20, "every balancer gone")
+            assert replica._runner is not None
+            await replica._runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+@pytest.mark.parametrize("build", ["pure", "compiled"])
+def test_balancers_retiring_in_one_slot_count_together_until_the_last_ends(
+    tmp_path: Path, build: str
+) -> None:
+    """Two route changes in a row leave two retiring balancers in one slot of one process:
+    their hand-over row holds the sum of their counts, and the first to end leaves the
+    other's. The daemon zeroes the row once the slot's process is gone (a process killed
+    while retiring)."""
+    import corral.balancer.load_board as load_board
+
+    if build == "compiled" and load_board._BUILD is LoadBoard:
+        pytest.skip("no compiled build here")
+    path = board_path(tmp_path, "svc")
+    reader_class = LoadBoard if build == "pure" else load_board._BUILD
+    mapped = load_board.map_shared(path, load_board.ROWS * 8 * load_board.COLUMNS, "test")
+    assert mapped is not None
+    reader = reader_class(mapped, 1, 4)  # slot 1 of 2: rows 0-1, hand-over rows 2-3
+    reader.arrange((1, 2), {})
+    first, second = {1: 2}, {1: 1, 2: 3}
+    board_a, streams_a = load_board.retired(path, 0, 2, (1, 2), first, {})
+    board_b, _ = load_board.retired(path, 0, 2, (1, 2), second, None)
+    assert board_a is not None and board_b is not None and streams_a is not None
+    assert reader.totals((1, 2), {}) == {1: 3, 2: 3}
+    first[1] = 1
+    board_a.publish(1, 1)
+    assert reader.totals((1, 2), {}) == {1: 2, 2: 3}
+    board_a.clear()  # the first one ends
+    assert reader.totals((1, 2), {}) == {1: 1, 2: 3}
+    load_board.clear_hand_over(tmp_path, 0, 2)  # its process gone
+    assert reader.totals((1, 2), {}) == {1: 0, 2: 0}
+    board_b.clear()
+    assert reader.totals((1, 2), {}) == {1: 0, 2: 0}
+    for board in (board_a, board_b, streams_a):
+        board.close()

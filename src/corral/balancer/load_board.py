@@ -21,6 +21,18 @@ naming another replica (a worker that has not applied the latest table yet) coun
 worker rewrites its whole row when the ready set changes and zeroes it when it stops; a row
 left by a worker that was killed is overwritten by its successor in the same slot. What can go
 wrong is a load off by a few requests for a moment, never a wrong answer.
+
+A slot has two writers for a while when its balancer is replaced: a route change starts a new
+balancer in the worker and retires the old one, and ``restart-workers`` starts a new worker
+process beside the old. The successor takes the slot's row; the one retiring, whose requests
+under way still load their replicas (and count against ``max_in_flight_per_replica``), moves
+them to the slot's hand-over row (:func:`retired`), rows ``workers`` to ``2 * workers - 1``,
+which every reader adds in. Balancers of one process retiring in one slot write that row
+together, each cell the sum of their counts; the last one's end zeroes it, and the daemon
+zeroes a slot's hand-over rows once the slot's old process is gone
+(:func:`clear_hand_over`), so a process killed while retiring leaves no counts behind. A
+slot past the board's rows has no hand-over row: its retiring balancer's requests count
+nowhere until they end.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from corral.balancer import speedups
 from corral.balancer.policies import weigh_streams
 from corral.balancer.shared_file import map_shared
 
-ROWS: Final = 16  # worker slots a board has room for; a worker past them keeps its own view
+ROWS: Final = 16  # rows: a slot's row, then a slot's hand-over row; past them a worker is alone
 COLUMNS: Final = 64  # ready replicas; past them a replica's load is this worker's alone
 _ROW: Final = struct.Struct(f"<{COLUMNS}Q")
 _CELL: Final = struct.Struct("<Q")
@@ -78,11 +90,10 @@ class LoadBoard:
         cannot be made (logged): the policy then weighs this worker's requests alone."""
         if path is None or workers < 2 or not 0 <= slot < ROWS:
             return None
-        size = ROWS * _ROW.size
-        mapped = map_shared(path, size, "load board")
+        mapped = map_shared(path, ROWS * _ROW.size, "load board")
         if mapped is None:
             return None
-        board: LoadBoard = _BUILD(mapped, slot, min(workers, ROWS))
+        board: LoadBoard = _BUILD(mapped, slot, min(2 * workers, ROWS))
         return board
 
     def arrange(self, ready: Sequence[int], in_flight: Mapping[int, int]) -> None:
@@ -138,6 +149,87 @@ class LoadBoard:
 
     def close(self) -> None:
         self._map.close()
+
+
+class RetiredRow(LoadBoard):
+    """A retiring balancer's board: its counts go to its slot's hand-over row, each cell the
+    sum of every balancer of this process that retires in the slot (see the module
+    docstring). It reads as any board does."""
+
+    # (board file, row): the counts of the balancers of this process writing that row.
+    _writers: dict[tuple[str, int], list[Mapping[int, float]]] = {}
+
+    def __init__(self, mapped: mmap.mmap, row: int, rows: int, key: tuple[str, int]) -> None:
+        super().__init__(mapped, row, rows)
+        self._key = key
+        self._counts: Mapping[int, float] = {}
+
+    def join(self, counts: Mapping[int, float], ready: Sequence[int]) -> None:
+        """``counts``: the retiring balancer's own, live (the dict it keeps counting in)."""
+        self._counts = counts
+        self._writers.setdefault(self._key, []).append(counts)
+        self.arrange(ready, counts)
+
+    def _sum(self, rid: int) -> int:
+        return int(sum(counts.get(rid, 0) for counts in self._writers.get(self._key, ())))
+
+    def arrange(self, ready: Sequence[int], in_flight: Mapping[int, float]) -> None:
+        super().arrange(ready, {rid: self._sum(rid) for rid in ready[:COLUMNS]})
+
+    def publish(self, rid: int, count: int) -> None:
+        super().publish(rid, self._sum(rid))
+
+    def clear(self) -> None:
+        """This balancer's requests are over: the row keeps the others' (zeroed by the last)."""
+        writers = self._writers.get(self._key, [])
+        if any(counts is self._counts for counts in writers):
+            writers[:] = [counts for counts in writers if counts is not self._counts]
+        if writers:
+            self.arrange(sorted(self._column, key=self._column.__getitem__), {})
+        else:
+            self._writers.pop(self._key, None)
+            super().clear()
+
+
+def retired(
+    path: str | Path | None,
+    slot: int,
+    workers: int,
+    ready: Sequence[int],
+    in_flight: Mapping[int, float],
+    streams: Mapping[int, float] | None,
+) -> tuple[RetiredRow | None, RetiredRow | None]:
+    """The boards of counts and of streams (None: it had none) that a balancer retiring from
+    ``slot`` writes to from now on: ``in_flight`` and ``streams`` are its own counts, live, and
+    ``ready`` the ready set. None where the slot has no hand-over row."""
+    row = workers + slot
+    if path is None or workers < 2 or not 0 <= slot < workers or row >= ROWS:
+        return None, None
+    boards: list[RetiredRow | None] = []
+    for file, counts in ((path, in_flight), (streams_path(path), streams)):
+        mapped = map_shared(file, ROWS * _ROW.size, "load board") if counts is not None else None
+        board = None
+        if mapped is not None and counts is not None:
+            board = RetiredRow(mapped, row, min(2 * workers, ROWS), (str(file), row))
+            board.join(counts, ready)
+        boards.append(board)
+    counted, streamed = boards
+    if counted is not None:
+        counted.streams = streamed
+    return counted, streamed
+
+
+def clear_hand_over(directory: Path, slot: int, workers: int) -> None:
+    """Zero ``slot``'s hand-over row on every board in ``directory``: the slot's old worker
+    process is gone, and what it counted there with it."""
+    row = workers + slot
+    if workers < 2 or row >= ROWS:
+        return
+    for path in directory.glob("load-*.bin"):
+        mapped = map_shared(path, ROWS * _ROW.size, "load board")
+        if mapped is not None:
+            _ROW.pack_into(mapped, row * _ROW.size, *([0] * COLUMNS))
+            mapped.close()
 
 
 # The class :meth:`LoadBoard.open` builds: the compiled twin where there is one (the same

@@ -46,7 +46,7 @@ from corral.balancer.client import ClientConnection
 from corral.balancer.counting import Counters
 from corral.balancer.fast_state import BalancerSlots
 from corral.balancer.gate import HOLD_PATIENCE, Gate
-from corral.balancer.load_board import LoadBoard, streams_path
+from corral.balancer.load_board import LoadBoard, RetiredRow, retired, streams_path
 from corral.balancer.policies import EngineLoad
 from corral.balancer.pool import Pool
 from corral.balancer.pump import close_stream_pump
@@ -186,6 +186,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         # one None test per request's acquire and release.
         board = routing.get("load_file") if shares_load(self._policy_name) else None
         slot = int(routing.get("slot", 0))
+        self._hand_over_row = (board, slot, workers)  # where leave_boards counts (load_board)
         self._board = LoadBoard.open(board, slot, workers)
         # Requests whose streamed answer has begun, per replica (no entry at 0, so an empty
         # dict means none: the one test plain HTTP pays), and every worker's on a board.
@@ -240,11 +241,13 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
 
     def leave_boards(self) -> None:
         """A successor in this slot (a new balancer after a route change, a new worker process
-        after restart-workers) writes the same rows of the shared boards from now on: this
-        balancer's counts, a row arranged from them (the worker tells a retiring balancer of
-        the ready set) or cleared at its end, would wipe the successor's. Its own requests stop
-        counting there; its policy may still read."""
-        self._board = self._stream_board = None
+        after restart-workers) writes the slot's rows of the shared boards from now on; this
+        balancer's requests under way still load their replicas, so they go on counting on
+        the slot's hand-over row (``load_board.retired``). Its policy may still read."""
+        if self._board is not None and not isinstance(self._board, RetiredRow):
+            streams = self._streaming if self._stream_board is not None else None
+            where, ready = self._hand_over_row, self._ready_ids
+            self._board, self._stream_board = retired(*where, ready, self._in_flight, streams)
 
     async def stop(self, idle_grace: float = 0.0, hand_over: bool = False) -> None:
         """Stop accepting, answer what is already on the way, then close every connection.

@@ -27,9 +27,15 @@ from typing import Any, Final
 
 import psutil
 
+from corral.balancer.load_board import clear_hand_over
 from corral.dataplane.carried import Carried
 from corral.dataplane.listeners import remove_shared
-from corral.dataplane.processes import WORKER_STOP_TIMEOUT, find_process, start_worker
+from corral.dataplane.processes import (
+    WORKER_STOP_TIMEOUT,
+    find_process,
+    old_worker_grace,
+    start_worker,
+)
 from corral.dataplane.protocol import (
     MAX_MESSAGE,
     Route,
@@ -46,7 +52,6 @@ from corral.procfs import running as _running
 from corral.procfs import terminate_all
 from corral.state import Store
 
-# Re-exported: the controller and the tests import them from here.
 __all__ = ["DEFAULT_WORKERS", "DataPlane", "ServiceRoute"]
 
 log = logging.getLogger("corral.dataplane")
@@ -54,9 +59,6 @@ log = logging.getLogger("corral.dataplane")
 DEFAULT_WORKERS: Final = min(os.cpu_count() or 1, 4)
 # How often worker processes are checked (a dead one is restarted within about this long).
 CHECK_INTERVAL: Final = 0.25
-# restart-workers: how long an old worker gets to drain after its successor took over.
-OLD_WORKER_GRACE: Final = WORKER_STOP_TIMEOUT
-MAX_OLD_WORKER_GRACE: Final = 60.0  # restart-workers waits for each slot in turn
 
 
 @dataclass
@@ -204,6 +206,8 @@ class DataPlane:
             self._spawn(slot)
 
     def _spawn(self, slot: int, *, successor: bool = False) -> int | None:
+        if not successor:  # the slot's last process is gone, and its hand-over counts with it
+            clear_hand_over(self.home / "dataplane", slot, self.size)
         child = start_worker(self.home, slot, self._env, successor=successor)
         if child is None:
             return None
@@ -264,16 +268,12 @@ class DataPlane:
                     conn.writer.write(encode({"t": "exit"}))
             proc = find_process(old.pid, old.created)
             if proc is not None:
-                # One worker per slot: the old one is gone before the next slot is touched.
-                # SIGTERM asks what "exit" asks (drain, then go); past the bound, SIGKILL.
-                await asyncio.to_thread(terminate_all, [proc], self._old_worker_grace())
+                # Gone before the next slot is touched; SIGTERM drains it, SIGKILL past the bound.
+                grace = old_worker_grace(r.route for r in self.routes.values())
+                await asyncio.to_thread(terminate_all, [proc], grace)
+            clear_hand_over(self.home / "dataplane", slot, self.size)  # what it counted there
             done.append({"slot": slot, "old_pid": old.pid, "new_pid": new})
         return done
-
-    def _old_worker_grace(self) -> float:
-        """A replaced worker's time for its requests under way: the longest drain_timeout."""
-        drains = [float(r.route.config.get("drain_timeout") or 0) for r in self.routes.values()]
-        return max(OLD_WORKER_GRACE, min(max(drains, default=0.0), MAX_OLD_WORKER_GRACE) + 1.0)
 
     # -- the channel --------------------------------------------------------------------------
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Final
 
 import psutil
 
+from corral.dataplane.protocol import Route
 from corral.home import read_state
 from corral.ownership import HOME_ID_FLAG, read_home_id
 from corral.procfs import running as _running
@@ -24,6 +25,16 @@ log = logging.getLogger("corral.dataplane")
 
 # `stop(workers=True)`: how long workers get to finish in-flight requests before SIGKILL.
 WORKER_STOP_TIMEOUT: Final = 10.0
+# restart-workers: how long an old worker gets to drain after its successor took over.
+OLD_WORKER_GRACE: Final = WORKER_STOP_TIMEOUT
+MAX_OLD_WORKER_GRACE: Final = 60.0  # restart-workers waits for each slot in turn
+
+
+def old_worker_grace(routes: Iterable[Route]) -> float:
+    """A replaced worker's time for its requests under way: the longest drain_timeout of the
+    services it serves (``routes``), and a second for its end."""
+    drains = [float(route.config.get("drain_timeout") or 0) for route in routes]
+    return max(OLD_WORKER_GRACE, min(max(drains, default=0.0), MAX_OLD_WORKER_GRACE) + 1.0)
 
 
 def start_worker(
