@@ -9,7 +9,7 @@ import os
 import shutil
 import stat
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from corral.infra import cgroups, confine
@@ -31,6 +31,15 @@ CORRAL_SET = (
     ENV_REPLICA_KEY,
 )
 
+# SkyPilot's own variables a SkyServe replica of one node gets (see :func:`skypilot_env`).
+SKYPILOT_SET = (
+    "SKYPILOT_NODE_IPS",
+    "SKYPILOT_NODE_RANK",
+    "SKYPILOT_NUM_GPUS_PER_NODE",
+    "SKYPILOT_NUM_NODES",
+    "SKYPILOT_SERVE_REPLICA_ID",
+)
+
 
 # What a replica takes from the daemon's environment: what a program needs to find commands and
 # speak the user's language, nothing else. The daemon is started by whatever shell first ran a
@@ -44,6 +53,24 @@ def _inherited(name: str) -> bool:
     return name in INHERITED_ENV or name.startswith(INHERITED_ENV_PREFIXES)
 
 
+def skypilot_env(replica_id: int, env: Mapping[str, str]) -> dict[str, str]:
+    """What SkyPilot tells a SkyServe replica about itself, for a replica of one node.
+
+    Why: SkyServe specs read these in ``run`` (its quickstart starts vLLM with
+    ``--tensor-parallel-size $SKYPILOT_NUM_GPUS_PER_NODE``); unset, they expand to nothing and
+    the engine fails on its own arguments, far from the cause. The GPU count is that of the
+    devices the replica was given (its ``CUDA_VISIBLE_DEVICES``), 0 without any, as SkyPilot
+    sets it on a node without GPUs; one node, always (``num_nodes`` above 1 is refused)."""
+    devices = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return {
+        "SKYPILOT_NODE_IPS": "127.0.0.1",
+        "SKYPILOT_NODE_RANK": "0",
+        "SKYPILOT_NUM_GPUS_PER_NODE": str(len(devices)),
+        "SKYPILOT_NUM_NODES": "1",
+        "SKYPILOT_SERVE_REPLICA_ID": str(replica_id),
+    }
+
+
 def replica_env(request: LaunchRequest, port: int, key: str) -> dict[str, str]:
     """The short list of the daemon's environment (:data:`INHERITED_ENV`, ``LC_*``; never a
     ``CORRAL_*`` variable: the token and home must not reach a replica), plus the version's
@@ -52,6 +79,7 @@ def replica_env(request: LaunchRequest, port: int, key: str) -> dict[str, str]:
     ``sweep`` and ``terminate`` trust."""
     env = {k: v for k, v in os.environ.items() if _inherited(k)}
     env.update({str(k): str(v) for k, v in request.envs.items()})
+    env.update(skypilot_env(request.shown_id, env))
     env.update(
         {
             "PORT": str(port),
@@ -138,7 +166,7 @@ def announce(
         f"(version {request.version}) locally: cwd {cwd}, port {port}, shell {shell}",
         flush=True,
     )
-    shown = sorted(set(request.envs) | set(CORRAL_SET))
+    shown = sorted(set(request.envs) | set(CORRAL_SET) | set(SKYPILOT_SET))
     print(
         f"[corral] environment: {', '.join(INHERITED_ENV)}, LC_* of the daemon's + "
         f"{', '.join(shown)}",
