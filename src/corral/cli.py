@@ -30,7 +30,13 @@ from corral.cli_common import (
 )
 from corral.cli_daemon import daemon
 from corral.cli_doctor import doctor
-from corral.cli_spec import check_deployable, load_or_exit, refuse_model_before_starting, validate
+from corral.cli_spec import (
+    check_deployable,
+    load_or_exit,
+    refuse_model_before_starting,
+    say_warnings,
+    validate,
+)
 from corral.cli_status import matching, serviceless, status
 from corral.client import Client, ClientError
 from corral.envflags import given_values, values_options
@@ -103,6 +109,7 @@ def up(
     envs, secrets = given_values(env, env_file, secret)
     spec = load_or_exit(file, name, need_name=False, envs=envs)
     check_deployable(file, spec, envs, secrets)
+    say_warnings(spec)
     refuse_model_before_starting(home_of(ctx), file, spec)
     try:
         client = _client(ctx, start=True)
@@ -209,6 +216,7 @@ def update(
     if file is not None:
         spec = load_or_exit(file, name, envs=envs)
         check_deployable(file, spec, envs, secrets)
+        say_warnings(spec)
         text, source, base_dir = file.read_text(), str(file.resolve()), os.getcwd()
     elif envs or secrets:
         _fail("--to-version reuses that version's env and secret values: no --env/--secret")

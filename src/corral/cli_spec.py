@@ -240,3 +240,14 @@ def load_or_exit(
     if need_name and not spec.name:
         fail(f"{file}: the service needs a name: set `name:` in the spec or pass -n NAME")
     return spec
+
+
+def say_warnings(spec: ServiceSpec) -> None:
+    """`up`/`update`: the spec's warnings, as `validate` prints them. A SkyServe user runs
+    `up` as they ran `sky serve up`, never `validate`: without this, `use_spot`, zones or a
+    scaling target with no max_replicas were dropped in silence. The notes on an `envs:` key
+    left empty are not repeated: `up` refuses a key no --env gave, and one given is fine."""
+    unset = tuple(f"{field}:" for field in spec.unset_values())
+    for warning in spec.warnings:
+        if not warning.startswith(unset):
+            err.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
