@@ -318,6 +318,30 @@ def test_restart_workers_replaces_every_worker_under_load(
     assert counted() == outcome.sent
 
 
+def test_two_restart_workers_at_once_leave_one_worker_per_slot(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """Two `corral daemon restart-workers` at once: each replaced the worker the other had just
+    started, and one new worker ran on, listening on every port, in a slot recorded as another
+    worker's: `daemon status` did not show it, and it wrote that worker's row of the shared
+    load board. Now the second restart waits for the first."""
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "2"
+    up(corral_home, tmp_path, "twice", 1)
+    answers: list[Any] = []
+    restart = lambda: answers.append(  # noqa: E731
+        corral_home.api("POST", "/v1/daemon/restart-workers", timeout=60).status
+    )
+    threads = [threading.Thread(target=restart) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [200, 200]
+    recorded = lambda: sorted(corral_home.worker_pids())  # noqa: E731
+    running = lambda: sorted(corral_home.worker_processes())  # noqa: E731
+    wait_for(lambda: running() == recorded() and len(recorded()) == 2, 20, "one worker a slot")
+
+
 def test_one_daemon_is_brought_back_however_many_workers_see_the_crash(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:

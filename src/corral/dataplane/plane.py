@@ -30,12 +30,7 @@ import psutil
 from corral.balancer.load_board import clear_hand_over
 from corral.dataplane.carried import Carried
 from corral.dataplane.listeners import remove_shared
-from corral.dataplane.processes import (
-    WORKER_STOP_TIMEOUT,
-    find_process,
-    old_worker_grace,
-    start_worker,
-)
+from corral.dataplane.processes import WORKER_STOP_TIMEOUT, find_process, start_worker
 from corral.dataplane.protocol import (
     MAX_MESSAGE,
     Route,
@@ -45,11 +40,11 @@ from corral.dataplane.protocol import (
     note_respawn,
     socket_path,
 )
+from corral.dataplane.replace import replace_worker
 from corral.dataplane.route import Arrivals, ServiceRoute, recent_arrivals
 from corral.dataplane.shared_ports import PortWatch
 from corral.dataplane.slots import SlotBook
 from corral.procfs import running as _running
-from corral.procfs import terminate_all
 from corral.state import Store
 
 __all__ = ["DEFAULT_WORKERS", "DataPlane", "ServiceRoute"]
@@ -107,6 +102,7 @@ class DataPlane:
         self._push_scheduled = False
         self._changed = asyncio.Condition()
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._restarting = asyncio.Lock()
         self._server: asyncio.AbstractServer | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
@@ -246,34 +242,18 @@ class DataPlane:
                 self.on_bind_error(name, self.ports.problems[name])
 
     async def restart_workers(self, timeout: float = 15.0) -> list[dict[str, int]]:
-        """Replace every worker with a new process, one slot at a time, new one first: it binds
-        every port (SO_REUSEPORT) and applies the table before the old one is told to exit
-        (which finishes its in-flight requests). How an upgrade of corral reaches the data
-        plane without a moment where a port has no listener."""
-        done: list[dict[str, int]] = []
-        for slot, old in sorted((self.slots.rows() or {}).items()):
-            new = self._spawn(slot, successor=True)
-            if new is None:
-                continue
-
-            def ready(pid: int = new, seq: int = self._seq) -> bool:
-                conn = self._conns.get(pid)
-                return conn is not None and conn.seq >= seq
-
-            if not await self.wait_until(ready, timeout):
-                log.warning("new balancer worker %d (pid %d) did not take over in time", slot, new)
-            conn = self._conns.get(old.pid)
-            if conn is not None:
-                with contextlib.suppress(OSError):
-                    conn.writer.write(encode({"t": "exit"}))
-            proc = find_process(old.pid, old.created)
-            if proc is not None:
-                # Gone before the next slot is touched; SIGTERM drains it, SIGKILL past the bound.
-                grace = old_worker_grace(r.route for r in self.routes.values())
-                await asyncio.to_thread(terminate_all, [proc], grace)
-            clear_hand_over(self.home / "dataplane", slot, self.size)  # what it counted there
-            done.append({"slot": slot, "old_pid": old.pid, "new_pid": new})
-        return done
+        """Replace every worker with a new process, one slot at a time, new one first
+        (:mod:`corral.dataplane.replace`): how an upgrade of corral reaches the data plane
+        without a moment where a port has no listener. One restart at a time: two at once
+        each replaced the worker the other had just started, and left one unrecorded."""
+        async with self._restarting:
+            done = []
+            for slot, old in sorted((self.slots.rows() or {}).items()):
+                new = self._spawn(slot, successor=True)
+                if new is not None:
+                    await replace_worker(self, slot, old, new, timeout)
+                    done.append({"slot": slot, "old_pid": old.pid, "new_pid": new})
+            return done
 
     # -- the channel --------------------------------------------------------------------------
 
