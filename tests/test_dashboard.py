@@ -277,6 +277,28 @@ def test_one_time_link_cookie_and_every_route_behind_the_session(corral_home: Co
     assert request(port, "POST", "/ui/login", headers=evil, body=body)[0] == 403
 
 
+def test_a_login_form_that_cannot_be_read_is_a_400(corral_home: CorralHome) -> None:
+    # The login page needs no token, so anyone who reaches the port could post these: each
+    # was a 500 with a traceback in the daemon log.
+    corral_home.start_daemon()
+    port = port_of(corral_home)
+    form = "application/x-www-form-urlencoded"
+    for content_type, body, extra in [
+        ("multipart/form-data; boundary=x", b"token=abc", {}),  # no starting boundary
+        ("multipart/form-data", b"token=abc", {}),  # no boundary at all
+        ("multipart/form-data; boundary=x", b"--x\r\n\r\na\r\n--x--\r\n", {}),  # no name
+        (f"{form}; charset=bogus", b"token=abc", {}),
+        (form, b"\xff\xfe=abc", {}),
+        (form, b"token=abc", {"Content-Encoding": "gzip"}),
+    ]:
+        headers = {"Content-Type": content_type, **extra}
+        status, _, answer = request(port, "POST", "/ui/login", headers=headers, body=body)
+        assert status == 400, (content_type, body, answer)
+        assert json.loads(answer) == {"error": "the login form cannot be read"}
+    status, _, _ = request(port, "POST", "/ui/login", headers={"Content-Type": form}, body=b"x")
+    assert status == 401  # a readable form without the token: still the login page
+
+
 def test_actions_need_the_pages_header_and_origin(corral_home: CorralHome, tmp_path: Path) -> None:
     home = corral_home
     home.run("up", str(write_spec(tmp_path / "a.yaml", spec_text("a", 1))))

@@ -147,6 +147,12 @@ class Dashboard:
                 form = await request.post()
         except TimeoutError:
             raise RequestError(408, "timed out reading the login form") from None
+        except (ValueError, LookupError, web.RequestPayloadError):
+            # aiohttp's form reader raises these on a body that is not the form its headers
+            # say (a multipart one without its boundary or a field name, bytes not of the
+            # charset, an unknown charset, a Content-Encoding it is not): each was a 500, with
+            # a traceback in the daemon log, to anyone who can reach the login page.
+            raise RequestError(400, "the login form cannot be read") from None
         token = form.get("token")
         session = self.sessions.login(token) if isinstance(token, str) else None
         if session is None:
