@@ -1096,6 +1096,26 @@ def test_a_nul_character_is_refused_where_it_is(
     assert "NUL" in error.issues[0].message
 
 
+@pytest.mark.parametrize(
+    ("text", "loc", "line"),
+    [
+        ('run: "python3 -m http.server $PORT # \\uD800"\nservice:\n  replicas: 1\n', "run", 1),
+        ('run: x\nsetup: "pip install \\udc80"\nservice:\n  replicas: 1\n', "setup", 2),
+        ('run: x\nenvs:\n  A: "a\\uD800b"\nservice:\n  replicas: 1\n', "envs.A", 3),
+        ('run: x\nsecrets:\n  S: "\\uDFFF"\nservice:\n  replicas: 1\n', "secrets.S", 3),
+    ],
+)
+def test_a_lone_surrogate_is_refused_where_it_is(
+    tmp_path: Path, text: str, loc: str, line: int
+) -> None:
+    # YAML's "\uD800" escape makes one; no UTF-8 text holds it: `validate` and `up` accepted
+    # such a spec and every launch then failed with "UnicodeEncodeError ... surrogates not
+    # allowed", naming no field.
+    error = errors_of(tmp_path, text)
+    assert [(i.loc, i.line) for i in error.issues] == [(loc, line)], error
+    assert "surrogate" in error.issues[0].message
+
+
 def test_labels_are_no_note_on_ray_where_they_select_the_nodes() -> None:
     """`resources.labels` is Ray's label_selector (tests/test_infra_ray.py pins a replica by
     it); `validate` said it had "no meaning on infra ray", so a user would drop the one field

@@ -41,11 +41,30 @@ def _check_size(node: Node, depth: int, count: int, source: str) -> None:
 # YAML's "\0" (or "\x00") escape makes a NUL, which no command, argument, path or environment
 # value can hold: accepted, it failed every launch with "ValueError: embedded null byte".
 NUL_MESSAGE = "holds a NUL character (\\0), which no command, path or value can carry"
+# YAML's "\uD800" escape makes a lone surrogate: no UTF-8 text holds one, so it passed
+# `validate` and `up` and then failed every launch with a UnicodeEncodeError (in `run`,
+# `setup`, `envs`, `secrets`).
+SURROGATE_MESSAGE = (
+    "holds a lone surrogate (a \\uD800-\\uDFFF escape), which is not text: no command, "
+    "path or value can carry it"
+)
+
+
+def _uncarriable(text: str) -> str | None:
+    """Why ``text`` can be no command, argument, path or environment value, or None."""
+    if "\0" in text:
+        return NUL_MESSAGE
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return SURROGATE_MESSAGE
+    return None
 
 
 def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
-    """Flag duplicate keys (YAML silently keeps the last) and NUL characters, and refuse
-    absurdly large documents."""
+    """Flag duplicate keys (YAML silently keeps the last), NUL characters and lone surrogates,
+    and refuse absurdly large documents."""
     issues: list[SpecIssue] = []
     stack: list[tuple[Node, tuple[int | str, ...]]] = [(root, ())]
     checked: set[int] = set()
@@ -65,8 +84,8 @@ def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
                     stack.append((value_node, path))
                     continue
                 line = key_node.start_mark.line + 1
-                if "\0" in key_node.value:
-                    issues.append(SpecIssue(loc_text(path), NUL_MESSAGE, line))
+                if bad := _uncarriable(key_node.value):
+                    issues.append(SpecIssue(loc_text(path), bad, line))
                 ident = (key_node.tag, key_node.value)
                 if id(node) not in checked and ident in first_seen:
                     # The path is known here: searching the tree for it again per duplicate
@@ -84,8 +103,8 @@ def _walk_nodes(root: Node, source: str) -> list[SpecIssue]:
             checked.add(id(node))
         elif isinstance(node, SequenceNode):
             stack.extend((item, (*path, index)) for index, item in enumerate(node.value))
-        elif isinstance(node, ScalarNode) and "\0" in node.value:
-            issues.append(SpecIssue(loc_text(path), NUL_MESSAGE, node.start_mark.line + 1))
+        elif isinstance(node, ScalarNode) and (bad := _uncarriable(node.value)):
+            issues.append(SpecIssue(loc_text(path), bad, node.start_mark.line + 1))
     return issues
 
 
