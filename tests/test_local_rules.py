@@ -52,3 +52,12 @@ def test_mounts_are_judged_only_on_local(tmp_path: Path) -> None:
     text = "run: x\nfile_mounts:\n  /data: s3://bucket/key\n"
     assert {i.loc for i in local_mount_issues(parse_spec(text), tmp_path)} == {"file_mounts./data"}
     assert local_mount_issues(parse_spec("infra: ray\n" + text), tmp_path) == []
+
+
+@pytest.mark.parametrize("dest", ['""', ".", "./"])
+def test_a_mount_onto_the_working_directory_itself_is_refused(tmp_path: Path, dest: str) -> None:
+    # Its copy replaced the version's whole workdir: the replica ran without its code.
+    (tmp_path / "data").mkdir()
+    text = f"run: x\nworkdir: {tmp_path}\nfile_mounts:\n  {dest}: {tmp_path / 'data'}\n"
+    issues = local_mount_issues(parse_spec(text), tmp_path)
+    assert len(issues) == 1 and "working directory itself" in issues[0].message, issues

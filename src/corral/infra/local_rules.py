@@ -128,6 +128,18 @@ def local_mount_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> l
                     "copied with each version), or put the files in workdir",
                 )
             )
+        elif not Path(dest_text).parts:
+            # "", "." or "./": the working directory itself. Accepted, the mount's copy
+            # replaced the whole workdir of the version (its code gone, no word said).
+            issues.append(
+                SpecIssue(
+                    field,
+                    f"{dest_text!r} is the replica's working directory itself: the mount would "
+                    "replace the whole workdir",
+                    line,
+                    "give a directory under it (data: ./data), or put the files in workdir",
+                )
+            )
         elif not Path(base_dir, Path(src).expanduser()).exists():
             issues.append(
                 SpecIssue(
