@@ -219,3 +219,22 @@ def test_each_refusal_keeps_the_status_clients_know() -> None:
         errors.HomeUnwritable: 503,
     }
     assert {kind: status_of(kind("why")) for kind in expected} == expected
+
+
+def test_a_request_aiohttp_cannot_parse_is_one_line_in_the_log(corral_home: CorralHome) -> None:
+    """A body in an encoding aiohttp cannot decode, or a URL over 8190 bytes: aiohttp answers
+    400 itself and logged each at ERROR with a traceback, so a local client could fill the
+    daemon's log with tracebacks. Each is now one INFO line saying what was wrong."""
+    from test_dashboard import port_of, request
+
+    corral_home.start_daemon()
+    port = port_of(corral_home)
+    log = corral_home.path / "daemon.log"
+    before = log.read_text()
+    brotli = {"Content-Encoding": "br", "Content-Type": "application/json"}
+    assert request(port, "POST", "/v1/services", headers=brotli, body=b"x")[0] == 400
+    assert request(port, "GET", "/v1/health?" + "a" * 9000)[0] == 400
+    assert request(port, "GET", "/v1/health")[0] == 200  # and the daemon serves on
+    added = log.read_text()[len(before) :]
+    assert "Traceback" not in added and "ERROR" not in added, added
+    assert added.count("a malformed request answered 400") == 2, added

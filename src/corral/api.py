@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from corral import dashboard
 from corral.api_errors import STREAMING, error, error_answer
@@ -48,6 +49,24 @@ def authorized(header: str, expected: bytes) -> bool:
     return hmac.compare_digest(header.encode("utf-8", "surrogateescape"), expected)
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse (an encoding it cannot decode, a URL past
+    8190 bytes, broken framing) with a 400 itself, and logs it at ERROR with a traceback:
+    anyone who can reach the port could fill the daemon's log with them, and each reads as a
+    fault of the daemon. This makes each one line, at INFO, saying what was wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "a malformed request answered %d: %s", (exc.code, exc.message)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_MALFORMED = _MalformedRequests()
+
+
 def make_runner(daemon: Daemon, token: str) -> web.AppRunner:
     """The API's runner: the app, no access log, and a header timeout.
 
@@ -57,6 +76,7 @@ def make_runner(daemon: Daemon, token: str) -> web.AppRunner:
     and the daemon's file descriptors, that long. A streamed answer (``logs --follow``) is not
     affected: the timer only runs while no request is being handled.
     """
+    logging.getLogger("aiohttp.server").addFilter(_MALFORMED)  # once: the same object
     return web.AppRunner(
         make_app(daemon, token), access_log=None, keepalive_timeout=client_timeout()
     )
