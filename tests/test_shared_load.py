@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -425,3 +426,87 @@ def test_balancers_retiring_in_one_slot_count_together_until_the_last_ends(
     assert reader.totals((1, 2), {}) == {1: 0, 2: 0}
     for board in (board_a, board_b, streams_a):
         board.close()
+
+
+@pytest.mark.parametrize("how", ["update", "bound", "raised", "restart-workers"])
+def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
+    tmp_path: Path, how: str
+) -> None:
+    """An update retires the balancer; what it holds (every replica at its limit) once went
+    out at once, past the limit. Its counts now stay on the board and it goes first when room
+    frees (an elder of its successor), so it waits within the limit: ``update``. ``bound``: the
+    replica stays full, and it goes out past the limit after half the drain, never a 503.
+    ``raised``: the update raises the limit, which the retired balancer's requests take at once.
+    ``restart-workers``: the successor is another process, which would take every room first,
+    so what the old worker holds goes out at once, as before."""
+    from test_balancer import closed_port
+
+    from corral.dataplane.worker import Worker
+
+    async def go() -> None:
+        replica = await Replica(1).start()
+        (tmp_path / "dataplane").mkdir()  # the daemon makes it
+        worker = Worker(tmp_path, 0)
+        worker.fleet = 2
+        port = closed_port()
+        running = None
+
+        def route(policy: str, limit: int = 1) -> dict[str, Any]:
+            ready = {"1": {"url": replica.url, "version": 1}}
+            routing = {"max_in_flight_per_replica": limit, "hold_timeout": 20}
+            config = {"policy": policy, "routing": routing}
+            return {"port": port, "host": HOST, "config": config, "ready": ready}
+
+        try:
+            await worker._apply({"svc": route("least_load")})
+            old = worker.services["svc"].lb
+            url = f"http://{HOST}:{port}/hold/"
+            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
+                busy = asyncio.create_task(first.get(url + "busy"))
+                await wait_until(lambda: replica.arrived == 1, 10, "the replica busy")
+                late = asyncio.create_task(second.get(url + "late"))
+                await wait_until(lambda: old.held() == 1, 10, "the second request held")
+                if how == "restart-workers":
+                    running = asyncio.create_task(worker.run())
+                    worker.stop.set()  # what the daemon's "exit" does
+                    await wait_until(lambda: replica.arrived == 2, 10, "sent at once")
+                elif how == "raised":
+                    await worker._apply({"svc": route("least_load", 8)})  # the update
+                    await wait_until(lambda: replica.arrived == 2, 10, "sent under the new limit")
+                    assert old._release_at > time.monotonic()  # not by the bound: it has room
+                else:
+                    await worker._apply({"svc": route("power_of_two")})  # the update
+                    assert old._stopping and old.held() == 1 and replica.arrived == 1
+                    old._expire_held(time.monotonic())  # what its ticker does
+                    old._send_held()  # what a wake for room does
+                    assert old.held() == 1 and replica.arrived == 1  # the replica is full
+                    newer = None
+                    if how == "update":  # a request to the successor waits behind the old one's
+                        new = worker.services["svc"].lb
+                        newer = asyncio.create_task(first.get(url + "newer"))
+                        await wait_until(lambda: new.held() == 1, 10, "the newer one held")
+                        replica.gates["busy"].set()  # room: the older held request takes it
+                        assert (await busy).status == 200
+                    await wait_until(lambda: replica.arrived == 2, 10, "the held request sent")
+                    assert list(replica.gates)[1] == "late"  # the older one first
+                replica.gates["late"].set()
+                answer = await asyncio.wait_for(late, 10)
+                assert answer.status == 200 and (await answer.json())["replica"] == 1
+                if how == "update":
+                    assert newer is not None
+                    replica.gates.setdefault("newer", asyncio.Event()).set()
+                    assert (await asyncio.wait_for(newer, 10)).status == 200
+                replica.gates["busy"].set()
+                assert (await busy).status == 200
+        finally:
+            for gate in ("busy", "late", "newer"):
+                replica.gates.setdefault(gate, asyncio.Event()).set()
+            if running is not None:
+                await asyncio.wait_for(running, 20)
+            else:
+                await worker._apply({})
+                await wait_until(lambda: not worker.retiring, 20, "every balancer gone")
+            assert replica._runner is not None
+            await replica._runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))

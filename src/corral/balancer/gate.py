@@ -106,6 +106,11 @@ class Gate:
         # autoscaler scales on from zero, where no engine has a queue to report yet.
         self._awaiting = 0
         self._handed_over = False  # stopped for a successor: held requests go out (stop)
+        self._release_at = 0.0  # ... past the limit from then on (_hand_over_held)
+        # Retired balancers of this service in this worker still holding requests: they go
+        # first (_hand_over_held). And the successor of this one, once it retires.
+        self._elders: list[Gate] = []
+        self._heir: Gate | None = None
         self._wake_scheduled = False
         self._weighs = self._policy.weighs_streams
 
@@ -151,6 +156,8 @@ class Gate:
         policy = self._policy
         if not self._gated:
             return policy.select(self._healthy(candidates), self._loads(candidates))
+        if self._elders and self._elders_wait():
+            return None  # a retired balancer's held requests go first (``_full`` says wait)
         record = None
         if self._affine and not self._anywhere and request is not None:
             loads = self._loads(candidates)
@@ -210,18 +217,24 @@ class Gate:
         ready replica is at its limit (and there is one)."""
         if not self._limit:
             return False
-        return self._want is not None or self._full_for_any(tried)
+        return self._want is not None or self._elders_wait() or self._full_for_any(tried)
+
+    def _elders_wait(self) -> bool:
+        """A retired balancer of this service in this worker still holds requests, older than
+        any of this one's: they take the room first (:meth:`_hand_over_held`)."""
+        return any(elder._held for elder in self._elders)
 
     def _hold(self, ex: Pending) -> None:
         now = time.monotonic()
         home, self._want = self._want, None
         ex.placing, self._want_record = self._want_record, None
-        if self._stopping:  # no room will come here: at once, as stop() answered the others
+        if self._stopping and now >= self._release_at:  # no room will come here: at once
             self._held_total += 1
             if self._handed_over:  # a successor serves the service: no limit here any more
+                self._release_held()
                 ex.next_attempt()
             else:
-                self._refuse_at_stop(ex)
+                self._refuse_at_stop(ex)  # as stop() answered the others
             return
         if home is not None:
             self._homes[home] += 1
@@ -242,7 +255,9 @@ class Gate:
 
     def _room_freed(self) -> None:
         """A request to some replica ended: send held requests soon (not from inside the
-        callback that ended it)."""
+        callback that ended it), a retired balancer's first (:meth:`_hand_over_held`)."""
+        for elder in self._elders:
+            elder._room_freed()
         if self._held and not self._wake_scheduled:
             self._wake_scheduled = True
             asyncio.get_running_loop().call_soon(self._send_held)
@@ -252,8 +267,8 @@ class Gate:
         waiting for any replica (or past its patience) once any has room; oldest first."""
         self._wake_scheduled = False
         ids = self._ready_ids
-        if ids and not self._room(ids):  # every replica full (a wake from the ticker, say)
-            return
+        if (ids and not self._room(ids)) or (self._elders and self._elders_wait()):
+            return  # every replica full (a wake from the ticker, say), or older ones go first
         held = self._held
         waiting = list(held)
         held.clear()
@@ -303,6 +318,8 @@ class Gate:
         """Answer 503 to what waited past its bound, and send on what waited past its
         patience (called by the balancer's ticker)."""
         held = self._held
+        if self._release_at and now >= self._release_at:
+            self._release_held()
         while held and (held[0][0] <= now or held[0][3].done):
             _, _, home, ex = held.popleft()
             self._unwait(home)
@@ -347,12 +364,40 @@ class Gate:
             self._unwait(home)
             self._refuse_at_stop(ex)
 
-    def _release_held(self) -> None:
-        """The balancer stops because a route change gave the service a successor (an update
-        of a balancer setting: the limit, the policy, a timeout): what is held goes out now,
-        past the limit, rather than a 503 for a request no replica has seen. The successor
-        counts only its own requests, so the limit is over by at most what was held, once."""
+    def _hand_over_held(self, bound: float, heir: Gate | None) -> None:
+        """The balancer stops because the service has a successor: ``heir`` after a route change (an
+        update of a balancer setting) in this worker, None when the worker itself is replaced. What
+        it holds is not to get a 503, as a request no replica has seen. With a heir and boards on
+        both sides (its counts on its slot's hand-over row, ``load_board.retired``, so the two see
+        each other's requests), what it holds waits on under the heir's limit (an update may change
+        it), ahead of the heir's own (an elder of the heir: it is woken as the heir's requests end,
+        and the heir holds its own while an elder holds any), for at most ``bound`` seconds and
+        never past a held request's own hold, since its requests need the rest of the drain to
+        finish. Then, or in any other case at once (no limit any more, say), it goes out past the
+        limit (:meth:`_release_held`). A worker replaced gives no heir: the successor, another
+        process, would take every room first, and what is held here would wait the bound."""
         self._handed_over = True
+        if heir is None or heir._board is None or self._board is None or not heir._limit:
+            self._release_held()
+            return
+        self._heir = heir
+        heir._elders.append(self)
+        self._limit, self._fleet_limit = heir._limit, heir._fleet_limit  # the service's now
+        # The ticker runs every tick while anything is held, and releases it then.
+        self._release_at = min([time.monotonic() + bound, *(entry[0] for entry in self._held)])
+        self._room_freed()  # a limit raised by the update: room at once
+
+    def _leave_heir(self) -> None:
+        """This retired balancer stopped: its heir no longer waits for it."""
+        heir, self._heir = self._heir, None
+        if heir is not None and self in heir._elders:
+            heir._elders.remove(self)
+
+    def _release_held(self) -> None:
+        """What is held goes out now, past the limit (see :meth:`_hand_over_held`): the limit
+        is over by at most what was held, once."""
+        self._handed_over = True
+        self._release_at = 0.0
         self._limit = 0
         self._affine = False
         waiting = list(self._held)

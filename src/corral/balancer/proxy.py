@@ -249,31 +249,33 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
             where, ready = self._hand_over_row, self._ready_ids
             self._board, self._stream_board = retired(*where, ready, self._in_flight, streams)
 
-    async def stop(self, idle_grace: float = 0.0, hand_over: bool = False) -> None:
+    async def stop(
+        self, idle_grace: float = 0.0, hand_over: bool = False, heir: LoadBalancer | None = None
+    ) -> None:
         """Stop accepting, answer what is already on the way, then close every connection.
 
-        The listener closes first, but only after the connections the kernel has already
-        completed (its accept queue) are taken: closing a listener resets them, and with
-        SO_REUSEPORT a client cannot know its connection landed on the one closing. Requests
-        on open connections are still served, each answer saying ``Connection: close``; held
-        ones (no replica had room) get a 503 with Retry-After at once. ``idle_grace``: how
-        long an idle keep-alive connection is left open for its next request; closing it at
-        once races a request the client may be writing that instant, which meets a reset. A
-        worker handing its port to a new one (or a balancer to its successor) passes a
-        grace; a service going away does not. ``hand_over`` (a new balancer or worker takes
-        over): held requests go out at once, past the limit; the boards are the successor's.
-        An answer whose head went out before the stop (a stream) said keep-alive: its
-        connection is idle from its end, and gets the grace from there. After the grace an
-        idle keep-alive connection gets a lingering close (FIN, then what still arrives is
-        read and dropped); a new connection is left to send its first request. Whatever is
-        still open after STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a stream under
-        way gets what a leaving replica gets), is cut. Safe to call twice or before start."""
+        The listener closes only after the connections the kernel already completed (its
+        accept queue) are taken: closing a listener resets them, and with SO_REUSEPORT a client
+        cannot know its connection landed on the one closing. Requests on open connections are
+        still served, each answer saying ``Connection: close``; held ones (no replica had room)
+        get a 503 with Retry-After at once. ``idle_grace``: how long an idle keep-alive
+        connection is left open for its next request (closing it at once races a request the
+        client may be writing); a worker or balancer handing over to a successor passes one,
+        a service going away does not. ``hand_over`` (``heir``: the new balancer in this
+        worker): held requests are not refused (``Gate._hand_over_held``), and the boards are
+        the successor's. An answer whose head went out before the stop (a stream) said
+        keep-alive: its connection is idle from its end. After the grace an idle keep-alive
+        connection gets a lingering close (FIN, then what arrives is read and dropped).
+        Whatever is still open after STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a
+        stream gets what a leaving replica gets), is cut. Safe to call twice or before start."""
         if self._stopping:
             return
         self._stopping = True
         if hand_over:
             self.leave_boards()
-        (self._release_held if hand_over else self._answer_held)()
+            self._hand_over_held(max(self.STOP_GRACE_SECONDS, self._drain) / 2, heir)
+        else:
+            self._answer_held()
         server, self._server = self._server, None
         adopting: list[asyncio.Task[Any]] = []
         if server is not None:
@@ -295,6 +297,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
                 idle_until = now + 0.25  # not every client every 20 ms for the whole drain
             await asyncio.sleep(0.02)
         self._stopped = True
+        self._leave_heir()
         for client in list(self._clients):
             client.abort()
         self._clients.clear()
@@ -471,7 +474,7 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         self._in_flight[rid] = count
         if self._board is not None:
             self._board.publish(rid, count)
-        if self._held:
+        if self._held or self._elders:
             self._room_freed()
         if count == 0:
             event = self._drained.pop(rid, None)

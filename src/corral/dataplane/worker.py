@@ -146,8 +146,7 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.gather(
-            # Keep-alive clients may send one more request here (Connection: close), not meet a
-            # close, and what is held goes out (hand_over): a new worker serves these ports.
+            # A new worker serves the ports: one more request a keep-alive client, held ones go.
             *(svc.lb.stop(idle_grace=IDLE_GRACE, hand_over=True) for svc in self.services.values()),
             *(lb.stop() for _, lb in self.retiring),
             return_exceptions=True,
@@ -276,7 +275,7 @@ class Worker:
             old = svc
             svc = self.services[name] = _Service(key=key, lb=lb, ready=ready)
             if old is not None:
-                self._retire(name, old.lb, hand_over=True)
+                self._retire(name, old.lb, heir=lb)
         if route.ready is not None:
             svc.ready = dict(route.ready)
             svc.lb.describe_replicas(route.weights, route.ids)
@@ -287,17 +286,18 @@ class Worker:
         path = route.config.get("engine_metrics_path")
         svc.engine_path = str(path) if path else None
 
-    def _retire(self, name: str, lb: LoadBalancer, hand_over: bool = False) -> None:
-        """Stop a listener in the background; its in-flight requests finish (and stay counted
-        in the reports, so drains wait for them)."""
+    def _retire(self, name: str, lb: LoadBalancer, heir: LoadBalancer | None = None) -> None:
+        """Stop a listener in the background (handing over to ``heir``, its successor after a
+        route change); its requests finish (and stay counted in the reports: drains wait)."""
         entry = (name, lb)
         self.retiring.append(entry)
-        if hand_over:
+        if heir is not None:
             lb.leave_boards()  # now, before the ready set it is told next
 
         async def retire() -> None:
             try:
-                await lb.stop(idle_grace=IDLE_GRACE if hand_over else 0.0, hand_over=hand_over)
+                grace = IDLE_GRACE if heir is not None else 0.0
+                await lb.stop(idle_grace=grace, hand_over=heir is not None, heir=heir)
             finally:
                 self.retiring.remove(entry)
                 seen = self._cursor.pop(id(lb), 0)
