@@ -432,6 +432,29 @@ def test_terminate_stops_survivors_of_a_leader_that_exited(env: Env) -> None:
     assert gone(survivor)
 
 
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "scan"])
+def test_terminate_stops_what_setup_left_running(
+    env: Env, monkeypatch: pytest.MonkeyPatch, cgroup: bool
+) -> None:
+    """A setup that starts something and exits 0 (a sidecar, a daemonizing tool) left it
+    running for good: it is older than ``run``'s leader, so the key scan passed over it, and
+    it was outside the replica's cgroup. A replica's teardown, and so ``down``, left it
+    behind, and the restarted daemon's sweep spared it (no row named its key any more)."""
+    if not cgroup:
+        monkeypatch.setattr("corral.infra.cgroups.replica_cgroup", lambda *args: None)
+    # The setup goes on after starting them (as an install would): older than the leader.
+    setup = "sleep 300 & echo $! > kept.pid; setsid sleep 300 & echo $! > away.pid; sleep 0.3"
+    request = env.request(HTTP_SERVER, setup=setup)
+    handle = env.launch(request)
+    if cgroup and not handle.data.get("cgroup"):
+        pytest.skip("no writable cgroup v2 here")
+    left = [read_pid(request.replica_dir / name) for name in ("kept.pid", "away.pid")]
+    assert not any(gone(pid) for pid in left)  # setup's sidecars run alongside the replica
+    env.infra.terminate(handle, grace=2.0)
+    wait_for(lambda: all(gone(pid) for pid in left), timeout=3.0, what="setup's leftovers")
+    assert marked(env.marker) == []
+
+
 def test_a_recycled_pid_is_never_signalled(env: Env) -> None:
     sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
     env.own_pids.append(sleeper.pid)

@@ -67,3 +67,26 @@ def test_only_a_key_of_this_backend_names_a_directory(tmp_path: Path) -> None:
         assert sorted(p.name for p in place.iterdir()) == ["8"]
     finally:
         shutil.rmtree(scratch_root(marker), ignore_errors=True)
+
+
+def test_a_failed_launch_takes_its_scratch_directory_with_it(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """A launch whose ``setup`` failed (or timed out, or was cancelled) left its directory,
+    with all setup had written there (a partial download), until the whole service went down:
+    one more for every attempt, and a version that was READY once retries for as long as its
+    launches fail."""
+    spec = write_spec(
+        tmp_path / "failing.yaml",
+        "name: failing\n"
+        "setup: head -c 1000000 /dev/zero > part.bin; exit 1\n"
+        "run: exec sleep 300\n"
+        "service:\n  readiness_probe: {path: /, period_seconds: 0.2}\n  replicas: 1\n",
+    )
+    up = corral_home.run("up", str(spec), check=False, timeout=60)
+    assert "FAILED" in up.stderr, up
+    marker = corral_home.marker
+    assert marker is not None
+    place = scratch_root(marker) / "failing"
+    left = sorted(p.name for p in place.iterdir()) if place.exists() else []
+    assert left == [], left

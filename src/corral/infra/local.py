@@ -34,6 +34,7 @@ from corral.infra.local_env import (
     pin_cpus,
     private_parent,
     replica_env,
+    replica_group,
     replica_shell,
     start_run,
 )
@@ -47,6 +48,7 @@ from corral.infra.local_ident import (
     Leader,
     handle_info,
     ident_of,
+    launch_floor,
     leader_state,
 )
 from corral.infra.local_scan import (
@@ -136,15 +138,18 @@ class LocalInfra:
         shell = replica_shell()
         env = replica_env(request, port, key)
         announce(request, cwd, port, shell, bind, scratch, self.confinement, self.unconfined_reason)
-        if request.setup and request.setup.strip():
-            self._setup(request, key, [shell, "-c", request.setup], cwd, env, confined)
-        jobs.checkpoint()
-        if request.port is not None:
-            taken = fixed_port_taken(request.port, request.home_marker)
-            if taken is not None:
-                raise PortTaken(taken)
-        popen, group = start_run(request, [shell, "-c", request.run], cwd, env, confined)
-        handle = self._handle(popen, group, port, key, Path(request.log_path))
+        since = time.time()  # what setup leaves running is no older (see launch_floor)
+        with replica_group(request, key) as (group, join):
+            if request.setup and request.setup.strip():
+                argv = [shell, "-c", request.setup]
+                self._setup(request, key, argv, cwd, env, chain(join, confined))
+            jobs.checkpoint()
+            if request.port is not None:
+                taken = fixed_port_taken(request.port, request.home_marker)
+                if taken is not None:
+                    raise PortTaken(taken)
+            popen = start_run(request, [shell, "-c", request.run], cwd, env, chain(join, confined))
+        handle = self._handle(popen, group, port, key, Path(request.log_path), since)
         pid = pgid = popen.pid
         try:
             request.on_started(handle)
@@ -241,6 +246,7 @@ class LocalInfra:
         port: int,
         key: str,
         log_path: Path,
+        launched: float,
     ) -> ReplicaHandle:
         """The handle of a just-started ``run``, its identity recorded in the table of children."""
         pid = pgid = popen.pid  # start_new_session: the child leads a group of its own
@@ -266,6 +272,7 @@ class LocalInfra:
                 "log": str(log_path),
                 "key": key,
                 "cgroup": str(group) if group is not None else None,
+                "launched": launched,
             },
         )
 
@@ -339,7 +346,7 @@ class LocalInfra:
         # Processes of this replica that left its group (``setsid``, a daemonizing child) are
         # out of reach of killpg: without this they outlived every teardown. The replica key in
         # their environment (inherited by every descendant) is what finds them.
-        key, ident = info.key, info.ident
+        key, ident = info.key, launch_floor(handle, info.ident)
         escaped = [] if key is None else key_holders(key, ident, outside_pgid=info.pgid)
         if not group_alive and not escaped:
             return

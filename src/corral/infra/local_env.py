@@ -9,11 +9,11 @@ import os
 import shutil
 import stat
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from corral.infra import cgroups, confine
-from corral.infra.base import LaunchRequest
+from corral.infra.base import LaunchRequest, drop_replica_scratch
 from corral.infra.local_ident import ENV_HOME_MARKER, ENV_REPLICA_KEY
 
 
@@ -186,38 +186,50 @@ def announce(
         print(f"[corral] NOT confined: {unconfined_reason}", flush=True)
 
 
+@contextlib.contextmanager
+def replica_group(
+    request: LaunchRequest, key: str
+) -> Iterator[tuple[Path | None, Callable[[], None] | None]]:
+    """The replica's cgroup (None without one) and a ``preexec_fn`` step into it, for its
+    ``setup`` as for its ``run``: what setup leaves running (a sidecar, a daemonizing tool) is
+    the replica's and goes with it at teardown, where outside the cgroup it outlived every
+    ``down``. A launch that fails before ``run`` started kills what is in it and removes it,
+    and the replica's scratch directories (``key``'s) with what setup wrote there: they were
+    left until the service went down, one more (a partial download...) for every attempt."""
+    group = cgroups.replica_cgroup(request.home_marker, request.service, request.replica_id)
+    join, join_fd = cgroups.enter(group) if group is not None else (None, -1)
+    try:
+        yield group, join
+    except BaseException:
+        if group is not None:
+            cgroups.kill(group)
+        drop_replica_scratch(key)
+        raise
+    finally:
+        if join_fd >= 0:
+            os.close(join_fd)
+
+
 def start_run(
     request: LaunchRequest,
     argv: list[str],
     cwd: Path,
     env: dict[str, str],
-    confined: Callable[[], None] | None,
-) -> tuple[subprocess.Popen[bytes], Path | None]:
-    """Start ``run`` in a session of its own (and its cgroup when there is one), output
-    appended to the replica's log; return it and its cgroup."""
+    preexec: Callable[[], None] | None,
+) -> subprocess.Popen[bytes]:
+    """Start ``run`` in a session of its own, output appended to the replica's log.
+    ``preexec`` moves it into its cgroup and sandbox before any of its code runs."""
     log_path = Path(request.log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"[corral] run: {request.run}", flush=True)
-    group = cgroups.replica_cgroup(request.home_marker, request.service, request.replica_id)
-    join, join_fd = cgroups.enter(group) if group is not None else (None, -1)
-    try:
-        with open(log_path, "ab") as log_file:
-            popen = subprocess.Popen(
-                argv,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env=env,
-                # Into the replica's cgroup and sandbox before any of its code runs.
-                preexec_fn=chain(join, confined),
-            )
-    except BaseException:
-        if group is not None:
-            cgroups.kill(group)  # empty: nothing started; removes the directory
-        raise
-    finally:
-        if join_fd >= 0:
-            os.close(join_fd)
-    return popen, group
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            argv,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=env,
+            preexec_fn=preexec,
+        )

@@ -106,6 +106,16 @@ def handle_info(handle: ReplicaHandle) -> HandleInfo:
     return HandleInfo(ident, pgid, key if isinstance(key, str) else None)
 
 
+def launch_floor(handle: ReplicaHandle, leader: Ident) -> Ident:
+    """The oldest a process of this replica can be: its launch's start, since what ``setup``
+    left running (older than ``run``'s ``leader``) is the replica's too. A handle recorded
+    before launches kept their start has the leader's own time."""
+    launched = handle.data.get("launched")
+    if isinstance(launched, int | float) and not isinstance(launched, bool):
+        return Ident(leader.pid, float(launched))
+    return leader
+
+
 def leader_state(ident: Ident) -> Leader:
     """Whether the process a handle names still exists: running, a zombie, or gone (which
     includes 'the pid now belongs to another process'). A process we may not inspect is not
