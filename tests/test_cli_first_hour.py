@@ -147,6 +147,49 @@ def test_after_a_daemon_crash_commands_wait_for_its_restart(
     assert RESPAWN_NOTE not in stopped.stderr
 
 
+def test_up_waits_through_a_daemon_crash_and_its_restart(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`corral up` waiting for READY failed (exit 1, "start it with `corral daemon start`")
+    when the daemon crashed meanwhile, though the workers started it again and the service
+    became READY: a script's `corral up && ...` stopped on a deploy that worked."""
+    corral_home.env["CORRAL_DAEMON_RESPAWN"] = "1"
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "1"  # one respawn (see above)
+    corral_home.run("daemon", "start")
+    old = corral_home.daemon_pid()
+    spec = write_spec(tmp_path / "s.yaml", spec_text("phoenix", 1, setup="sleep 4"))
+    up = corral_home.popen("up", str(spec))
+    corral_home.wait_for(
+        lambda: (corral_home.service("phoenix") or {}).get("replicas"), 20, "a replica row"
+    )
+    os.kill(old, signal.SIGKILL)
+    out, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, out.decode()
+    assert RESPAWN_NOTE in out.decode() and "is READY" in out.decode(), out.decode()
+
+
+def test_down_waits_through_a_daemon_crash_and_its_restart(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """The same for `corral down`: its replica ignores SIGTERM, so its teardown takes the
+    grace, and the daemon is killed meanwhile; the restarted one finishes the teardown."""
+    corral_home.env["CORRAL_DAEMON_RESPAWN"] = "1"
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "1"  # one respawn (see above)
+    run = f"trap '' TERM; exec {sys.executable} app.py"
+    corral_home.run("up", str(write_spec(tmp_path / "s.yaml", spec_text("phoenix", 1, run=run))))
+    old = corral_home.daemon_pid()
+    down = corral_home.popen("down", "phoenix", "-y")
+    corral_home.wait_for(
+        lambda: (corral_home.service("phoenix") or {}).get("status") == "SHUTTING_DOWN",
+        20,
+        "the teardown to start",
+    )
+    os.kill(old, signal.SIGKILL)
+    out, _ = down.communicate(timeout=60)
+    assert down.returncode == 0, out.decode()
+    assert RESPAWN_NOTE in out.decode() and "service phoenix: down" in out.decode(), out.decode()
+
+
 def test_whether_to_wait_for_a_respawn_is_what_the_last_daemon_told_the_workers(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:

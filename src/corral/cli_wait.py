@@ -9,13 +9,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from corral import cliview
-from corral.cli_common import client_error_text, fail, out, stuck_replicas
-from corral.client import Client, ClientError
+from corral.cli_common import client_error_text, fail, out, say, stuck_replicas
+from corral.cli_nodaemon import await_respawn
+from corral.client import Client, ClientError, DaemonUnreachable
 
 FAILED_SERVICE = {"FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"}
 LIVE = {"PENDING", "PROVISIONING", "STARTING", "READY", "NOT_READY"}
 # While waiting, a line saying what is awaited at least this often (seconds) when nothing changes.
 PROGRESS_EVERY = 15.0
+# How long a waiting command waits for the workers to bring a crashed daemon back (seconds):
+# longer than a one-shot command's RESPAWN_WAIT, as the wait was asked for, and a daemon's
+# start on a loaded machine takes more than 5 s.
+RESPAWN_PATIENCE = 30.0
 
 _fail = fail
 _client_error_text = client_error_text
@@ -34,17 +39,27 @@ def keeps_running(client: Client, name: str, what: str) -> str:
     )
 
 
+def _respawned(exc: ClientError, client: Client) -> bool:
+    """Whether ``exc`` came from a daemon that crashed and that its workers have started
+    again (waited for as `status` does): the waiting command asks again. Failing it instead
+    told a script its deploy or teardown failed while the service went on."""
+    return isinstance(exc, DaemonUnreachable) and await_respawn(client, say, RESPAWN_PATIENCE)
+
+
 def _polled(
     client: Client, name: str, timeout: float | None, late: Callable[[dict[str, Any]], str]
 ) -> Iterator[dict[str, Any]]:
     """Service ``name`` as the daemon shows it, every 0.25 s, until the caller stops asking.
     A client error, or the deadline passing (``late`` says what was still awaited), ends the
-    command with an error; the service itself keeps going either way."""
+    command with an error (not a daemon restarted meanwhile: :func:`_respawned`); the
+    service itself keeps going either way."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
             service = client.service(name)
         except ClientError as exc:
+            if _respawned(exc, client):
+                continue
             if exc.status == 404:
                 # This command created or updated it: someone (another shell, the dashboard)
                 # took it down since; "no service named ..." alone read as a mistyped name.
@@ -234,6 +249,8 @@ def wait_down(
                     pending.discard(n)
                     forgot = f"; forgot {stuck[n]}: they may still run" if n in stuck else ""
                     out.print(f"service {n}: down{forgot}")
+                    continue
+                if _respawned(exc, client):
                     continue
                 _fail(_client_error_text(exc))
             else:
