@@ -254,20 +254,16 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
     ) -> None:
         """Stop accepting, answer what is already on the way, then close every connection.
 
-        The listener closes only after the connections the kernel already completed (its
-        accept queue) are taken: closing a listener resets them, and with SO_REUSEPORT a client
-        cannot know its connection landed on the one closing. Requests on open connections are
-        still served, each answer saying ``Connection: close``; held ones (no replica had room)
-        get a 503 with Retry-After at once. ``idle_grace``: how long an idle keep-alive
-        connection is left open for its next request (closing it at once races a request the
-        client may be writing); a worker or balancer handing over to a successor passes one,
-        a service going away does not. ``hand_over`` (``heir``: the new balancer in this
-        worker): held requests are not refused (``Gate._hand_over_held``), and the boards are
-        the successor's. An answer whose head went out before the stop (a stream) said
-        keep-alive: its connection is idle from its end. After the grace an idle keep-alive
-        connection gets a lingering close (FIN, then what arrives is read and dropped).
-        Whatever is still open after STOP_GRACE_SECONDS, or ``drain_timeout`` if longer (a
-        stream gets what a leaving replica gets), is cut. Safe to call twice or before start."""
+        The listener closes only after its accept queue is taken (closing resets it, and with
+        SO_REUSEPORT a client cannot know where it landed). Requests on open connections are served,
+        each answer saying ``Connection: close``; held ones get a 503 with Retry-After at once.
+        ``idle_grace``: how long an idle keep-alive connection may still bring a request (closing at
+        once races one being written); a worker or balancer handing over passes one, a service going
+        away does not. ``hand_over`` (``heir``: the new balancer in this worker): held requests are
+        not refused (``Gate._hand_over_held``), and the boards are the successor's. A stream whose
+        head promised keep-alive is idle from its end. After the grace an idle connection gets a
+        lingering close (FIN, late bytes read and dropped). What is open after STOP_GRACE_SECONDS,
+        or ``drain_timeout`` if longer, is cut. Safe to call twice or before start."""
         if self._stopping:
             return
         self._stopping = True
@@ -296,6 +292,13 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
                     client.close_if_idle(now - idle_grace)
                 idle_until = now + 0.25  # not every client every 20 ms for the whole drain
             await asyncio.sleep(0.02)
+        self._close_all()
+        if server is not None:
+            await server.wait_closed()
+        logger.info("balancer %s stopped", self._name)
+
+    def _close_all(self) -> None:
+        """The end of :meth:`stop`: what is still open is cut, and nothing counts any more."""
         self._stopped = True
         self._leave_heir()
         for client in list(self._clients):
@@ -309,9 +312,6 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
-        if server is not None:
-            await server.wait_closed()
-        logger.info("balancer %s stopped", self._name)
 
     def _take_accept_queue(self, server: asyncio.AbstractServer) -> list[asyncio.Task[Any]]:
         """Accept, synchronously, every connection already waiting on the listener, right
