@@ -190,9 +190,12 @@ def test_failing_version_is_not_promoted_and_rollback(
         assert svc["traffic_versions"] == [1]
         ready = [r for r in svc["replicas"] if r["status"] == "READY"]
         assert len(ready) == 2 and {r["version"] for r in ready} == {1}
-        # Roll back: version 3 is version 1's spec again, and the failure is cleared.
+        # Roll back: version 3 is version 1's spec again, and the failure is cleared. Version
+        # 1's replicas still serve: they are kept, relabelled (they were all relaunched).
         home.run("update", "keep", "--to-version", "1", timeout=60)
         svc = home.wait_replicas("keep", 2)
+        kept = [r for r in svc["replicas"] if r["status"] == "READY" and r["version"] == 3]
+        assert {r["pid"] for r in kept} == {r["pid"] for r in ready}, svc["replicas"]
     finally:
         load.stop()
     assert not load.errors, f"{len(load.errors)} failed requests: {load.errors[:3]}"

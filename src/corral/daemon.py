@@ -206,9 +206,7 @@ class Daemon:
         stored_spec = await asyncio.to_thread(
             parse_spec, stored_text, source=source or "<request>", name=name, envs=fill
         )
-        same_replicas = self._same_replicas(
-            name, svc.current_version, next_version, base_dir, current, stored_spec
-        )
+        adopt = self._adoptable(name, svc.current_version, next_version, base_dir, stored_spec)
         self._live_row(name)
         version = self.store.add_version(
             name,
@@ -216,7 +214,8 @@ class Daemon:
             source=source,
             base_dir=base_dir,
             mode=request.mode,
-            adopt_live=same_replicas,
+            adopt_live=adopt is not None,
+            adopt_from=adopt,
         )
         # Remembered before the next await: once the row is current, the controller's next step
         # (a timer may run it at any await) asks for this spec and must not parse it on the loop.
@@ -308,28 +307,26 @@ class Daemon:
                 "are kept): deploy it from its spec file with `corral update`",
             )
 
-    def _same_replicas(
-        self,
-        name: str,
-        current: int,
-        new: int,
-        base_dir: str | None,
-        current_spec: ServiceSpec,
-        new_spec: ServiceSpec,
-    ) -> bool:
-        """Whether version ``new`` differs from ``current`` only in the `service:` section
-        (policy, probe timing; not what the probe asks): then the running replicas are kept,
-        relabelled. The same files (workdir copy, env and secret values) are part of it."""
-        row = self.store.version(name, current)
-        fingerprint = versionfiles.fingerprint
-        return (
-            row is not None
-            and row.base_dir == base_dir
-            and fingerprint(self.home, name, new) == fingerprint(self.home, name, current)
-            and new_spec.model_dump(exclude={"service"})
-            == current_spec.model_dump(exclude={"service"})
-            and deploy.probes_alike(new_spec, current_spec)
-        )
+    def _adoptable(
+        self, name: str, current: int, new: int, base_dir: str | None, new_spec: ServiceSpec
+    ) -> int | None:
+        """The version whose live replicas version ``new`` keeps, relabelled
+        (:func:`deploy.same_replicas`): the current one, else one whose replicas still serve
+        (a rollback to it after an update that never got ready, or its file applied again):
+        relaunching the same replicas would cost the fleet a restart (an LLM's model load)."""
+        serving = {
+            r.version
+            for r in self.store.replicas(name)
+            if r.ready and r.teardown_state is None and r.version != current
+        }
+        for version in [current, *sorted(serving, reverse=True)]:
+            row = self.store.version(name, version)
+            spec = self.controller(name).spec(version)
+            if row is not None and deploy.same_replicas(
+                self.home, name, (version, row.base_dir, spec), (new, base_dir, new_spec)
+            ):
+                return version
+        return None
 
     def _prune_files(self, name: str) -> None:
         """Drop the files of versions no replica runs and past the rollback window."""

@@ -27,6 +27,7 @@ from corral.spec import (
 )
 from corral.versionfiles import (
     VersionFiles,
+    fingerprint,
     has_files,
     prepare_version,
     read_values,
@@ -191,3 +192,22 @@ def probes_alike(new: ServiceSpec, current: ServiceSpec) -> bool:
     asks = set(PROBE_ASKS)
     before = current.service.readiness_probe.model_dump(include=asks)
     return new.service.readiness_probe.model_dump(include=asks) == before
+
+
+def same_replicas(
+    home: Path,
+    name: str,
+    old: tuple[int, str | None, ServiceSpec],
+    new: tuple[int, str | None, ServiceSpec],
+) -> bool:
+    """Whether version ``new`` (its number, base_dir and spec) differs from ``old`` only in
+    the `service:` section (policy, probe timing; not what the probe asks): then ``old``'s
+    running replicas are kept, relabelled. The same files (workdir copy, env and secret
+    values) are part of it."""
+    (old_version, old_base, old_spec), (new_version, new_base, new_spec) = old, new
+    return (
+        old_base == new_base
+        and fingerprint(home, name, new_version) == fingerprint(home, name, old_version)
+        and new_spec.model_dump(exclude={"service"}) == old_spec.model_dump(exclude={"service"})
+        and probes_alike(new_spec, old_spec)
+    )

@@ -525,12 +525,13 @@ class Store:
         base_dir: str | None,
         mode: str,
         adopt_live: bool,
+        adopt_from: int | None = None,
     ) -> int:
         """Store a new version and make it current, in one transaction.
 
         ``adopt_live``: the new version differs only in how the service is run (policy, probe),
-        so the current version's live replicas simply become replicas of the new one instead of
-        being relaunched.
+        so the live replicas of the current version (or of ``adopt_from``, one still serving)
+        simply become replicas of the new one instead of being relaunched.
         """
         now = time.time()
 
@@ -541,6 +542,7 @@ class Store:
             if row is None:
                 raise KeyError(service)
             old = int(row[0])
+            keep = old if adopt_from is None else adopt_from  # whose replicas it keeps
             (latest,) = db.execute(
                 "SELECT MAX(version) FROM versions WHERE service = ?", (service,)
             ).fetchone()
@@ -554,12 +556,12 @@ class Store:
                 db.execute(
                     "UPDATE replicas SET version = ?, updated_at = ? WHERE service = ?"
                     " AND version = ? AND teardown_state IS NULL AND scale_down = 0",
-                    (version, now, service, old),
+                    (version, now, service, keep),
                 )
                 db.execute(
                     "UPDATE versions SET first_ready_at = (SELECT first_ready_at FROM versions"
                     " WHERE service = ? AND version = ?) WHERE service = ? AND version = ?",
-                    (service, old, service, version),
+                    (service, keep, service, version),
                 )
             db.execute(
                 "UPDATE services SET current_version = ?, failure = NULL, updated_at = ?"
@@ -567,6 +569,8 @@ class Store:
                 (version, now, service),
             )
             how = "in place (same replicas)" if adopt_live else mode
+            if adopt_live and keep != old:
+                how = f"in place (the replicas of version {keep})"
             db.execute(
                 "INSERT INTO events (ts, service, actor, action, reason) VALUES (?, ?, ?, ?, ?)",
                 (now, service, "api", "service.update", f"version {old} -> {version}, {how}"),
