@@ -531,8 +531,7 @@ class Store:
 
         ``adopt_live``: the new version differs only in how the service is run (policy, probe),
         so the live replicas of the current version (or of ``adopt_from``, one still serving)
-        simply become replicas of the new one instead of being relaunched.
-        """
+        simply become replicas of the new one instead of being relaunched."""
         now = time.time()
 
         def add(db: sqlite3.Connection) -> int:
@@ -568,9 +567,8 @@ class Store:
                 " WHERE name = ?",
                 (version, now, service),
             )
-            how = "in place (same replicas)" if adopt_live else mode
-            if adopt_live and keep != old:
-                how = f"in place (the replicas of version {keep})"
+            kept = "same replicas" if keep == old else f"the replicas of version {keep}"
+            how = f"in place ({kept})" if adopt_live else mode
             db.execute(
                 "INSERT INTO events (ts, service, actor, action, reason) VALUES (?, ?, ?, ?, ?)",
                 (now, service, "api", "service.update", f"version {old} -> {version}, {how}"),
