@@ -429,3 +429,15 @@ def test_the_numbers_the_page_gives() -> None:
     host = next(p for p in daemon_run.params if p.name == "host")
     assert host.default == "127.0.0.1"
     assert "{}://127.0.0.1:{}" in templates()
+
+
+def test_any_exit_quotes_the_apps_last_line(tmp_path: Path) -> None:
+    """A replica that exits with a code says the app's last line, as a 127 does: "process
+    exited (code 3)" alone sent the user to its log for the reason, which SkyServe's users
+    meet as "failed after 3 retries". Not its launch's own lines, not after a signal."""
+    said = exit_failure(tmp_path, "boom", 3, "RuntimeError: cannot load model")
+    assert said.startswith("process exited (code 3: RuntimeError: cannot load model); see"), said
+    quiet = exit_failure(tmp_path, "quiet", 3, "[corral] run: exit 3")
+    assert quiet.startswith("process exited (code 3); see"), quiet
+    killed = exit_failure(tmp_path, "killed", -9, "serving on 8080")
+    assert killed.startswith("process exited (signal 9 (SIGKILL)); see"), killed

@@ -352,8 +352,13 @@ class ServiceCore:
         # that adopted it after a restart.
         unknown = "exit code unknown: an earlier daemon started it"
         said = exit_text(code) if code is not None else unknown
-        if code in HOPELESS_EXIT_CODES:  # the shell's own line says it: `pyhton3: not found`
-            said += f": {last_line(self.replica_log(r.seq))}"
+        # The app's last line says why, most often (`pyhton3: not found` from the shell, an
+        # exception's last line): SkyServe's users read "failed" and had to dig for it. Not
+        # after a signal (what ended it is not in its output), nor where ``detail`` says why.
+        if code is not None and (code in HOPELESS_EXIT_CODES or (code >= 0 and not detail)):
+            line = last_line(self.replica_log(r.seq))
+            if line and not line.startswith("[corral]"):  # the app said nothing of its own
+                said += f": {line}"
         self.mark_failed(
             r,
             FailureKind.APP,
