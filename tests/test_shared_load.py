@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -228,39 +228,51 @@ def test_two_workers_send_two_concurrent_requests_to_two_replicas(
     corral_home.run("down", "pair", timeout=60)
 
 
+def _one_slot(tmp_path: Path, replica: Replica) -> tuple[Any, Callable[..., Any], str]:
+    """A worker in slot 0 of 2 (the daemon's tables applied to it as to a worker process),
+    ``route(policy, limit)``: the table of one service in front of ``replica`` (limit 0: no
+    ``max_in_flight_per_replica``), and the service's URL."""
+    from test_balancer import closed_port
+
+    from corral.dataplane.worker import Worker
+
+    (tmp_path / "dataplane").mkdir()  # the daemon makes it
+    worker = Worker(tmp_path, 0)
+    worker.fleet = 2
+    port = closed_port()
+
+    def route(policy: str, limit: int = 0) -> dict[str, Any]:
+        ready = {"1": {"url": replica.url, "version": 1}}
+        config: dict[str, Any] = {"policy": policy}
+        if limit:
+            config["routing"] = {"max_in_flight_per_replica": limit, "hold_timeout": 20}
+        return {"svc": {"port": port, "host": HOST, "config": config, "ready": ready}}
+
+    return worker, route, f"http://{HOST}:{port}"
+
+
 def test_a_route_change_leaves_the_new_balancers_counts_on_the_board(tmp_path: Path) -> None:
     """An update of a balancer setting (here the policy) gives the service a new balancer in
     the worker, in the same slot and so the same row of the board, and retires the old one.
     The old one once rewrote that row from its own counts (the worker tells it the ready set)
     and cleared it at its end: either way the other workers lost sight of the new balancer's
     requests in flight."""
-    from test_balancer import closed_port
-
-    from corral.dataplane.worker import Worker
 
     async def go() -> None:
         replica = await Replica(1).start()
-        (tmp_path / "dataplane").mkdir()  # the daemon makes it
-        worker = Worker(tmp_path, 0)
-        worker.fleet = 2
-        port = closed_port()
+        worker, route, base = _one_slot(tmp_path, replica)
         other = None
-
-        def route(policy: str) -> dict[str, Any]:
-            ready = {"1": {"url": replica.url, "version": 1}}
-            return {"port": port, "host": HOST, "config": {"policy": policy}, "ready": ready}
-
         try:
-            await worker._apply({"svc": route("least_load")})
+            await worker._apply(route("least_load"))
             old = worker.services["svc"].lb
             other = LoadBoard.open(board_path(tmp_path / "dataplane", "svc"), 1, 2)
             assert other is not None
             other.arrange((1,), {})
-            url = f"http://{HOST}:{port}/hold"
+            url = f"{base}/hold"
             async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
                 on_old = asyncio.create_task(first.get(url))
                 await wait_until(lambda: replica.arrived == 1, 10, "a request on the old one")
-                await worker._apply({"svc": route("power_of_two")})  # the update
+                await worker._apply(route("power_of_two"))  # the update
                 assert worker.services["svc"].lb is not old and worker.retiring
                 on_new = asyncio.create_task(second.get(url))
                 await wait_until(lambda: replica.arrived == 2, 10, "a request on the new one")
@@ -349,29 +361,17 @@ def test_a_route_change_keeps_the_limit_while_the_old_balancers_requests_run(
     """With ``max_in_flight_per_replica`` 1 and the retired balancer's request still on the
     one replica, the new balancer holds its request until that one ends: before, the retired
     balancer's requests counted nowhere and the replica took both."""
-    from test_balancer import closed_port
-
-    from corral.dataplane.worker import Worker
 
     async def go() -> None:
         replica = await Replica(1).start()
-        (tmp_path / "dataplane").mkdir()  # the daemon makes it
-        worker = Worker(tmp_path, 0)
-        worker.fleet = 2
-        port = closed_port()
-
-        def route(policy: str) -> dict[str, Any]:
-            ready = {"1": {"url": replica.url, "version": 1}}
-            config = {"policy": policy, "routing": {"max_in_flight_per_replica": 1}}
-            return {"port": port, "host": HOST, "config": config, "ready": ready}
-
+        worker, route, base = _one_slot(tmp_path, replica)
         try:
-            await worker._apply({"svc": route("least_load")})
-            url = f"http://{HOST}:{port}/hold/"
+            await worker._apply(route("least_load", 1))
+            url = f"{base}/hold/"
             async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
                 on_old = asyncio.create_task(first.get(url + "old"))
                 await wait_until(lambda: replica.arrived == 1, 10, "a request on the old one")
-                await worker._apply({"svc": route("power_of_two")})  # the update
+                await worker._apply(route("power_of_two", 1))  # the update
                 new = worker.services["svc"].lb
                 on_new = asyncio.create_task(second.get(url + "new"))
                 await wait_until(lambda: new._held, 10, "the new one's request held")
@@ -439,28 +439,15 @@ def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
     ``raised``: the update raises the limit, which the retired balancer's requests take at once.
     ``restart-workers``: the successor is another process, which would take every room first,
     so what the old worker holds goes out at once, as before."""
-    from test_balancer import closed_port
-
-    from corral.dataplane.worker import Worker
 
     async def go() -> None:
         replica = await Replica(1).start()
-        (tmp_path / "dataplane").mkdir()  # the daemon makes it
-        worker = Worker(tmp_path, 0)
-        worker.fleet = 2
-        port = closed_port()
+        worker, route, base = _one_slot(tmp_path, replica)
         running = None
-
-        def route(policy: str, limit: int = 1) -> dict[str, Any]:
-            ready = {"1": {"url": replica.url, "version": 1}}
-            routing = {"max_in_flight_per_replica": limit, "hold_timeout": 20}
-            config = {"policy": policy, "routing": routing}
-            return {"port": port, "host": HOST, "config": config, "ready": ready}
-
         try:
-            await worker._apply({"svc": route("least_load")})
+            await worker._apply(route("least_load", 1))
             old = worker.services["svc"].lb
-            url = f"http://{HOST}:{port}/hold/"
+            url = f"{base}/hold/"
             async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
                 busy = asyncio.create_task(first.get(url + "busy"))
                 await wait_until(lambda: replica.arrived == 1, 10, "the replica busy")
@@ -471,11 +458,11 @@ def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
                     worker.stop.set()  # what the daemon's "exit" does
                     await wait_until(lambda: replica.arrived == 2, 10, "sent at once")
                 elif how == "raised":
-                    await worker._apply({"svc": route("least_load", 8)})  # the update
+                    await worker._apply(route("least_load", 8))  # the update
                     await wait_until(lambda: replica.arrived == 2, 10, "sent under the new limit")
                     assert old._release_at > time.monotonic()  # not by the bound: it has room
                 else:
-                    await worker._apply({"svc": route("power_of_two")})  # the update
+                    await worker._apply(route("power_of_two", 1))  # the update
                     assert old._stopping and old.held() == 1 and replica.arrived == 1
                     old._expire_held(time.monotonic())  # what its ticker does
                     old._send_held()  # what a wake for room does
