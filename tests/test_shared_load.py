@@ -497,3 +497,98 @@ def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
             await replica._runner.cleanup()
 
     asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_worker_exiting_after_an_update_sends_what_its_retired_balancer_holds(
+    tmp_path: Path,
+) -> None:
+    """An update retires a balancer that holds a request (its replica full), then the worker
+    is told to exit (restart-workers): the successor, stopping with no heir, sends what it
+    holds at once, and so must the retired one, which waited on the successor's limit; and the
+    worker's run ends only once the retired balancer's requests are answered (the process exits
+    then, and would cut them)."""
+
+    async def go() -> None:
+        replica = await Replica(1).start()
+        worker, route, base = _one_slot(tmp_path, replica)
+        running = None
+        try:
+            await worker._apply(route("least_load", 1))
+            old = worker.services["svc"].lb
+            url = f"{base}/hold/"
+            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
+                busy = asyncio.create_task(first.get(url + "busy"))
+                await wait_until(lambda: replica.arrived == 1, 10, "the replica busy")
+                late = asyncio.create_task(second.get(url + "late"))
+                await wait_until(lambda: old.held() == 1, 10, "the second request held")
+                await worker._apply(route("power_of_two", 1))  # the update
+                assert old._stopping and old.held() == 1
+                running = asyncio.create_task(worker.run())
+                worker.stop.set()  # what the daemon's "exit" does
+                await wait_until(lambda: replica.arrived == 2, 1.5, "the held request sent")
+                await asyncio.sleep(0.2)
+                assert not running.done()  # the retired balancer's requests are under way
+                replica.gates["late"].set()
+                replica.gates["busy"].set()
+                assert (await asyncio.wait_for(late, 10)).status == 200
+                assert (await asyncio.wait_for(busy, 10)).status == 200
+                await asyncio.wait_for(running, 20)
+        finally:
+            for gate in ("busy", "late"):
+                replica.gates.setdefault(gate, asyncio.Event()).set()
+            if running is not None:
+                await asyncio.wait_for(running, 20)
+            assert replica._runner is not None
+            await replica._runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_replaced_worker_leaves_no_count_on_its_successors_row(tmp_path: Path) -> None:
+    """restart-workers: the new process writes the slot's row from the table it applies, and
+    the old one serves on until it is told to exit, writing that row too (a request it sends
+    or ends meanwhile). Once it left the row (its counts on the hand-over row, then gone),
+    what it wrote there last stayed: a replica loaded by nothing, full under a limit, until
+    the new process happened to send it a request. Once the old process is gone the daemon
+    pushes the table again, and every worker writes its row anew from its own counts."""
+    from corral.dataplane.replace import replace_worker
+    from corral.state import WorkerRow
+
+    path = board_path(tmp_path, "svc")
+    (tmp_path / "dataplane").mkdir()
+    routing = {"load_file": str(path), "slot": 0, "workers": 2}
+    old, new = (LoadBalancer(name="svc", policy="least_load", routing=routing) for _ in "ab")
+    ready = {1: "http://127.0.0.1:9"}
+    reader = LoadBoard.open(path, 1, 2)
+    assert reader is not None
+    reader.arrange((1,), {})
+    old.set_ready(ready)
+    new.set_ready(ready)  # the new process applied the table: the row is its own
+    old._acquire(1)  # the old one still serves: a request it sends lands on the row
+    old.leave_boards()  # told to exit
+    old._release(1)
+    assert old._board is not None
+    old._board.clear()
+    assert reader.totals((1,), {}) == {1: 1}  # the old process's count, left behind
+
+    class Conn:
+        seq = 1
+
+    class Plane:
+        home, size, routes = tmp_path, 2, {}
+        _conns = {2: Conn()}
+
+        def current_seq(self) -> int:
+            return 1
+
+        async def wait_until(self, predicate: Any, timeout: float) -> bool:
+            return bool(predicate())
+
+        def changed(self) -> int:
+            new.set_ready(ready)  # what the worker does with a table
+            return 2
+
+    gone = WorkerRow(slot=0, pid=2**22 + 7, created=0.0, started_at=0.0)  # no such process
+    asyncio.run(replace_worker(Plane(), 0, gone, 2, 1.0))  # type: ignore[arg-type]
+    assert reader.totals((1,), {}) == {1: 0}
+    reader.close()

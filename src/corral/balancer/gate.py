@@ -357,7 +357,10 @@ class Gate:
 
     def _answer_held(self) -> None:
         """The balancer stops: each held request (it reached no replica) gets 503 with
-        Retry-After at once, not the cut at the end of the stop's grace."""
+        Retry-After at once, not the cut at the end of the stop's grace. A retired balancer
+        waiting on this one's limit has nothing to wait on any more: what it holds goes out."""
+        for elder in self._elders:
+            elder._release_held()
         held = self._held
         while held:
             _, _, home, ex = held.popleft()
@@ -377,12 +380,15 @@ class Gate:
         limit (:meth:`_release_held`). A worker replaced gives no heir: the successor, another
         process, would take every room first, and what is held here would wait the bound."""
         self._handed_over = True
+        elders, self._elders = self._elders, []
         if heir is None or heir._board is None or self._board is None or not heir._limit:
-            self._release_held()
+            for elder in [*elders, self]:  # nothing is left to wait on: theirs go out too
+                elder._release_held()
             return
-        self._heir = heir
-        heir._elders.append(self)
-        self._limit, self._fleet_limit = heir._limit, heir._fleet_limit  # the service's now
+        for elder in [*elders, self]:  # the older first, all of them now the heir's elders
+            elder._heir = heir
+            heir._elders.append(elder)
+            elder._limit, elder._fleet_limit = heir._limit, heir._fleet_limit
         # The ticker runs every tick while anything is held, and releases it then.
         self._release_at = min([time.monotonic() + bound, *(entry[0] for entry in self._held)])
         self._room_freed()  # a limit raised by the update: room at once

@@ -51,3 +51,7 @@ async def replace_worker(
         grace = old_worker_grace(route.route for route in plane.routes.values())
         await asyncio.to_thread(terminate_all, [proc], grace)
     clear_hand_over(plane.home / "dataplane", slot, plane.size)
+    # Until it was told to exit the old one wrote the slot's row too, after the new one had
+    # written it from its table: the table again has each worker write its row anew, or a
+    # count of the old one's stayed there (a replica full under a limit, loaded by nothing).
+    plane.changed()

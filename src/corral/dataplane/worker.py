@@ -148,7 +148,7 @@ class Worker:
         await asyncio.gather(
             # A new worker serves the ports: one more request a keep-alive client, held ones go.
             *(svc.lb.stop(idle_grace=IDLE_GRACE, hand_over=True) for svc in self.services.values()),
-            *(lb.stop() for _, lb in self.retiring),
+            *list(self._tasks),  # retiring balancers (stopping already): their requests end
             return_exceptions=True,
         )
         await self._report()  # what it counted since the last (the drain too): none is lost
