@@ -338,3 +338,32 @@ def test_up_names_the_balancer_error_of_a_controller_failed_service() -> None:
     assert failed_text("svc", failed) == (
         "service svc is FAILED: no replica became READY; see `corral logs svc 3 --launch`"
     )
+
+
+def test_a_wait_ends_at_its_deadline_though_the_daemon_answers_only_its_health(
+    monkeypatch: Any,
+) -> None:
+    """`up`/`update` waiting for READY ask again after a daemon respawn (aa2c2af); a daemon
+    that answers its health check but never the service request (each one times out) made
+    that a loop with no pause and no end, whatever --timeout said."""
+    import time
+
+    import pytest
+
+    from corral import cli_wait
+    from corral.apiconn import DaemonUnreachable
+
+    class Stuck:
+        asked = 0
+
+        def service(self, name: str) -> dict[str, Any]:
+            self.asked += 1
+            raise DaemonUnreachable("timed out")
+
+    monkeypatch.setattr(cli_wait, "await_respawn", lambda client, say, patience: True)
+    client = Stuck()
+    started = time.monotonic()
+    with pytest.raises(SystemExit):
+        list(cli_wait._polled(client, "svc", 0.5, lambda service: "late"))  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5
+    assert 2 <= client.asked <= 5  # every 0.25 s, not as fast as the loop turns

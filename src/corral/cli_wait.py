@@ -58,7 +58,10 @@ def _polled(
         try:
             service = client.service(name)
         except ClientError as exc:
-            if _respawned(exc, client):
+            # Asked again after a respawn, within the deadline and at the same pace: a daemon
+            # that answers its health but not this request must not make the wait endless.
+            if _respawned(exc, client) and (deadline is None or time.monotonic() <= deadline):
+                time.sleep(0.25)
                 continue
             if exc.status == 404:
                 # This command created or updated it: someone (another shell, the dashboard)
