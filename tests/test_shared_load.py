@@ -251,6 +251,22 @@ def _one_slot(tmp_path: Path, replica: Replica) -> tuple[Any, Callable[..., Any]
     return worker, route, f"http://{HOST}:{port}"
 
 
+async def _busy_and_late(
+    first: aiohttp.ClientSession,
+    second: aiohttp.ClientSession,
+    url: str,
+    replica: Replica,
+    lb: LoadBalancer,
+) -> tuple[asyncio.Task[aiohttp.ClientResponse], asyncio.Task[aiohttp.ClientResponse]]:
+    """With a limit of 1: ``busy``, a request the replica holds (``url + "busy"``), and
+    ``late``, a second one the balancer ``lb`` holds."""
+    busy = asyncio.create_task(first.get(url + "busy"))
+    await wait_until(lambda: replica.arrived == 1, 10, "the replica busy")
+    late = asyncio.create_task(second.get(url + "late"))
+    await wait_until(lambda: lb.held() == 1, 10, "the second request held")
+    return busy, late
+
+
 def test_a_route_change_leaves_the_new_balancers_counts_on_the_board(tmp_path: Path) -> None:
     """An update of a balancer setting (here the policy) gives the service a new balancer in
     the worker, in the same slot and so the same row of the board, and retires the old one.
@@ -449,10 +465,7 @@ def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
             old = worker.services["svc"].lb
             url = f"{base}/hold/"
             async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
-                busy = asyncio.create_task(first.get(url + "busy"))
-                await wait_until(lambda: replica.arrived == 1, 10, "the replica busy")
-                late = asyncio.create_task(second.get(url + "late"))
-                await wait_until(lambda: old.held() == 1, 10, "the second request held")
+                busy, late = await _busy_and_late(first, second, url, replica, old)
                 if how == "restart-workers":
                     running = asyncio.create_task(worker.run())
                     worker.stop.set()  # what the daemon's "exit" does
@@ -517,10 +530,7 @@ def test_a_worker_exiting_after_an_update_sends_what_its_retired_balancer_holds(
             old = worker.services["svc"].lb
             url = f"{base}/hold/"
             async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
-                busy = asyncio.create_task(first.get(url + "busy"))
-                await wait_until(lambda: replica.arrived == 1, 10, "the replica busy")
-                late = asyncio.create_task(second.get(url + "late"))
-                await wait_until(lambda: old.held() == 1, 10, "the second request held")
+                busy, late = await _busy_and_late(first, second, url, replica, old)
                 await worker._apply(route("power_of_two", 1))  # the update
                 assert old._stopping and old.held() == 1
                 running = asyncio.create_task(worker.run())

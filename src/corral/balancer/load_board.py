@@ -182,8 +182,7 @@ class RetiredRow(LoadBoard):
     def clear(self) -> None:
         """This balancer's requests are over: the row keeps the others' (zeroed by the last)."""
         writers = self._writers.get(self._key, [])
-        if any(counts is self._counts for counts in writers):
-            writers[:] = [counts for counts in writers if counts is not self._counts]
+        writers[:] = [counts for counts in writers if counts is not self._counts]
         if writers:
             self.arrange(sorted(self._column, key=self._column.__getitem__), {})
         else:
@@ -207,9 +206,9 @@ def retired(
         return None, None
     boards: list[RetiredRow | None] = []
     for file, counts in ((path, in_flight), (streams_path(path), streams)):
-        mapped = map_shared(file, ROWS * _ROW.size, "load board") if counts is not None else None
         board = None
-        if mapped is not None and counts is not None:
+        mapped = None if counts is None else map_shared(file, ROWS * _ROW.size, "load board")
+        if counts is not None and mapped is not None:
             board = RetiredRow(mapped, row, min(2 * workers, ROWS), (str(file), row))
             board.join(counts, ready)
         boards.append(board)
