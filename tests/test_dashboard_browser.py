@@ -387,9 +387,15 @@ def test_an_llm_service_shows_its_engine_figures(
     ttft = charts.filter(has_text="Time to first token").locator("svg")
     expect(ttft).to_have_attribute("aria-label", re.compile(r"now: p50 [\d.]+ ms"), timeout=WAIT_MS)
     hits = charts.filter(has_text="Prefix-cache hit rate").locator("svg")
-    expect(hits).to_have_attribute("aria-label", re.compile(r"now: hit rate [\d.]+%"))
+    # A point's hit rate is a difference of the engines' counters, read once a second: it may
+    # first show in the next 5 s interval, so these wait as long as the TTFT's.
+    expect(hits).to_have_attribute(
+        "aria-label", re.compile(r"now: hit rate [\d.]+%"), timeout=WAIT_MS
+    )
     queue = charts.filter(has_text="Queue").locator("svg")
-    expect(queue).to_have_attribute("aria-label", re.compile(r"now: waiting 0, running 0, held 0"))
+    expect(queue).to_have_attribute(
+        "aria-label", re.compile(r"now: waiting 0, running 0, held 0"), timeout=WAIT_MS
+    )
     page.screenshot(path=str(shots(tmp_path) / "llm.png"), full_page=True)
     # A slow service's axis labels fit the charts' margin: "50000 ms" was cut to "0000 ms".
     shown = page.evaluate(
