@@ -29,7 +29,7 @@ from aiohttp import web
 from conftest import wait_until
 
 from corral.balancer import LoadBalancer
-from corral.balancer.load_board import LoadBoard, board_path, streams_path
+from corral.balancer.load_board import HeldMarks, LoadBoard, board_path, streams_path
 
 HOST = "127.0.0.1"
 
@@ -269,6 +269,20 @@ async def _busy_and_late(
     return busy, late
 
 
+async def _held_and_marked(
+    tmp_path: Path, lb: LoadBalancer, replica: Replica, arrived: int = 1
+) -> None:
+    """``lb``, retired, still holds its one request (the replica full, having seen
+    ``arrived``), and marks it for the balancers of other processes (``load_board.HeldMarks``)."""
+    marks = HeldMarks.open(board_path(tmp_path / "dataplane", "svc"), 2)
+    assert marks is not None
+    try:
+        await wait_until(lambda: marks.total() == 1, 10, "the held request marked")
+        assert lb.held() == 1 and replica.arrived == arrived
+    finally:
+        marks.close()
+
+
 def test_a_route_change_leaves_the_new_balancers_counts_on_the_board(tmp_path: Path) -> None:
     """An update of a balancer setting (here the policy) gives the service a new balancer in
     the worker, in the same slot and so the same row of the board, and retires the old one.
@@ -416,8 +430,8 @@ def test_balancers_retiring_in_one_slot_count_together_until_the_last_ends(
 ) -> None:
     """Two route changes in a row leave two retiring balancers in one slot of one process:
     their hand-over row holds the sum of their counts, and the first to end leaves the
-    other's. The daemon zeroes the row once the slot's process is gone (a process killed
-    while retiring)."""
+    other's; what they hold is marked as their sum and counts on no replica. The daemon zeroes
+    the row once the slot's process is gone (a process killed while retiring)."""
     import corral.balancer.load_board as load_board
 
     if build == "compiled" and load_board._BUILD is LoadBoard:
@@ -433,17 +447,53 @@ def test_balancers_retiring_in_one_slot_count_together_until_the_last_ends(
     board_b, _ = load_board.retired(path, 0, 2, (1, 2), second, None)
     assert board_a is not None and board_b is not None and streams_a is not None
     assert reader.totals((1, 2), {}) == {1: 3, 2: 3}
+    marks = load_board.HeldMarks.open(path, 2)
+    assert marks is not None and marks.total() == 0
+    board_a.hold(2)  # what each holds: marked together, and no replica's count
+    board_b.hold(1)
+    assert marks.total() == 3 and reader.totals((1, 2), {}) == {1: 3, 2: 3}
     first[1] = 1
     board_a.publish(1, 1)
-    assert reader.totals((1, 2), {}) == {1: 2, 2: 3}
+    assert reader.totals((1, 2), {}) == {1: 2, 2: 3} and marks.total() == 3
     board_a.clear()  # the first one ends
-    assert reader.totals((1, 2), {}) == {1: 1, 2: 3}
+    assert reader.totals((1, 2), {}) == {1: 1, 2: 3} and marks.total() == 1
     load_board.clear_hand_over(tmp_path, 0, 2)  # its process gone
-    assert reader.totals((1, 2), {}) == {1: 0, 2: 0}
+    assert reader.totals((1, 2), {}) == {1: 0, 2: 0} and marks.total() == 0
+    marks.close()
     board_b.clear()
     assert reader.totals((1, 2), {}) == {1: 0, 2: 0}
     for board in (board_a, board_b, streams_a):
         board.close()
+
+
+@pytest.mark.parametrize("build", ["pure", "compiled"])
+def test_the_held_mark_takes_the_64th_replicas_cell_on_a_hand_over_row(
+    tmp_path: Path, build: str
+) -> None:
+    """The mark of what a retiring balancer holds lives in a hand-over row's last cell, under
+    an id no replica has: readers take it as no count, and that row leaves off the 64th ready
+    replica's count (the docstring of ``load_board`` says so)."""
+    import corral.balancer.load_board as load_board
+
+    if build == "compiled" and load_board._BUILD is LoadBoard:
+        pytest.skip("no compiled build here")
+    path = board_path(tmp_path, "svc")
+    reader_class = LoadBoard if build == "pure" else load_board._BUILD
+    mapped = load_board.map_shared(path, load_board.ROWS * 8 * load_board.COLUMNS, "test")
+    assert mapped is not None
+    ready = tuple(range(1, 65))
+    reader = reader_class(mapped, 1, 4)
+    reader.arrange(ready, {})
+    board, _ = load_board.retired(path, 0, 2, ready, {63: 2, 64: 5}, None)
+    assert board is not None
+    board.hold(7)
+    assert reader.totals((63, 64), {}) == {63: 2, 64: 0}
+    marks = load_board.HeldMarks.open(path, 2)
+    assert marks is not None and marks.total() == 7
+    board.clear()
+    assert marks.total() == 0
+    marks.close()
+    board.close()
 
 
 @pytest.mark.parametrize("how", ["update", "bound", "raised", "restart-workers"])
@@ -455,8 +505,9 @@ def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
     frees (an elder of its successor), so it waits within the limit: ``update``. ``bound``: the
     replica stays full, and it goes out past the limit after half the drain, never a 503.
     ``raised``: the update raises the limit, which the retired balancer's requests take at once.
-    ``restart-workers``: the successor is another process, which would take every room first,
-    so what the old worker holds goes out at once, as before."""
+    ``restart-workers``: the successor is another process; what the old worker holds waits
+    under its own limit, marked on the hand-over row for that process, and goes when room
+    frees (it once went out at once, past the limit)."""
 
     async def go() -> None:
         replica = await Replica(1).start()
@@ -471,7 +522,10 @@ def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
                 if how == "restart-workers":
                     running = asyncio.create_task(worker.run())
                     worker.stop.set()  # what the daemon's "exit" does
-                    await wait_until(lambda: replica.arrived == 2, 10, "sent at once")
+                    await _held_and_marked(tmp_path, old, replica)
+                    replica.gates["busy"].set()  # room: the held request takes it
+                    assert (await busy).status == 200
+                    await wait_until(lambda: replica.arrived == 2, 10, "sent once room frees")
                 elif how == "raised":
                     await worker._apply(route("least_load", 8))  # the update
                     await wait_until(lambda: replica.arrived == 2, 10, "sent under the new limit")
@@ -518,8 +572,9 @@ def test_a_worker_exiting_after_an_update_sends_what_its_retired_balancer_holds(
     tmp_path: Path,
 ) -> None:
     """An update retires a balancer that holds a request (its replica full), then the worker
-    is told to exit (restart-workers): the successor, stopping with no heir, sends what it
-    holds at once, and so must the retired one, which waited on the successor's limit; and the
+    is told to exit (restart-workers): the successor stops with no heir, and the retired one,
+    which waited on the successor's limit, is not left waiting on it: it waits on the fleet's
+    room, marked for the next process, and sends what it holds once room frees; and the
     worker's run ends only once the retired balancer's requests are answered (the process exits
     then, and would cut them)."""
 
@@ -537,19 +592,80 @@ def test_a_worker_exiting_after_an_update_sends_what_its_retired_balancer_holds(
                 assert old._stopping and old.held() == 1
                 running = asyncio.create_task(worker.run())
                 worker.stop.set()  # what the daemon's "exit" does
+                await wait_until(lambda: worker.services["svc"].lb._stopping, 10, "stopping")
+                await _held_and_marked(tmp_path, old, replica)
+                replica.gates["busy"].set()
+                assert (await asyncio.wait_for(busy, 10)).status == 200
                 await wait_until(lambda: replica.arrived == 2, 1.5, "the held request sent")
                 await asyncio.sleep(0.2)
                 assert not running.done()  # the retired balancer's requests are under way
                 replica.gates["late"].set()
-                replica.gates["busy"].set()
                 assert (await asyncio.wait_for(late, 10)).status == 200
-                assert (await asyncio.wait_for(busy, 10)).status == 200
                 await asyncio.wait_for(running, 20)
         finally:
             for gate in ("busy", "late"):
                 replica.gates.setdefault(gate, asyncio.Event()).set()
             if running is not None:
                 await asyncio.wait_for(running, 20)
+            assert replica._runner is not None
+            await replica._runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_new_worker_process_lets_what_the_old_one_holds_go_first(tmp_path: Path) -> None:
+    """restart-workers with ``max_in_flight_per_replica`` 1: the old worker process holds a
+    request (the replica full with the other slot's) as it drains, and the new one receives a
+    newer request. The old one's request once went out at once, past the limit; now it waits
+    for room, and the new process, seeing it marked on the hand-over row, lets it take that
+    room first, though the new one is woken first. Two workers of one slot in this process
+    stand for the two processes; the test writes the other slot's row."""
+    from corral.dataplane.worker import Worker
+
+    async def go() -> None:
+        replica = await Replica(1).start()
+        old, route, base = _one_slot(tmp_path, replica)
+        new = Worker(tmp_path, 0)
+        new.fleet = 2
+        other = LoadBoard.open(board_path(tmp_path / "dataplane", "svc"), 1, 2)
+        assert other is not None
+        other.arrange((1,), {1: 1})  # the other slot's request fills the replica
+        running = None
+        try:
+            await old._apply(route("least_load", 1))
+            lb = old.services["svc"].lb
+            url = f"{base}/hold/"
+            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
+                late = asyncio.create_task(first.get(url + "late"))
+                await wait_until(lambda: lb.held() == 1, 10, "the old one's request held")
+                await new._apply(route("least_load", 1))  # the new process binds the port too
+                running = asyncio.create_task(old.run())
+                old.stop.set()  # the daemon's "exit" for the old one: it drains
+                await wait_until(lambda: lb._server is None, 10, "the old one's listener closed")
+                await _held_and_marked(tmp_path, lb, replica, arrived=0)
+                newer = asyncio.create_task(second.get(url + "newer"))
+                successor = new.services["svc"].lb
+                await wait_until(lambda: successor.held() == 1, 10, "the newer one held")
+                other.publish(1, 0)  # the other slot's request ends: room for one
+                successor._send_held()  # what a wake for room does, before the old one's
+                assert successor.held() == 1 and replica.arrived == 0
+                await wait_until(lambda: replica.arrived == 1, 10, "the old one's sent")
+                assert list(replica.gates) == ["late"] and successor.held() == 1
+                replica.gates["late"].set()  # room again: the newer one's turn
+                assert (await asyncio.wait_for(late, 10)).status == 200
+                await wait_until(lambda: replica.arrived == 2, 10, "the newer one sent")
+                replica.gates["newer"].set()
+                assert (await asyncio.wait_for(newer, 10)).status == 200
+                await asyncio.wait_for(running, 20)
+        finally:
+            for gate in ("late", "newer"):
+                replica.gates.setdefault(gate, asyncio.Event()).set()
+            old.stop.set()
+            if running is not None:
+                await asyncio.wait_for(running, 20)
+            await new._apply({})
+            await wait_until(lambda: not new.retiring, 20, "every balancer gone")
+            other.close()
             assert replica._runner is not None
             await replica._runner.cleanup()
 

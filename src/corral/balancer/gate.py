@@ -45,6 +45,7 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
+from corral.balancer.load_board import HeldMarks, RetiredRow, retired
 from corral.balancer.policies import weigh_streams
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class Gate:
     _board: LoadBoard | None
     _ready_event: asyncio.Event
     _stopping: bool
+    _hand_over_row: tuple[str | None, int, int]
 
     def _init_gate(
         self,
@@ -111,6 +113,12 @@ class Gate:
         # first (_hand_over_held). And the successor of this one, once it retires.
         self._elders: list[Gate] = []
         self._heir: Gate | None = None
+        # What retiring balancers in other processes or slots hold, for a successor under a
+        # limit (load_board, "What a retiring balancer holds"); the mark this one writes once
+        # it retires.
+        path = self._hand_over_row[0]
+        self._marks = HeldMarks.open(path, workers) if self._limit and self._board else None
+        self._held_mark: RetiredRow | None = None
         self._wake_scheduled = False
         self._weighs = self._policy.weighs_streams
 
@@ -156,7 +164,7 @@ class Gate:
         policy = self._policy
         if not self._gated:
             return policy.select(self._healthy(candidates), self._loads(candidates))
-        if self._elders and self._elders_wait():
+        if (self._elders or self._marks) and self._elders_wait():
             return None  # a retired balancer's held requests go first (``_full`` says wait)
         record = None
         if self._affine and not self._anywhere and request is not None:
@@ -220,9 +228,38 @@ class Gate:
         return self._want is not None or self._elders_wait() or self._full_for_any(tried)
 
     def _elders_wait(self) -> bool:
-        """A retired balancer of this service in this worker still holds requests, older than
-        any of this one's: they take the room first (:meth:`_hand_over_held`)."""
-        return any(elder._held for elder in self._elders)
+        """A retired balancer of this service still holds requests, older than any of this
+        one's: they take the room first (:meth:`_hand_over_held`). One in this worker holds
+        any; those of other processes or slots (their marks) hold as much room as the fleet
+        has spare."""
+        if any(elder._held for elder in self._elders):
+            return True
+        marks = self._marks
+        if marks is None or self._handed_over or not (marked := marks.total()):
+            return False
+        ids = self._ready_ids
+        if self._board is None or not ids:
+            return False
+        totals = self._board.totals(ids, self._in_flight)
+        spare = sum(max(0, self._fleet_limit - int(totals[rid])) for rid in ids)
+        return spare <= marked
+
+    def leave_boards(self) -> None:
+        """A successor in this slot (a new balancer after a route change, a new worker process
+        after restart-workers) writes the slot's rows of the shared boards from now on; this
+        balancer's requests under way still load their replicas, so they go on counting on
+        the slot's hand-over row (``load_board.retired``), which also marks what it holds. Its
+        policy may still read."""
+        if self._board is not None and not isinstance(self._board, RetiredRow):
+            streams = self._streaming if self._stream_board is not None else None
+            where, ready = self._hand_over_row, self._ready_ids
+            self._board, self._stream_board = retired(*where, ready, self._in_flight, streams)
+            self._held_mark = self._board
+
+    def _mark(self) -> None:
+        """What this retired balancer holds, for its successors elsewhere (``_elders_wait``)."""
+        if self._held_mark is not None:
+            self._held_mark.hold(self.held())
 
     def _hold(self, ex: Pending) -> None:
         now = time.monotonic()
@@ -243,6 +280,7 @@ class Gate:
         patience = min(self._patience, self._hold_timeout / 2)
         self._held.append((now + self._hold_timeout, now + patience, home, ex))
         self._held_total += 1
+        self._mark()
 
     def _readiness(self, any_ready: bool) -> None:
         """The ready set changed (``any_ready``: it has a replica): what waits for one is
@@ -267,7 +305,7 @@ class Gate:
         waiting for any replica (or past its patience) once any has room; oldest first."""
         self._wake_scheduled = False
         ids = self._ready_ids
-        if (ids and not self._room(ids)) or (self._elders and self._elders_wait()):
+        if (ids and not self._room(ids)) or ((self._elders or self._marks) and self._elders_wait()):
             return  # every replica full (a wake from the ticker, say), or older ones go first
         held = self._held
         waiting = list(held)
@@ -301,6 +339,7 @@ class Gate:
         held.clear()
         held.extend(keep)
         held.extend(again)
+        self._mark()
 
     def _full_for_any(self, tried: Sequence[int]) -> bool:
         """Every untried ready replica is at its limit (and there is one)."""
@@ -338,6 +377,7 @@ class Gate:
             )
         if self._homes and any(entry[3].done for entry in held):
             self._drop_gone()
+        self._mark()
         if self._homes or (held and self._board is not None):
             # a patience may have ended: it may go anywhere now; or another worker's request
             # ended, which frees room this worker is not told of
@@ -377,24 +417,35 @@ class Gate:
         and the heir holds its own while an elder holds any), for at most ``bound`` seconds and
         never past a held request's own hold, since its requests need the rest of the drain to
         finish. Then, or in any other case at once (no limit any more, say), it goes out past the
-        limit (:meth:`_release_held`). A worker replaced gives no heir: the successor, another
-        process, would take every room first, and what is held here would wait the bound."""
+        limit (:meth:`_release_held`). A worker replaced (restart-workers) gives no heir: the
+        successor is another process, so what is held here waits under this balancer's own
+        limit, marked on the hand-over row for that process to let it go first
+        (``_elders_wait``), and so do this worker's elders, each within its own bound."""
         self._handed_over = True
         elders, self._elders = self._elders, []
-        if heir is None or heir._board is None or self._board is None or not heir._limit:
+        marked = self._held_mark is not None and self._limit
+        if heir is None and marked:
+            for elder in elders:  # no heir to wait on here: each waits on the fleet's room
+                elder._heir = None
+        elif heir is None or heir._board is None or self._board is None or not heir._limit:
             for elder in [*elders, self]:  # nothing is left to wait on: theirs go out too
                 elder._release_held()
             return
-        for elder in [*elders, self]:  # the older first, all of them now the heir's elders
-            elder._heir = heir
-            heir._elders.append(elder)
-            elder._limit, elder._fleet_limit = heir._limit, heir._fleet_limit
+        else:
+            for elder in [*elders, self]:  # the older first, all of them now the heir's elders
+                elder._heir = heir
+                heir._elders.append(elder)
+                elder._limit, elder._fleet_limit = heir._limit, heir._fleet_limit
         # The ticker runs every tick while anything is held, and releases it then.
         self._release_at = min([time.monotonic() + bound, *(entry[0] for entry in self._held)])
+        self._mark()
         self._room_freed()  # a limit raised by the update: room at once
 
     def _leave_heir(self) -> None:
-        """This retired balancer stopped: its heir no longer waits for it."""
+        """This balancer stopped: its heir no longer waits for it, and it reads no marks."""
+        marks, self._marks = self._marks, None
+        if marks is not None:
+            marks.close()
         heir, self._heir = self._heir, None
         if heir is not None and self in heir._elders:
             heir._elders.remove(self)
@@ -408,6 +459,7 @@ class Gate:
         self._affine = False
         waiting = list(self._held)
         self._held.clear()
+        self._mark()
         for _, _, home, ex in waiting:
             self._unwait(home)
             if not ex.done:

@@ -33,6 +33,16 @@ zeroes a slot's hand-over rows once the slot's old process is gone
 (:func:`clear_hand_over`), so a process killed while retiring leaves no counts behind. A
 slot past the board's rows has no hand-over row: its retiring balancer's requests count
 nowhere until they end.
+
+**What a retiring balancer holds.** Under ``max_in_flight_per_replica`` a retiring balancer may
+hold requests that no replica has seen (every replica was full). They are older than anything
+its successor receives, so they should take the next room; but the successor may be another
+process (``restart-workers``), or the same slot's successor in another worker after an update,
+and neither is told of them in process. So the last cell of a hand-over row (:data:`MARK`)
+carries how many requests that row's balancers hold, under an id no replica has (a reader of
+counts takes it as 0), and a successor with a limit lets them go first while the fleet's spare
+room is no more than what is marked (:class:`HeldMarks`). The mark shares a cell with the 64th
+ready replica, whose count a retiring balancer then leaves off its row.
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ COLUMNS: Final = 64  # ready replicas; past them a replica's load is this worker
 _ROW: Final = struct.Struct(f"<{COLUMNS}Q")
 _CELL: Final = struct.Struct("<Q")
 _COUNT_MASK: Final = (1 << 32) - 1
+MARK: Final = COLUMNS - 1  # a hand-over row's cell of held requests (see the module docstring)
+_MARK_ID: Final = _COUNT_MASK << 32  # the id in that cell: no replica's
 
 
 def board_path(directory: Path, service: str) -> Path:
@@ -156,8 +168,10 @@ class RetiredRow(LoadBoard):
     sum of every balancer of this process that retires in the slot (see the module
     docstring). It reads as any board does."""
 
-    # (board file, row): the counts of the balancers of this process writing that row.
+    # (board file, row): the counts of the balancers of this process writing that row, and
+    # what each of them holds (by id of its counts).
     _writers: dict[tuple[str, int], list[Mapping[int, float]]] = {}
+    _holding: dict[tuple[str, int], dict[int, int]] = {}
 
     def __init__(self, mapped: mmap.mmap, row: int, rows: int, key: tuple[str, int]) -> None:
         super().__init__(mapped, row, rows)
@@ -174,20 +188,64 @@ class RetiredRow(LoadBoard):
         return int(sum(counts.get(rid, 0) for counts in self._writers.get(self._key, ())))
 
     def arrange(self, ready: Sequence[int], in_flight: Mapping[int, float]) -> None:
-        super().arrange(ready, {rid: self._sum(rid) for rid in ready[:COLUMNS]})
+        super().arrange(ready[:MARK], {rid: self._sum(rid) for rid in ready[:MARK]})
+        self._write_mark()
 
     def publish(self, rid: int, count: int) -> None:
         super().publish(rid, self._sum(rid))
+
+    def hold(self, count: int) -> None:
+        """This balancer now holds ``count`` requests (see "What a retiring balancer holds")."""
+        holding = self._holding.setdefault(self._key, {})
+        if holding.get(id(self._counts), 0) != count:
+            holding[id(self._counts)] = count
+            self._write_mark()
+
+    def _write_mark(self) -> None:
+        held = sum(self._holding.get(self._key, {}).values()) & _COUNT_MASK
+        _CELL.pack_into(self._map, self._slot * _ROW.size + MARK * 8, _MARK_ID | held)
 
     def clear(self) -> None:
         """This balancer's requests are over: the row keeps the others' (zeroed by the last)."""
         writers = self._writers.get(self._key, [])
         writers[:] = [counts for counts in writers if counts is not self._counts]
+        self._holding.get(self._key, {}).pop(id(self._counts), None)
         if writers:
             self.arrange(sorted(self._column, key=self._column.__getitem__), {})
         else:
             self._writers.pop(self._key, None)
+            self._holding.pop(self._key, None)
             super().clear()
+
+
+class HeldMarks:
+    """What every retiring balancer of a service holds, read from the hand-over rows' marks
+    (see "What a retiring balancer holds"); for a successor under a limit."""
+
+    def __init__(self, mapped: mmap.mmap, workers: int) -> None:
+        self._map = mapped
+        self._offsets = [
+            row * _ROW.size + MARK * 8 for row in range(workers, min(2 * workers, ROWS))
+        ]
+
+    @classmethod
+    def open(cls, path: str | Path | None, workers: int) -> HeldMarks | None:
+        """None where there are no hand-over rows (no board, a worker alone)."""
+        if path is None or workers < 2:
+            return None
+        mapped = map_shared(path, ROWS * _ROW.size, "load board")
+        return None if mapped is None else cls(mapped, workers)
+
+    def total(self) -> int:
+        held = 0
+        for offset in self._offsets:
+            (cell,) = _CELL.unpack_from(self._map, offset)
+            if cell & ~_COUNT_MASK == _MARK_ID:
+                held += cell & _COUNT_MASK
+        return held
+
+    def close(self) -> None:
+        self._map.close()
 
 
 def retired(

@@ -46,7 +46,7 @@ from corral.balancer.client import ClientConnection
 from corral.balancer.counting import Counters
 from corral.balancer.fast_state import BalancerSlots
 from corral.balancer.gate import HOLD_PATIENCE, Gate
-from corral.balancer.load_board import LoadBoard, RetiredRow, retired, streams_path
+from corral.balancer.load_board import LoadBoard, streams_path
 from corral.balancer.policies import EngineLoad
 from corral.balancer.pool import Pool
 from corral.balancer.pump import close_stream_pump
@@ -238,16 +238,6 @@ class LoadBalancer(BalancerSlots, Counters, Gate, Ticker):
         self._tick_handle = loop.call_later(self._tick_interval, self._tick)
         logger.info("balancer %s listening on %s (policy %s)", self._name, self.url, self._policy)
         return self._port
-
-    def leave_boards(self) -> None:
-        """A successor in this slot (a new balancer after a route change, a new worker process
-        after restart-workers) writes the slot's rows of the shared boards from now on; this
-        balancer's requests under way still load their replicas, so they go on counting on
-        the slot's hand-over row (``load_board.retired``). Its policy may still read."""
-        if self._board is not None and not isinstance(self._board, RetiredRow):
-            streams = self._streaming if self._stream_board is not None else None
-            where, ready = self._hand_over_row, self._ready_ids
-            self._board, self._stream_board = retired(*where, ready, self._in_flight, streams)
 
     async def stop(
         self, idle_grace: float = 0.0, hand_over: bool = False, heir: LoadBalancer | None = None
