@@ -122,6 +122,27 @@ def test_down_all_starts_a_daemon_for_a_home_with_services(
     assert corral_home.status() == []
 
 
+def test_update_and_down_of_a_replica_start_a_daemon_after_a_stop(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`corral daemon stop` says the next daemon is started by the commands that change a
+    service: `update` and `down --replica-id` once failed with "start one" instead."""
+    spec = str(write_spec(tmp_path / "s.yaml", spec_text("kept", 1)))
+    corral_home.run("up", spec)
+    corral_home.run("daemon", "stop")
+    update = corral_home.run("update", "kept", spec, "-d", check=False)
+    assert update.returncode == 0 and "version 2 accepted" in update.stdout, update
+    corral_home.run("daemon", "stop")
+    gone = corral_home.run("down", "kept", "--replica-id", "1", "-y", check=False)
+    assert gone.returncode == 0, gone
+    assert corral_home.daemon_info() is not None
+    corral_home.run("down", "-a", "-y")
+    corral_home.run("daemon", "stop")
+    none = corral_home.run("update", "nothing-here", spec, check=False)
+    assert none.returncode == 1 and "corral daemon start" in none.stderr, none
+    assert corral_home.daemon_info() is None, "a daemon was started only to say nothing runs"
+
+
 def test_after_a_daemon_crash_commands_wait_for_its_restart(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:

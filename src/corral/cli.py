@@ -221,6 +221,8 @@ def update(
     elif envs or secrets:
         _fail("--to-version reuses that version's env and secret values: no --env/--secret")
     client = _client(ctx, start=False)
+    if not serviceless(client):  # with none, the request says how to start a daemon
+        client = _daemon_for_services(ctx, client)
     try:
         service = client.update(
             name,
@@ -380,16 +382,15 @@ def down(
     if replica_id is not None and (all_ or len(names) != 1):
         _fail("--replica-id takes exactly one service name (and no --all)")
     client = _client(ctx, start=False)
-    if replica_id is not None:
-        _down_replica(client, names[0], replica_id, purge=purge, yes=yes)
-        return
     if serviceless(client):
         if all_:
             out.print(NO_SERVICES)  # as `sky serve down -a`, and no daemon started for it
             return
         _fail(f"no service matches {' '.join(names)}: {_home(ctx)} has no services")
-    if not client.answered:  # the home holds services: a daemon takes them down
-        client = _client(ctx, start=True)
+    client = _daemon_for_services(ctx, client)
+    if replica_id is not None:
+        _down_replica(client, names[0], replica_id, purge=purge, yes=yes)
+        return
     try:
         chosen = client.services() if all_ else matching(client, names)
     except ClientError as exc:
@@ -434,6 +435,16 @@ def _up_hint(exc: ClientError, name: str, file: Path | None) -> str:
     if exc.status != 404 or file is None:
         return ""
     return f"; to start {file} as a new service: `corral up {file} -n {name}`"
+
+
+def _daemon_for_services(ctx: click.Context, client: Client) -> Client:
+    """The daemon a command that changes services talks to: started when none answers (the
+    home holds services, and only a daemon changes them), as `up` starts one. `update` and
+    `down --replica-id` once failed with "start one with `corral daemon start`" after a
+    `corral daemon stop`, which says the next command starts one."""
+    if client.answered:
+        return client
+    return _client(ctx, start=True)
 
 
 def _confirm(yes: bool, question: str) -> None:

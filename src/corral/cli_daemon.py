@@ -130,10 +130,11 @@ def daemon_start(ctx: click.Context) -> None:
 @click.pass_context
 def daemon_stop(ctx: click.Context, everything: bool, timeout: float) -> None:
     """Stop the control plane. Services keep serving: the balancer workers and the replicas
-    keep running, and the next daemon (any corral command starts one) adopts them. With no
-    service left, the balancer workers stop too. Returns once the daemon has exited, or fails
-    if it has not within ``--timeout``: a script going on from there would race a daemon
-    still ending its controllers with its lock held."""
+    keep running, and the next daemon adopts them (`daemon start`, `up`, `update`, `down`
+    and `dashboard` start one; `status` and `logs` do not). With no service left, the
+    balancer workers stop too. Returns once the daemon has exited, or fails if it has not
+    within ``--timeout``: a script going on from there would race a daemon still ending its
+    controllers with its lock held."""
     home = home_of(ctx)
     client = Client(home)
     if not client.health():
