@@ -387,7 +387,9 @@ CHECKS: dict[str, Check] = {
     "infra 'ray'": lambda line, tmp, mp: _ray_missing(line),
     "Ray cluster at": lambda line, tmp, mp: _ray_unreachable(line),
     "RAY_ADDRESS is set": lambda line, tmp, mp: from_source(
-        line, "RAY_ADDRESS is set but Ray is missing (pip install 'corral[ray]')"
+        line,
+        "RAY_ADDRESS is set but Ray is missing ({})",
+        "in corral's checkout: pip install -e '.[ray]'",
     ),
     "/ui/login?once=": lambda line, tmp, mp: _dashboard(line),
 }

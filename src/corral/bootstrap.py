@@ -135,16 +135,17 @@ async def _backup_loop(store: Store, home: Path) -> None:
 def _cluster_backends() -> dict[str, Infra]:
     """Backends for clusters the user pointed corral at (optional dependencies).
 
-    Ray: set ``RAY_ADDRESS`` (or ``CORRAL_RAY_ADDRESS``, which wins) and install
-    ``corral[ray]``. It connects in the background (:mod:`corral.infra._ray_link`): the API
-    answers meanwhile and replicas on Ray wait, the reason shown (a cluster that does not answer
-    too, and the log says so). Without Ray installed, a spec on Ray gets a 400 at ``up``.
+    Ray: set ``RAY_ADDRESS`` (or ``CORRAL_RAY_ADDRESS``, which wins) and install Ray
+    (``pip install -e '.[ray]'``). It connects in the background (:mod:`corral.infra._ray_link`):
+    the API answers meanwhile and replicas on Ray wait, the reason shown (a cluster that does not
+    answer too, and the log says so). Without Ray installed, a spec on Ray gets a 400 at ``up``.
     """
     address = os.environ.get("CORRAL_RAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
     if not address:
         return {}
     if not ray_installed():
-        log.error("RAY_ADDRESS is set but Ray is missing (pip install 'corral[ray]')")
+        hint = "in corral's checkout: pip install -e '.[ray]'"  # not on PyPI: not corral[ray]
+        log.error(f"RAY_ADDRESS is set but Ray is missing ({hint})")
         return {}
     return {"ray": RayLink(address)}
 

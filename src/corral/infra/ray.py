@@ -2,7 +2,8 @@
 
 A user who already runs a Ray cluster sets ``infra: ray`` in a spec and points the daemon at the
 cluster with ``RAY_ADDRESS`` (or ``CORRAL_RAY_ADDRESS``); nothing else about corral changes.
-Install with ``pip install 'corral[ray]'``: Ray stays an optional dependency, imported only here.
+Install with ``pip install -e '.[ray]'`` from corral's checkout (it is not on PyPI): Ray stays
+an optional dependency, imported only here.
 
 What runs where:
 
