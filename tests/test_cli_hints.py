@@ -77,3 +77,21 @@ def test_a_command_read_as_a_mapping_hints_at_a_block(
     code, said = _corral(tmp_path, "validate", "s.yaml")
     assert code == 1
     assert f"write the command as a block: `{key}: |`" in said, said
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling"])
+def test_daemon_run_home_is_checked_as_the_groups_home(tmp_path: Path, kind: str) -> None:
+    """`corral daemon run --home` is checked as `corral --home` is (one line, exit 78): it
+    was click's usage error for a file, and a dangling symlink got a daemon serving a home
+    made at the symlink's target."""
+    home = tmp_path / kind
+    if kind == "file":
+        home.write_text("")
+    else:
+        home.symlink_to(tmp_path / "nowhere")
+    result = CliRunner().invoke(
+        main, ["--home", str(tmp_path / "ok"), "daemon", "run", "--home", str(home)]
+    )
+    assert result.exit_code == 78, result.output
+    assert "CORRAL_HOME (or --home)" in result.stderr, result.stderr
+    assert not (tmp_path / "nowhere").exists()

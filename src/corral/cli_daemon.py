@@ -14,7 +14,7 @@ import click
 from corral.cli_common import client_of, fail, home_of, out
 from corral.client import Client, UntrustedDaemon
 from corral.figures import gib
-from corral.home import EXIT_DAEMON_RUNNING, is_loopback
+from corral.home import EXIT_BAD_HOME, EXIT_DAEMON_RUNNING, home_problem, is_loopback
 
 if TYPE_CHECKING:
     import psutil
@@ -26,7 +26,13 @@ def daemon() -> None:
 
 
 @daemon.command("run")
-@click.option("--home", "home_opt", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option(
+    "--home",
+    "home_opt",
+    type=click.Path(path_type=Path),  # checked by home_problem, as `corral --home` is
+    default=None,
+    help="corral home (as `corral --home`; default: $CORRAL_HOME or ~/.corral).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="API address.")
 @click.option(
     "--port",
@@ -70,6 +76,10 @@ def daemon_run(
     from corral.capture import hold_standard_fds
 
     hold_standard_fds()  # before anything opens a file that would take a closed 1 or 2
+    if home_opt is not None:  # the group's --home was checked; this one bypassed it
+        problem = home_problem(home_opt.expanduser())
+        if problem:
+            fail(problem, code=EXIT_BAD_HOME)
     home = (home_opt or home_of(ctx)).expanduser().resolve()
     if (tls_cert is None) != (tls_key is None):
         fail("--tls-cert and --tls-key go together: give both, or neither")
