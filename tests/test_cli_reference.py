@@ -52,3 +52,20 @@ def test_the_module_writes_the_file(tmp_path: Path) -> None:
         timeout=60,
     )
     assert target.read_text() == render()
+
+
+def test_every_option_says_what_it_does() -> None:
+    """An option with no help is a row of docs/cli.md with an empty meaning: `down --timeout`
+    and `daemon run --home` were, so what they did was in no document."""
+    silent: list[str] = []
+
+    def walk(command: click.Command, path: str) -> None:
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden and not param.help:
+                silent.append(f"{path} {param.opts[-1]}")
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, f"{path} {name}")
+
+    walk(main, "corral")
+    assert not silent, silent

@@ -359,7 +359,13 @@ def _logs_on_disk(
 )
 @_yes_option("tearing down")
 @click.option("--wait/--no-wait", default=True, help="Wait until everything is torn down.")
-@click.option("--timeout", type=SECONDS, default=120.0, show_default=True)
+@click.option(
+    "--timeout",
+    type=SECONDS,
+    default=120.0,
+    show_default=True,
+    help="Give up waiting after this many s (exit 1; the teardown goes on in the daemon).",
+)
 @click.pass_context
 def down(
     ctx: click.Context,
