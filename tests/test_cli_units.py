@@ -319,6 +319,37 @@ def test_a_large_machines_memory_is_written_out_in_daemon_status() -> None:
     assert "96 CPUs, 2100 GiB, 0 GPUs" in text and "e+" not in text, text
 
 
+def test_daemon_status_says_who_holds_each_gpu_and_who_waits() -> None:
+    """docs/troubleshooting.md sends a user whose replica is PENDING to `corral daemon status`
+    to see who holds each GPU: the table said "2 GPUs" and nothing of holders or waiters."""
+    from corral.cli_daemon import daemon_rows
+
+    held = [{"service": "svc-a", "replica": 1, "share": 1.0}]
+    halves = [{"service": "b", "replica": 2, "share": 0.5}]
+    inventory = {
+        "source": "nvml",
+        "cpus": 8,
+        "memory": 64 * 1024**3,
+        "gpus": [
+            {"index": 0, "name": "NVIDIA A100", "held_by": held},
+            {"index": 1, "name": "NVIDIA A100", "held_by": halves},
+            {"index": 2, "name": "NVIDIA A100", "held_by": []},
+        ],
+        "cpus_held": 2,
+        "cpus_asked": 1.5,
+        "memory_asked": 4 * 1024**3,
+        "waiting": [{"service": "svc-d", "replica": 5, "reason": "needs 1x A100; the machine..."}],
+    }
+    rows = daemon_rows({"pid": 1, "inventory": inventory}, 0.0)
+    text = [value for _, value in rows]
+    assert "8 CPUs, 64 GiB, 3 GPUs" in text, text
+    assert "GPU 0 (NVIDIA A100): svc-a replica 1" in text, text
+    assert "GPU 1 (NVIDIA A100): b replica 2 (0.5)" in text, text
+    assert "GPU 2 (NVIDIA A100): free" in text, text
+    assert "replicas hold 2 CPUs of their own, ask 1.5 and 4 GiB" in text, text
+    assert ("waiting", "svc-d replica 5 waits: needs 1x A100; the machine...") in rows, rows
+
+
 def test_up_names_the_balancer_error_of_a_controller_failed_service() -> None:
     """A service whose workers cannot listen on its port is CONTROLLER_FAILED with no failure
     of its own: `corral up` said "is CONTROLLER_FAILED: " and nothing after it."""

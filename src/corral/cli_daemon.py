@@ -336,11 +336,35 @@ def daemon_rows(info: dict[str, Any], now: float) -> list[tuple[str, str]]:
         rows.append(("confinement", str(confinement.get("detail", ""))))
     inventory = info.get("inventory") or {}
     if inventory:
-        gpus = len(inventory.get("gpus") or ())
-        memory = gib(float(inventory.get("memory") or 0))
-        rows.append(("inventory", str(inventory.get("source", ""))))
-        rows.append(("", f"{inventory.get('cpus')} CPUs, {memory}, {gpus} GPUs"))
+        rows += _inventory_rows(inventory)
     files = info.get("open_files") or {}
     if files:
         rows.append(("open files", f"{files.get('in_use')} of {files.get('limit')}"))
+    return rows
+
+
+def _inventory_rows(inventory: dict[str, Any]) -> list[tuple[str, str]]:
+    """The machine, who holds each GPU, what is held, and why each waiting replica waits:
+    the table once said only "2 GPUs", while docs/troubleshooting.md sends a user whose
+    replica is PENDING here to see who holds them (``--json`` had it all)."""
+    gpus = inventory.get("gpus") or []
+    memory = gib(float(inventory.get("memory") or 0))
+    rows = [("inventory", str(inventory.get("source", "")))]
+    rows.append(("", f"{inventory.get('cpus')} CPUs, {memory}, {len(gpus)} GPUs"))
+    for gpu in gpus:
+        held = ", ".join(
+            f"{h.get('service')} replica {h.get('replica')}"
+            + (f" ({h['share']:g})" if h.get("share") not in (None, 1) else "")
+            for h in gpu.get("held_by") or ()
+        )
+        rows.append(("", f"GPU {gpu.get('index')} ({gpu.get('name')}): {held or 'free'}"))
+    if inventory.get("cpus_held") or inventory.get("cpus_asked") or inventory.get("memory_asked"):
+        own, shared = inventory.get("cpus_held") or 0, inventory.get("cpus_asked") or 0
+        asked = gib(float(inventory.get("memory_asked") or 0))
+        rows.append(("", f"replicas hold {own:g} CPUs of their own, ask {shared:g} and {asked}"))
+    for warning in inventory.get("warnings") or ():
+        rows.append(("", f"warning: {warning}"))
+    for w in inventory.get("waiting") or ():
+        who = f"{w.get('service')} replica {w.get('replica')}"
+        rows.append(("waiting", f"{who} waits: {w.get('reason')}"))
     return rows
