@@ -395,6 +395,14 @@ def test_verbs_without_daemon_say_how_to_start_one(
     assert "corral daemon start" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_daemon_status_json_without_a_daemon_is_json(corral_home: CorralHome) -> None:
+    """``daemon status --json`` with no daemon once printed a sentence a script could not
+    parse; it exits 1 as before, with a JSON document saying none runs."""
+    result = corral_home.run("daemon", "status", "--json", check=False)
+    assert result.returncode == 1, result
+    assert json.loads(result.stdout) == {"running": False, "home": str(corral_home.path)}
+
+
 def test_up_of_a_service_still_going_down_says_to_wait(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:

@@ -290,7 +290,10 @@ def daemon_status(ctx: click.Context, as_json: bool) -> None:
     if not client.health():
         if isinstance(client.last_error, UntrustedDaemon):
             fail(str(client.last_error))
-        out.print(f"no daemon running on {home_of(ctx)}")
+        if as_json:  # a script parsing --json gets JSON here too, and the same exit code
+            click.echo(json.dumps({"running": False, "home": str(home_of(ctx))}))
+        else:
+            out.print(f"no daemon running on {home_of(ctx)}")
         sys.exit(1)
     info = client.request("GET", "/v1/daemon")
     if as_json:
