@@ -23,18 +23,21 @@ def locate(root: Node | None, loc: Sequence[int | str]) -> tuple[str, int | None
         child: Node | None = None
         if isinstance(node, MappingNode):
             found = False
+            shown = key_text(part)
             for key_node, value_node in node.value:
                 if isinstance(key_node, ScalarNode) and key_node.value == str(part):
                     child, found = value_node, True
                     line = key_node.start_mark.line + 1
-            if not found and not isinstance(part, str):
-                # A key YAML typed (``true:``, ``1:``, ``~:``) reaches pydantic as a value whose
-                # str() is not what the file says; match it by value to find its line.
+            if not found:
+                # A key YAML typed (``true:``, ``1:``, ``~:``) reaches pydantic as a value, and
+                # its error paths as that value's str() ("None" for ``~``), neither what the
+                # file says: match it by value, and show it as written.
                 for key_node, value_node in node.value:
-                    if isinstance(key_node, ScalarNode) and _scalar_value(key_node) == part:
+                    if isinstance(key_node, ScalarNode) and _typed_key_is(key_node, part):
                         child = value_node
                         line = key_node.start_mark.line + 1
-            parts.append(f".{key_text(part)}" if parts else key_text(part))
+                        shown = key_text(key_node.value or "~")
+            parts.append(f".{shown}" if parts else shown)
         elif (
             isinstance(node, SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value)
         ):
@@ -47,6 +50,14 @@ def locate(root: Node | None, loc: Sequence[int | str]) -> tuple[str, int | None
             parts.append(f".{key_text(part)}" if parts else key_text(part))
         node = child
     return "".join(parts), line
+
+
+def _typed_key_is(key_node: ScalarNode, part: int | str) -> bool:
+    """Whether a key YAML did not read as text is ``part``, or what pydantic calls it."""
+    value = _scalar_value(key_node)
+    if isinstance(value, str) or value is _UNREADABLE:
+        return False  # a text key is matched by its text
+    return bool(value == part) or str(value) == str(part)
 
 
 def _scalar_value(node: ScalarNode) -> Any:

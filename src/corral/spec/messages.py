@@ -176,7 +176,8 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
         words = "at least" if kind == "too_short" else "at most"
         return f"must have {words} {bound} item{'s' if bound != 1 else ''}, got {len(got)}"
     if kind == "invalid_key":
-        return f"field names must be text, got {show(loc[-1])}"
+        # The key itself ("input"), not its str() in the path: `~:` is null, not 'None'.
+        return f"field names must be text, got {show(got)}"
     bounds = {
         "greater_than_equal": ("at least", "ge"),
         "greater_than": ("greater than", "gt"),
