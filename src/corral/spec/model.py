@@ -144,6 +144,26 @@ class ServiceSpec(Section):
             raise ValueError("a git workdir (url, ref) is not supported: give a local directory")
         return value
 
+    @field_validator("file_mounts")
+    @classmethod
+    def _mount_mapping(cls, value: Any) -> Any:
+        # SkyPilot's shape on every infra: kept-only elsewhere, `file_mounts: 0` or a list
+        # was accepted in silence (the local check skipped anything falsy) and mounted nothing.
+        if value is None:
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                "expected a mapping of destination: source (`/data: ./data`, or a storage "
+                f"mapping as the source), got {show(value)}"
+            )
+        for dest, src in value.items():
+            if not isinstance(src, str | dict):
+                raise ValueError(
+                    f"{show(dest)}: expected a local path, a bucket URL or a storage mapping "
+                    f"as the source, got {show(src)}"
+                )
+        return value
+
     @field_validator("infra", mode="before")
     @classmethod
     def _infra_case(cls, value: Any) -> Any:
