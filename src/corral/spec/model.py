@@ -131,7 +131,7 @@ class ServiceSpec(Section):
         # `key:` with no value means "the default" (Section._null_means_not_given): here the
         # model-first default. A probe given as a mapping without `path` (only its delays, as
         # LLM specs write it) keeps the engines' /health too, not the generic "/".
-        given = {k: v for k, v in service.items() if v is not None}
+        given = {k: v for k, v in service.items() if v is not None or k not in defaults}
         probe = given.get("readiness_probe")
         if isinstance(probe, dict) and probe.get("path") is None:
             given["readiness_probe"] = {**probe, "path": defaults["readiness_probe"]}
