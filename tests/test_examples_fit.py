@@ -36,7 +36,10 @@ def asked(path: Path) -> tuple[dict[str, Any], int]:
     from its YAML otherwise (it is refused for another field, but its asks are still read)."""
     try:
         spec = load_spec(path)
-    except SpecError:
+    except SpecError as exc:
+        if exc.behind is not None:  # what `validate` checks: the rest, as the spec says it
+            resources = exc.behind.resources.model_dump(exclude_none=True)
+            return resources, exc.behind.service.replica_policy.max_replicas
         raw = yaml.safe_load(path.read_text())
         wanted = {k: v for k, v in (raw.get("resources") or {}).items() if k in PLACED}
         service = raw.get("service") or {}

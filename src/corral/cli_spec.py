@@ -48,18 +48,24 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
     used = None  # the inventory the resources were checked against (this shell's)
     try:
         spec = load_spec(file, name=name, require_service=True)
-        issues = deploy_issues(spec)
-        fit, notes, used = placement_here(spec)
-        unrunnable, engine = model_check(spec)
-        issues = sorted_issues(issues + fit + unrunnable)
+        issues, notes, used, engine = checks_here(spec)
     except SpecError as exc:
-        issues = sorted_issues(exc.issues + issues_behind(file, name, exc.issues))
+        issues, checked = exc.issues, exc.behind
+        if checked is not None:
+            # Every problem at once: what the parse refused, and what the checks after it
+            # find in the rest of the spec (its warnings too), not one round at a time.
+            later, notes, used, _ = checks_here(checked)
+            named = {issue.loc for issue in issues}
+            issues = issues + [issue for issue in later if issue.loc not in named]
+            notes = checked.warnings + notes
+        issues = sorted_issues(issues)
     source = str(file)
+    warnings = (list(spec.warnings) if spec is not None else []) + notes
     if as_json:
         document = {
             "valid": not issues,
             "spec": spec.summary() if spec is not None else None,
-            "warnings": (list(spec.warnings) if spec is not None else []) + notes,
+            "warnings": warnings,
             "errors": [issue.as_json() for issue in issues],
             "inventory": used,
             "engine_command": engine,
@@ -68,9 +74,8 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         if issues:
             sys.exit(1)
         return
-    if spec is not None:
-        for warning in [*spec.warnings, *notes]:
-            err.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
+    for warning in warnings:
+        err.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
     if used:
         err.print(f"resources checked against {used}", soft_wrap=True, markup=False)
     if issues:
@@ -85,41 +90,18 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         out.print(f"  engine (on this machine): {engine}", soft_wrap=True, markup=False)
 
 
-def issues_behind(file: Path, name: str | None, found: list[SpecIssue]) -> list[SpecIssue]:
-    """The problems the checks after parsing (workdir, `run` and $PORT, resources, model) find
-    once the fields ``found`` names are taken out of the file: `validate` promises every
-    problem at once, and SkyServe's examples often have a misspelt field *and* a `run` on a
-    fixed port, or a GPU this machine lacks; naming only the first sends the user back for the
-    next. Each field found is blanked out with its block (line numbers kept); when one cannot
-    be told apart from its line, or the rest still does not parse, nothing is added."""
-    from corral.spec import SpecError, parse_spec
+def checks_here(
+    spec: ServiceSpec,
+) -> tuple[list[SpecIssue], list[str], str | None, str | None]:
+    """What `validate` checks of a parsed spec beyond its text, on this machine: the problems
+    (paths, `run` and $PORT, resources, a model), the resources' notes, the inventory used
+    and a model-first spec's engine command."""
+    from corral.spec import sorted_issues
 
-    try:
-        lines = file.read_text(encoding="utf-8-sig").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return []
-    for issue in found:
-        key = issue.loc.rpartition(".")[2]
-        first = (issue.line or 0) - 1
-        if not key or not 0 <= first < len(lines):
-            return []
-        text = lines[first].strip().removeprefix("- ")
-        if not text.startswith(f"{key}:"):
-            return []  # the issue is not that line's own key (a field left out, a flow map)
-        indent = len(lines[first]) - len(lines[first].lstrip())
-        end = first + 1
-        while end < len(lines) and (
-            not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent
-        ):
-            end += 1
-        lines[first:end] = [""] * (end - first)
-    try:
-        spec = parse_spec("\n".join(lines), str(file), name, require_service=True)
-        later = deploy_issues(spec) + placement_here(spec)[0] + model_check(spec)[0]
-    except SpecError:
-        return []
-    named = {issue.loc for issue in found}
-    return [issue for issue in later if issue.loc not in named]
+    issues = deploy_issues(spec)
+    fit, notes, used = placement_here(spec)
+    unrunnable, engine = model_check(spec)
+    return sorted_issues(issues + fit + unrunnable), notes, used, engine
 
 
 def deploy_issues(spec: ServiceSpec) -> list[SpecIssue]:
@@ -230,12 +212,18 @@ def load_or_exit(
 ) -> ServiceSpec:
     """The spec of `up`/`update`, its ``envs`` (the --env values) filled in as the daemon
     fills them: checked with the spec's own, a `workdir: $DIR` given by --env was refused."""
-    from corral.spec import SpecError, load_spec
+    from corral.spec import SpecError, load_spec, sorted_issues
 
     try:
         spec = load_spec(file, name=name, require_service=True, envs=envs)
     except SpecError as exc:
-        err.print(str(exc), soft_wrap=True, markup=False)
+        issues = exc.issues
+        if exc.behind is not None:
+            # The paths and the port behind the refused fields too, as `validate` says them:
+            # otherwise each `up` names one more problem.
+            named = {issue.loc for issue in issues}
+            issues += [i for i in deploy_issues(exc.behind) if i.loc not in named]
+        err.print(str(SpecError(sorted_issues(issues), exc.source)), soft_wrap=True, markup=False)
         sys.exit(1)
     if need_name and not spec.name:
         fail(f"{file}: the service needs a name: set `name:` in the spec or pass -n NAME")

@@ -2,7 +2,10 @@
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from corral.spec.model import ServiceSpec
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,18 @@ class SpecIssue:
 class SpecError(ValueError):
     """Every problem found in one spec; raised once with all of them, never one at a time."""
 
-    def __init__(self, issues: Iterable[SpecIssue], source: str = "<string>") -> None:
+    def __init__(
+        self,
+        issues: Iterable[SpecIssue],
+        source: str = "<string>",
+        behind: "ServiceSpec | None" = None,
+    ) -> None:
         self.issues: list[SpecIssue] = list(issues)
         self.source: str = source
+        # The spec without the fields these issues refuse (None when nothing is left to
+        # check): `validate` checks it further and shows its warnings, so one run names every
+        # problem, not only those of the parse (corral.spec.behind).
+        self.behind = behind
         super().__init__(str(self))
 
     def __str__(self) -> str:

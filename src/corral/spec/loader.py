@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 from yaml.nodes import Node
 
+from corral.spec.behind import spec_behind
 from corral.spec.errors import SpecError, SpecIssue
 from corral.spec.locate import child_node, keep_text_as_written, locate
 from corral.spec.messages import MAX_ISSUES, explain, make_issue, sorted_issues
@@ -175,6 +176,7 @@ def _validate(
     except ValidationError as exc:
         # Only what can be shown is located and explained (each costs a walk of the tree).
         errors = exc.errors(include_url=False)
+        behind = spec_behind(data, errors)
         if any(tuple(e["loc"])[:1] == ("model",) for e in errors):
             # A model that failed its own check is missing to `run`'s check, which then says
             # "run: is required": the writer gave `model:`, and the problem is its value.
@@ -188,12 +190,19 @@ def _validate(
             if name_given and loc[:1] == ("name",):
                 line = None  # the override did not come from the file
             issues.append(make_issue(dotted, explain(error, loc), line))
-        raise SpecError(issues, source) from None
+        raise SpecError(issues, source, behind and _with_lines(behind, root, data)) from None
+    spec = _with_lines(spec, root, data)
     for loc, message in _cross_section_issues(spec):
         dotted, line = locate(root, loc)
         issues.append(make_issue(dotted, message, line))
     if issues:
-        raise SpecError(issues, source)
+        raise SpecError(issues, source, spec)
+    return spec
+
+
+def _with_lines(spec: ServiceSpec, root: Node, data: dict[Any, Any]) -> ServiceSpec:
+    """``spec`` knowing the lines of its top-level fields and of its keys left without a
+    value, for the problems found after parsing."""
     spec._lines = {str(k): locate(root, (k,))[1] for k in data}
     spec._unset = {field: locate(root, field.split(".", 1))[1] for field in spec._unset}
     return spec
@@ -247,9 +256,9 @@ def parse_spec(
         try:
             spec = _validate(data, root, source, name is not None, envs or {})
         except SpecError as exc:
-            raise SpecError(sorted_issues([*issues, *exc.issues]), source) from None
+            raise SpecError(sorted_issues([*issues, *exc.issues]), source, exc.behind) from None
         if issues:
-            raise SpecError(sorted_issues(issues), source)
+            raise SpecError(sorted_issues(issues), source, spec)
         return spec
     except SpecError:
         raise
