@@ -15,7 +15,15 @@ from corral.spec.resources import Resources
 from corral.spec.section import Section
 from corral.spec.service import ServiceSection
 from corral.spec.unread import unread_balancer_settings, unread_scaling_targets
-from corral.spec.values import EnvName, EnvValue, InfraName, format_range, name_problem, show
+from corral.spec.values import (
+    EnvName,
+    EnvValue,
+    InfraName,
+    env_name_ok,
+    format_range,
+    name_problem,
+    show,
+)
 
 
 class ServiceSpec(Section):
@@ -58,8 +66,11 @@ class ServiceSpec(Section):
             for section in ("envs", "secrets"):
                 values = data.get(section)
                 if isinstance(values, dict):
-                    unset += [f"{section}.{k}" for k, v in values.items() if v is None]
-                    data[section] = {k: v for k, v in values.items() if v is not None}
+                    # Only a valid name: another (``bad name:``, a null key) stays in, so its
+                    # own check refuses it instead of asking for ``--env bad name=VALUE``.
+                    names = [k for k, v in values.items() if v is None and env_name_ok(k)]
+                    unset += [f"{section}.{k}" for k in names]
+                    data[section] = {k: v for k, v in values.items() if k not in names}
         spec = handler(data)
         spec._unset = dict.fromkeys(unset)
         return spec

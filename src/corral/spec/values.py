@@ -134,8 +134,13 @@ def _scalar_to_text(value: Any) -> Any:
     raise ValueError(f"expected text or a number, got {show(value)}; quote it if it is text")
 
 
+def env_name_ok(name: object) -> bool:
+    """Whether ``name`` can be an environment variable's name."""
+    return isinstance(name, str) and _ENV_NAME_RE.fullmatch(name) is not None
+
+
 def _check_env_name(name: str) -> str:
-    if not _ENV_NAME_RE.fullmatch(name):
+    if not env_name_ok(name):
         raise ValueError(
             f"{show(name)} is not a valid environment variable name: use letters, digits "
             "and '_', not starting with a digit"
