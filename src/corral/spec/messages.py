@@ -165,6 +165,9 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
         "model_attributes_type": "expected a mapping (indented `key: value` lines)",
         "list_type": "expected a list",
     }
+    if kind == "int_type" and isinstance(got, float) and got.is_integer() and abs(got) < 1e15:
+        # show() writes 2.0 as 2, and "expected a whole number, got 2" reads as a contradiction.
+        return f"expected a whole number, got {got!r}; write it without the decimal point"
     if kind in plain:
         if "[key]" in loc:
             return f"names here must be text, got {show(got)}"

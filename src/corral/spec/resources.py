@@ -180,6 +180,10 @@ class Resources(Section):
             return None
         if not isinstance(value, list) or not value or not all(isinstance(e, dict) for e in value):
             got = "an empty list" if value == [] else show(value)
+            if isinstance(value, list) and value:  # "got a list" would be no reason: say which
+                bad = [(n, e) for n, e in enumerate(value, 1) if not isinstance(e, dict)]
+                number, entry = bad[0]
+                got = f"a list whose alternative {number} is {show(entry)}"
             raise ValueError(
                 f"expected a list of resource mappings, one per alternative, got {got}"
             )
