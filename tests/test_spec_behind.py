@@ -59,3 +59,9 @@ def test_problems_found_after_a_valid_parse_carry_the_spec() -> None:
 def test_the_error_still_pickles() -> None:
     error = pickle.loads(pickle.dumps(_behind("run: [a]\n")))
     assert error.issues[0].loc == "run"
+
+
+def test_a_date_key_is_left_out_too() -> None:
+    error = _behind("service:\n  readiness_probe: /\n  replicas: 2\n  2024-01-01: x\n" + RUN)
+    assert error.behind is not None  # the key alone, not the section with it
+    assert error.behind.service.replica_policy.min_replicas == 2

@@ -43,3 +43,9 @@ def test_a_typed_key_is_located(key: str, shown: str) -> None:
 def test_a_null_key_in_envs_is_located() -> None:
     loc, at, message = _only_issue("service: {readiness_probe: /}\n" + RUN + "envs:\n  ~: 1\n")
     assert at == 4, (loc, message)
+
+
+def test_a_date_key_is_located() -> None:
+    # pydantic names a date key by its repr ("datetime.date(2024, 1, 1)"), not its text.
+    loc, at, message = _only_issue("service:\n  readiness_probe: /\n  2024-01-01: x\n" + RUN)
+    assert (loc, at) == ("service.2024-01-01", 3), message

@@ -79,11 +79,11 @@ def _refused_paths(data: Any, loc: tuple[int | str, ...]) -> list[Path]:
 
 
 def _key_of(node: dict[Any, Any], part: int | str) -> Any:
-    """The key of ``node`` that pydantic's ``part`` names (it shows ``~:`` as "None"), or
-    _GONE."""
+    """The key of ``node`` that pydantic's ``part`` names (it shows ``~:`` as "None", a date
+    by its repr()), or _GONE."""
     if part in node:
         return part
-    return next((key for key in node if str(key) == str(part)), _GONE)
+    return next((key for key in node if str(part) in (str(key), repr(key))), _GONE)
 
 
 def _leave_out(data: Any, paths: set[Path]) -> bool:

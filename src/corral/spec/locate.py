@@ -57,7 +57,8 @@ def _typed_key_is(key_node: ScalarNode, part: int | str) -> bool:
     value = _scalar_value(key_node)
     if isinstance(value, str) or value is _UNREADABLE:
         return False  # a text key is matched by its text
-    return bool(value == part) or str(value) == str(part)
+    # pydantic names most keys by str() (``~`` as "None"), a date by its repr().
+    return bool(value == part) or str(part) in (str(value), repr(value))
 
 
 def _scalar_value(node: ScalarNode) -> Any:
