@@ -65,3 +65,10 @@ def test_a_date_key_is_left_out_too() -> None:
     error = _behind("service:\n  readiness_probe: /\n  replicas: 2\n  2024-01-01: x\n" + RUN)
     assert error.behind is not None  # the key alone, not the section with it
     assert error.behind.service.replica_policy.min_replicas == 2
+
+
+def test_nothing_is_checked_behind_a_refused_infra() -> None:
+    # Read as the default, local, a `infra: rya` spec would be judged by local rules (a fixed
+    # port, this machine's GPUs) that its backend does not have.
+    error = _behind("infra: rya\nservice:\n  readiness_probe: /\n  replicas: 2\nrun: x\n")
+    assert error.behind is None

@@ -30,6 +30,10 @@ Path = tuple[Any, ...]  # the data's own keys (a null key is None) and list inde
 def spec_behind(data: Any, errors: list[Any]) -> ServiceSpec | None:
     """``data`` parsed without what ``errors`` (pydantic's, for ``data``) refuse, or None when
     that leaves nothing to check (a refused `run`, a problem of the whole spec)."""
+    if any(tuple(error["loc"])[:1] == ("infra",) for error in errors):
+        # Left out, infra would be local, and the local rules (one machine's ports and GPUs)
+        # would judge a spec meant for another backend: problems that are not its own.
+        return None
     data = copy.deepcopy(data)
     for _ in range(_MAX_ROUNDS):
         paths: set[Path] = set()
