@@ -228,7 +228,8 @@ def read_yaml(text: str, source: str) -> tuple[Any, Node, list[SpecIssue]]:
         mark = exc.problem_mark or exc.context_mark
         what = " ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
         line = None if mark is None else mark.line + 1
-        issue = SpecIssue("", f"not valid YAML: {what}", line, _command_hint(text, line))
+        hint = TAB_HINT if "'\\t'" in what else _command_hint(text, line)
+        issue = SpecIssue("", f"not valid YAML: {what}", line, hint)
         raise SpecError([issue], source) from None
     except ReaderError as exc:
         line = text.count("\n", 0, max(exc.position, 0)) + 1
@@ -253,6 +254,10 @@ def read_yaml(text: str, source: str) -> tuple[Any, Node, list[SpecIssue]]:
         if loader is not None:
             loader.dispose()
     return data, root, issues
+
+
+# PyYAML says "found character '\t' that cannot start any token": what, not what to do.
+TAB_HINT = "indent and separate with spaces: YAML does not accept a tab there"
 
 
 def command_block_hint(key: str) -> str:
