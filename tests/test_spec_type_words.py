@@ -33,3 +33,11 @@ def test_an_alternative_that_is_no_mapping_is_named(field: str) -> None:
     message = _message(HEAD + f"resources:\n  {field}: [{{accelerators: T4}}, ~]\n")
     assert not message.endswith("got a list"), message
     assert "alternative 2 is nothing (null)" in message, message
+
+
+def test_a_whole_number_too_large_for_a_number_says_so() -> None:
+    big = "9" * 400
+    message = _message(
+        f"service:\n  readiness_probe:\n    initial_delay_seconds: {big}\nrun: x $PORT\n"
+    )
+    assert "too large" in message and "400 digits" in message, message

@@ -165,9 +165,8 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
         "model_attributes_type": "expected a mapping (indented `key: value` lines)",
         "list_type": "expected a list",
     }
-    if kind == "int_type" and isinstance(got, float) and got.is_integer() and abs(got) < 1e15:
-        # show() writes 2.0 as 2, and "expected a whole number, got 2" reads as a contradiction.
-        return f"expected a whole number, got {got!r}; write it without the decimal point"
+    if words := _number_words(kind, got):
+        return words
     if kind in plain:
         if "[key]" in loc:
             return f"names here must be text, got {show(got)}"
@@ -191,6 +190,18 @@ def explain(error: Any, loc: tuple[int | str, ...]) -> str:
         words, key = bounds[kind]
         return f"must be {words} {show(ctx.get(key))}, got {show(got)}"
     return f"{error['msg']}; got {show(got)}"
+
+
+def _number_words(kind: str, got: Any) -> str | None:
+    """Two type errors whose plain words would contradict themselves, said otherwise."""
+    if kind == "int_type" and isinstance(got, float) and got.is_integer() and abs(got) < 1e15:
+        # show() writes 2.0 as 2, and "expected a whole number, got 2" reads as a contradiction.
+        return f"expected a whole number, got {got!r}; write it without the decimal point"
+    if kind == "float_type" and isinstance(got, int) and not isinstance(got, bool):
+        # Only a whole number beyond any float fails here: "expected a number, got a whole
+        # number of 400 digits" reads as a contradiction.
+        return f"is too large: got {show(got)}, beyond any number a spec takes"
+    return None
 
 
 # A number in exponent form as YAML 1.1 (PyYAML's, so SkyPilot's and corral's) does NOT read
