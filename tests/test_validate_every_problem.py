@@ -131,3 +131,17 @@ def test_a_refused_run_leaves_nothing_to_check_further(
         "service.replica_policy.max_replicas",
         "run",
     }
+
+
+def test_no_warning_about_a_field_the_errors_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    text = (
+        "service:\n  readiness_probe: /\n  replicas: 3\n  max_replicas: 2\n  autoscaling:\n"
+        "    metrics: [{type: qps, target: 1}]\nresources:\n  use_spot: true\nrun: x $PORT\n"
+    )
+    document = _validate(tmp_path, text)
+    assert [e["field"] for e in document["errors"]] == ["service.max_replicas"]
+    assert not [w for w in document["warnings"] if "max_replicas" in w], document["warnings"]
+    assert [w.split(":")[0] for w in document["warnings"]] == ["resources.use_spot"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,7 +58,7 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
             later, notes, used, _ = checks_here(checked)
             named = {issue.loc for issue in issues}
             issues = issues + [issue for issue in later if issue.loc not in named]
-            notes = checked.warnings + notes
+            notes = _not_about(checked.warnings + notes, exc.issues)
         issues = sorted_issues(issues)
     source = str(file)
     warnings = (list(spec.warnings) if spec is not None else []) + notes
@@ -88,6 +89,22 @@ def validate(file: Path, name: str | None, as_json: bool) -> None:
         out.print(f"  {key}: {json.dumps(value, default=str)}", soft_wrap=True)
     if engine is not None:
         out.print(f"  engine (on this machine): {engine}", soft_wrap=True, markup=False)
+
+
+def _not_about(warnings: list[str], issues: list[SpecIssue]) -> list[str]:
+    """The warnings of a spec checked without the fields ``issues`` refuse, but those that
+    name one of them: `max_replicas: 2` below `replicas: 3` is refused, and the spec without
+    it warned "has no effect without service.max_replicas", which the file does have."""
+    fields = [issue.loc for issue in issues if issue.loc]
+    return [
+        warning
+        for warning in warnings
+        if not any(
+            re.search(rf"(?<![\w.]){re.escape(field)}(?![\w.\[])", warning)
+            for field in fields
+            if "." in field or warning.startswith(f"{field}:")
+        )
+    ]
 
 
 def checks_here(
