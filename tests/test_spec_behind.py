@@ -72,3 +72,16 @@ def test_nothing_is_checked_behind_a_refused_infra() -> None:
     # port, this machine's GPUs) that its backend does not have.
     error = _behind("infra: rya\nservice:\n  readiness_probe: /\n  replicas: 2\nrun: x\n")
     assert error.behind is None
+
+
+def test_thousands_of_unknown_keys_are_not_each_located(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The spec behind the errors learns the lines of its own fields only: locating every key
+    # of a generated file (each a walk of every key) took seconds, on the daemon's loop too.
+    import corral.spec.loader as loader
+
+    calls = []
+    real = loader.locate
+    monkeypatch.setattr(loader, "locate", lambda *a: calls.append(a) or real(*a))
+    text = RUN + "".join(f"k{i}: 1\n" for i in range(2000))
+    assert _behind(text).behind is not None
+    assert len(calls) < 300, len(calls)  # the 100 issues shown, and the spec's fields

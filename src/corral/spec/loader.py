@@ -203,7 +203,9 @@ def _validate(
 def _with_lines(spec: ServiceSpec, root: Node, data: dict[Any, Any]) -> ServiceSpec:
     """``spec`` knowing the lines of its top-level fields and of its keys left without a
     value, for the problems found after parsing."""
-    spec._lines = {str(k): locate(root, (k,))[1] for k in data}
+    # Fields only: behind errors, ``data`` may still hold thousands of unknown keys, and
+    # locating each walks every key (seconds for a generated file, on the daemon's loop).
+    spec._lines = {k: locate(root, (k,))[1] for k in data if k in ServiceSpec.model_fields}
     spec._unset = {field: locate(root, field.split(".", 1))[1] for field in spec._unset}
     return spec
 
