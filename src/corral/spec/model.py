@@ -75,14 +75,17 @@ class ServiceSpec(Section):
         spec._unset = dict.fromkeys(unset)
         return spec
 
-    @model_validator(mode="after")
-    def _secrets_apart(self) -> Self:
-        both = sorted(set(self.envs) & set(self.secrets))
+    @field_validator("secrets")
+    @classmethod
+    def _secrets_apart(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        # Checked on the field, not the whole spec: the error then names `secrets` and its
+        # line, and comes with the spec's other problems rather than only once they are fixed.
+        both = sorted(set(info.data.get("envs") or {}) & set(value))
         if both:
             raise ValueError(
                 f"{', '.join(both)} given in both envs and secrets: a name is one or the other"
             )
-        return self
+        return value
 
     def unset_values(self) -> dict[str, int | None]:
         """``envs.NAME``/``secrets.NAME`` left without a value in the file, with their line."""
