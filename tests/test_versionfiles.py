@@ -272,7 +272,7 @@ def test_tls_files_that_are_not_there_are_refused_before_the_service_exists(
     assert set(issues) == {"service.tls.keyfile", "service.tls.certfile"}
     assert "tls/nokey.pem does not exist" in issues["service.tls.keyfile"].message
     assert "is not a file" in issues["service.tls.certfile"].message
-    assert issues["service.tls.keyfile"].line == 2
+    assert issues["service.tls.keyfile"].line == 5  # its own line, not that of service:
     with pytest.raises(SpecError) as refusal:  # what the daemon and `corral up` apply
         check(spec, source="svc.yaml", base_dir=str(tmp_path), envs={}, secrets={})
     assert {i.loc for i in refusal.value.issues} == set(issues)

@@ -213,10 +213,13 @@ def placement_here(spec: ServiceSpec) -> tuple[list[SpecIssue], list[str], str |
     used = f"this shell's inventory, {inventory.source} (a daemon uses its own)"
     problems = fit_problems(resources, inventory)
     if problems:
-        # Each under its own field (it was "resources: resources.memory: needs ..."), at the
-        # line of `resources:` (the spec knows the lines of top-level fields only).
+        # Each under its own field (it was "resources: resources.memory: needs ..."), at its
+        # line (that of `resources:` when the field is not written, as from `any_of`).
         return (
-            [SpecIssue(p.field, str(p).removeprefix(f"{p.field}: "), line) for p in problems],
+            [
+                SpecIssue(p.field, str(p).removeprefix(f"{p.field}: "), spec.line_of(p.field))
+                for p in problems
+            ],
             [],
             used,
         )

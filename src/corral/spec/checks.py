@@ -133,7 +133,7 @@ def tls_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spec
                 f"service.tls.{field}",
                 f"{where} {what} (a relative path is taken from the directory corral is run "
                 f"in, {base_dir}, as in SkyPilot)",
-                spec.line_of("service"),
+                spec.line_of(f"service.tls.{field}"),
                 "give the PEM file's path (absolute, or relative to where you run corral)",
             )
         )
@@ -141,7 +141,8 @@ def tls_issues(spec: ServiceSpec, base_dir: str | os.PathLike[str]) -> list[Spec
         problem = tls_pair_problem(certfile=readable[1], keyfile=readable[0])
         if problem is not None:
             field, message, hint = problem
-            issues.append(SpecIssue(f"service.tls.{field}", message, spec.line_of("service"), hint))
+            line = spec.line_of(f"service.tls.{field}")
+            issues.append(SpecIssue(f"service.tls.{field}", message, line, hint))
     return issues
 
 

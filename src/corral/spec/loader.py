@@ -200,12 +200,35 @@ def _validate(
     return spec
 
 
+# Fields the checks after parsing name (a TLS file, a resource this machine lacks), with the
+# ways a spec may write them: their own line, not the line of their section, is where to fix.
+_NESTED_LINES = {
+    "service.tls.keyfile": (("service", "tls", "keyfile"), ("service", "https", "key")),
+    "service.tls.certfile": (("service", "tls", "certfile"), ("service", "https", "cert")),
+    "resources.accelerators": (("resources", "accelerators"),),
+    "resources.memory": (("resources", "memory"),),
+    "resources.cpus": (("resources", "cpus"),),
+}
+
+
+def _written(root: Node, path: tuple[str, ...]) -> bool:
+    """Whether the file writes ``path`` (each key present), not only a parent of it."""
+    node: Node | None = root
+    for key in path:
+        node = child_node(node, key)
+    return node is not None
+
+
 def _with_lines(spec: ServiceSpec, root: Node, data: dict[Any, Any]) -> ServiceSpec:
     """``spec`` knowing the lines of its top-level fields and of its keys left without a
     value, for the problems found after parsing."""
     # Fields only: behind errors, ``data`` may still hold thousands of unknown keys, and
     # locating each walks every key (seconds for a generated file, on the daemon's loop).
     spec._lines = {k: locate(root, (k,))[1] for k in data if k in ServiceSpec.model_fields}
+    for field, spellings in _NESTED_LINES.items():
+        written = next((path for path in spellings if _written(root, path)), None)
+        if written is not None:
+            spec._lines[field] = locate(root, written)[1]
     spec._unset = {field: locate(root, field.split(".", 1))[1] for field in spec._unset}
     return spec
 

@@ -92,8 +92,12 @@ class ServiceSpec(Section):
         return dict(self._unset)
 
     def line_of(self, key: str) -> int | None:
-        """The line of top-level field ``key`` in the file it was read from, if known."""
-        return self._lines.get(key)
+        """The line of field ``key`` in the file it was read from, if known: a top-level one,
+        or a nested one the checks after parsing name (``service.tls.keyfile``), else the
+        line of its top-level field."""
+        if key in self._lines:
+            return self._lines[key]
+        return self._lines.get(key.partition(".")[0])
 
     @field_validator("name")
     @classmethod
