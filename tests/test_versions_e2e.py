@@ -279,7 +279,8 @@ def test_every_problem_at_once_in_text_and_json(corral_home: CorralHome, tmp_pat
     document = json.loads(as_json.stdout)
     assert document["valid"] is False
     errors = {e["field"]: e for e in document["errors"]}
-    assert set(errors) == {"servce", "resources.cpus"}  # parse errors first: paths need a spec
+    # The workdir behind the refused fields too: every problem in one go.
+    assert set(errors) == {"servce", "resources.cpus", "workdir"}
     assert errors["servce"]["line"] == 3
     assert errors["servce"]["hint"] == "did you mean 'service'?"
     assert set(errors["resources.cpus"]) == {"field", "line", "message", "hint"}
