@@ -203,11 +203,20 @@ def same_replicas(
     """Whether version ``new`` (its number, base_dir and spec) differs from ``old`` only in
     the `service:` section (policy, probe timing; not what the probe asks): then ``old``'s
     running replicas are kept, relabelled. The same files (workdir copy, env and secret
-    values) are part of it."""
+    values) are part of it. The directory each was sent from counts only where the replicas
+    still read it: a version without files, or the engine command a relative model path
+    resolves to (an update sent from another shell relaunched every engine for a knob)."""
     (old_version, old_base, old_spec), (new_version, new_base, new_spec) = old, new
+    files = fingerprint(home, name, old_version)
     return (
-        old_base == new_base
-        and fingerprint(home, name, new_version) == fingerprint(home, name, old_version)
+        files == fingerprint(home, name, new_version)
         and new_spec.model_dump(exclude={"service"}) == old_spec.model_dump(exclude={"service"})
         and probes_alike(new_spec, old_spec)
+        and (
+            old_base == new_base
+            or (
+                files is not None
+                and run_command(old_spec, old_base) == run_command(new_spec, new_base)
+            )
+        )
     )
