@@ -301,7 +301,7 @@ class PrefixAffinity:
             bounded = table is not None or not prompt.chat
             hot = self.recent.over(candidates, self.share_balance) if bounded else _NONE
             order = rendezvous_order(key, candidates)
-            self.preferred = True  # for this prompt's cache, unless _choose falls back to load
+            self.preferred = bool(matched) or sticky is not None or table is None  # else a hash
             chosen = self._choose(order, in_flight, matched, own, sticky, slack, hot)
         self.pending = _Record(key, placed, hashes, whole)  # kept by commit, where it really goes
         return chosen
@@ -455,7 +455,8 @@ class SessionAffinity:
                 order.insert(0, placed)
             for rid in order:
                 if loads[rid] < limit or len(candidates) == 1:
-                    self.preferred = True
+                    # Worth a wait where it went before; a new one's first choice is a hash
+                    self.preferred = rid == placed or self.table is None
                     self.pending = _Session(key)
                     return rid
         chosen: int = self.inner.select(candidates, in_flight, request)
