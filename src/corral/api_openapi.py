@@ -90,6 +90,9 @@ OPENAPI: dict[str, Any] = {
                     "last_update_failure": {"type": "string", "nullable": True},
                     "traffic_versions": {"type": "array", "items": {"type": "integer"}},
                     "last_decision": {"type": "string"},
+                    # While relaunches wait out their backoff (else null): next_attempt_at
+                    # (epoch seconds), next_attempt_in_seconds, reason.
+                    "backoff": {"type": "object", "nullable": True},
                     "replicas": {
                         "type": "array",
                         "items": {"$ref": "#/components/schemas/Replica"},

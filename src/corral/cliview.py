@@ -6,6 +6,7 @@ replica has been starting, which failed replicas are folded) is one small, testa
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.table import Table
@@ -176,6 +177,15 @@ def replicas_table(services: list[dict[str, Any]], verbose: bool) -> tuple[Table
     return table, notes
 
 
+def backoff_text(backoff: dict[str, Any]) -> str:
+    """``next replica launch in 12s (at 23:41:05), backing off after 3 failures in a row;
+    last: ...``: when a service in backoff tries again, and why it waits."""
+    left = float(backoff["next_attempt_in_seconds"])
+    at = time.strftime("%H:%M:%S", time.localtime(float(backoff["next_attempt_at"])))
+    when = f"in {left:.0f}s (at {at})" if left >= 0.5 else f"due now (at {at})"
+    return f"next replica launch {when}, backing off after {backoff['reason']}"
+
+
 def service_notes(service: dict[str, Any]) -> list[tuple[str, str]]:
     """Lines under the tables: (style, text)."""
     name = service["name"]
@@ -194,6 +204,8 @@ def service_notes(service: dict[str, Any]) -> list[tuple[str, str]]:
     for r in service.get("replicas") or ():
         if r.get("waiting"):
             notes.append(("", f"{name} replica {r['id']} waits: {r['waiting']}"))
+    if service.get("backoff"):
+        notes.append(("yellow", f"{name}: {backoff_text(service['backoff'])}"))
     if service.get("failure"):
         notes.append(("red", f"{name}: {service['failure']}"))
     if service.get("last_update_failure"):

@@ -73,8 +73,9 @@ class Executor:
                     if reason is not None:
                         self.svc.event(rid, "replica.purge", reason)
                     self.svc.store.delete_replica(rid)
-                case plan.Note(text):
+                case plan.Note(text, until, why):
                     self.svc.last_decision = text
+                    self.svc.backoff = None if until is None else (until, why or "")
                 case _:
                     self._recover(action, by_id)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from corral.plan import Action, Add, Facts, Note, Row, gave_up, relaunch_wait
+from corral.plan import Action, Add, Facts, Note, Row, gave_up
+from corral.relaunch import relaunch_reason, relaunch_wait
 from corral.replicas import is_live
 
 
@@ -57,6 +58,7 @@ def keep_serving(facts: Facts, now: float) -> list[Action]:
     own = [r for r in facts.rows if r.version == facts.fallback]
     wait = relaunch_wait(own, now)
     if wait > 0:
-        return [Note(f"waiting {wait:.0f}s before replacing a version {facts.fallback} replica")]
+        text = f"waiting {wait:.0f}s before replacing a version {facts.fallback} replica"
+        return [Note(text, until=now + wait, why=relaunch_reason(own))]
     why = f"version {facts.version} gave up; version {facts.fallback} serves"
     return [Add(missing, facts.target, facts.fallback), Note(f"{why}: launching {missing}")]

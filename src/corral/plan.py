@@ -12,8 +12,8 @@ executor applies it, and :func:`toward_target` then plans over the rows as they 
 retired row's ``updated_at`` is when its teardown started, which is where backoff counts from).
 :func:`plan` chains both over one set of rows, for callers without a store in between.
 
-One backoff mechanism (:func:`backoff`) serves every retry: relaunching after failures,
-retrying a failed teardown, and the controller's own retries of a locked state file.
+One backoff mechanism (:func:`corral.relaunch.backoff`) serves every retry: relaunching after
+failures, retrying a failed teardown, and the controller's own retries of a locked state file.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from corral.infra.base import Liveness
+from corral.relaunch import BACKOFF_CAP as BACKOFF_CAP
+from corral.relaunch import backoff as backoff
+from corral.relaunch import relaunch_reason as relaunch_reason
+from corral.relaunch import relaunch_wait as relaunch_wait
 from corral.replicas import (
     TEARING_DOWN,
     LaunchState,
@@ -32,7 +36,6 @@ from corral.replicas import (
     UpdateMode,
     failure_status,
     is_live,
-    ready_held,
     replica_status,
     scale_down_victims,
 )
@@ -41,7 +44,6 @@ from corral.replicas import (
 MAX_FAILURES_BEFORE_READY = 3
 # Failed replica rows kept visible per service (older ones are pruned).
 KEEP_FAILED = 10
-BACKOFF_CAP = 30.0
 
 # The failures the crash-loop rule counts: the app's own. A preempted replica or one whose
 # probes failed after it was READY says nothing about whether the version can ever start.
@@ -60,11 +62,6 @@ def hopeless(r: Row) -> bool:
     if failure_status(r) is ReplicaStatus.FAILED_PROVISION:
         return any(words in (r.failure or "") for words in HOPELESS_WORDS)
     return failure_status(r) is ReplicaStatus.FAILED and r.exit_code in HOPELESS_EXIT_CODES
-
-
-def backoff(failures: int, *, base: float = 1.0, cap: float = BACKOFF_CAP) -> float:
-    """Seconds to wait after ``failures`` consecutive failures: base, 2 base, 4 base ... cap."""
-    return min(cap, base * float(2 ** max(0, failures - 1)))
 
 
 class Row(ReplicaFacts, Protocol):
@@ -243,9 +240,13 @@ class Gone:
 
 @dataclass(frozen=True)
 class Note:
-    """What the step decided, in words (the service's ``last_decision``)."""
+    """What the step decided, in words (the service's ``last_decision``); while it waits
+    for the relaunch backoff, ``until`` when the next attempt comes and ``why``."""
 
     text: str
+    # Not compared: two steps that decided the same in the same words are equal.
+    until: float | None = field(default=None, compare=False)
+    why: str | None = field(default=None, compare=False)
 
 
 Action = (
@@ -286,18 +287,6 @@ def teardown_retry_due(r: Row, now: float) -> bool:
     may still run, and giving up after a few attempts left it running for good once a backend
     outage outlasted them."""
     return now - r.updated_at >= backoff(r.teardown_attempts)
-
-
-def relaunch_wait(current: Sequence[Row], now: float) -> float:
-    """Seconds before relaunching after consecutive failures, so a crashing app is not
-    hammered. Failures before the newest READY that held (:func:`ready_held`) do not count."""
-    failures = [r for r in current if failure_status(r) is not None]
-    if readies := [r.first_ready_at for r in current if r.first_ready_at and ready_held(r)]:
-        failures = [r for r in failures if r.updated_at > max(readies)]
-    if not failures:
-        return 0.0
-    last = max(r.updated_at for r in failures)
-    return max(0.0, last + backoff(len(failures)) - now)
 
 
 def gave_up(version: int, version_ready: bool, current: Sequence[Row]) -> str | None:
@@ -390,7 +379,8 @@ def toward_target(facts: Facts, now: float) -> list[Action]:
     elif len(live) < target:
         wait = relaunch_wait(current, now)
         if wait > 0:
-            actions.append(Note(f"waiting {wait:.0f}s before relaunching (backoff)"))
+            text = f"waiting {wait:.0f}s before relaunching (backoff)"
+            actions.append(Note(text, until=now + wait, why=relaunch_reason(current)))
         else:
             actions.append(Add(target - len(live), target))
             actions.append(Note(f"launching {target - len(live)} toward target {target}"))

@@ -119,6 +119,8 @@ class ServiceCore:
         # Blue-green: READY replicas of this version get no traffic until the switch.
         self.held_version: int | None = None
         self.last_decision = ""  # what the last reconcile step decided, in words
+        # While relaunches wait for their backoff: when the next attempt comes, and why.
+        self.backoff: tuple[float, str] | None = None
         self.dir = deps.home / "services" / name
         self.logs = logfiles.service_logs(deps.home, name)
 

@@ -59,10 +59,22 @@ def service_view(svc: ServiceCore, decision: Decision | None, failed: str | None
         "failure": failed or (None if update_failed else row.failure),
         "last_update_failure": row.failure if update_failed else None,
         "last_decision": svc.last_decision,
+        "backoff": _backoff(svc, row),
         "created_at": row.created_at,
         "llm": service_llm(stats),
         "replicas": _replicas(svc, rows, statuses, stats),
     }
+
+
+def _backoff(svc: ServiceCore, row: ServiceRow) -> dict[str, Any] | None:
+    """While relaunches wait out their backoff: when the next attempt comes (an absolute
+    time, and the seconds left by the daemon's clock, so a client's clock does not matter)
+    and why. ``last_decision`` says only how long was left when the step ran."""
+    if svc.backoff is None or row.intent == "shutting_down":
+        return None
+    until, why = svc.backoff
+    left = round(max(0.0, until - time.time()), 1)
+    return {"next_attempt_at": until, "next_attempt_in_seconds": left, "reason": why}
 
 
 def _endpoint(svc: ServiceCore, row: ServiceRow) -> str | None:
