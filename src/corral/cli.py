@@ -6,6 +6,7 @@ from __future__ import annotations
 from corral import cli_start  # noqa: F401  (installs the handler)
 
 # isort: split
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import Any
 
 import click
 
-from corral import __version__
+from corral import __version__, cli_resend
 from corral.apiconn import ENV_API_URL
 from corral.cli_common import (
     SECONDS,
@@ -147,15 +148,17 @@ def _create(
 
             name = generated_name()
             out.print(f"service name: [bold]{name}[/bold] (generated; pass -n NAME to choose)")
-        try:
-            return client.create(
-                file.read_text(),
-                name=name,
-                source=str(file.resolve()),
-                base_dir=os.getcwd(),
-                envs=envs,
-                secrets=secrets,
-            )
+        send = functools.partial(
+            client.create,
+            file.read_text(),
+            name=name,
+            source=str(file.resolve()),
+            base_dir=os.getcwd(),
+            envs=envs,
+            secrets=secrets,
+        )
+        try:  # sent again when the daemon's crash cut it before it was stored
+            return cli_resend.deploy(client, str(name or spec_name), send, create=True)
         except ClientError as exc:
             if not (generated and exc.status == 409):
                 _fail(_client_error_text(exc) + _update_hint(exc, name or spec_name, file))
@@ -223,17 +226,19 @@ def update(
     client = _client(ctx, start=False)
     if not serviceless(client):  # with none, the request says how to start a daemon
         client = _daemon_for_services(ctx, client)
-    try:
-        service = client.update(
-            name,
-            text,
-            mode=mode,
-            source=source,
-            base_dir=base_dir,
-            from_version=to_version,
-            envs=envs,
-            secrets=secrets,
-        )
+    send = functools.partial(
+        client.update,
+        name,
+        text,
+        mode=mode,
+        source=source,
+        base_dir=base_dir,
+        from_version=to_version,
+        envs=envs,
+        secrets=secrets,
+    )
+    try:  # sent again when the daemon's crash cut it before it was stored
+        service = cli_resend.deploy(client, name, send, create=False)
     except ClientError as exc:
         _fail(_client_error_text(exc) + _up_hint(exc, name, file))
     except KeyboardInterrupt:
@@ -410,7 +415,7 @@ def down(
     _confirm(yes, f"Tear down {'all services: ' if all_ else ''}{', '.join(targets)}?")
     try:
         for n in targets:
-            client.down(n, purge=purge)
+            cli_resend.down(client, n, purge=purge)  # again, if the daemon's crash cut it
             out.print(f"service {n}: shutting down")
     except ClientError as exc:
         _fail(_client_error_text(exc))
@@ -464,7 +469,7 @@ def _confirm(yes: bool, question: str) -> None:
 def _down_replica(client: Client, name: str, replica: int, *, purge: bool, yes: bool) -> None:
     _confirm(yes, f"Tear down replica {replica} of {name}?")
     try:
-        out.print(client.terminate_replica(name, replica, purge=purge), soft_wrap=True)
+        out.print(cli_resend.terminate_replica(client, name, replica, purge=purge), soft_wrap=True)
     except ClientError as exc:
         _fail(_client_error_text(exc))
 
