@@ -223,9 +223,7 @@ def update(
         text, source, base_dir = file.read_text(), str(file.resolve()), os.getcwd()
     elif envs or secrets:
         _fail("--to-version reuses that version's env and secret values: no --env/--secret")
-    client = _client(ctx, start=False)
-    if not serviceless(client):  # with none, the request says how to start a daemon
-        client = _daemon_for_services(ctx, client)
+    client = _daemon_for_services(ctx, _client(ctx, start=False))
     send = functools.partial(
         client.update,
         name,
@@ -452,8 +450,9 @@ def _daemon_for_services(ctx: click.Context, client: Client) -> Client:
     """The daemon a command that changes services talks to: started when none answers (the
     home holds services, and only a daemon changes them), as `up` starts one. `update` and
     `down --replica-id` once failed with "start one with `corral daemon start`" after a
-    `corral daemon stop`, which says the next command starts one."""
-    if client.answered:
+    `corral daemon stop`, which says the next command starts one. A home without services
+    starts none: the request then says how to start one."""
+    if client.answered or serviceless(client):
         return client
     return _client(ctx, start=True)
 
