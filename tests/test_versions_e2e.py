@@ -328,6 +328,39 @@ def test_old_versions_files_are_pruned_and_rollback_says_so(
     assert (versions / "14" / "workdir" / "server.py").read_text() == SERVER.format(code="v1")
 
 
+def test_a_replica_kept_by_service_only_updates_keeps_its_launching_files(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """Eleven updates of the service section only: the replica, relabelled each time, still
+    runs in version 1's files (its working directory), which fell out of the last 10. They
+    are held aside while it runs (it still sees its own files), never under ``versions/``
+    (the window stays the last 10), and go at the first prune after it went."""
+    make_app(tmp_path, "v1")
+    write_spec(tmp_path / "small.yaml", probe_timeout_spec(2))
+    corral_home.run("up", str(tmp_path / "small.yaml"), "-n", "held", cwd=tmp_path)
+    first = ready_replica(corral_home, "held")
+    for timeout in range(3, 14):
+        body = {"spec": probe_timeout_spec(timeout), "base_dir": str(tmp_path)}
+        answer = corral_home.api("POST", "/v1/services/held/versions", body=body)
+        assert answer.status == 201, answer.body
+    service_dir = corral_home.path / "services" / "held"
+    assert sorted(int(p.name) for p in (service_dir / "versions").iterdir()) == [*range(3, 13)]
+    assert (service_dir / "held" / "1" / "workdir" / "server.py").is_file()
+    answer = get_json(endpoint(corral_home, "held"))
+    assert answer["code"] == "v1" and answer["kept_present"], answer
+    assert ready_replica(corral_home, "held")["pid"] == first["pid"]  # never relaunched
+    corral_home.run("down", "held", "--replica-id", str(first["id"]), "-y")
+    ready_replica(corral_home, "held", not_id=first["id"])
+    wait_for(
+        lambda: len((corral_home.service("held") or {"replicas": [0, 0]})["replicas"]) == 1,
+        60,
+        "the replaced replica's row gone",
+    )
+    body = {"spec": probe_timeout_spec(20), "base_dir": str(tmp_path)}
+    assert corral_home.api("POST", "/v1/services/held/versions", body=body).status == 201
+    assert not (service_dir / "held" / "1").exists()
+
+
 def test_an_update_of_the_service_section_moves_the_traffic_to_its_version(
     corral_home: CorralHome, tmp_path: Path
 ) -> None:

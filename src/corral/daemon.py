@@ -329,10 +329,14 @@ class Daemon:
         return None
 
     def _prune_files(self, name: str) -> None:
-        """Drop the files of versions no replica runs and past the rollback window."""
-        versions = [v.version for v in self.store.versions(name)]
-        keep = set(versions[-KEEP_VERSIONS:]) | {r.version for r in self.store.replicas(name)}
-        if versionfiles.prune_versions(self.home, name, keep):
+        """Drop the files of versions no replica runs and past the rollback window; hold
+        aside those a live replica runs in (``versionfiles.prune_versions``), keep those a
+        launch enters."""
+        versions, rows = [v.version for v in self.store.versions(name)], self.store.replicas(name)
+        keep = set(versions[-KEEP_VERSIONS:]) | {r.version for r in rows}
+        keep |= {r.launched_from for r in rows if r.launch_state in ("pending", "running")}
+        running = frozenset(r.launched_from for r in rows)
+        if versionfiles.prune_versions(self.home, name, keep, running):
             versionfiles.collect_garbage(self.home)
 
     async def _check_off_loop(

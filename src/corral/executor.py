@@ -251,7 +251,9 @@ class Executor:
         launch slot is free: while the job waits in a saturated launch lane the replica stays
         PENDING ("waiting for a launch slot"), which is what status should say and what
         scale-down removes first. A restart finds it pending either way and launches it."""
-        self.svc.store.mark_launch(request.replica_id, LaunchState.RUNNING)
+        self.svc.store.mark_launch(
+            request.replica_id, LaunchState.RUNNING, files_version=request.version
+        )
         return infra.launch(request)
 
     def _from_thread(self, fn: Callable[[int, Job], None], replica_id: int, job: Job) -> None:

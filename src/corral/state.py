@@ -47,7 +47,7 @@ from corral.replicas import LaunchState, TeardownState, UpdateMode
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Each entry migrates from version i to i+1; a new schema change appends one entry.
 _MIGRATIONS: list[str] = [
@@ -150,6 +150,11 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE events ADD COLUMN replica INTEGER;
     UPDATE events SET replica = (SELECT seq FROM replicas WHERE replicas.id = events.replica_id)
     """,
+    # 7: the version whose files a replica runs in, once an update of the service section
+    # relabelled it (NULL: its own version's). Pruning keeps those files while it runs.
+    """
+    ALTER TABLE replicas ADD COLUMN files_version INTEGER
+    """,
 ]
 
 
@@ -245,6 +250,12 @@ class ReplicaRow:
     created_at: float
     updated_at: float
     seq: int = 0  # the replica's id within its service, the one users see
+    files_version: int | None = None  # launched from this version's files, when relabelled since
+
+    @property
+    def launched_from(self) -> int:
+        """The version whose files the replica runs in (a relabel leaves it where it was)."""
+        return self.version if self.files_version is None else self.files_version
 
     def __post_init__(self) -> None:
         # The columns hold the enums' text: typed here once, so every reader compares members.
@@ -527,11 +538,10 @@ class Store:
         adopt_live: bool,
         adopt_from: int | None = None,
     ) -> int:
-        """Store a new version and make it current, in one transaction.
-
-        ``adopt_live``: the new version differs only in how the service is run (policy, probe),
-        so the live replicas of the current version (or of ``adopt_from``, one still serving)
-        simply become replicas of the new one instead of being relaunched."""
+        """Store a new version and make it current, in one transaction. ``adopt_live``: the
+        new version differs only in how the service is run (policy, probe), so the live replicas
+        of the current version (or of ``adopt_from``, one still serving) simply become replicas
+        of the new one, still in the files they were launched from (``files_version``)."""
         now = time.time()
 
         def add(db: sqlite3.Connection) -> int:
@@ -553,8 +563,9 @@ class Store:
             )
             if adopt_live:
                 db.execute(
-                    "UPDATE replicas SET version = ?, updated_at = ? WHERE service = ?"
-                    " AND version = ? AND teardown_state IS NULL AND scale_down = 0",
+                    "UPDATE replicas SET version = ?, updated_at = ?, files_version ="
+                    " COALESCE(files_version, version) WHERE service = ? AND version = ?"
+                    " AND teardown_state IS NULL AND scale_down = 0",
                     (version, now, service, keep),
                 )
                 db.execute(
@@ -656,14 +667,21 @@ class Store:
     # Named transitions: each a fact the controller records before it acts on it.
 
     def mark_launch(
-        self, replica_id: int, state: LaunchState, *, failure: str | None = None
+        self,
+        replica_id: int,
+        state: LaunchState,
+        *,
+        failure: str | None = None,
+        files_version: int | None = None,
     ) -> None:
-        """The launch moved on (RUNNING when its job starts, SUCCEEDED, CANCELLED, or FAILED
-        with ``failure``)."""
-        if failure is None:
-            self.update_replica(replica_id, launch_state=state)
-        else:
-            self.update_replica(replica_id, launch_state=state, failure=failure)
+        """The launch moved on (RUNNING when its job starts, with ``files_version``: the
+        version whose files it runs in; SUCCEEDED, CANCELLED, or FAILED with ``failure``)."""
+        facts: dict[str, Any] = {"launch_state": state}
+        if failure is not None:
+            facts["failure"] = failure
+        if files_version is not None:
+            facts["files_version"] = files_version
+        self.update_replica(replica_id, **facts)
 
     def mark_relaunch(self, replica_id: int, *, forget_handle: bool = True) -> None:
         """Back to PENDING: the launch was interrupted and nothing of it runs."""

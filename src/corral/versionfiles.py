@@ -59,6 +59,7 @@ __all__ = [
     "collect_garbage",
     "fingerprint",
     "has_files",
+    "held_dir",
     "prepare_version",
     "prune_versions",
     "read_values",
@@ -377,21 +378,49 @@ def has_files(home: Path, service: str) -> bool:
     return root.is_dir() and any(entry.name.isdigit() for entry in root.iterdir())
 
 
-def prune_versions(home: Path, service: str, keep: set[int]) -> list[int]:
-    """Remove the directories of the versions not in ``keep``; the versions removed."""
+def held_dir(home: Path, service: str) -> Path:
+    """Where the files of versions past the rollback window wait while a replica launched
+    from them still runs (see :func:`prune_versions`)."""
+    return home / "services" / service / "held"
+
+
+def prune_versions(
+    home: Path, service: str, keep: set[int], running: frozenset[int] = frozenset()
+) -> list[int]:
+    """Remove the directories of the versions not in ``keep``; the versions removed.
+
+    ``running``: versions whose files a live replica was launched from. An update of the
+    service section only relabels a replica, which goes on running in the files of the
+    version that launched it (its working directory, or the overlay over it, was set up
+    then), so those files must outlive the version's place in the rollback window. They are
+    moved out of ``versions/`` (to :func:`held_dir`) instead of being removed: a rename keeps
+    the directory the replica has open, while the window, and what a rollback may reuse,
+    stay the last versions only (a chain of service-only updates is still pruned). A held
+    directory goes at the first prune after its last replica did."""
     root = home / "services" / service / "versions"
+    held = held_dir(home, service)
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for entry in root.iterdir():
             if entry.name.isdigit() and int(entry.name) not in keep:
-                shutil.rmtree(entry, ignore_errors=True)
+                if int(entry.name) in running:
+                    held.mkdir(mode=0o700, exist_ok=True)
+                    os.replace(entry, held / entry.name)
+                else:
+                    shutil.rmtree(entry, ignore_errors=True)
                 removed.append(int(entry.name))
+    with contextlib.suppress(FileNotFoundError):
+        for entry in held.iterdir():
+            if not (entry.name.isdigit() and int(entry.name) in running):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += [int(entry.name)] if entry.name.isdigit() else []
     return sorted(removed)
 
 
 def remove_service_files(home: Path, service: str) -> None:
     """Every version's files of a service that is gone, then the store's garbage."""
     shutil.rmtree(home / "services" / service / "versions", ignore_errors=True)
+    shutil.rmtree(held_dir(home, service), ignore_errors=True)
     collect_garbage(home)
 
 
