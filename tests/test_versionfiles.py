@@ -301,3 +301,22 @@ def test_launch_inputs_come_from_the_version_files(tmp_path: Path) -> None:
     # Files of this version gone while the service has others: never the live directory.
     workdir, _ = launch_inputs(home, "svc", 7, spec, str(tmp_path))
     assert workdir == version_dir(home, "svc", 7) / "workdir" and not workdir.exists()
+
+
+def test_a_version_half_built_by_a_killed_daemon_is_pruned_with_its_store_files(
+    tmp_path: Path,
+) -> None:
+    """A daemon killed inside prepare_version (or clone_version) leaves ``.N.tmp-...``: its
+    hard links kept their store files alive until the service went down."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "app.py").write_text("v1")
+    home = tmp_path / "home"
+    prepare_version(home, "svc", 1, workdir=src, envs={}, secrets={})
+    (src / "app.py").write_text("v2, never stored")
+    two = prepare_version(home, "svc", 2, workdir=src, envs={}, secrets={})
+    versions = home / "services" / "svc" / "versions"
+    two.path.rename(versions / ".2.tmp-0a1b2c3d")  # as the kill left it: never renamed
+    assert prune_versions(home, "svc", keep={1}) == [2]
+    assert sorted(p.name for p in versions.iterdir()) == ["1"]
+    assert collect_garbage(home) == 1  # "v2, never stored"

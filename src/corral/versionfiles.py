@@ -396,13 +396,22 @@ def prune_versions(
     moved out of ``versions/`` (to :func:`held_dir`) instead of being removed: a rename keeps
     the directory the replica has open, while the window, and what a rollback may reuse,
     stay the last versions only (a chain of service-only updates is still pruned). A held
-    directory goes at the first prune after its last replica did."""
+    directory goes at the first prune after its last replica did.
+
+    A version's directory being built (``.N.tmp-...``, see :func:`prepare_version`) that a
+    killed daemon left goes too (its number is among those returned): its links kept their
+    store files from :func:`collect_garbage` for as long as the service lived. The caller
+    holds the service's deploy lock, so none is being built now."""
     root = home / "services" / service / "versions"
     held = held_dir(home, service)
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for entry in root.iterdir():
-            if entry.name.isdigit() and int(entry.name) not in keep:
+            number, _, rest = entry.name[1:].partition(".tmp-")
+            if entry.name.startswith(".") and number.isdigit() and rest:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(int(number))
+            elif entry.name.isdigit() and int(entry.name) not in keep:
                 if int(entry.name) in running:
                     held.mkdir(mode=0o700, exist_ok=True)
                     os.replace(entry, held / entry.name)
