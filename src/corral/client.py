@@ -171,6 +171,13 @@ class Client:
             raw = response.read()
         except OSError as exc:
             raise _unreachable(exc, ep) from None
+        except http.client.HTTPException as exc:
+            # The answer cut short (IncompleteRead, ...): the daemon died while it answered.
+            # Unreachable, not a traceback: the callers then wait for a respawn as for a cut
+            # connection, and know that what was asked may have been done.
+            raise DaemonUnreachable(
+                f"the corral daemon at {ep.url} ended its answer midway ({exc!r})"
+            ) from None
         finally:
             conn.close()
         try:
