@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from corral import plan
 from corral.executor import Executor
+from corral.replicas import UpdateMode, is_live
 from corral.servicecore import ServiceCore, handle_from_row
 
 
@@ -28,4 +29,22 @@ def adopt(svc: ServiceCore, executor: Executor) -> None:
             assert handle is not None
             liveness = svc.liveness(r, handle)
         executor.apply(plan.recover(r, liveness), [r])
+    svc.held_version = held_version(svc)
     svc.publish_ready()
+
+
+def held_version(svc: ServiceCore) -> int | None:
+    """The blue-green version whose traffic is held, as the previous daemon held it: the
+    hold lived in its memory, and without it the ready set pushed now would give the new
+    version's READY replicas traffic before the switch (until the first reconcile step held
+    them again). Held while an older version still has a live READY replica: then the switch
+    has not happened (it retires every old replica at once). The first step decides again."""
+    service = svc.store.service(svc.name)
+    if service is None:
+        return None
+    version = svc.store.version(svc.name, service.current_version)
+    if version is None or version.mode is not UpdateMode.BLUE_GREEN:
+        return None
+    rows = svc.store.replicas(svc.name)
+    old_ready = any(r.version != version.version and r.ready and is_live(r) for r in rows)
+    return version.version if old_ready else None
