@@ -75,6 +75,9 @@ OPENAPI: dict[str, Any] = {
                     "devices": {"type": "object", "nullable": True},
                     # Why a PENDING replica waits (it does not fit now), else null.
                     "waiting": {"type": "string", "nullable": True},
+                    # FAILED_CLEANUP only: teardowns tried so far, and when the next comes.
+                    "teardown_attempts": {"type": "integer"},
+                    "teardown_retry_in_seconds": {"type": "number"},
                 },
             },
             "Service": {

@@ -80,6 +80,11 @@ def status_text(replica: dict[str, Any]) -> str:
         return f"STARTING ({age(float(started))}{limit}{seen})"
     if status == "NOT_READY" and last:
         return f"NOT_READY (last probe: {last})"
+    retry = replica.get("teardown_retry_in_seconds")
+    if status == "FAILED_CLEANUP" and retry is not None:
+        attempt = int(replica.get("teardown_attempts") or 0) + 1
+        when = f"in {age(float(retry))}" if float(retry) >= 0.5 else "now"
+        return f"FAILED_CLEANUP (teardown attempt {attempt} {when})"
     return status
 
 

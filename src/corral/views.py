@@ -11,7 +11,14 @@ from typing import Any
 from corral.autoscale import Decision
 from corral.jobs import JobState
 from corral.llm_view import replica_llm, service_llm
-from corral.replicas import ReplicaStatus, ServiceStatus, replica_status, service_status
+from corral.plan import backoff
+from corral.replicas import (
+    ReplicaStatus,
+    ServiceStatus,
+    TeardownState,
+    replica_status,
+    service_status,
+)
 from corral.servicecore import ServiceCore
 from corral.spec import ServiceSpec
 from corral.state import ReplicaRow, ServiceRow
@@ -197,6 +204,15 @@ def replica_view(
         "devices": devices,
         "waiting": waiting,
     }
+    hung = svc.rt.hung.get(r.id)
+    if r.teardown_state is TeardownState.FAILED and (hung is None or hung.returned()):
+        # FAILED_CLEANUP: it may still run, and its teardown is tried again, with backoff,
+        # for as long as it fails (plan.teardown_retry_due): say when, not only that it failed.
+        # (Not while an abandoned attempt is still inside its backend call: the next one waits
+        # for it, and its failure says so.)
+        view["teardown_attempts"] = r.teardown_attempts
+        retry = r.updated_at + backoff(r.teardown_attempts)
+        view["teardown_retry_in_seconds"] = round(max(0.0, retry - now), 1)
     if status in (ReplicaStatus.STARTING, ReplicaStatus.NOT_READY):
         # What the last readiness probe got, while it is not READY (None before the first).
         probed = svc.rt.probes.get(r.id)
