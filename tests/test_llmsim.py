@@ -453,6 +453,26 @@ def test_a_request_that_arrives_while_the_server_stops_is_a_503() -> None:
     run(scenario())
 
 
+def test_a_stream_the_stop_cuts_reads_as_cut() -> None:
+    """docs/llmsim.md: a stream under way when the server stops ends with the connection cut,
+    its chunked body unended. It once ended properly, without its [DONE]: a client (curl, an
+    SDK iterating the events) read a cut answer as a whole one."""
+
+    async def scenario() -> None:
+        async with SimServer(FAST) as sim, aiohttp.ClientSession() as session:
+            body = {"prompt": "long", "max_tokens": 5_000, "stream": True}
+            async with session.post(sim.url + "/v1/completions", json=body) as response:
+                assert response.status == 200
+                await response.content.readline()  # the answer is under way
+                stopping = asyncio.create_task(sim.engine.stop())
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    while await response.content.read(65536):
+                        pass
+                await stopping
+
+    run(scenario())
+
+
 def test_a_deeply_nested_body_or_a_lone_surrogate_is_never_a_500() -> None:
     """Two bodies a client can send that json.loads does not refuse with a ValueError: one
     nested past the parser's recursion limit (RecursionError: was aiohttp's bare 500) is a 400

@@ -172,9 +172,14 @@ class _Routes:
             while tokens := await generation.next():
                 events = (answer.events(index[seq.seq_id], seq, pos) for seq, pos in tokens)
                 await response.write(b"".join(event(e) for chunk in events for e in chunk))
-            if not generation.aborted:  # a stream cut short by a stop ends with no [DONE]
-                tail = [event(e) for e in answer.tail(generation.sequences)]
-                await response.write(b"".join(tail) + (DONE if answer.done_marker else b""))
+            if generation.aborted and request.transport is not None:
+                # Stopped mid-answer: the connection is cut, the chunked body left unended, as
+                # a killed engine's is, so a client can tell the answer is not whole (an ended
+                # body read as a complete answer that lacked only its [DONE]).
+                request.transport.abort()
+                return response
+            tail = [event(e) for e in answer.tail(generation.sequences)]
+            await response.write(b"".join(tail) + (DONE if answer.done_marker else b""))
             await response.write_eof()
             return response
 
