@@ -328,6 +328,29 @@ def test_a_route_change_leaves_the_new_balancers_counts_on_the_board(tmp_path: P
     asyncio.run(asyncio.wait_for(go(), 60))
 
 
+async def _end_both(
+    replica: Replica,
+    gates: tuple[str, ...],
+    old: Any,
+    running: asyncio.Task[None] | None,
+    new: Any,
+    other: LoadBoard | None,
+) -> None:
+    """The end of a test of two workers of one slot (``old`` draining in ``running``): every
+    gate open, the old one's drain over, the new one's balancers gone, the replica stopped."""
+    for gate in gates:
+        replica.gates.setdefault(gate, asyncio.Event()).set()
+    old.stop.set()
+    if running is not None:
+        await asyncio.wait_for(running, 20)
+    await new._apply({})
+    await wait_until(lambda: not new.retiring, 20, "every balancer gone")
+    if other is not None:
+        other.close()
+    assert replica._runner is not None
+    await replica._runner.cleanup()
+
+
 def test_a_worker_replaced_in_its_slot_leaves_the_row_to_its_successor(tmp_path: Path) -> None:
     """``corral daemon restart-workers`` starts a new worker process in each slot, then stops
     the old one, which drains its requests. The old one kept writing the slot's row (each of
@@ -372,17 +395,7 @@ def test_a_worker_replaced_in_its_slot_leaves_the_row_to_its_successor(tmp_path:
                 replica.gates["new"].set()
                 assert (await on_new).status == 200
         finally:
-            for gate in ("old", "new"):
-                replica.gates.setdefault(gate, asyncio.Event()).set()
-            old.stop.set()
-            if running is not None:
-                await asyncio.wait_for(running, 20)
-            await new._apply({})
-            await wait_until(lambda: not new.retiring, 20, "every balancer gone")
-            if other is not None:
-                other.close()
-            assert replica._runner is not None
-            await replica._runner.cleanup()
+            await _end_both(replica, ("old", "new"), old, running, new, other)
 
     asyncio.run(asyncio.wait_for(go(), 60))
 
@@ -658,16 +671,7 @@ def test_a_new_worker_process_lets_what_the_old_one_holds_go_first(tmp_path: Pat
                 assert (await asyncio.wait_for(newer, 10)).status == 200
                 await asyncio.wait_for(running, 20)
         finally:
-            for gate in ("late", "newer"):
-                replica.gates.setdefault(gate, asyncio.Event()).set()
-            old.stop.set()
-            if running is not None:
-                await asyncio.wait_for(running, 20)
-            await new._apply({})
-            await wait_until(lambda: not new.retiring, 20, "every balancer gone")
-            other.close()
-            assert replica._runner is not None
-            await replica._runner.cleanup()
+            await _end_both(replica, ("late", "newer"), old, running, new, other)
 
     asyncio.run(asyncio.wait_for(go(), 60))
 
