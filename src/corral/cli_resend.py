@@ -113,9 +113,11 @@ def deploy(
             if attempt == ATTEMPTS - 1:
                 raise
             _back(client, exc, doing)
-            if daemon is not None and _daemon_pid(client) == daemon:
+            if os.environ.get(ENV_API_URL) or daemon is None or _daemon_pid(client) == daemon:
                 # The same daemon answers: no crash cut it (its answer was late, say, a large
-                # workdir still being copied), and it may yet store it: never sent twice.
+                # workdir still being copied), and it may yet store it: never sent twice. Nor
+                # where that cannot be told: a remote one ($CORRAL_API_URL), whose pid this
+                # home's daemon.json does not hold and whose clock is not this machine's.
                 raise
         try:
             service = client.service(name)
