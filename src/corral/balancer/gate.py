@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 HELD_RETRY_AFTER: Final = 1
 # How long a held request waits for the replica its policy chose before taking any with room.
 HOLD_PATIENCE: Final = 0.5
+# The longest a replaced worker (restart-workers) holds requests on: the daemon kills it at
+# most 61 s after telling it to exit (dataplane.processes.MAX_OLD_WORKER_GRACE), and a request
+# still held then is cut unsent. Half of that, so the request has the other half to finish.
+REPLACED_HOLD_CAP: Final = 30.0
 
 
 class Gate:
@@ -425,8 +429,12 @@ class Gate:
         elders, self._elders = self._elders, []
         marked = self._held_mark is not None and self._limit
         if heir is None and marked:
+            bound = min(bound, REPLACED_HOLD_CAP)  # before the daemon kills this process
+            cap = time.monotonic() + bound
             for elder in elders:  # no heir to wait on here: each waits on the fleet's room
                 elder._heir = None
+                if elder._release_at:  # nor past the kill (its bound was its own drain's)
+                    elder._release_at = min(elder._release_at, cap)
         elif heir is None or heir._board is None or self._board is None or not heir._limit:
             for elder in [*elders, self]:  # nothing is left to wait on: theirs go out too
                 elder._release_held()
