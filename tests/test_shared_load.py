@@ -509,6 +509,24 @@ def test_the_held_mark_takes_the_64th_replicas_cell_on_a_hand_over_row(
     board.close()
 
 
+def test_forget_own_takes_back_only_what_the_leaving_balancer_wrote(tmp_path: Path) -> None:
+    """``load_board.forget_own``: a cell still holding the leaving balancer's count goes to 0;
+    one its successor wrote since keeps the successor's."""
+    from corral.balancer.load_board import forget_own
+
+    path = board_path(tmp_path, "svc")
+    reader, leaving, successor = (LoadBoard.open(path, slot, 2) for slot in (1, 0, 0))
+    assert reader is not None and leaving is not None and successor is not None
+    reader.arrange((1, 2), {})
+    leaving.arrange((1, 2), {1: 2, 2: 3})
+    successor.arrange((1, 2), {2: 1})  # the successor's table: its own row from its counts
+    leaving.publish(1, 2)  # the leaving one wrote after it, for replica 1
+    forget_own(path, 0, 2, (1, 2), {1: 2, 2: 3})
+    assert reader.totals((1, 2), {}) == {1: 0, 2: 1}
+    for board in (reader, leaving, successor):
+        board.close()
+
+
 @pytest.mark.parametrize("how", ["update", "bound", "raised", "restart-workers"])
 def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
     tmp_path: Path, how: str
@@ -575,6 +593,49 @@ def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
             else:
                 await worker._apply({})
                 await wait_until(lambda: not worker.retiring, 20, "every balancer gone")
+            assert replica._runner is not None
+            await replica._runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_replaced_workers_held_request_takes_the_room_its_own_request_frees(
+    tmp_path: Path,
+) -> None:
+    """restart-workers, limit 1: the old worker holds a request behind its own on the replica.
+    Its own count stayed on the slot's row after it moved to the hand-over row, so when that
+    request ended the replica still looked full, to the old worker itself too, and the held
+    one went only at its bound (here 20 s, half the drain). Now the old worker takes back
+    what it wrote on the row as it leaves it (``load_board.forget_own``), and the held
+    request goes when the room frees."""
+
+    async def go() -> None:
+        replica = await Replica(1).start()
+        worker, route, base = _one_slot(tmp_path, replica)
+        table = route("least_load", 1)
+        table["svc"]["config"]["drain_timeout"] = 40.0
+        running = None
+        try:
+            await worker._apply(table)
+            lb = worker.services["svc"].lb
+            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
+                busy, late = await _busy_and_late(first, second, f"{base}/hold/", replica, lb)
+                running = asyncio.create_task(worker.run())
+                worker.stop.set()  # what the daemon's "exit" does
+                await _held_and_marked(tmp_path, lb, replica)
+                replica.gates["busy"].set()
+                assert (await asyncio.wait_for(busy, 10)).status == 200
+                await wait_until(lambda: replica.arrived == 2, 5, "sent as the room freed")
+                assert lb._release_at > time.monotonic()  # not by its bound
+                replica.gates["late"].set()
+                assert (await asyncio.wait_for(late, 10)).status == 200
+                await asyncio.wait_for(running, 20)
+        finally:
+            for gate in ("busy", "late"):
+                replica.gates.setdefault(gate, asyncio.Event()).set()
+            worker.stop.set()
+            if running is not None:
+                await asyncio.wait_for(running, 30)
             assert replica._runner is not None
             await replica._runner.cleanup()
 
@@ -681,8 +742,10 @@ def test_a_replaced_worker_leaves_no_count_on_its_successors_row(tmp_path: Path)
     the old one serves on until it is told to exit, writing that row too (a request it sends
     or ends meanwhile). Once it left the row (its counts on the hand-over row, then gone),
     what it wrote there last stayed: a replica loaded by nothing, full under a limit, until
-    the new process happened to send it a request. Once the old process is gone the daemon
-    pushes the table again, and every worker writes its row anew from its own counts."""
+    the new process happened to send it a request. It now takes back what it wrote as it
+    leaves the row (``load_board.forget_own``); and for an old process that does not (an
+    earlier corral, being upgraded), once it is gone the daemon pushes the table again, and
+    every worker writes its row anew from its own counts."""
     from corral.dataplane.replace import replace_worker
     from corral.state import WorkerRow
 
@@ -697,11 +760,19 @@ def test_a_replaced_worker_leaves_no_count_on_its_successors_row(tmp_path: Path)
     old.set_ready(ready)
     new.set_ready(ready)  # the new process applied the table: the row is its own
     old._acquire(1)  # the old one still serves: a request it sends lands on the row
-    old.leave_boards()  # told to exit
+    old.leave_boards()  # told to exit: it takes back what it wrote on the row
+    assert reader.totals((1,), {}) == {1: 1}  # on the hand-over row while it runs
     old._release(1)
     assert old._board is not None
     old._board.clear()
-    assert reader.totals((1,), {}) == {1: 1}  # the old process's count, left behind
+    assert reader.totals((1,), {}) == {1: 0}
+    # An old process of an earlier corral (restart-workers is how an upgrade goes) took
+    # nothing back: its count stays on the row until the push once it is gone.
+    earlier = LoadBoard.open(path, 0, 2)
+    assert earlier is not None
+    earlier.arrange((1,), {1: 1})
+    earlier.close()
+    assert reader.totals((1,), {}) == {1: 1}
 
     class Conn:
         seq = 1

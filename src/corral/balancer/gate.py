@@ -45,7 +45,13 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
-from corral.balancer.load_board import HeldMarks, RetiredRow, retired
+from corral.balancer.load_board import (
+    HeldMarks,
+    RetiredRow,
+    forget_own,
+    retired,
+    streams_path,
+)
 from corral.balancer.policies import weigh_streams
 
 if TYPE_CHECKING:
@@ -257,6 +263,9 @@ class Gate:
         if self._board is not None and not isinstance(self._board, RetiredRow):
             streams = self._streaming if self._stream_board is not None else None
             where, ready = self._hand_over_row, self._ready_ids
+            forget_own(*where, ready, self._in_flight)
+            if streams is not None and where[0] is not None:
+                forget_own(streams_path(where[0]), *where[1:], ready, streams)
             self._board, self._stream_board = retired(*where, ready, self._in_flight, streams)
             self._held_mark = self._board
 

@@ -27,8 +27,9 @@ balancer in the worker and retires the old one, and ``restart-workers`` starts a
 process beside the old. The successor takes the slot's row; the one retiring, whose requests
 under way still load their replicas (and count against ``max_in_flight_per_replica``), moves
 them to the slot's hand-over row (:func:`retired`), rows ``workers`` to ``2 * workers - 1``,
-which every reader adds in. Balancers of one process retiring in one slot write that row
-together, each cell the sum of their counts; the last one's end zeroes it, and the daemon
+which every reader adds in, and takes back what it wrote on the slot's row (:func:`forget_own`).
+Balancers of one process retiring in one slot write the hand-over row together, each cell
+the sum of their counts; the last one's end zeroes it, and the daemon
 zeroes a slot's hand-over rows once the slot's old process is gone
 (:func:`clear_hand_over`), so a process killed while retiring leaves no counts behind. A
 slot past the board's rows has no hand-over row: its retiring balancer's requests count
@@ -274,6 +275,33 @@ def retired(
     if counted is not None:
         counted.streams = streamed
     return counted, streamed
+
+
+def forget_own(
+    path: str | Path | None,
+    slot: int,
+    workers: int,
+    ready: Sequence[int],
+    in_flight: Mapping[int, float],
+) -> None:
+    """A balancer leaves ``slot``'s row to its successor (``in_flight``: its own counts, now
+    going to the hand-over row): each cell that still holds what it last wrote there goes
+    back to 0. After restart-workers the old process went on writing the row after the new
+    one had written it from its table, and those counts stayed until the old process was
+    gone: a replica looked full under a limit, to the old process's own held requests too.
+    A cell the successor wrote since is left alone (unless it wrote the same count: then it
+    is off by that count until its next write for that replica)."""
+    if path is None or workers < 2 or not 0 <= slot < workers:
+        return
+    mapped = map_shared(path, ROWS * _ROW.size, "load board")
+    if mapped is None:
+        return
+    for i, rid in enumerate(ready[:COLUMNS]):
+        count = int(in_flight.get(rid, 0)) & _COUNT_MASK
+        offset = slot * _ROW.size + i * 8
+        if count and _CELL.unpack_from(mapped, offset)[0] == rid << 32 | count:
+            _CELL.pack_into(mapped, offset, rid << 32)
+    mapped.close()
 
 
 def clear_hand_over(directory: Path, slot: int, workers: int) -> None:
