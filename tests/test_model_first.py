@@ -14,7 +14,7 @@ import pytest
 from conftest import CorralHome, write_spec
 
 from corral.admission import check_spec
-from corral.deploy import run_command
+from corral.deploy import replica_command
 from corral.errors import Unrunnable
 from corral.model_engines import SIMULATOR, ModelUnavailable, engine_command
 from corral.spec import parse_spec
@@ -247,9 +247,9 @@ def test_a_relative_model_path_is_taken_from_where_corral_was_run(
     with pytest.raises(Unrunnable, match="cannot run here"):
         admit(text, capacity=None)
     spec = admit(text, capacity=None, base_dir=str(project))
-    run = run_command(spec, str(project))
+    run = replica_command(spec, str(project))
     assert f"-m {project / 'models' / 'tiny.gguf'} " in run, run
-    assert "exit 78" in run_command(spec)  # from the daemon's directory, nothing to run
+    assert "exit 78" in replica_command(spec)  # from the daemon's directory, nothing to run
 
 
 def test_an_engine_off_the_local_machine_listens_beyond_the_loopback() -> None:

@@ -158,7 +158,7 @@ def launch_inputs(
     return workdir, {**spec.envs, **envs, **secrets}
 
 
-def run_command(spec: ServiceSpec, base_dir: str | None = None) -> str:
+def replica_command(spec: ServiceSpec, base_dir: str | None = None) -> str:
     """What a replica runs: the spec's ``run``, or for a model-first spec the engine this
     machine has for it (corral.model_engines; a relative model path taken from ``base_dir``,
     the directory the spec was sent from). Admission refuses a model nothing here can run,
@@ -216,7 +216,7 @@ def same_replicas(
             old_base == new_base
             or (
                 files is not None
-                and run_command(old_spec, old_base) == run_command(new_spec, new_base)
+                and replica_command(old_spec, old_base) == replica_command(new_spec, new_base)
             )
         )
     )

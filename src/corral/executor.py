@@ -183,7 +183,7 @@ class Executor:
             self.svc.deps.home, self.svc.name, r.version, spec, base
         )
         replica_dir = scratch_root(self.svc.deps.home_marker) / self.svc.name / str(r.id)
-        run = deploy.run_command(spec, vrow.base_dir if vrow else None)  # as admission read it
+        run = deploy.replica_command(spec, vrow.base_dir if vrow else None)  # as admission read it
         port = deploy.launch_port(spec, run)
         request = LaunchRequest(
             service=self.svc.name,
