@@ -372,9 +372,13 @@ class Daemon:
         return controller
 
     def down(self, name: str, *, purge: bool) -> dict[str, Any]:
+        """Take the service down: asked again (a re-sent `down`), it keeps what was asked
+        (:meth:`Store.mark_down`), and answers as the first time."""
         controller = self.controller(name)
-        self.store.update_service(name, intent="shutting_down", purge=int(purge))
-        self.store.event(name, "service.down", "purge" if purge else None, actor="api")
+        try:
+            self.store.mark_down(name, purge=purge)
+        except KeyError:  # its row is gone: the service finished `down` a moment ago
+            raise NoSuchService(f"no service named {name!r}") from None
         controller.wake()
         return controller.snapshot()
 

@@ -509,6 +509,43 @@ class Store:
             (*facts.values(), time.time(), name),
         )
 
+    def mark_down(self, name: str, *, purge: bool) -> bool:
+        """Ask service ``name`` to go down, and its ``service.down`` event, in one transaction
+        (a daemon killed between two writes left a service shutting down that no event said
+        was asked). A service already going down keeps what was asked: a purge asked by either
+        request stays (a second `down` without ``--purge``, or the CLI sending a `down` its
+        daemon's crash cut, cleared it), and no second ``service.down`` is written; a purge
+        asked only now is its own ``service.purge`` event. Whether this request asked it first;
+        KeyError when there is no such service."""
+        now = time.time()
+
+        def mark(db: sqlite3.Connection) -> bool:
+            row = db.execute(
+                "SELECT intent, purge FROM services WHERE name = ?", (name,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(name)
+            again = row[0] == "shutting_down"
+            if again and (row[1] or not purge):
+                return False
+            db.execute(
+                "UPDATE services SET intent = 'shutting_down', purge = ?, updated_at = ?"
+                " WHERE name = ?",
+                (int(purge), now, name),  # asked again: only to add a purge
+            )
+            reason: str | None = "asked by a later down"
+            if again:
+                action = "service.purge"
+            else:
+                action, reason = "service.down", "purge" if purge else None
+            db.execute(
+                "INSERT INTO events (ts, service, actor, action, reason) VALUES (?, ?, ?, ?, ?)",
+                (now, name, "api", action, reason),
+            )
+            return not again
+
+        return self._transaction(mark)
+
     def delete_service(self, name: str) -> None:
         def delete(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM replicas WHERE service = ?", (name,))
