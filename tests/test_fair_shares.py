@@ -104,11 +104,12 @@ corral.admission.parse_spec = watched
 # An update's file pruning (on a thread) made longer than a reconcile step's interval: a step
 # runs while the new version is current, so a spec not yet remembered would be parsed on the loop.
 import time
-prune = corral.daemon.Daemon._prune_files
-def slow_prune(self, name):
+import corral.deploy_files
+prune = corral.deploy_files.prune
+def slow_prune(home, store, name):
     time.sleep(2.5)
-    prune(self, name)
-corral.daemon.Daemon._prune_files = slow_prune
+    prune(home, store, name)
+corral.deploy_files.prune = slow_prune
 from corral.cli import main
 sys.argv = ["corral", "daemon", "run"]
 main()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import time
 from collections.abc import Mapping
@@ -30,24 +29,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from corral import admission, deploy, logfiles, versionfiles
+from corral import admission, deploy, deploy_files, logfiles, versionfiles
 from corral.balancer.metrics import render
 from corral.controller import (
     ControllerDeps,
     ServiceController,
 )
-from corral.deploy import KEEP_VERSIONS
 from corral.errors import (
     Conflict,
-    HomeUnwritable,
     InvalidRequest,
     NoSuchReplica,
     NoSuchService,
     NoSuchVersion,
     ServiceExists,
     ServiceShuttingDown,
-    Unrunnable,
-    VersionFilesGone,
 )
 from corral.ports import reserved_port
 from corral.spec import (
@@ -57,7 +52,7 @@ from corral.spec import (
     redact_secrets,
     validate_name,
 )
-from corral.state import EventRow, ServiceRow, Store, VersionRow
+from corral.state import EventRow, ServiceRow, StateError, Store, VersionRow
 from corral.views import keyed_by_replica_id
 
 log = logging.getLogger("corral.daemon")
@@ -97,6 +92,15 @@ class Daemon:
         self._deploy_locks: dict[str, asyncio.Lock] = {}
 
     async def start_controllers(self) -> None:
+        """Every stored service's controller, once the files a killed daemon made for a
+        version it never stored are gone (a cut `up` left its secrets for no service)."""
+        try:
+            swept = await asyncio.to_thread(deploy_files.sweep_leftovers, self.home, self.store)
+        except (OSError, StateError) as exc:
+            log.warning("version files a killed daemon left were not swept: %s", exc)
+        else:
+            for what in swept:
+                log.warning("removed the files of version %s, never stored", what)
         for svc in self.store.services():
             await self._start_controller(svc.name)
 
@@ -147,7 +151,16 @@ class Daemon:
                     self._live_row(svc_name)  # one going away: "shutting down", `update` won't do
                     raise ServiceExists(f"service {svc_name!r} already exists")
                 # The version's files exist before its row does: a replica never finds them missing.
-                await self._prepare(svc_name, 1, spec, base_dir, envs, secrets, source)
+                await deploy_files.prepare(
+                    self.home,
+                    svc_name,
+                    1,
+                    spec,
+                    base_dir=base_dir,
+                    envs=envs,
+                    secrets=secrets,
+                    source=source,
+                )
                 try:
                     self.store.create_service(
                         svc_name, stored_text, source=source, base_dir=base_dir, lb_port=lb_port
@@ -198,9 +211,18 @@ class Daemon:
         admission.check_update_room(name, request.mode, spec, self.deps.capacity)
         next_version = max(v.version for v in self.store.versions(name)) + 1
         if reuse:
-            await self._reuse_files(name, reuse, next_version)
+            await deploy_files.reuse(self.home, name, reuse, next_version)
         else:
-            await self._prepare(name, next_version, spec, base_dir, envs, secrets, source)
+            await deploy_files.prepare(
+                self.home,
+                name,
+                next_version,
+                spec,
+                base_dir=base_dir,
+                envs=envs,
+                secrets=secrets,
+                source=source,
+            )
         # Off the loop, as every parse: the largest spec takes up to a second to read.
         stored_text = await asyncio.to_thread(redact_secrets, spec_text)
         stored_spec = await asyncio.to_thread(
@@ -222,7 +244,7 @@ class Daemon:
         controller.remember(version, stored_spec)  # secrets: only in the version's values
         if version != next_version:  # nothing else adds versions; never seen
             log.error("service %s: version %d stored as %d", name, next_version, version)
-        await asyncio.to_thread(self._prune_files, name)
+        await asyncio.to_thread(deploy_files.prune, self.home, self.store, name)
         controller.updated()
         return controller.snapshot()
 
@@ -258,55 +280,6 @@ class Daemon:
         its directory made, before the version is stored."""
         return self._deploy_locks.setdefault(name, asyncio.Lock())
 
-    async def _prepare(
-        self,
-        name: str,
-        version: int,
-        spec: ServiceSpec,
-        base_dir: str | None,
-        envs: Mapping[str, str],
-        secrets: Mapping[str, str],
-        source: str | None,
-    ) -> None:
-        try:
-            files = await asyncio.to_thread(
-                deploy.prepare,
-                self.home,
-                name,
-                version,
-                spec,
-                base_dir=base_dir,
-                envs=envs,
-                secrets=secrets,
-                source=source,
-            )
-        except OSError as exc:
-            # The home's disk full or read-only is the daemon's trouble (retry later); anything
-            # else (an unreadable file of the workdir) is the request's.
-            home_trouble = {errno.ENOSPC: "disk is full", errno.EDQUOT: "disk is full"}
-            home_trouble[errno.EROFS] = "home is read-only"
-            trouble = home_trouble.get(exc.errno or 0)
-            if trouble is not None:
-                raise HomeUnwritable(
-                    f"service {name}: the version's files cannot be written: the {trouble} "
-                    f"({exc}); nothing was changed, retry",
-                ) from None
-            raise Unrunnable(
-                f"service {name}: cannot copy the workdir of version {version}: {exc}"
-            ) from None
-        if spec.workdir:
-            copied = f"{files.files} files, {files.bytes} bytes"
-            log.info("service %s: version %d: workdir copied (%s)", name, version, copied)
-
-    async def _reuse_files(self, name: str, old: int, new: int) -> None:
-        """A rollback's files: version ``old``'s, shared."""
-        cloned = await asyncio.to_thread(versionfiles.clone_version, self.home, name, old, new)
-        if not cloned and versionfiles.has_files(self.home, name):
-            raise VersionFilesGone(
-                f"the files of version {old} were removed (the last {KEEP_VERSIONS} versions "
-                "are kept): deploy it from its spec file with `corral update`",
-            )
-
     def _adoptable(
         self, name: str, current: int, new: int, base_dir: str | None, new_spec: ServiceSpec
     ) -> int | None:
@@ -327,17 +300,6 @@ class Daemon:
             ):
                 return version
         return None
-
-    def _prune_files(self, name: str) -> None:
-        """Drop the files of versions no replica runs and past the rollback window; hold
-        aside those a live replica runs in (``versionfiles.prune_versions``), keep those a
-        launch enters."""
-        versions, rows = [v.version for v in self.store.versions(name)], self.store.replicas(name)
-        keep = set(versions[-KEEP_VERSIONS:]) | {r.version for r in rows}
-        keep |= {r.launched_from for r in rows if r.launch_state in ("pending", "running")}
-        running = frozenset(r.launched_from for r in rows)
-        if versionfiles.prune_versions(self.home, name, keep, running):
-            versionfiles.collect_garbage(self.home)
 
     async def _check_off_loop(
         self,

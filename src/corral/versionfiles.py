@@ -64,6 +64,7 @@ __all__ = [
     "prune_versions",
     "read_values",
     "remove_service_files",
+    "remove_unstored",
     "store_dir",
     "version_dir",
     "version_tls",
@@ -421,6 +422,30 @@ def prune_versions(
     with contextlib.suppress(FileNotFoundError):
         for entry in held.iterdir():
             if not (entry.name.isdigit() and int(entry.name) in running):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += [int(entry.name)] if entry.name.isdigit() else []
+    return sorted(removed)
+
+
+def remove_unstored(home: Path, service: str, latest: int | None) -> list[int]:
+    """Remove the version directories of ``service`` that no stored version owns: every one
+    (and the held ones) when ``latest`` is None (no service of that name), else those numbered
+    past ``latest`` and those half built (``.N.tmp-...``). The numbers removed. For a daemon
+    killed between making a version's files and storing it (``corral.deploy_files``)."""
+    root = home / "services" / service / "versions"
+    removed: list[int] = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in root.iterdir():
+            number, _, rest = entry.name[1:].partition(".tmp-")
+            if entry.name.startswith(".") and number.isdigit() and rest:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(int(number))
+            elif entry.name.isdigit() and (latest is None or int(entry.name) > latest):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(int(entry.name))
+    if latest is None:
+        with contextlib.suppress(FileNotFoundError):
+            for entry in held_dir(home, service).iterdir():
                 shutil.rmtree(entry, ignore_errors=True)
                 removed += [int(entry.name)] if entry.name.isdigit() else []
     return sorted(removed)
