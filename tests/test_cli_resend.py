@@ -7,6 +7,7 @@ serving)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,42 @@ def test_requests_cut_by_the_daemons_crash_are_sent_again_only_when_not_applied(
     assert "asking again to take ember down" in output and "service ember: down" in output
     assert corral_home.service("ember") is None
     assert os.path.isdir(corral_home.path)
+
+
+def test_a_replica_down_done_before_the_crash_is_not_an_error(
+    corral_home: CorralHome, tmp_path: Path
+) -> None:
+    """`down --replica-id` handled, its answer lost to the daemon's crash: sent again, the
+    replica is shutting down already (409), or purged (404). That is what was asked: exit 0
+    saying so, not the refusal as an error (exit 1) for a request that was done."""
+    corral_home.env["CORRAL_DAEMON_RESPAWN"] = "1"
+    corral_home.env["CORRAL_BALANCER_WORKERS"] = "1"
+    spec = write_spec(tmp_path / "s.yaml", spec_text("cinder", 1))
+    corral_home.run("up", str(spec))
+    replica = str(corral_home.wait_replicas("cinder", 1, timeout=60)["replicas"][0]["id"])
+    args = ("down", "cinder", "--replica-id", replica, "-y")
+    output = cut_run(corral_home, "terminate_replica", "after", *args)
+    assert f"asking again to take replica {replica} of cinder down" in output, output
+    # Shutting down still, or torn down and forgotten already (a replica stops fast).
+    done = re.search(rf"replica {replica} of cinder is (shutting down|gone) \(asked before", output)
+    assert done, output
+    corral_home.run("down", "cinder", "-y")
+
+
+def test_a_refusal_of_the_resent_replica_down_says_what_the_first_one_did() -> None:
+    """Read from the second ask's refusal: shutting down already (the daemon marks that 409),
+    or gone; any other refusal (a failed replica kept without --purge) stays an error."""
+    from corral import cli_resend
+    from corral.api_errors import status_of
+    from corral.client import ClientError
+    from corral.errors import ReplicaGoing
+
+    going = ReplicaGoing("replica 2 of 'web' is already shutting down")
+    refused = ClientError(
+        going.message, status_of(going), {"error": going.message, **going.details}
+    )
+    assert "is shutting down" in str(cli_resend._done_before(refused, "web", 2, purge=False))
+    gone = ClientError("service 'web' has no replica 2", 404, {"error": "..."})
+    assert "is forgotten" in str(cli_resend._done_before(gone, "web", 2, purge=True))
+    kept = ClientError("replica 2 of 'web' is FAILED: ...", 409, {"error": "..."})
+    assert cli_resend._done_before(kept, "web", 2, purge=False) is None

@@ -79,11 +79,26 @@ def terminate_replica(client: Client, name: str, replica: int, *, purge: bool) -
         try:
             return client.terminate_replica(name, replica, purge=purge)
         except ClientError as exc:
+            done = _done_before(exc, name, replica, purge=purge) if attempt else None
+            if done is not None:
+                return done
             if attempt == ATTEMPTS - 1:
                 raise
             _back(client, exc, f"taking replica {replica} of {name} down")
         say(f"the daemon restarted: asking again to take replica {replica} of {name} down")
     raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _done_before(exc: ClientError, name: str, replica: int, *, purge: bool) -> str | None:
+    """What a cut request to take a replica down did, read from the refusal of the same
+    request sent again: the replica shutting down already (409, ``shutting_down``), or gone
+    (404: torn down and forgotten, or purged); None for a refusal it did not cause."""
+    if exc.status == 409 and isinstance(exc.body, dict) and exc.body.get("shutting_down"):
+        return f"replica {replica} of {name} is shutting down (asked before the daemon restarted)"
+    if exc.status == 404:
+        gone = "forgotten" if purge else "gone"
+        return f"replica {replica} of {name} is {gone} (asked before the daemon restarted)"
+    return None
 
 
 def _daemon_pid(client: Client) -> int | None:

@@ -33,7 +33,7 @@ from corral.autoscale import Autoscaler, Decision
 from corral.autoscale_queue import SampledAutoscaler, fits, make_scaler
 from corral.dataplane.plane import ServiceRoute
 from corral.dataplane.protocol import Route
-from corral.errors import NoSuchReplica, ReplicaBusy
+from corral.errors import NoSuchReplica, ReplicaBusy, ReplicaGoing
 from corral.executor import Executor
 from corral.infra.base import Connecting, scratch_root
 from corral.logcap import cap_logs, prepare_logs
@@ -469,7 +469,7 @@ class ServiceController:
             raise NoSuchReplica(f"service {self.svc.name!r} has no replica {seq}")
         status = replica_status(r)
         if status is ReplicaStatus.SHUTTING_DOWN or r.scale_down or r.id in self.svc.rt.draining:
-            raise ReplicaBusy(f"replica {seq} of {self.svc.name!r} is already shutting down")
+            raise ReplicaGoing(f"replica {seq} of {self.svc.name!r} is already shutting down")
         if failure_status(r) is not None or status is ReplicaStatus.FAILED_CLEANUP:
             if r.teardown_state not in (TeardownState.SUCCEEDED, TeardownState.FAILED):
                 raise ReplicaBusy(f"replica {seq} ({status}) is being torn down already")

@@ -66,6 +66,15 @@ class ReplicaBusy(Conflict):
     """The replica is already going away."""
 
 
+class ReplicaGoing(ReplicaBusy):
+    """The replica is shutting down already, as asked: ``shutting_down`` in the answer tells a
+    client that sent its request again (its first one cut by the daemon's crash) that the first
+    one was done, where another refusal of the same status means it was not."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, shutting_down=True)
+
+
 class NoRoom(Conflict):
     """An update could never finish on this machine: a blue-green one never switch, a rolling
     one never place its new replicas (docs/gpus.md)."""
