@@ -483,10 +483,7 @@ class ServiceController:
                     f"replica {seq} of {self.svc.name!r} is {status}: {why}; "
                     f"`corral down {self.svc.name} --replica-id {seq} --purge` forgets it",
                 )
-            self.svc.store.event(
-                self.svc.name, "replica.purge", f"{status}; purged", replica_id=r.id
-            )
-            self.svc.store.delete_replica(r.id)
+            self.svc.store.forget_replica(self.svc.name, r.id, "replica.purge", f"{status}; purged")
             return f"replica {seq} of {self.svc.name} ({status}) forgotten"
         why = "terminated on request (down --replica-id)"
         self.executor.retire(self.svc.store.mark_scale_down(r.id), why)

@@ -70,9 +70,8 @@ class Executor:
                 case plan.MakeRoom(version, target, ready_new):
                     self._make_room(version, rows, target, ready_new)
                 case plan.Forget(rid, reason):
-                    if reason is not None:
-                        self.svc.event(rid, "replica.purge", reason)
-                    self.svc.store.delete_replica(rid)
+                    purged = None if reason is None else "replica.purge"
+                    self.svc.store.forget_replica(self.svc.name, rid, purged, reason)
                 case plan.Note(text, until, why):
                     self.svc.last_decision = text
                     self.svc.backoff = None if until is None else (until, why or "")
@@ -340,9 +339,7 @@ class Executor:
             if failure_status(r) is not None:
                 self.svc.store.mark_teardown(r.id, TeardownState.SUCCEEDED)
             else:
-                # Event first, as in _teardown_done: a kill between leaves the row to redo.
-                self.svc.store.event(self.svc.name, "replica.removed", reason, replica_id=r.id)
-                self.svc.store.delete_replica(r.id)
+                self.svc.store.forget_replica(self.svc.name, r.id, "replica.removed", reason)
             self._freed()
             self.svc.wake_event.set()
             return
@@ -458,11 +455,9 @@ class Executor:
                 )
                 self.svc.event(replica_id, "replica.terminated", None)
             else:
-                # The event first: a daemon killed between the two writes then leaves a row
-                # whose teardown a restart repeats (idempotent), never a replica gone from the
-                # state without a word in the event log.
-                self.svc.event(replica_id, "replica.terminated", None)
-                self.svc.store.delete_replica(replica_id)
+                # With its event, in one transaction: never a replica gone from the state
+                # without a word in the event log, nor the word said twice.
+                self.svc.store.forget_replica(self.svc.name, replica_id, "replica.terminated")
             self._freed()
         else:
             said = in_words(job.exception())

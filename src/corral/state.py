@@ -777,6 +777,26 @@ class Store:
     def delete_replica(self, replica_id: int) -> None:
         self._execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
 
+    def forget_replica(
+        self, service: str, replica_id: int, action: str | None, reason: str | None = None
+    ) -> None:
+        """Delete a replica's row and write its last event (``action``: ``replica.terminated``,
+        ``replica.removed``, ``replica.purge``; none for an old failure let go) in one
+        transaction. As two writes, the event first (so that no row went without a word), a
+        daemon killed between them kept the row, the next daemon repeated its end, and the
+        event log told it twice."""
+
+        def forget(db: sqlite3.Connection) -> None:
+            if action is not None:
+                db.execute(
+                    "INSERT INTO events (ts, service, replica_id, replica, actor, action, reason)"
+                    " SELECT ?, ?, id, seq, 'controller', ?, ? FROM replicas WHERE id = ?",
+                    (time.time(), service, action, reason, replica_id),
+                )
+            db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
+
+        self._transaction(forget)
+
     # -- placements (corral.capacity) ---------------------------------------------------------
 
     def held_claims(self) -> list[HeldClaim]:

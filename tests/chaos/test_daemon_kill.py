@@ -112,7 +112,8 @@ from corral.bootstrap import serve
 HOME = Path(sys.argv[1])
 ARM = HOME / "die-after-writes"
 WRITES = ("create_service", "update_service", "mark_down", "delete_service", "add_version",
-          "mark_version_ready", "add_replica", "update_replica", "delete_replica", "event")
+          "mark_version_ready", "add_replica", "update_replica", "delete_replica", "event",
+          "forget_replica")
 lock = threading.Lock()
 left = [None]
 
