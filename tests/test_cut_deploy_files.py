@@ -98,3 +98,50 @@ def test_the_sweep_keeps_every_stored_version_and_the_logs(tmp_path: Path) -> No
         (home / "services" / "ghost" / "versions").iterdir()
     )
     assert sweep_leftovers(home, store) == []
+
+
+def test_a_refused_store_leaves_no_files(tmp_path: Path) -> None:
+    """The state file refused the new service or version (locked by another process: 503,
+    "nothing was changed, retry"): its files, secrets included, went nowhere until the next
+    daemon's sweep. They go with the refusal."""
+    import asyncio
+    from unittest import mock
+
+    import pytest
+
+    from corral.daemon import Daemon, UpdateRequest
+    from corral.infra.local import LocalInfra
+    from corral.spec import parse_spec
+    from corral.state import StateBusy
+
+    home = tmp_path / "home"
+    home.mkdir()
+    store = Store(home / "state.db")
+    deps = mock.MagicMock(capacity=None, infras={"local": LocalInfra()})
+    daemon = Daemon(home, store, deps)
+    text = spec_text("locked", 1, extra="secrets:\n  TOKEN: null\n")
+    busy = StateBusy("state database is locked by another process; nothing was changed, retry")
+
+    async def create() -> None:
+        await daemon.create(
+            text, name=None, source=None, base_dir=str(tmp_path), secrets={"TOKEN": SECRET}
+        )
+
+    with mock.patch.object(store, "create_service", side_effect=busy), pytest.raises(StateBusy):
+        asyncio.run(create())
+    assert _secret_files_in(home) == []
+
+    versionfiles.prepare_version(home, "kept", 1, workdir=None, envs={}, secrets={"K": "v"})
+    store.create_service("kept", text, source=None, base_dir=str(tmp_path), lb_port=None)
+    daemon.controllers["kept"] = controller = mock.MagicMock()
+    controller.spec.return_value = parse_spec(text, source="<test>", name="kept")
+    request = UpdateRequest(spec_text=text, base_dir=str(tmp_path), secrets={"TOKEN": SECRET})
+    with mock.patch.object(store, "add_version", side_effect=busy), pytest.raises(StateBusy):
+        asyncio.run(daemon.update("kept", request))
+    assert _secret_files_in(home) == []
+    assert sorted(p.name for p in (home / "services" / "kept" / "versions").iterdir()) == ["1"]
+
+
+def _secret_files_in(home: Path) -> list[Path]:
+    services = home / "services"
+    return [p for p in services.rglob(versionfiles.VALUES_FILE) if SECRET in p.read_text()]

@@ -162,9 +162,10 @@ class Daemon:
                     source=source,
                 )
                 try:
-                    self.store.create_service(
-                        svc_name, stored_text, source=source, base_dir=base_dir, lb_port=lb_port
-                    )
+                    async with deploy_files.storing(self.home, svc_name, 1):
+                        self.store.create_service(
+                            svc_name, stored_text, source=source, base_dir=base_dir, lb_port=lb_port
+                        )
                 except KeyError:
                     raise ServiceExists(f"service {svc_name!r} already exists") from None
                 await self._fresh_logs(svc_name)
@@ -228,17 +229,18 @@ class Daemon:
         stored_spec = await asyncio.to_thread(
             parse_spec, stored_text, source=source or "<request>", name=name, envs=fill
         )
-        adopt = self._adoptable(name, svc.current_version, next_version, base_dir, stored_spec)
-        self._live_row(name)
-        version = self.store.add_version(
-            name,
-            stored_text,
-            source=source,
-            base_dir=base_dir,
-            mode=request.mode,
-            adopt_live=adopt is not None,
-            adopt_from=adopt,
-        )
+        async with deploy_files.storing(self.home, name, next_version):
+            adopt = self._adoptable(name, svc.current_version, next_version, base_dir, stored_spec)
+            self._live_row(name)
+            version = self.store.add_version(
+                name,
+                stored_text,
+                source=source,
+                base_dir=base_dir,
+                mode=request.mode,
+                adopt_live=adopt is not None,
+                adopt_from=adopt,
+            )
         # Remembered before the next await: once the row is current, the controller's next step
         # (a timer may run it at any await) asks for this spec and must not parse it on the loop.
         controller.remember(version, stored_spec)  # secrets: only in the version's values

@@ -14,16 +14,18 @@ of a stored version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
-from collections.abc import Mapping
+import shutil
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 from corral import deploy, versionfiles
 from corral.deploy import KEEP_VERSIONS
 from corral.errors import HomeUnwritable, Unrunnable, VersionFilesGone
 from corral.spec import ServiceSpec
-from corral.state import Store
+from corral.state import StateError, Store
 
 log = logging.getLogger("corral.daemon")
 
@@ -70,6 +72,22 @@ async def prepare(
     if spec.workdir:
         copied = f"{files.files} files, {files.bytes} bytes"
         log.info("service %s: version %d: workdir copied (%s)", name, version, copied)
+
+
+@contextlib.asynccontextmanager
+async def storing(home: Path, name: str, version: int) -> AsyncIterator[None]:
+    """Around the storing of version ``version``, whose files were just made: when the state
+    file refuses it (a :class:`StateError`: locked, full; the API answers "nothing was changed,
+    retry"), its files go too, secrets included, instead of waiting for the next daemon's
+    sweep. Only a version nobody stored: the caller holds the service's deploy lock and saw
+    no row of it."""
+    try:
+        yield
+    except StateError:
+        directory = versionfiles.version_dir(home, name, version)
+        await asyncio.to_thread(shutil.rmtree, directory, ignore_errors=True)
+        await asyncio.to_thread(versionfiles.collect_garbage, home)
+        raise
 
 
 async def reuse(home: Path, name: str, old: int, new: int) -> None:
