@@ -161,6 +161,9 @@ class Daemon:
                     secrets=secrets,
                     source=source,
                 )
+                # Before the row: a daemon killed between the two left the new service writing
+                # on in the earlier one's logs (its replica 1's file shared by both).
+                await self._fresh_logs(svc_name)
                 try:
                     async with deploy_files.storing(self.home, svc_name, 1):
                         self.store.create_service(
@@ -168,7 +171,6 @@ class Daemon:
                         )
                 except KeyError:
                     raise ServiceExists(f"service {svc_name!r} already exists") from None
-                await self._fresh_logs(svc_name)
             controller = await self._start_controller(svc_name, stored)
         if controller.balancer is not None and not await controller.balancer.wait_serving():
             log.warning("service %s: not every balancer worker confirmed its port", spec.name)

@@ -176,14 +176,16 @@ _REPLICA_FILE = re.compile(r"replica_(\d+)(_launch)?\.log(\.1)?")
 
 
 def fresh(logs: Path) -> None:
-    """The logs directory of a service just created: what an earlier service of the same name
-    left there moves to ``logs.previous`` (replacing an older one), so the new service's
-    controller log and replica files start empty."""
-    if logs.exists():
+    """The logs directory of a service about to be created: what an earlier service of the
+    same name left there moves to ``logs.previous`` (replacing an older one), so the new
+    service's controller log and replica files start empty. A directory with nothing written
+    in it yet (an `up` that was then refused, or cut by the daemon's death) stays: setting it
+    aside would put an empty one over the earlier service's logs."""
+    if logs.exists() and {entry.name for entry in logs.iterdir()} - {MARKER}:
         previous = logs.with_name(logs.name + ".previous")
         shutil.rmtree(previous, ignore_errors=True)
         os.replace(logs, previous)
-    logs.mkdir(parents=True)
+    logs.mkdir(parents=True, exist_ok=True)
     (logs / MARKER).write_text(_MARKER_TEXT)
 
 
