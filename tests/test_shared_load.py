@@ -20,6 +20,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,61 @@ async def _busy_and_late(
     late = asyncio.create_task(second.get(url + "late"))
     await wait_until(lambda: lb.held() == 1, 10, "the second request held")
     return busy, late
+
+
+@dataclass
+class _Busy:
+    """A worker in slot 0 of 2 in front of one replica, ``max_in_flight_per_replica`` 1:
+    ``busy`` on the replica, ``late`` held by the worker's balancer ``lb``."""
+
+    replica: Replica
+    worker: Any
+    route: Callable[..., Any]
+    url: str
+    lb: LoadBalancer
+    session: aiohttp.ClientSession  # the one ``busy`` went on, for more requests
+    busy: asyncio.Task[aiohttp.ClientResponse]
+    late: asyncio.Task[aiohttp.ClientResponse]
+    running: asyncio.Task[None] | None = None
+
+    def exit(self) -> asyncio.Task[None]:
+        """What the daemon's "exit" (restart-workers) does: the worker stops listening and
+        drains; its run, ended by the test or the context's end."""
+        self.running = asyncio.create_task(self.worker.run())
+        self.worker.stop.set()
+        return self.running
+
+
+@asynccontextmanager
+async def _busy_worker(tmp_path: Path, **config: float) -> AsyncIterator[_Busy]:
+    """:class:`_Busy`, the service's ``config`` (``drain_timeout``) and ``hold_timeout``
+    as given. At the end every gate is open, the worker's run has ended (or, not exited, its
+    balancers are gone), and the replica is stopped."""
+    replica = await Replica(1).start()
+    worker, route, base = _one_slot(tmp_path, replica)
+    table = route("least_load", 1)
+    if "hold_timeout" in config:
+        table["svc"]["config"]["routing"]["hold_timeout"] = config.pop("hold_timeout")
+    table["svc"]["config"].update(config)
+    state = None
+    try:
+        await worker._apply(table)
+        lb = worker.services["svc"].lb
+        url = f"{base}/hold/"
+        async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
+            busy, late = await _busy_and_late(first, second, url, replica, lb)
+            state = _Busy(replica, worker, route, url, lb, first, busy, late)
+            yield state
+    finally:
+        for gate in ("busy", "late", "newer"):
+            replica.gates.setdefault(gate, asyncio.Event()).set()
+        if state is not None and state.running is not None:
+            await asyncio.wait_for(state.running, 30)
+        else:
+            await worker._apply({})
+            await wait_until(lambda: not worker.retiring, 20, "every balancer gone")
+        assert replica._runner is not None
+        await replica._runner.cleanup()
 
 
 async def _held_and_marked(
@@ -541,60 +597,43 @@ def test_what_a_retired_balancer_holds_waits_for_room_after_an_update(
     frees (it once went out at once, past the limit)."""
 
     async def go() -> None:
-        replica = await Replica(1).start()
-        worker, route, base = _one_slot(tmp_path, replica)
-        running = None
-        try:
-            await worker._apply(route("least_load", 1))
-            old = worker.services["svc"].lb
-            url = f"{base}/hold/"
-            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
-                busy, late = await _busy_and_late(first, second, url, replica, old)
-                if how == "restart-workers":
-                    running = asyncio.create_task(worker.run())
-                    worker.stop.set()  # what the daemon's "exit" does
-                    await _held_and_marked(tmp_path, old, replica)
-                    replica.gates["busy"].set()  # room: the held request takes it
-                    assert (await busy).status == 200
-                    await wait_until(lambda: replica.arrived == 2, 10, "sent once room frees")
-                elif how == "raised":
-                    await worker._apply(route("least_load", 8))  # the update
-                    await wait_until(lambda: replica.arrived == 2, 10, "sent under the new limit")
-                    assert old._release_at > time.monotonic()  # not by the bound: it has room
-                else:
-                    await worker._apply(route("power_of_two", 1))  # the update
-                    assert old._stopping and old.held() == 1 and replica.arrived == 1
-                    old._expire_held(time.monotonic())  # what its ticker does
-                    old._send_held()  # what a wake for room does
-                    assert old.held() == 1 and replica.arrived == 1  # the replica is full
-                    newer = None
-                    if how == "update":  # a request to the successor waits behind the old one's
-                        new = worker.services["svc"].lb
-                        newer = asyncio.create_task(first.get(url + "newer"))
-                        await wait_until(lambda: new.held() == 1, 10, "the newer one held")
-                        replica.gates["busy"].set()  # room: the older held request takes it
-                        assert (await busy).status == 200
-                    await wait_until(lambda: replica.arrived == 2, 10, "the held request sent")
-                    assert list(replica.gates)[1] == "late"  # the older one first
-                replica.gates["late"].set()
-                answer = await asyncio.wait_for(late, 10)
-                assert answer.status == 200 and (await answer.json())["replica"] == 1
-                if how == "update":
-                    assert newer is not None
-                    replica.gates.setdefault("newer", asyncio.Event()).set()
-                    assert (await asyncio.wait_for(newer, 10)).status == 200
-                replica.gates["busy"].set()
+        async with _busy_worker(tmp_path) as b:
+            replica, worker, route, old, url = b.replica, b.worker, b.route, b.lb, b.url
+            busy, late = b.busy, b.late
+            if how == "restart-workers":
+                b.exit()
+                await _held_and_marked(tmp_path, old, replica)
+                replica.gates["busy"].set()  # room: the held request takes it
                 assert (await busy).status == 200
-        finally:
-            for gate in ("busy", "late", "newer"):
-                replica.gates.setdefault(gate, asyncio.Event()).set()
-            if running is not None:
-                await asyncio.wait_for(running, 20)
+                await wait_until(lambda: replica.arrived == 2, 10, "sent once room frees")
+            elif how == "raised":
+                await worker._apply(route("least_load", 8))  # the update
+                await wait_until(lambda: replica.arrived == 2, 10, "sent under the new limit")
+                assert old._release_at > time.monotonic()  # not by the bound: it has room
             else:
-                await worker._apply({})
-                await wait_until(lambda: not worker.retiring, 20, "every balancer gone")
-            assert replica._runner is not None
-            await replica._runner.cleanup()
+                await worker._apply(route("power_of_two", 1))  # the update
+                assert old._stopping and old.held() == 1 and replica.arrived == 1
+                old._expire_held(time.monotonic())  # what its ticker does
+                old._send_held()  # what a wake for room does
+                assert old.held() == 1 and replica.arrived == 1  # the replica is full
+                newer = None
+                if how == "update":  # a request to the successor waits behind the old one's
+                    new = worker.services["svc"].lb
+                    newer = asyncio.create_task(b.session.get(url + "newer"))
+                    await wait_until(lambda: new.held() == 1, 10, "the newer one held")
+                    replica.gates["busy"].set()  # room: the older held request takes it
+                    assert (await busy).status == 200
+                await wait_until(lambda: replica.arrived == 2, 10, "the held request sent")
+                assert list(replica.gates)[1] == "late"  # the older one first
+            replica.gates["late"].set()
+            answer = await asyncio.wait_for(late, 10)
+            assert answer.status == 200 and (await answer.json())["replica"] == 1
+            if how == "update":
+                assert newer is not None
+                replica.gates.setdefault("newer", asyncio.Event()).set()
+                assert (await asyncio.wait_for(newer, 10)).status == 200
+            replica.gates["busy"].set()
+            assert (await busy).status == 200
 
     asyncio.run(asyncio.wait_for(go(), 60))
 
@@ -610,36 +649,41 @@ def test_a_replaced_workers_held_request_takes_the_room_its_own_request_frees(
     request goes when the room frees."""
 
     async def go() -> None:
-        replica = await Replica(1).start()
-        worker, route, base = _one_slot(tmp_path, replica)
-        table = route("least_load", 1)
-        table["svc"]["config"]["drain_timeout"] = 40.0
-        running = None
-        try:
-            await worker._apply(table)
-            lb = worker.services["svc"].lb
-            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
-                busy, late = await _busy_and_late(first, second, f"{base}/hold/", replica, lb)
-                running = asyncio.create_task(worker.run())
-                worker.stop.set()  # what the daemon's "exit" does
-                await _held_and_marked(tmp_path, lb, replica)
-                replica.gates["busy"].set()
-                assert (await asyncio.wait_for(busy, 10)).status == 200
-                await wait_until(lambda: replica.arrived == 2, 5, "sent as the room freed")
-                assert lb._release_at > time.monotonic()  # not by its bound
-                replica.gates["late"].set()
-                assert (await asyncio.wait_for(late, 10)).status == 200
-                await asyncio.wait_for(running, 20)
-        finally:
-            for gate in ("busy", "late"):
-                replica.gates.setdefault(gate, asyncio.Event()).set()
-            worker.stop.set()
-            if running is not None:
-                await asyncio.wait_for(running, 30)
-            assert replica._runner is not None
-            await replica._runner.cleanup()
+        async with _busy_worker(tmp_path, drain_timeout=40.0) as b:
+            running = b.exit()
+            await _held_and_marked(tmp_path, b.lb, b.replica)
+            b.replica.gates["busy"].set()
+            assert (await asyncio.wait_for(b.busy, 10)).status == 200
+            await wait_until(lambda: b.replica.arrived == 2, 5, "sent as the room freed")
+            assert b.lb._release_at > time.monotonic()  # not by its bound
+            b.replica.gates["late"].set()
+            assert (await asyncio.wait_for(b.late, 10)).status == 200
+            await asyncio.wait_for(running, 20)
 
     asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_replaced_workers_held_requests_go_before_it_is_killed(tmp_path: Path) -> None:
+    """restart-workers: what a replaced worker holds waits within the limit, at most half the
+    drain or its own hold_timeout_seconds; but the daemon kills the old process at most
+    ``MAX_OLD_WORKER_GRACE`` (+1 s) after telling it to exit. With a long drain and a long
+    hold (an LLM service: drain_timeout_seconds 300, hold_timeout_seconds 200) a held request
+    waited past the kill and was cut unsent, where before it went out at once."""
+    from corral.dataplane.processes import MAX_OLD_WORKER_GRACE
+
+    async def go() -> None:
+        async with _busy_worker(tmp_path, drain_timeout=300.0, hold_timeout=200.0) as b:
+            b.exit()  # it drains, and is killed at ~61 s
+            await wait_until(lambda: b.lb._stopping, 10, "stopping")
+            left = b.lb._release_at - time.monotonic()
+            assert 0 < left <= MAX_OLD_WORKER_GRACE / 2, left
+            b.lb._release_at = time.monotonic()  # the bound, now: the test need not wait
+            for gate in ("busy", "late"):
+                b.replica.gates.setdefault(gate, asyncio.Event()).set()
+            assert (await asyncio.wait_for(b.busy, 10)).status == 200
+            assert (await asyncio.wait_for(b.late, 10)).status == 200
+
+    asyncio.run(asyncio.wait_for(go(), 90))
 
 
 def test_a_worker_exiting_after_an_update_sends_what_its_retired_balancer_holds(
@@ -653,36 +697,21 @@ def test_a_worker_exiting_after_an_update_sends_what_its_retired_balancer_holds(
     then, and would cut them)."""
 
     async def go() -> None:
-        replica = await Replica(1).start()
-        worker, route, base = _one_slot(tmp_path, replica)
-        running = None
-        try:
-            await worker._apply(route("least_load", 1))
-            old = worker.services["svc"].lb
-            url = f"{base}/hold/"
-            async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
-                busy, late = await _busy_and_late(first, second, url, replica, old)
-                await worker._apply(route("power_of_two", 1))  # the update
-                assert old._stopping and old.held() == 1
-                running = asyncio.create_task(worker.run())
-                worker.stop.set()  # what the daemon's "exit" does
-                await wait_until(lambda: worker.services["svc"].lb._stopping, 10, "stopping")
-                await _held_and_marked(tmp_path, old, replica)
-                replica.gates["busy"].set()
-                assert (await asyncio.wait_for(busy, 10)).status == 200
-                await wait_until(lambda: replica.arrived == 2, 1.5, "the held request sent")
-                await asyncio.sleep(0.2)
-                assert not running.done()  # the retired balancer's requests are under way
-                replica.gates["late"].set()
-                assert (await asyncio.wait_for(late, 10)).status == 200
-                await asyncio.wait_for(running, 20)
-        finally:
-            for gate in ("busy", "late"):
-                replica.gates.setdefault(gate, asyncio.Event()).set()
-            if running is not None:
-                await asyncio.wait_for(running, 20)
-            assert replica._runner is not None
-            await replica._runner.cleanup()
+        async with _busy_worker(tmp_path) as b:
+            worker, old, replica = b.worker, b.lb, b.replica
+            await worker._apply(b.route("power_of_two", 1))  # the update
+            assert old._stopping and old.held() == 1
+            running = b.exit()
+            await wait_until(lambda: worker.services["svc"].lb._stopping, 10, "stopping")
+            await _held_and_marked(tmp_path, old, replica)
+            replica.gates["busy"].set()
+            assert (await asyncio.wait_for(b.busy, 10)).status == 200
+            await wait_until(lambda: replica.arrived == 2, 1.5, "the held request sent")
+            await asyncio.sleep(0.2)
+            assert not running.done()  # the retired balancer's requests are under way
+            replica.gates["late"].set()
+            assert (await asyncio.wait_for(b.late, 10)).status == 200
+            await asyncio.wait_for(running, 20)
 
     asyncio.run(asyncio.wait_for(go(), 60))
 
