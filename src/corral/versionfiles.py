@@ -408,10 +408,9 @@ def prune_versions(
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for entry in root.iterdir():
-            number, _, rest = entry.name[1:].partition(".tmp-")
-            if entry.name.startswith(".") and number.isdigit() and rest:
+            if (number := _half_built(entry.name)) is not None:
                 shutil.rmtree(entry, ignore_errors=True)
-                removed.append(int(number))
+                removed.append(number)
             elif entry.name.isdigit() and int(entry.name) not in keep:
                 if int(entry.name) in running:
                     held.mkdir(mode=0o700, exist_ok=True)
@@ -427,6 +426,13 @@ def prune_versions(
     return sorted(removed)
 
 
+def _half_built(name: str) -> int | None:
+    """The version number of a directory :func:`prepare_version` was still building
+    (``.N.tmp-...``), else None."""
+    number, _, rest = name[1:].partition(".tmp-")
+    return int(number) if name.startswith(".") and number.isdigit() and rest else None
+
+
 def remove_unstored(home: Path, service: str, latest: int | None) -> list[int]:
     """Remove the version directories of ``service`` that no stored version owns: every one
     (and the held ones) when ``latest`` is None (no service of that name), else those numbered
@@ -436,10 +442,9 @@ def remove_unstored(home: Path, service: str, latest: int | None) -> list[int]:
     removed: list[int] = []
     with contextlib.suppress(FileNotFoundError):
         for entry in root.iterdir():
-            number, _, rest = entry.name[1:].partition(".tmp-")
-            if entry.name.startswith(".") and number.isdigit() and rest:
+            if (number := _half_built(entry.name)) is not None:
                 shutil.rmtree(entry, ignore_errors=True)
-                removed.append(int(number))
+                removed.append(number)
             elif entry.name.isdigit() and (latest is None or int(entry.name) > latest):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(int(entry.name))
